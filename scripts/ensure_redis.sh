@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Make sure the Redis that REDIS_URL names is reachable. When it points at this
+# host and nothing listens there, start a local redis-server (installing
+# Debian's package first if it is missing). A remote REDIS_URL is left alone.
+set -euo pipefail
+url=${REDIS_URL:-redis://127.0.0.1:6379/0}
+hostport=${url#*://}; hostport=${hostport#*@}; hostport=${hostport%%/*}
+host=${hostport%%:*}; port=${hostport##*:}; [ "$port" = "$host" ] && port=6379
+
+case "$host" in
+  127.0.0.1|localhost|::1) ;;
+  *) echo "REDIS_URL points at $host: not starting a local server"; exit 0 ;;
+esac
+
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; }
+if listening; then exit 0; fi
+
+if ! command -v redis-server >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "redis-server is not installed: install it, or set REDIS_URL to a running Redis" >&2
+    exit 1
+  fi
+fi
+data_dir=${LLM_CLUSTER_DATA_DIR:-$HOME/.cache/llm-cluster}/redis
+mkdir -p "$data_dir"
+redis-server --bind 127.0.0.1 --port "$port" --daemonize yes --dir "$data_dir" \
+  --logfile "$data_dir/redis.log" --save "" --appendonly no
+for _ in $(seq 1 50); do listening && { echo "redis-server started on 127.0.0.1:$port"; exit 0; }; sleep 0.1; done
+echo "redis-server did not start; see $data_dir/redis.log" >&2
+exit 1

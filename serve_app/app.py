@@ -1,0 +1,21 @@
+"""Application builder: ``serve run serve_app.app:build_app`` or a Serve config's
+``import_path``. One replica deployment per configured model, one ingress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from replicas.vllm_replica import VLLMReplica
+from serve_app.ingress import Ingress
+from serve_app.settings import AppSettings
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    settings = AppSettings(**(args or {}))
+    models = {
+        model.name: VLLMReplica.options(**model.serve_options()).bind(model)
+        for model in settings.models
+    }
+    return Ingress.options(**settings.ingress.deployment).bind(settings, models)

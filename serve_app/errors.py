@@ -1,0 +1,93 @@
+"""OpenAI's error envelope: the one shape every error leaves the gateway in.
+
+``{"error": {"message": str, "type": str, "param": str|null, "code": str|null}}``
+with the HTTP status saying what kind of failure it is (DESIGN.md, Conventions).
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from starlette.responses import Response
+
+# OpenAI's `type` for each status class; its SDK maps the status to an
+# exception class, the type is what people read in logs.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """Raised anywhere in the gateway; turned into the envelope by the app."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or error_type_for(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return envelope(self.message, self.type, self.param, self.code)
+
+    def response(self) -> Response:
+        return error_response(self.status, self.body(), self.headers)
+
+
+def error_type_for(status: int) -> str:
+    if status in _TYPE_BY_STATUS:
+        return _TYPE_BY_STATUS[status]
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def envelope(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        json.dumps(body).encode(),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def from_engine_error(status: int, error: dict[str, Any]) -> OpenAIError:
+    """Normalise an error the engine produced (vLLM's ErrorInfo: numeric `code`,
+    exception-class `type`) into OpenAI's envelope, keeping message and param."""
+    message = str(error.get("message") or HTTPStatus(status).phrase)
+    return OpenAIError(status, message, param=error.get("param"), code=_engine_code(status))
+
+
+def _engine_code(status: int) -> str | None:
+    if status == 404:
+        return "not_found"
+    if status >= 500:
+        return "engine_error"
+    return None

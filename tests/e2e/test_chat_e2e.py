@@ -1,0 +1,356 @@
+"""Chat completions end to end: openai SDK → Ray Serve ingress → vLLM CPU replica.
+
+One stack for the module (configs/local.yaml's models), plus a bare
+``vllm serve`` of the same model for the parity checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import openai_spec
+from stack import local_app_args, model_handle, serve_stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-llama"
+HELLO = [{"role": "user", "content": "Tell me about the license."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with serve_stack(local_app_args(), port=_free_port()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as http_client:
+        yield http_client
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, in order (including `[DONE]`)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: ") :])
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+def assert_error_envelope(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert error["code"] is None or isinstance(error["code"], str)
+    return error
+
+
+# -- models -----------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    openai_spec.validate(http.get("/v1/models").json(), "ListModelsResponse")
+    card = http.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200
+    openai_spec.validate(card.json(), "Model")
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_unknown_model_card_is_404(http):
+    error = assert_error_envelope(http.get("/v1/models/no-such-model"), 404)
+    assert error["code"] == "model_not_found"
+
+
+# -- non-streaming ------------------------------------------------------------
+
+
+def test_chat_response_matches_spec_and_usage_adds_up(http, client):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": HELLO, "max_tokens": 8, "temperature": 0},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    openai_spec.validate(body, "CreateChatCompletionResponse")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
+    assert completion.choices[0].message.content == body["choices"][0]["message"]["content"]
+
+
+def test_max_tokens_ends_with_length(client):
+    completion = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 5
+
+
+def test_stop_string_cuts_the_output(client):
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    # A stop string taken from the middle of the greedy output must end it there.
+    start = next(
+        (i for i in range(3, len(text) - 3) if text[i : i + 3].isascii() and text[i : i + 3].isalpha()),
+        None,
+    )
+    assert start is not None, f"no ASCII run to stop on in {text!r}"
+    stop = text[start : start + 3]
+    cut = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_n_gives_that_many_choices(client):
+    completion = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, temperature=0.9, n=3
+    )
+    assert sorted(c.index for c in completion.choices) == [0, 1, 2]
+
+
+def test_seeded_sampling_repeats(client):
+    def once(**sampling):
+        return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, **sampling)
+
+    assert once(temperature=0, seed=7).choices[0].message.content == once(temperature=0, seed=7).choices[0].message.content
+    first = once(temperature=1.0, seed=1234).choices[0].message.content
+    assert first == once(temperature=1.0, seed=1234).choices[0].message.content
+
+
+# -- streaming ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_chunks_match_spec(http, n):
+    request = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": 6,
+        "temperature": 0.7,
+        "n": n,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with http.stream("POST", "/v1/chat/completions", json=request) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    for chunk in chunks:
+        openai_spec.validate(chunk, "CreateChatCompletionStreamResponse")
+    assert len({chunk["id"] for chunk in chunks}) == 1
+
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == []
+    usage = usage_chunk["usage"]
+    assert usage["completion_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert all(chunk.get("usage") is None for chunk in content_chunks)
+
+    for index in range(n):
+        deltas = [c for chunk in content_chunks for c in chunk["choices"] if c["index"] == index]
+        assert deltas[0]["delta"].get("role") == "assistant"
+        assert sum(1 for c in deltas if c.get("finish_reason")) == 1
+        assert deltas[-1]["finish_reason"] in ("stop", "length")
+
+
+def test_stream_without_usage_has_no_usage_chunk(http):
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=request) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(chunk["choices"] for chunk in chunks)
+    assert all(chunk.get("usage") is None for chunk in chunks)
+
+
+def test_sdk_stream_reassembles_the_same_text(client):
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=10, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_client_disconnect_aborts_the_request_in_the_engine(base_url):
+    handle = model_handle(MODEL)
+    request = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=base_url, timeout=60) as fresh:
+        with fresh.stream("POST", "/v1/chat/completions", json=request) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in received)
+            busy = handle.engine_load.remote().result()
+            assert busy["unfinished"] >= 1, busy
+        # Leaving the block closes the connection mid-stream.
+
+    deadline = time.monotonic() + 10
+    load = handle.engine_load.remote().result()
+    while (load["unfinished"] or load["running"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        load = handle.engine_load.remote().result()
+    assert load["unfinished"] == 0 and load["running"] == 0, load
+
+
+# -- bad input ----------------------------------------------------------------
+
+BAD_REQUESTS = {
+    "malformed json": (b'{"model": "tiny-llama", "messages": [', 400, None),
+    "not an object": (b'["tiny-llama"]', 400, None),
+    "missing messages": ({"model": MODEL}, 400, "messages"),
+    "empty messages": ({"model": MODEL, "messages": []}, 400, "messages"),
+    "messages not a list": ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+    "message not an object": ({"model": MODEL, "messages": ["hello"]}, 400, "messages"),
+    "missing model": ({"messages": HELLO}, 400, "model"),
+    "model not a string": ({"model": 7, "messages": HELLO}, 400, "model"),
+    "stream not a bool": ({"model": MODEL, "messages": HELLO, "stream": "yes"}, 400, "stream"),
+    "temperature not a number": ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
+    "negative max_tokens": ({"model": MODEL, "messages": HELLO, "max_tokens": -1}, 400, None),
+    "n zero": ({"model": MODEL, "messages": HELLO, "n": 0}, 400, None),
+    "bad role": ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    "unknown model": ({"model": "no-such-model", "messages": HELLO}, 404, "model"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_gets_openai_error(http, case, stream):
+    body, status, param = BAD_REQUESTS[case]
+    if isinstance(body, dict) and stream:
+        body = {**body, "stream": body.get("stream", True)}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = http.post(
+        "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+    )
+    error = assert_error_envelope(response, status)
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=HELLO)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+
+
+def test_unknown_route_is_enveloped_404(http):
+    assert_error_envelope(http.get("/v1/nothing-here"), 404)
+
+
+def test_still_serving_after_bad_input(client):
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+    assert completion.choices[0].message.content is not None
+
+
+# -- parity with bare vLLM --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_vllm():
+    """``vllm serve`` of the same model with the same engine options."""
+    from replicas.config import ModelConfig
+    from replicas.vllm_replica import resolve_source, vllm_cli_args
+
+    config = ModelConfig(**local_app_args()["models"][0])
+    port = _free_port()
+    argv = ["serve", *vllm_cli_args(config, resolve_source(config)), "--port", str(port), "--host", "127.0.0.1"]
+    argv.remove("--model")  # `vllm serve` takes the model positionally
+    env = {**os.environ, **config.env}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replicas.vllm_cli", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, "vllm serve exited early"
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not come up"
+            time.sleep(1)
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+PARITY_REQUESTS = [
+    dict(messages=HELLO, max_tokens=16),
+    dict(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grant of patent license"}], max_tokens=24),
+    dict(messages=HELLO, max_tokens=12, stop=["e"]),
+    dict(messages=[{"role": "user", "content": "Redistribution"}], max_tokens=20, n=2, temperature=0.8, seed=11),
+]
+
+
+@pytest.mark.parametrize("index", range(len(PARITY_REQUESTS)))
+def test_parity_with_bare_vllm(client, bare_vllm, index):
+    request = dict(model=MODEL, temperature=0) | PARITY_REQUESTS[index]
+    ours = client.chat.completions.create(**request)
+    theirs = bare_vllm.chat.completions.create(**request)
+    assert [c.message.content for c in ours.choices] == [c.message.content for c in theirs.choices]
+    assert [c.finish_reason for c in ours.choices] == [c.finish_reason for c in theirs.choices]
+    assert ours.usage.model_dump() == theirs.usage.model_dump()
+
+
+def test_parity_streaming(client, bare_vllm):
+    request = dict(model=MODEL, messages=HELLO, temperature=0, max_tokens=16, stream=True)
+
+    def text(api):
+        return "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(**request) if c.choices)
+
+    assert text(client) == text(bare_vllm)

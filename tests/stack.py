@@ -1,0 +1,79 @@
+"""Start and stop the real stack (Ray + Serve + vLLM CPU engine) for a test module.
+
+Tests use the shipped local config's models (configs/local.yaml), so what is
+tested is what ``make run`` serves. Engines must not outlive the stack: after
+shutdown the module waits for every vLLM EngineCore process to exit and fails
+if one stays behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_CONFIG = REPO / "configs" / "local.yaml"
+APP_NAME = "llm"
+
+
+def local_app_args() -> dict[str, Any]:
+    config = yaml.safe_load(LOCAL_CONFIG.read_text())
+    return deepcopy(config["applications"][0]["args"])
+
+
+def engine_processes() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            text = (proc.info["name"] or "") + " " + " ".join(proc.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "EngineCore" in text and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+def wait_for_no_engines(timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine_processes():
+        if time.monotonic() > deadline:
+            leftover = [p.pid for p in engine_processes()]
+            raise AssertionError(f"vLLM EngineCore processes left behind: {leftover}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def serve_stack(args: dict[str, Any], port: int) -> Iterator[str]:
+    """Run the application built from ``args``; yield its base URL."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            wait_for_no_engines()
+
+
+def model_handle(model_name: str):
+    from ray import serve
+
+    from replicas.config import deployment_name
+
+    return serve.get_deployment_handle(deployment_name(model_name), app_name=APP_NAME)

@@ -1,0 +1,47 @@
+"""Pure logic: what the ingress itself checks before routing."""
+
+import json
+
+import pytest
+
+from serve_app.chat_request import parse_chat_request
+from serve_app.errors import OpenAIError, from_engine_error
+
+
+def parse(body):
+    return parse_chat_request(body if isinstance(body, bytes) else json.dumps(body).encode())
+
+
+def test_valid_request_passes_through_untouched():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": 3, "stream": True}
+    raw, chat = parse(body)
+    assert raw == body
+    assert chat.model == "m" and chat.stream is True
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        (b"{", None, None),
+        (b"[]", None, None),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model", "missing_required_parameter"),
+        ({"model": "m"}, "messages", "missing_required_parameter"),
+        ({"model": "m", "messages": []}, "messages", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "robot"}]}, "messages", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user"}], "stream": "true"}, "stream", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user"}], "stream_options": 1}, "stream_options", "invalid_value"),
+    ],
+)
+def test_invalid_requests_are_400_with_param(body, param, code):
+    with pytest.raises(OpenAIError) as caught:
+        parse(body)
+    error = caught.value
+    assert error.status == 400
+    assert error.param == param and error.code == code
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_errors_get_openai_types_and_string_codes():
+    error = from_engine_error(400, {"message": "bad n", "type": "BadRequestError", "param": "n", "code": 400})
+    assert error.body() == {"error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": None}}
+    assert from_engine_error(500, {"message": "boom"}).body()["error"]["type"] == "server_error"

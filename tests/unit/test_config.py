@@ -1,0 +1,81 @@
+"""Pure logic: per-model settings → Serve options and vLLM arguments."""
+
+import pytest
+from pydantic import ValidationError
+
+from replicas.config import ModelConfig, deployment_name
+from replicas.vllm_replica import vllm_cli_args
+from serve_app.settings import AppSettings
+
+
+def test_cpu_model_gets_cpus_and_env():
+    config = ModelConfig(name="m", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, deployment={"num_replicas": 2})
+    options = config.serve_options()
+    assert options["name"] == "model-m"
+    assert options["num_replicas"] == 2
+    assert options["ray_actor_options"] == {
+        "num_cpus": 1.0,
+        "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+    }
+    assert "placement_group_bundles" not in options
+
+
+def test_gpu_model_takes_one_gpu():
+    options = ModelConfig(name="m", accelerator="gpu").serve_options()
+    assert options["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_tensor_parallel_model_gets_a_gpu_bundle_per_shard():
+    config = ModelConfig(name="m", accelerator="gpu", engine_kwargs={"tensor_parallel_size": 4})
+    options = config.serve_options()
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}] + [{"GPU": 1}] * 4
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert "num_gpus" not in options["ray_actor_options"]
+
+
+def test_deployment_names_are_serve_safe():
+    assert deployment_name("meta-llama/Llama-3.1-8B") == "model-meta-llama--Llama-3.1-8B"
+
+
+def test_engine_kwargs_become_vllm_serve_flags():
+    config = ModelConfig(
+        name="m",
+        engine_kwargs={
+            "max_model_len": 2048,
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+            "limit_mm_per_prompt": {"image": 0},
+            "quantization": None,
+        },
+    )
+    assert vllm_cli_args(config, "/models/m") == [
+        "--model", "/models/m", "--served-model-name", "m",
+        "--max-model-len", "2048",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--limit-mm-per-prompt", '{"image": 0}',
+    ]
+
+
+def test_served_name_is_not_set_twice():
+    with pytest.raises(ValidationError):
+        ModelConfig(name="m", engine_kwargs={"served_model_name": "x"})
+
+
+def test_model_names_must_be_unique():
+    with pytest.raises(ValidationError):
+        AppSettings(models=[{"name": "a"}, {"name": "a"}])
+
+
+def test_unknown_settings_are_rejected():
+    with pytest.raises(ValidationError):
+        AppSettings(models=[{"name": "a", "gpus": 1}])
+
+
+def test_local_config_validates():
+    import yaml
+    from pathlib import Path
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "local.yaml").read_text())
+    settings = AppSettings(**config["applications"][0]["args"])
+    assert [m.name for m in settings.models] == ["tiny-llama"]

@@ -1,0 +1,76 @@
+"""Pure logic: coalescing a stream never loses, reorders or holds back events."""
+
+import asyncio
+
+import pytest
+
+from replicas.streaming import coalesce
+
+
+async def produce(items, delay=0.0):
+    for item in items:
+        if delay:
+            await asyncio.sleep(delay)
+        yield item
+
+
+async def collect(source, **kwargs):
+    return [item async for item in coalesce(source, **kwargs)]
+
+
+async def test_slow_consumer_gets_joined_items_in_order():
+    items = [f"data: {i}\n\n" for i in range(50)]
+    out = []
+    async for part in coalesce(produce(items)):
+        out.append(part)
+        await asyncio.sleep(0.001)  # the consumer is slower than the source
+    assert "".join(out) == "".join(items)
+    assert len(out) < len(items)
+
+
+async def test_first_item_is_not_held_back():
+    gate = asyncio.Event()
+
+    async def source():
+        yield "first"
+        await gate.wait()
+        yield "second"
+
+    stream = coalesce(source(), interval_s=0.5)
+    assert await asyncio.wait_for(stream.__anext__(), timeout=0.2) == "first"
+    gate.set()
+    assert [x async for x in stream] == ["second"]
+
+
+async def test_interval_joins_events_that_arrive_within_it():
+    out = await collect(produce(["a", "b", "c", "d"], delay=0.01), interval_s=0.1)
+    assert out[0] == "a" and "".join(out) == "abcd" and len(out) == 2
+
+
+async def test_source_error_reaches_the_consumer_after_earlier_items():
+    async def failing():
+        yield "ok"
+        raise ValueError("engine died")
+
+    stream = coalesce(failing())
+    assert await stream.__anext__() == "ok"
+    with pytest.raises(ValueError, match="engine died"):
+        await stream.__anext__()
+
+
+async def test_closing_the_stream_cancels_the_source():
+    cancelled = asyncio.Event()
+
+    async def endless():
+        try:
+            while True:
+                yield "tok"
+                await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    stream = coalesce(endless())
+    await stream.__anext__()
+    await stream.aclose()
+    assert cancelled.is_set()
