@@ -4,6 +4,12 @@ VENV    ?= .venv
 REDIS_URL ?= redis://127.0.0.1:6379/0
 CONFIG  ?= configs/local.yaml
 export REDIS_URL
+# Ray Serve's throughput mode: user code on the replica's own event loop, no
+# separate router loop, gRPC between proxy and replicas. Measured with
+# bench/serving_overhead.py (README, "Performance"). Direct ingress stays off so
+# clients keep one address (the proxy on :8000).
+export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
+export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 

@@ -81,7 +81,7 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
     argv = vllm_cli_args(config, source)
     argv.remove("--model")  # `vllm serve` takes the model positionally
     cmd = [sys.executable, "-m", "replicas.vllm_cli", "serve", *argv,
-           "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+           "--host", "127.0.0.1", "--port", str(port)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **config.env}, stdout=out, stderr=out, cwd=REPO)
     try:
@@ -92,14 +92,17 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
 
 
 @contextmanager
-def serve_stack(serve_config: dict, log: Path):
+def serve_stack(serve_config: dict, log: Path, env: dict[str, str]):
     port = free_port()
     serve_config = {**serve_config, "http_options": {**serve_config.get("http_options", {}), "port": port}}
     config_file = log.with_suffix(".yaml")
     config_file.write_text(yaml.safe_dump(serve_config))
     serve_bin = Path(sys.executable).with_name("serve")
     with log.open("w") as out:
-        proc = subprocess.Popen([str(serve_bin), "run", str(config_file)], stdout=out, stderr=out, cwd=REPO)
+        proc = subprocess.Popen(
+            [str(serve_bin), "run", str(config_file)],
+            env={**os.environ, **env}, stdout=out, stderr=out, cwd=REPO,
+        )
     try:
         model = serve_config["applications"][0]["args"]["models"][0]["name"]
         wait_ready(f"http://127.0.0.1:{port}", proc, model)
@@ -135,9 +138,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument("--stack-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the stack (e.g. Ray Serve knobs)")
+    parser.add_argument("--batch-ms", type=float, help="override stream_batch_interval_ms")
     args = parser.parse_args()
 
     serve_config = yaml.safe_load(args.config.read_text())
+    if args.batch_ms is not None:
+        serve_config["applications"][0]["args"]["models"][0]["stream_batch_interval_ms"] = args.batch_ms
+    stack_env = dict(item.split("=", 1) for item in args.stack_env)
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
     source = resolve_source(config)
     results: dict[tuple[str, int], list[dict]] = {}
@@ -146,7 +155,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for target, start in (
                 ("vllm", lambda: bare_vllm(config, source, out_dir / "vllm.log")),
-                ("stack", lambda: serve_stack(serve_config, out_dir / "stack.log")),
+                ("stack", lambda: serve_stack(serve_config, out_dir / "stack.log", stack_env)),
             ):
                 with start() as url:
                     run_load(url, config, source, 1, args, out_dir)  # warm-up, discarded

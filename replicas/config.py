@@ -40,10 +40,11 @@ class ModelConfig(BaseModel):
         "max_ongoing_requests, health_check_period_s, ...",
     )
     stream_batch_interval_ms: float = Field(
-        0.0,
+        50.0,
         ge=0,
-        description="Coalesce streamed chunks for this long before sending them to the "
-        "ingress. 0 sends at once, coalescing only what piled up meanwhile.",
+        description="After the first chunk, coalesce streamed chunks for this long before "
+        "sending them to the ingress (Ray Serve LLM's default is also 50 ms). Each hop "
+        "costs CPU the engine needs; 0 sends at once, joining only what piled up.",
     )
 
     @model_validator(mode="after")

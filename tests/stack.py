@@ -8,8 +8,10 @@ if one stays behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from copy import deepcopy
@@ -71,9 +73,30 @@ def serve_stack(args: dict[str, Any], port: int) -> Iterator[str]:
             wait_for_no_engines()
 
 
-def model_handle(model_name: str):
+def call_replica(model_name: str, method: str, *args):
+    """Call a model replica's method from (synchronous) test code.
+
+    Handles are made and awaited on one long-lived event loop: with Ray
+    Serve's throughput mode the router runs on the caller's loop, not on a
+    thread of its own, and Serve caches handles (with their loop).
+    """
     from ray import serve
 
     from replicas.config import deployment_name
 
-    return serve.get_deployment_handle(deployment_name(model_name), app_name=APP_NAME)
+    async def call():
+        handle = serve.get_deployment_handle(deployment_name(model_name), app_name=APP_NAME)
+        return await getattr(handle, method).remote(*args)
+
+    return asyncio.run_coroutine_threadsafe(call(), _driver_loop()).result(timeout=60)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _driver_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, name="test-driver-loop", daemon=True).start()
+    return _loop

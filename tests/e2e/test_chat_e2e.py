@@ -18,7 +18,7 @@ import openai
 import pytest
 
 import openai_spec
-from stack import local_app_args, model_handle, serve_stack
+from stack import call_replica, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -212,7 +212,6 @@ def test_sdk_stream_reassembles_the_same_text(client):
 
 
 def test_client_disconnect_aborts_the_request_in_the_engine(base_url):
-    handle = model_handle(MODEL)
     request = {
         "model": MODEL,
         "messages": HELLO,
@@ -225,15 +224,15 @@ def test_client_disconnect_aborts_the_request_in_the_engine(base_url):
             lines = response.iter_lines()
             received = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in received)
-            busy = handle.engine_load.remote().result()
+            busy = call_replica(MODEL, "engine_load")
             assert busy["unfinished"] >= 1, busy
         # Leaving the block closes the connection mid-stream.
 
     deadline = time.monotonic() + 10
-    load = handle.engine_load.remote().result()
+    load = call_replica(MODEL, "engine_load")
     while (load["unfinished"] or load["running"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-        load = handle.engine_load.remote().result()
+        load = call_replica(MODEL, "engine_load")
     assert load["unfinished"] == 0 and load["running"] == 0, load
 
 
