@@ -353,3 +353,32 @@ def test_parity_streaming(client, bare_vllm):
         return "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(**request) if c.choices)
 
     assert text(client) == text(bare_vllm)
+
+
+# -- engine death (last: it restarts the replica) --------------------------------
+
+
+def test_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(client):
+    from stack import engine_processes
+
+    engines = engine_processes()
+    assert len(engines) == 1, engines
+    engines[0].kill()
+    engines[0].wait(timeout=30)
+
+    with pytest.raises(Exception) as caught:  # Ray re-raises vLLM's own exception type
+        call_replica(MODEL, "check_health")
+    assert "EngineDeadError" in type(caught.value).__name__, repr(caught.value)
+
+    # Serve sees the failing health check, replaces the replica, and the
+    # model serves again without anyone restarting anything.
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, timeout=30)
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the model did not come back after its engine died"
+            time.sleep(2)
+    assert reply.choices[0].message.content is not None
+    assert len(engine_processes()) == 1
