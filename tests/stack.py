@@ -43,6 +43,18 @@ def engine_processes() -> list[psutil.Process]:
     return found
 
 
+def replica_engine_processes() -> list[psutil.Process]:
+    """Engine processes started by Serve replicas (not by a bare `vllm serve`)."""
+
+    def under_replica(proc: psutil.Process) -> bool:
+        try:
+            return any("ServeReplica" in p.name() + " ".join(p.cmdline()) for p in proc.parents())
+        except psutil.Error:
+            return False
+
+    return [proc for proc in engine_processes() if under_replica(proc)]
+
+
 def wait_for_no_engines(timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while engine_processes():

@@ -359,9 +359,9 @@ def test_parity_streaming(client, bare_vllm):
 
 
 def test_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(client):
-    from stack import engine_processes
+    from stack import replica_engine_processes
 
-    engines = engine_processes()
+    engines = replica_engine_processes()
     assert len(engines) == 1, engines
     engines[0].kill()
     engines[0].wait(timeout=30)
@@ -381,4 +381,4 @@ def test_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(clien
             assert time.monotonic() < deadline, "the model did not come back after its engine died"
             time.sleep(2)
     assert reply.choices[0].message.content is not None
-    assert len(engine_processes()) == 1
+    assert len(replica_engine_processes()) == 1
