@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from replicas.config import ModelConfig  # noqa: E402
-from replicas.vllm_replica import resolve_source, vllm_cli_args  # noqa: E402
+from replicas.vllm_replica import resolve_source, vllm_serve_command  # noqa: E402
 
 METRICS = [
     ("median_ttft_ms", "TTFT p50 ms"),
@@ -78,10 +78,7 @@ def stop(proc: subprocess.Popen) -> None:
 @contextmanager
 def bare_vllm(config: ModelConfig, source: str, log: Path):
     port = free_port()
-    argv = vllm_cli_args(config, source)
-    argv.remove("--model")  # `vllm serve` takes the model positionally
-    cmd = [sys.executable, "-m", "replicas.vllm_cli", "serve", *argv,
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = vllm_serve_command(config, source, "127.0.0.1", port)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **config.env}, stdout=out, stderr=out, cwd=REPO)
     try:

@@ -16,7 +16,6 @@ Wire contract with the ingress (plain Python objects: cheap to pickle):
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -47,6 +46,16 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def vllm_serve_command(config: ModelConfig, source: str, host: str, port: int) -> list[str]:
+    """A bare `vllm serve` of the same model with the same engine options
+    (parity tests and the benchmark compare the stack against it)."""
+    import sys
+
+    argv = vllm_cli_args(config, source)
+    argv.remove("--model")  # `vllm serve` takes the model positionally
+    return [sys.executable, "-m", "replicas.vllm_cli", "serve", *argv, "--host", host, "--port", str(port)]
 
 
 def resolve_source(config: ModelConfig) -> str:

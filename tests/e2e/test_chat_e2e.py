@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
@@ -294,15 +293,13 @@ def test_still_serving_after_bad_input(client):
 def bare_vllm():
     """``vllm serve`` of the same model with the same engine options."""
     from replicas.config import ModelConfig
-    from replicas.vllm_replica import resolve_source, vllm_cli_args
+    from replicas.vllm_replica import resolve_source, vllm_serve_command
 
     config = ModelConfig(**local_app_args()["models"][0])
     port = _free_port()
-    argv = ["serve", *vllm_cli_args(config, resolve_source(config)), "--port", str(port), "--host", "127.0.0.1"]
-    argv.remove("--model")  # `vllm serve` takes the model positionally
     env = {**os.environ, **config.env}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "replicas.vllm_cli", *argv],
+        vllm_serve_command(config, resolve_source(config), "127.0.0.1", port),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
