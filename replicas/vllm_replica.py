@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
 from ray import serve
 
 from replicas.config import DEMO_SOURCE, ModelConfig
@@ -51,8 +53,6 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
 def vllm_serve_command(config: ModelConfig, source: str, host: str, port: int) -> list[str]:
     """A bare `vllm serve` of the same model with the same engine options
     (parity tests and the benchmark compare the stack against it)."""
-    import sys
-
     argv = vllm_cli_args(config, source)
     argv.remove("--model")  # `vllm serve` takes the model positionally
     return [sys.executable, "-m", "replicas.vllm_cli", "serve", *argv, "--host", host, "--port", str(port)]
@@ -113,8 +113,6 @@ class VLLMReplica:
 
     async def _start_chat(self, body: dict[str, Any]):
         """vLLM's response object for ``body``: a stream, a full response, or an error."""
-        from pydantic import ValidationError
-
         try:
             request = self._request_cls.model_validate(body)
             return await self.serving_chat.create_chat_completion(request)
