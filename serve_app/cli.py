@@ -1,11 +1,147 @@
-"""``llmctl``: the operator's command line (grows with keys, usage, requests)."""
+"""``llmctl``: the operator's command line.
+
+    llmctl keys create NAME [--rpm N --tpm N --max-concurrent N --daily-tokens N
+                             --monthly-tokens N --models a,b] [--json]
+    llmctl keys list|show|update|revoke ...
+    llmctl usage --key NAME_OR_ID
+    llmctl requests show REQUEST_ID
+    llmctl check-config FILE | demo-model
+
+Redis is the one named by REDIS_URL (or --redis-url).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
 from pathlib import Path
+
+LIMIT_FLAGS = {
+    "rpm": "requests_per_minute",
+    "tpm": "tokens_per_minute",
+    "max_concurrent": "max_concurrent",
+    "daily_tokens": "daily_token_budget",
+    "monthly_tokens": "monthly_token_budget",
+}
+
+
+def _limit_changes(args: argparse.Namespace) -> dict:
+    changes = {field: getattr(args, flag) for flag, field in LIMIT_FLAGS.items() if getattr(args, flag) is not None}
+    if args.models is not None:
+        changes["models"] = None if args.models in ("", "*") else args.models.split(",")
+    return changes
+
+
+def _print(value, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(value, indent=2, sort_keys=True))
+        return
+    rows = value if isinstance(value, list) else [value]
+    for row in rows:
+        print("  ".join(f"{k}={v}" for k, v in row.items()))
+
+
+async def _keys(args: argparse.Namespace) -> int:
+    from serve_app.keys import KeyLimits, KeyNotFound, KeyStore
+
+    redis = _redis(args)
+    store = KeyStore(redis)
+    try:
+        if args.action == "create":
+            record, secret = await store.create(args.name, KeyLimits(**_limit_changes(args)))
+            _print({**record.model_dump(), "secret": secret}, args.json)
+            if not args.json:
+                print("The secret is shown only now; store it safely.", file=sys.stderr)
+        elif args.action == "list":
+            _print([r.model_dump() for r in await store.list()], args.json)
+        elif args.action == "show":
+            _print((await store.resolve(args.key)).model_dump(), args.json)
+        elif args.action == "update":
+            changes = _limit_changes(args)
+            if args.enable is not None:
+                changes["enabled"] = args.enable
+            _print((await store.update(args.key, **changes)).model_dump(), args.json)
+        elif args.action == "revoke":
+            _print((await store.revoke(args.key)).model_dump(), args.json)
+        elif args.action == "ensure-dev":
+            print(await _ensure_dev_key(store))
+        return 0
+    except KeyNotFound as exc:
+        print(f"no such key: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+
+
+async def _ensure_dev_key(store) -> str:
+    """The local development key: its secret lives in a 0600 file under the
+    data directory so `make run` can print it on every start."""
+    from replicas.demo_model import data_dir
+
+    path = data_dir() / "dev-api-key"
+    secret = path.read_text().strip() if path.exists() else None
+    if secret and await store.authenticate(secret):
+        return secret
+    from serve_app.keys import new_secret
+
+    secret = new_secret()
+    name = "dev"
+    for attempt in range(100):
+        try:
+            await store.create(name if attempt == 0 else f"dev-{attempt}", secret=secret)
+            break
+        except ValueError:  # the name is taken by an older dev key
+            continue
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(secret + "\n")
+    return secret
+
+
+async def _usage(args: argparse.Namespace) -> int:
+    from serve_app.keys import KeyNotFound, KeyStore
+    from serve_app.usage import key_usage
+
+    redis = _redis(args)
+    try:
+        record = await KeyStore(redis).resolve(args.key)
+        _print({"key": record.name, "id": record.id, **await key_usage(redis, record.id)}, True)
+        return 0
+    except KeyNotFound as exc:
+        print(f"no such key: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+
+
+async def _request(args: argparse.Namespace) -> int:
+    from serve_app.usage import request_state
+
+    redis = _redis(args)
+    try:
+        state = await request_state(redis, args.request_id)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+    if state is None:
+        print(f"no record of request {args.request_id} (unknown or past retention)", file=sys.stderr)
+        return 1
+    _print(state, True)
+    return 0
+
+
+def _redis(args: argparse.Namespace):
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(args.redis_url)
 
 
 def _check_config(path: Path) -> int:
@@ -17,8 +153,7 @@ def _check_config(path: Path) -> int:
     config = yaml.safe_load(path.read_text())
     for application in config.get("applications", []):
         settings = AppSettings(**(application.get("args") or {}))
-        print(json.dumps({"application": application.get("name"),
-                          "models": [m.name for m in settings.models]}))
+        print(json.dumps({"application": application.get("name"), "models": [m.name for m in settings.models]}))
     return 0
 
 
@@ -29,14 +164,47 @@ def _demo_model(_: argparse.Namespace) -> int:
     return 0
 
 
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    for flag in LIMIT_FLAGS:
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None)
+    parser.add_argument("--models", default=None, help="comma-separated model names; '*' = all")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmctl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="llmctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     commands = parser.add_subparsers(dest="command", required=True)
+
+    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="action", required=True)
+    create = keys.add_parser("create", help="create a key; prints its secret once")
+    create.add_argument("name")
+    _add_limit_flags(create)
+    keys.add_parser("list")
+    for action in ("show", "revoke"):
+        keys.add_parser(action).add_argument("key", help="key id or name")
+    update = keys.add_parser("update")
+    update.add_argument("key", help="key id or name")
+    _add_limit_flags(update)
+    update.add_argument("--enable", dest="enable", action="store_true", default=None)
+    update.add_argument("--disable", dest="enable", action="store_false")
+    keys.add_parser("ensure-dev", help="make sure the local development key exists; print its secret")
+    for sub in keys.choices.values():
+        sub.add_argument("--json", action="store_true")
+    commands.choices["keys"].set_defaults(run=lambda a: asyncio.run(_keys(a)))
+
+    usage = commands.add_parser("usage", help="today's and this month's usage of a key")
+    usage.add_argument("--key", required=True, help="key id or name")
+    usage.set_defaults(run=lambda a: asyncio.run(_usage(a)))
+
+    requests = commands.add_parser("requests", help="request records").add_subparsers(dest="action", required=True)
+    requests.add_parser("show").add_argument("request_id")
+    commands.choices["requests"].set_defaults(run=lambda a: asyncio.run(_request(a)))
+
     check = commands.add_parser("check-config", help="validate a Serve config file")
     check.add_argument("path", type=Path)
     check.set_defaults(run=lambda a: _check_config(a.path))
-    demo = commands.add_parser("demo-model", help="build the tiny demo model; print its path")
-    demo.set_defaults(run=_demo_model)
+    commands.add_parser("demo-model", help="build the tiny demo model; print its path").set_defaults(run=_demo_model)
+
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -6,9 +6,9 @@ One object, read from the Serve config's ``args`` (``build_app``) and from
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from replicas.config import ModelConfig
@@ -30,6 +30,27 @@ class IngressConfig(BaseModel):
     )
 
 
+class QuotaConfig(BaseModel):
+    """How keys and quotas are enforced (README, "Keys and quotas")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key_cache_ttl_s: float = Field(
+        5.0, ge=0, description="Ingress caches key records this long: a revoked key stops within it."
+    )
+    concurrency_lease_s: float = Field(
+        600.0, gt=0, description="A concurrency slot expires after this even if its ingress died."
+    )
+    request_retention_s: int = Field(7 * 86400, gt=0, description="How long request records are kept.")
+    default_max_tokens: int = Field(
+        1024, gt=0, description="Completion tokens reserved when a request names no max_tokens."
+    )
+    fail_mode: Literal["open", "closed"] = Field(
+        "open", description="Redis unreachable: open = serve with local approximate limits; closed = 503."
+    )
+    redis_timeout_s: float = Field(0.5, gt=0, description="Per-command Redis timeout.")
+
+
 class AppSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
@@ -37,6 +58,13 @@ class AppSettings(BaseSettings):
 
     models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig(name="tiny-llama")])
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    quota: QuotaConfig = Field(default_factory=QuotaConfig)
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL")
+    )
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token of the /admin API (LLM_CLUSTER_ADMIN_TOKEN); unset = admin API off."
+    )
 
     @model_validator(mode="after")
     def _unique_names(self):

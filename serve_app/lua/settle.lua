@@ -1,0 +1,44 @@
+-- Settle a finished request: reconcile its token reservation with real usage,
+-- release its concurrency lease, finalise its record. Idempotent: a request
+-- already settled (or never admitted) is left as it is.
+--
+-- KEYS: as admit.lua (1 requests GCRA, 2 tokens GCRA, 3 leases, 4 usage, 5 record)
+-- ARGV: 1 request id, 2 final status (completed|failed|cancelled), 3 prompt tokens,
+--       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica
+-- Returns the token delta charged (actual - reserved), or false if nothing was done.
+
+local WINDOW = 60000
+local status = redis.call('HGET', KEYS[5], 'status')
+if status ~= 'admitted' and status ~= 'running' then return false end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local prompt, completion = tonumber(ARGV[3]), tonumber(ARGV[4])
+local tpm = tonumber(ARGV[5])
+local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
+local delta = prompt + completion - reserved
+
+-- Tokens/min: give back what was reserved and not used (or charge the excess).
+if tpm > 0 and delta ~= 0 then
+  local tat = tonumber(redis.call('GET', KEYS[2]) or now) + delta * (WINDOW / tpm)
+  if tat > now then
+    redis.call('SET', KEYS[2], tostring(tat), 'PX', math.ceil(tat - now) + WINDOW)
+  else
+    redis.call('DEL', KEYS[2])
+  end
+end
+
+-- Budgets count in the period the request was admitted in.
+local day, month = redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', KEYS[5], 'month')
+for _, period in ipairs({day, month}) do
+  redis.call('HINCRBY', KEYS[4], period .. ':tokens', delta)
+  redis.call('HINCRBY', KEYS[4], period .. ':prompt_tokens', prompt)
+  redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
+end
+
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now, 'prompt_tokens', prompt,
+  'completion_tokens', completion, 'total_tokens', prompt + completion)
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], 'replica', ARGV[7]) end
+redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
+return delta

@@ -1,0 +1,67 @@
+"""Every Redis key the gateway uses, named in one place.
+
+Keys that belong to one API key share the hash tag ``{k:<key_id>}`` so each
+script touching them runs on one slot of a Redis Cluster (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+PREFIX = "llm"
+
+
+def tag(key_id: str) -> str:
+    return "{k:" + key_id + "}"
+
+
+def key_record(key_id: str) -> str:
+    return f"{PREFIX}:key:{tag(key_id)}"
+
+
+def key_secret_digest(key_id: str) -> str:
+    """Key id → its secret's digest (kept apart from the record, which is shown)."""
+    return f"{PREFIX}:keysecret:{tag(key_id)}"
+
+
+def key_digest(digest: str) -> str:
+    """Secret digest → key id (the lookup an incoming request needs)."""
+    return f"{PREFIX}:keydigest:{digest}"
+
+
+def key_name(name: str) -> str:
+    """Key name → key id (names are unique)."""
+    return f"{PREFIX}:keyname:{name}"
+
+
+KEY_INDEX = f"{PREFIX}:keys"
+
+
+def requests_rate(key_id: str) -> str:
+    return f"{PREFIX}:rpm:{tag(key_id)}"
+
+
+def tokens_rate(key_id: str) -> str:
+    return f"{PREFIX}:tpm:{tag(key_id)}"
+
+
+def concurrency(key_id: str) -> str:
+    return f"{PREFIX}:conc:{tag(key_id)}"
+
+
+def usage(key_id: str) -> str:
+    """Hash of per-period counters: ``d:YYYYMMDD:tokens``, ``m:YYYYMM:requests``, ..."""
+    return f"{PREFIX}:usage:{tag(key_id)}"
+
+
+def request_record(key_id: str, request_id: str) -> str:
+    return f"{PREFIX}:req:{tag(key_id)}:{request_id}"
+
+
+def admission_keys(key_id: str, request_id: str) -> list[str]:
+    """KEYS of the admission, running and settle scripts, in their order."""
+    return [
+        requests_rate(key_id),
+        tokens_rate(key_id),
+        concurrency(key_id),
+        usage(key_id),
+        request_record(key_id, request_id),
+    ]

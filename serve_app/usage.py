@@ -1,0 +1,63 @@
+"""Reading what admission and settlement wrote: request records and usage.
+
+Request ids carry their key id (``<key_id>-<random>``), so a record can be
+found from the id alone, under the key's hash tag. Completion ids are
+``chatcmpl-<request id>`` (vLLM's prefix); both forms are accepted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+from typing import Any
+
+from serve_app import redis_names
+
+_COMPLETION_PREFIXES = ("chatcmpl-", "cmpl-")
+_INT_FIELDS = {
+    "received_ms", "first_token_ms", "finished_ms", "reserved_tokens",
+    "prompt_tokens", "completion_tokens", "total_tokens",
+}
+
+
+def new_request_id(key_id: str) -> str:
+    return f"{key_id}-{secrets.token_hex(8)}"
+
+
+def key_id_of(request_id: str) -> tuple[str, str]:
+    """(key id, bare request id) of a request or completion id."""
+    for prefix in _COMPLETION_PREFIXES:
+        if request_id.startswith(prefix):
+            request_id = request_id[len(prefix):]
+    key_id, sep, _ = request_id.partition("-")
+    if not sep:
+        raise ValueError(f"not a request id: {request_id!r}")
+    return key_id, request_id
+
+
+async def request_state(redis, request_id: str) -> dict[str, Any] | None:
+    key_id, bare = key_id_of(request_id)
+    raw = await redis.hgetall(redis_names.request_record(key_id, bare))
+    if not raw:
+        return None
+    state: dict[str, Any] = {"id": bare}
+    for name, value in raw.items():
+        name, value = _text(name), _text(value)
+        state[name] = int(value) if name in _INT_FIELDS else value
+    return state
+
+
+async def key_usage(redis, key_id: str, now: datetime.datetime | None = None) -> dict[str, Any]:
+    """Today's and this month's (UTC) counters of one key."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    raw = {_text(k): int(v) for k, v in (await redis.hgetall(redis_names.usage(key_id))).items()}
+    periods = {"today": now.strftime("d:%Y%m%d"), "month": now.strftime("m:%Y%m")}
+    counters = ("requests", "tokens", "prompt_tokens", "completion_tokens")
+    return {
+        label: {counter: raw.get(f"{period}:{counter}", 0) for counter in counters}
+        for label, period in periods.items()
+    }
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

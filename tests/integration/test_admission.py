@@ -1,0 +1,154 @@
+"""The admission scripts against a real Redis (its TIME, its atomicity)."""
+
+import asyncio
+import datetime
+
+from serve_app import redis_names
+from serve_app.admission import Admission
+from serve_app.keys import KeyRecord
+
+_ids = iter(range(10**9))
+
+
+def key(**limits) -> KeyRecord:
+    return KeyRecord(id="ktest", name="test", created_at=0, **limits)
+
+
+def admission(redis, lease_s=600):
+    return Admission(redis, lease_s=lease_s, retention_s=3600)
+
+
+async def admit(adm, k, tokens=1, model="m"):
+    rid = f"req-{next(_ids)}"
+    return rid, await adm.admit(k, rid, model, tokens)
+
+
+async def test_requests_per_minute_allows_a_burst_then_refuses_with_exact_retry(redis):
+    adm, k = admission(redis), key(requests_per_minute=5)
+    decisions = [(await admit(adm, k))[1] for _ in range(6)]
+    assert [d.admitted for d in decisions] == [True] * 5 + [False]
+    assert [d.requests_remaining for d in decisions[:5]] == [4, 3, 2, 1, 0]
+    refused = decisions[-1]
+    assert refused.kind == "requests"
+    assert 11_000 < refused.retry_ms <= 12_000  # one request every 12 s after the burst
+    headers = refused.headers(k)
+    assert headers["x-ratelimit-limit-requests"] == "5"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["retry-after"] == "12"
+    assert int(headers["retry-after-ms"]) == refused.retry_ms
+
+
+async def test_waiting_retry_after_is_enough(redis):
+    adm, k = admission(redis), key(requests_per_minute=120)  # one every 0.5 s
+    while (await admit(adm, k))[1].admitted:
+        pass
+    _, refused = await admit(adm, k)
+    assert 0 < refused.retry_ms <= 500
+    await asyncio.sleep(refused.retry_ms / 1000)
+    assert (await admit(adm, k))[1].admitted
+
+
+async def test_concurrent_reservations_never_overshoot_tokens_per_minute(redis):
+    adm, k = admission(redis), key(tokens_per_minute=1000)
+    results = await asyncio.gather(*(admit(adm, k, tokens=100) for _ in range(25)))
+    assert sum(d.admitted for _, d in results) == 10
+    assert {d.kind for _, d in results if not d.admitted} == {"tokens"}
+
+
+async def test_settle_refunds_unused_reservation(redis):
+    adm, k = admission(redis), key(tokens_per_minute=1000)
+    first, d1 = await admit(adm, k, tokens=400)
+    _, d2 = await admit(adm, k, tokens=400)
+    _, d3 = await admit(adm, k, tokens=400)
+    assert d1.admitted and d2.admitted and not d3.admitted
+    assert await adm.settle(k, first, "completed", prompt_tokens=60, completion_tokens=40) == -300
+    assert (await admit(adm, k, tokens=400))[1].admitted
+
+
+async def test_request_larger_than_the_limit_is_refused_without_retry(redis):
+    adm, k = admission(redis), key(tokens_per_minute=1000)
+    _, d = await admit(adm, k, tokens=1001)
+    assert not d.admitted and d.kind == "tokens_too_large" and d.retry_ms == -1
+    assert "retry-after" not in d.headers(k)
+
+
+async def test_concurrency_slots_are_released_by_settle_and_by_lease_expiry(redis):
+    adm, k = admission(redis, lease_s=0.3), key(max_concurrent=2)
+    a, _ = await admit(adm, k)
+    await admit(adm, k)
+    _, refused = await admit(adm, k)
+    assert refused.kind == "concurrency"
+    await adm.settle(k, a, "cancelled")
+    assert (await admit(adm, k))[1].admitted
+    assert not (await admit(adm, k))[1].admitted
+    await asyncio.sleep(0.35)  # leases of an ingress that died expire
+    assert (await admit(adm, k))[1].admitted
+
+
+async def test_daily_budget_counts_reservations_and_refunds(redis):
+    adm, k = admission(redis), key(daily_token_budget=500)
+    first, d1 = await admit(adm, k, tokens=300)
+    _, d2 = await admit(adm, k, tokens=300)
+    assert d1.admitted and not d2.admitted
+    assert d2.kind == "daily_budget"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    midnight = (now + datetime.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    assert abs(d2.retry_ms / 1000 - (midnight - now).total_seconds()) < 5
+    await adm.settle(k, first, "completed", prompt_tokens=30, completion_tokens=20)
+    assert (await admit(adm, k, tokens=300))[1].admitted
+
+
+async def test_monthly_budget(redis):
+    adm, k = admission(redis), key(monthly_token_budget=100)
+    assert (await admit(adm, k, tokens=100))[1].admitted
+    _, d = await admit(adm, k, tokens=1)
+    assert not d.admitted and d.kind == "monthly_budget"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    first_next = (now.replace(day=1) + datetime.timedelta(days=32)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    assert abs(d.retry_ms / 1000 - (first_next - now).total_seconds()) < 5
+
+
+async def test_request_record_lifecycle_and_usage_counters(redis):
+    adm, k = admission(redis), key(tokens_per_minute=10_000)
+    rid, d = await admit(adm, k, tokens=500, model="tiny-llama")
+    record = redis_names.request_record(k.id, rid)
+    assert (await redis.hget(record, "status")) == b"admitted"
+    await adm.running(k.id, rid, "replica-1")
+    assert (await redis.hget(record, "status")) == b"running"
+    assert await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30, replica="replica-1") == -450
+    assert await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30) is None  # idempotent
+    await adm.running(k.id, rid)  # never moves a settled request back
+    fields = {key.decode(): value.decode() for key, value in (await redis.hgetall(record)).items()}
+    assert fields["status"] == "completed" and fields["model"] == "tiny-llama"
+    assert fields["total_tokens"] == "50" and fields["replica"] == "replica-1"
+    assert int(fields["received_ms"]) <= int(fields["first_token_ms"]) <= int(fields["finished_ms"])
+    assert 0 < await redis.ttl(record) <= 3600
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    usage = await redis.hgetall(redis_names.usage(k.id))
+    assert usage[f"d:{today}:tokens".encode()] == b"50"
+    assert usage[f"d:{today}:requests".encode()] == b"1"
+    assert usage[f"m:{today[:6]}:completion_tokens".encode()] == b"30"
+
+
+async def test_refusals_are_recorded_with_their_reason(redis):
+    adm, k = admission(redis), key(requests_per_minute=1)
+    await admit(adm, k)
+    rid, d = await admit(adm, k)
+    fields = await redis.hgetall(redis_names.request_record(k.id, rid))
+    assert fields[b"status"] == b"rejected" and fields[b"reason"] == b"requests"
+
+
+async def test_unlimited_key_gets_no_rate_headers(redis):
+    adm, k = admission(redis), key()
+    _, d = await admit(adm, k, tokens=10**6)
+    assert d.admitted and d.headers(k) == {}
+
+
+async def test_scripts_are_called_by_sha(redis):
+    adm, k = admission(redis), key(requests_per_minute=10)
+    await redis.config_resetstat()
+    await admit(adm, k)
+    await admit(adm, k)
+    commandstats = await redis.info("commandstats")
+    assert commandstats["cmdstat_evalsha"]["calls"] == 2
+    assert "cmdstat_eval" not in commandstats

@@ -1,0 +1,49 @@
+"""A private, real redis-server for a test module (stoppable, for outage tests)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+class RedisServer:
+    def __init__(self):
+        self.port = _free_port()
+        self.dir = tempfile.mkdtemp(prefix="redis-test-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed (make test installs it)"
+        self.proc = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.dir,
+             "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
