@@ -27,6 +27,7 @@ demo-model: setup
 	$(VENV)/bin/llmctl demo-model
 
 run: setup redis demo-model
+	@echo "Development API key (OPENAI_API_KEY): $$($(VENV)/bin/llmctl keys ensure-dev)"
 	$(VENV)/bin/serve run $(CONFIG)
 
 test: setup redis demo-model

@@ -7,11 +7,13 @@ strings, n, logprobs, tools and structured output behave as in vLLM itself.
 The gateway's work (auth, quotas, routing, accounting) happens in the ingress.
 
 Wire contract with the ingress (plain Python objects: cheap to pickle):
-- ``chat(body)`` returns ``(status, payload)``: a JSON ``bytes`` body on
-  success, an error ``dict`` (vLLM's ErrorInfo) otherwise.
+- ``chat(body)`` returns ``(status, payload, usage, replica)``: a JSON
+  ``bytes`` body and its usage dict on success, an error ``dict`` (vLLM's
+  ErrorInfo) and None otherwise; ``replica`` names this replica.
 - ``chat_stream(body)`` yields SSE text (``str``), several events per item
-  when they pile up; if the request fails before streaming, it yields exactly
-  one ``(status, error_dict)`` tuple instead.
+  when they pile up; the first item starts with the SSE comment
+  ``: replica=<id>`` (the ingress strips it). If the request fails before
+  streaming, it yields exactly one ``(status, error_dict)`` tuple instead.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class VLLMReplica:
         from replicas.engine_stats import EngineLoad, recorder_factory
 
         self.config = config
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._replica_comment = f": replica={self.replica}\n\n"
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(
             vllm_cli_args(config, resolve_source(config))
         )
@@ -121,16 +125,18 @@ class VLLMReplica:
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
-    async def chat(self, body: dict[str, Any]) -> tuple[int, Any]:
+    async def chat(self, body: dict[str, Any]) -> tuple[int, Any, dict | None, str]:
         result = await self._start_chat(body)
         if isinstance(result, tuple):
-            return result
+            return (*result, None, self.replica)
         if _is_error(result):
-            return result.error.code, result.error.model_dump()
+            return result.error.code, result.error.model_dump(), None, self.replica
         if isinstance(result, AsyncIterator):  # stream asked on the unary path
             await result.aclose()
-            return 400, {"message": "use the streaming path for stream=true", "param": "stream"}
-        return 200, openai_json(result.model_dump())
+            error = {"message": "use the streaming path for stream=true", "param": "stream"}
+            return 400, error, None, self.replica
+        response = result.model_dump()
+        return 200, openai_json(response), response.get("usage"), self.replica
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[str | tuple]:
         result = await self._start_chat(body)
@@ -141,9 +147,12 @@ class VLLMReplica:
             yield result.error.code, result.error.model_dump()
             return
         if not isinstance(result, AsyncIterator):  # a full response: send it as one event
-            yield f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n"
+            yield f"{self._replica_comment}data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n"
             return
+        first = True
         async for text in coalesce(result, self.batch_interval_s):
+            if first:
+                text, first = self._replica_comment + text, False
             yield text
 
     # -- introspection and health ----------------------------------------

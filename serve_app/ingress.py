@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from ray import serve
@@ -17,9 +16,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.chat_request import parse_chat_request
+from serve_app.access import Access, Ticket
+from serve_app.chat_request import ChatEnvelope, parse_chat_request
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for, from_engine_error
 from serve_app.settings import AppSettings
+from serve_app.sse import DONE, split_replica, take_usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,21 +46,33 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
     return error_response(500, envelope("The server had an error processing your request.", "server_error"))
 
 
-async def _relay(first: str, chunks) -> AsyncIterator[str]:
-    """Relay the replica's stream; if the client goes away, cancel it downstream
-    (Serve cancels the replica's generator, vLLM aborts the request)."""
-    finished = False
+async def _relay(first: str, chunks, access: Access, ticket: Ticket, client_wants_usage: bool):
+    """Relay the replica's stream and account for it.
+
+    The usage event (always requested from the replica) is read from the final
+    item and hidden unless the client asked for it. If the client goes away,
+    cancel downstream (Serve cancels the replica's generator, vLLM aborts)."""
+    status, usage = "cancelled", None
+    replica, first = split_replica(first)
     try:
+        if first.endswith(DONE):
+            first, usage = take_usage(first, client_wants_usage)
         yield first
+        access.running(ticket, replica)
         async for chunk in chunks:
+            if chunk.endswith(DONE):
+                chunk, usage = take_usage(chunk, client_wants_usage)
             yield chunk
-        finished = True
+        status = "completed"
     except Exception:
+        status = "failed"
         logger.exception("stream from replica failed")
         yield 'data: {"error": {"message": "The model stream failed.", "type": "server_error", "param": null, "code": null}}\n\n'
     finally:
-        if not finished:
+        if status != "completed":
             chunks.cancel()
+        # A cancelled stream's usage is unknown: its reservation stays charged.
+        access.settle(ticket, status, usage if status == "completed" else None, replica)
 
 
 @serve.deployment
@@ -69,6 +82,7 @@ class Ingress:
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.models = models
+        self.access = Access(settings)
         created = int(time.time())
         self.model_cards = {
             name: {"id": name, "object": "model", "created": created, "owned_by": "llm-cluster"}
@@ -99,33 +113,61 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        body, chat = parse_chat_request(await self._read_body(request))
+        key = await self.access.authenticate(request.headers)
+        raw = await self._read_body(request)
+        body, chat = parse_chat_request(raw)
         handle = self._handle(chat.model)
-        if chat.stream:
-            return await self._stream(handle, body)
-        status, payload = await handle.chat.remote(body)
+        self.access.authorize(key, chat.model)
+        ticket = await self.access.admit(key, chat.model, self.access.reserve_tokens(body, len(raw)))
+        body["request_id"] = ticket.request_id
+        try:
+            if chat.stream:
+                return await self._stream(handle, body, chat, ticket)
+            status, payload, usage, replica = await handle.chat.remote(body)
+        except OpenAIError as exc:
+            exc.headers = {**ticket.headers, **exc.headers}
+            raise
+        except BaseException:
+            self.access.settle(ticket, "failed")
+            raise
+        self.access.settle(ticket, "completed" if status == 200 else "failed", usage or {}, replica)
         if status != 200:
-            raise from_engine_error(status, payload)
-        return Response(payload, media_type="application/json")
+            error = from_engine_error(status, payload)
+            error.headers = ticket.headers
+            raise error
+        return Response(payload, media_type="application/json", headers=ticket.headers)
 
-    async def _stream(self, handle: DeploymentHandle, body: dict) -> Response:
+    async def _stream(self, handle: DeploymentHandle, body: dict, chat: ChatEnvelope, ticket: Ticket) -> Response:
+        client_wants_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+        # Usage is always asked for: it settles the token reservation.
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         chunks = handle.options(stream=True).chat_stream.remote(body)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
+            self.access.settle(ticket, "failed")
             raise OpenAIError(500, "The model returned an empty stream.") from None
         if isinstance(first, tuple):
             status, error = first
+            self.access.settle(ticket, "failed", {})
             raise from_engine_error(status, error)
-        return StreamingResponse(_relay(first, chunks), media_type="text/event-stream")
+        return StreamingResponse(
+            _relay(first, chunks, self.access, ticket, client_wants_usage),
+            media_type="text/event-stream",
+            headers=ticket.headers,
+        )
 
     @app.get("/v1/models")
-    async def list_models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": list(self.model_cards.values())})
+    async def list_models(self, request: Request) -> JSONResponse:
+        key = await self.access.authenticate(request.headers)
+        cards = [card for name, card in self.model_cards.items() if key.allows_model(name)]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(self, model_id: str) -> JSONResponse:
+    async def retrieve_model(self, model_id: str, request: Request) -> JSONResponse:
+        key = await self.access.authenticate(request.headers)
         self._handle(model_id)
+        self.access.authorize(key, model_id)
         return JSONResponse(self.model_cards[model_id])
 
     @app.get("/health")

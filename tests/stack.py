@@ -85,6 +85,23 @@ def serve_stack(args: dict[str, Any], port: int) -> Iterator[str]:
             wait_for_no_engines()
 
 
+def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
+    """Create an API key in the stack's Redis; return (key id, secret)."""
+    import redis.asyncio
+
+    from serve_app.keys import KeyLimits, KeyStore
+
+    async def create():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            record, secret = await KeyStore(client).create(name, KeyLimits(**limits))
+            return record.id, secret
+        finally:
+            await client.aclose()
+
+    return asyncio.run(create())
+
+
 def call_replica(model_name: str, method: str, *args):
     """Call a model replica's method from (synchronous) test code.
 

@@ -5,6 +5,7 @@
 -- KEYS: as admit.lua (1 requests GCRA, 2 tokens GCRA, 3 leases, 4 usage, 5 record)
 -- ARGV: 1 request id, 2 final status (completed|failed|cancelled), 3 prompt tokens,
 --       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica
+--       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done.
 
 local WINDOW = 60000
@@ -16,7 +17,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local prompt, completion = tonumber(ARGV[3]), tonumber(ARGV[4])
 local tpm = tonumber(ARGV[5])
 local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
-local delta = prompt + completion - reserved
+local known = prompt >= 0
+local delta = 0
+if known then delta = prompt + completion - reserved end
 
 -- Tokens/min: give back what was reserved and not used (or charge the excess).
 if tpm > 0 and delta ~= 0 then
@@ -32,13 +35,20 @@ end
 local day, month = redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', KEYS[5], 'month')
 for _, period in ipairs({day, month}) do
   redis.call('HINCRBY', KEYS[4], period .. ':tokens', delta)
-  redis.call('HINCRBY', KEYS[4], period .. ':prompt_tokens', prompt)
-  redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
+  if known then
+    redis.call('HINCRBY', KEYS[4], period .. ':prompt_tokens', prompt)
+    redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
+  end
 end
 
 redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now, 'prompt_tokens', prompt,
-  'completion_tokens', completion, 'total_tokens', prompt + completion)
+redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now)
+if known then
+  redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
+    'total_tokens', prompt + completion)
+else
+  redis.call('HSET', KEYS[5], 'total_tokens', reserved, 'usage', 'reserved')
+end
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], 'replica', ARGV[7]) end
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
 return delta

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 import openai_spec
-from stack import call_replica, local_app_args, serve_stack
+from redis_server import RedisServer
+from stack import call_replica, create_key, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -32,19 +33,33 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    with serve_stack(local_app_args(), port=_free_port()) as url:
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server):
+    with serve_stack({**local_app_args(), "redis_url": redis_server.url}, port=_free_port()) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def api_key(base_url, redis_server):
+    return create_key(redis_server.url, "e2e-unlimited")[1]
 
 
 @pytest.fixture(scope="module")
-def http(base_url):
-    with httpx.Client(base_url=base_url, timeout=120) as http_client:
+def client(base_url, api_key):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(base_url, api_key):
+    headers = {"authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=base_url, timeout=120, headers=headers) as http_client:
         yield http_client
 
 
@@ -210,7 +225,7 @@ def test_sdk_stream_reassembles_the_same_text(client):
     assert text == full.choices[0].message.content
 
 
-def test_client_disconnect_aborts_the_request_in_the_engine(base_url):
+def test_client_disconnect_aborts_the_request_in_the_engine(base_url, api_key):
     request = {
         "model": MODEL,
         "messages": HELLO,
@@ -218,7 +233,7 @@ def test_client_disconnect_aborts_the_request_in_the_engine(base_url):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.Client(base_url=base_url, timeout=60) as fresh:
+    with httpx.Client(base_url=base_url, timeout=60, headers={"authorization": f"Bearer {api_key}"}) as fresh:
         with fresh.stream("POST", "/v1/chat/completions", json=request) as response:
             lines = response.iter_lines()
             received = [next(lines) for _ in range(6)]

@@ -152,3 +152,12 @@ async def test_scripts_are_called_by_sha(redis):
     commandstats = await redis.info("commandstats")
     assert commandstats["cmdstat_evalsha"]["calls"] == 2
     assert "cmdstat_eval" not in commandstats
+
+
+async def test_unknown_usage_keeps_the_reservation_charged(redis):
+    adm, k = admission(redis), key(tokens_per_minute=1000, max_concurrent=1)
+    rid, _ = await admit(adm, k, tokens=600)
+    assert await adm.settle(k, rid, "cancelled", -1, -1) == 0
+    fields = await redis.hgetall(redis_names.request_record(k.id, rid))
+    assert fields[b"status"] == b"cancelled" and fields[b"total_tokens"] == b"600"
+    assert (await admit(adm, k, tokens=600))[1].kind == "tokens"  # slot free, tokens still spent

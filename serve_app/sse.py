@@ -1,0 +1,40 @@
+"""The few places the ingress looks inside a relayed SSE stream.
+
+Only the first item (the replica's name comment) and the last one (which
+ends with ``data: [DONE]``, after the usage event) are inspected; the items
+in between are passed on untouched, so streaming costs no parsing per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+
+DONE = "data: [DONE]\n\n"
+_REPLICA_COMMENT = ": replica="
+
+
+def split_replica(first: str) -> tuple[str, str]:
+    """(replica id, the item without the replica comment)."""
+    if not first.startswith(_REPLICA_COMMENT):
+        return "", first
+    comment, _, rest = first.partition("\n\n")
+    return comment[len(_REPLICA_COMMENT):], rest
+
+
+def take_usage(item: str, keep: bool) -> tuple[str, dict | None]:
+    """The usage reported by the stream's final usage event (the one with empty
+    ``choices`` just before ``[DONE]``); drop that event unless ``keep``."""
+    events = item.split("\n\n")
+    # ... "data: {usage event}", "data: [DONE]", ""
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
+        if not event.startswith("data: {"):
+            continue
+        chunk = json.loads(event[len("data: "):])
+        if chunk.get("choices") or "usage" not in chunk:
+            return item, None
+        if not keep:
+            del events[index]
+            item = "\n\n".join(events)
+        return item, chunk["usage"]
+    return item, None
