@@ -118,16 +118,15 @@ class Access:
             completion, n = self.default_max_tokens, 1  # vLLM rejects these; reserve a default meanwhile
         return math.ceil(raw_size / 4) + max(completion, 0) * max(n, 1)
 
-    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int) -> Ticket:
+    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "") -> Ticket:
         request_id = new_request_id(key.id)
         try:
-            decision = await self.admission.admit(key, request_id, model, reserve_tokens)
+            decision = await self.admission.admit(key, request_id, model, reserve_tokens, http_request_id)
         except (RedisError, OSError) as exc:
             return self._admit_locally(key, request_id, reserve_tokens, exc)
         headers = decision.headers(key)
         if not decision.admitted:
             raise _refusal(key, decision, reserve_tokens, headers)
-        headers["x-request-id"] = "chatcmpl-" + request_id
         return Ticket(key, request_id, headers)
 
     def _admit_locally(self, key: KeyRecord, request_id: str, reserve_tokens: int, exc) -> Ticket:
@@ -145,7 +144,7 @@ class Access:
                 code=code,
                 headers={"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))},
             )
-        return Ticket(key, request_id, {"x-request-id": "chatcmpl-" + request_id}, local=True)
+        return Ticket(key, request_id, {}, local=True)
 
     # -- bookkeeping off the response path ------------------------------------
 

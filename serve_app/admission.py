@@ -85,15 +85,25 @@ class Admission:
         self._running = redis.register_script((_SCRIPTS / "running.lua").read_text())
         self._settle = redis.register_script((_SCRIPTS / "settle.lua").read_text())
 
-    async def admit(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int) -> Decision:
-        reply = await self._admit(
-            keys=redis_names.admission_keys(key.id, request_id),
-            args=[
-                request_id, model, key.requests_per_minute, key.tokens_per_minute,
-                key.max_concurrent, key.daily_token_budget, key.monthly_token_budget,
-                reserve_tokens, self.lease_ms, self.retention_s, key.id,
-            ],
-        )
+    async def admit(
+        self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = ""
+    ) -> Decision:
+        keys = redis_names.admission_keys(key.id, request_id)
+        args = [
+            request_id, model, key.requests_per_minute, key.tokens_per_minute,
+            key.max_concurrent, key.daily_token_budget, key.monthly_token_budget,
+            reserve_tokens, self.lease_ms, self.retention_s, key.id, http_request_id,
+        ]
+        if http_request_id:
+            # Also index the HTTP x-request-id (Ray Serve's) so `requests show` finds
+            # the record by it; outside the key's hash tag, so beside the script,
+            # in the same round trip.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                await self._admit(keys=keys, args=args, client=pipe)
+                pipe.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s)
+                reply, _ = await pipe.execute()
+        else:
+            reply = await self._admit(keys=keys, args=args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply
         return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
@@ -17,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app.access import Access, Ticket
-from serve_app.chat_request import ChatEnvelope, parse_chat_request
+from serve_app import admin
+from serve_app.chat_request import ChatEnvelope, parse_chat_request, parse_json_object
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for, from_engine_error
 from serve_app.settings import AppSettings
 from serve_app.sse import DONE, split_replica, take_usage
@@ -118,7 +120,13 @@ class Ingress:
         body, chat = parse_chat_request(raw)
         handle = self._handle(chat.model)
         self.access.authorize(key, chat.model)
-        ticket = await self.access.admit(key, chat.model, self.access.reserve_tokens(body, len(raw)))
+        ticket = await self.access.admit(
+            key,
+            chat.model,
+            self.access.reserve_tokens(body, len(raw)),
+            # Ray Serve's id for this HTTP request: it answers it as x-request-id.
+            request.headers.get("x-request-id", ""),
+        )
         body["request_id"] = ticket.request_id
         try:
             if chat.stream:
@@ -169,6 +177,46 @@ class Ingress:
         self._handle(model_id)
         self.access.authorize(key, model_id)
         return JSONResponse(self.model_cards[model_id])
+
+    # -- admin API (same operations as `llmctl`) ---------------------------------
+
+    async def _admin_json(self, request: Request) -> Any:
+        self.access.check_admin(request.headers)
+        raw = await self._read_body(request)
+        return parse_json_object(raw) if raw else {}
+
+    @app.post("/admin/keys")
+    async def admin_create_key(self, request: Request) -> JSONResponse:
+        return JSONResponse(await admin.create_key(self.access, await self._admin_json(request)), status_code=201)
+
+    @app.get("/admin/keys")
+    async def admin_list_keys(self, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        return JSONResponse(await admin.list_keys(self.access))
+
+    @app.get("/admin/keys/{key}")
+    async def admin_show_key(self, key: str, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        return JSONResponse(await admin.show_key(self.access, key))
+
+    @app.patch("/admin/keys/{key}")
+    async def admin_update_key(self, key: str, request: Request) -> JSONResponse:
+        return JSONResponse(await admin.update_key(self.access, key, await self._admin_json(request)))
+
+    @app.delete("/admin/keys/{key}")
+    async def admin_revoke_key(self, key: str, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        return JSONResponse(await admin.revoke_key(self.access, key))
+
+    @app.get("/admin/keys/{key}/usage")
+    async def admin_key_usage(self, key: str, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        return JSONResponse(await admin.usage(self.access, key))
+
+    @app.get("/admin/requests/{request_id}")
+    async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        return JSONResponse(await admin.request(self.access, request_id))
 
     @app.get("/health")
     async def health(self) -> JSONResponse:

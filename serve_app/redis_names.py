@@ -56,6 +56,11 @@ def request_record(key_id: str, request_id: str) -> str:
     return f"{PREFIX}:req:{tag(key_id)}:{request_id}"
 
 
+def http_request(http_request_id: str) -> str:
+    """The HTTP x-request-id (Ray Serve's) → the gateway's request id."""
+    return f"{PREFIX}:httpreq:{http_request_id}"
+
+
 def admission_keys(key_id: str, request_id: str) -> list[str]:
     """KEYS of the admission, running and settle scripts, in their order."""
     return [

@@ -2,18 +2,21 @@
 
 Request ids carry their key id (``<key_id>-<random>``), so a record can be
 found from the id alone, under the key's hash tag. Completion ids are
-``chatcmpl-<request id>`` (vLLM's prefix); both forms are accepted.
+``chatcmpl-<request id>`` (vLLM's prefix); both forms are accepted, and so is
+the response's ``x-request-id`` (Ray Serve's id, indexed at admission).
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 import secrets
 from typing import Any
 
 from serve_app import redis_names
 
 _COMPLETION_PREFIXES = ("chatcmpl-", "cmpl-")
+_OUR_ID = re.compile(r"^k[0-9a-z]+-[0-9a-f]{16}$")
 _INT_FIELDS = {
     "received_ms", "first_token_ms", "finished_ms", "reserved_tokens",
     "prompt_tokens", "completion_tokens", "total_tokens",
@@ -36,7 +39,16 @@ def key_id_of(request_id: str) -> tuple[str, str]:
 
 
 async def request_state(redis, request_id: str) -> dict[str, Any] | None:
-    key_id, bare = key_id_of(request_id)
+    """The record of a request, by completion id, request id or x-request-id."""
+    bare = request_id
+    for prefix in _COMPLETION_PREFIXES:
+        bare = bare.removeprefix(prefix)
+    if not _OUR_ID.match(bare):
+        indexed = await redis.get(redis_names.http_request(request_id))
+        if indexed is None:
+            return None
+        bare = _text(indexed)
+    key_id, bare = key_id_of(bare)
     raw = await redis.hgetall(redis_names.request_record(key_id, bare))
     if not raw:
         return None

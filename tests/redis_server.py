@@ -10,7 +10,9 @@ import time
 
 
 class RedisServer:
-    def __init__(self):
+    def __init__(self, persistent: bool = False):
+        """``persistent``: keep data across stop/start (append-only file), for outage tests."""
+        self.persistent = persistent
         self.port = _free_port()
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
         self.proc: subprocess.Popen | None = None
@@ -24,7 +26,8 @@ class RedisServer:
         assert binary, "redis-server is not installed (make test installs it)"
         self.proc = subprocess.Popen(
             [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.dir,
-             "--save", "", "--appendonly", "no"],
+             "--save", "", "--appendonly", "yes" if self.persistent else "no",
+             "--appendfsync", "always"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10

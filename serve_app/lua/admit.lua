@@ -4,7 +4,7 @@
 --       4 usage counters (hash), 5 this request's record (hash)
 -- ARGV: 1 request id, 2 model, 3 requests/min, 4 tokens/min, 5 max concurrent,
 --       6 daily token budget, 7 monthly token budget, 8 tokens to reserve,
---       9 concurrency lease ms, 10 record retention s, 11 key id
+--       9 concurrency lease ms, 10 record retention s, 11 key id, 12 HTTP x-request-id
 -- A limit of 0 means unlimited.
 --
 -- Rate limits are GCRA over a 60 s window: a limit L/min admits a burst of L,
@@ -87,7 +87,8 @@ end
 
 local function record(status, reason)
   redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', status,
-    'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field)
+    'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
+    'http_request_id', ARGV[12])
   if reason then redis.call('HSET', KEYS[5], 'reason', reason, 'finished_ms', now) end
   redis.call('EXPIRE', KEYS[5], retention)
 end

@@ -161,3 +161,14 @@ async def test_unknown_usage_keeps_the_reservation_charged(redis):
     fields = await redis.hgetall(redis_names.request_record(k.id, rid))
     assert fields[b"status"] == b"cancelled" and fields[b"total_tokens"] == b"600"
     assert (await admit(adm, k, tokens=600))[1].kind == "tokens"  # slot free, tokens still spent
+
+
+async def test_http_request_id_finds_the_record(redis):
+    from serve_app.usage import request_state
+
+    adm, k = admission(redis), key()
+    rid = "ktest-0123456789abcdef"
+    await adm.admit(k, rid, "m", 10, http_request_id="3f1c-serve-id")
+    assert (await request_state(redis, "3f1c-serve-id"))["id"] == rid
+    assert (await request_state(redis, "chatcmpl-" + rid))["status"] == "admitted"
+    assert await request_state(redis, "unknown-id") is None

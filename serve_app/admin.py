@@ -1,0 +1,93 @@
+"""The admin API's operations: the same key store and records `llmctl` uses.
+
+Each function takes the ingress's ``Access`` and plain request data and
+returns JSON-ready data or raises ``OpenAIError``; the ingress only routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from serve_app.errors import OpenAIError
+from serve_app.keys import KeyLimits, KeyNotFound, KeyRecord
+from serve_app.usage import key_usage, request_state
+
+
+class NewKey(KeyLimits):
+    name: str
+
+
+class KeyChanges(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[str] | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    daily_token_budget: int | None = None
+    monthly_token_budget: int | None = None
+    enabled: bool | None = None
+
+
+def _parse(model: type[BaseModel], body: Any) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in first.get("loc", ())) or None
+        raise OpenAIError(400, f"Invalid value for '{param}': {first.get('msg')}.", param=param) from None
+
+
+async def _key(access, id_or_name: str) -> KeyRecord:
+    try:
+        return await access.keys.resolve(id_or_name)
+    except KeyNotFound:
+        raise OpenAIError(404, f"No API key '{id_or_name}'.", code="key_not_found") from None
+
+
+async def create_key(access, body: Any) -> dict[str, Any]:
+    new = _parse(NewKey, body)
+    try:
+        record, secret = await access.keys.create(new.name, KeyLimits(**new.model_dump(exclude={"name"})))
+    except ValueError as exc:
+        raise OpenAIError(409, str(exc), param="name", code="key_exists") from None
+    return {**record.model_dump(), "secret": secret}
+
+
+async def list_keys(access) -> dict[str, Any]:
+    return {"object": "list", "data": [r.model_dump() for r in await access.keys.list()]}
+
+
+async def show_key(access, id_or_name: str) -> dict[str, Any]:
+    return (await _key(access, id_or_name)).model_dump()
+
+
+async def update_key(access, id_or_name: str, body: Any) -> dict[str, Any]:
+    changes = _parse(KeyChanges, body).model_dump(exclude_unset=True)
+    record = await _key(access, id_or_name)
+    try:
+        return (await access.keys.update(record.id, **changes)).model_dump()
+    except ValidationError as exc:
+        raise OpenAIError(400, str(exc.errors(include_url=False)[0]["msg"])) from None
+
+
+async def revoke_key(access, id_or_name: str) -> dict[str, Any]:
+    record = await _key(access, id_or_name)
+    return (await access.keys.revoke(record.id)).model_dump()
+
+
+async def usage(access, id_or_name: str) -> dict[str, Any]:
+    record = await _key(access, id_or_name)
+    return {"key": record.name, "id": record.id, **await key_usage(access.redis, record.id)}
+
+
+async def request(access, request_id: str) -> dict[str, Any]:
+    try:
+        state = await request_state(access.redis, request_id)
+    except ValueError:
+        state = None
+    if state is None:
+        raise OpenAIError(404, f"No record of request '{request_id}'.", code="request_not_found")
+    return state
