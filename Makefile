@@ -36,5 +36,5 @@ test: setup redis demo-model
 unit: setup
 	$(VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)
 
-bench: setup demo-model
+bench: setup redis demo-model
 	$(VENV)/bin/python bench/serving_overhead.py $(BENCH_ARGS)

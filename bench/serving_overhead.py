@@ -49,6 +49,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def bench_api_key() -> str:
+    """An unlimited key in the stack's Redis (REDIS_URL) for the load generator."""
+    import asyncio
+
+    import redis.asyncio
+
+    from serve_app.keys import KeyStore
+
+    async def create() -> str:
+        client = redis.asyncio.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+        try:
+            return (await KeyStore(client).create(f"bench-{time.time_ns()}"))[1]
+        finally:
+            await client.aclose()
+
+    return asyncio.run(create())
+
+
 def wait_ready(url: str, proc: subprocess.Popen, model: str, timeout_s: float = 600) -> None:
     """Up means a real completion came back, not just /v1/models."""
     deadline = time.monotonic() + timeout_s
@@ -57,7 +75,8 @@ def wait_ready(url: str, proc: subprocess.Popen, model: str, timeout_s: float = 
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200:
+            headers = {"authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+            if httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -144,6 +163,8 @@ def main() -> None:
     if args.batch_ms is not None:
         serve_config["applications"][0]["args"]["models"][0]["stream_batch_interval_ms"] = args.batch_ms
     stack_env = dict(item.split("=", 1) for item in args.stack_env)
+    # vllm bench (and wait_ready) send it as a Bearer token; bare vLLM ignores it.
+    os.environ["OPENAI_API_KEY"] = bench_api_key()
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
     source = resolve_source(config)
     results: dict[tuple[str, int], list[dict]] = {}
