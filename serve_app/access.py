@@ -217,9 +217,20 @@ def _refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[st
             f"You exceeded your token quota on API key '{key.name}' ({limit}; used {decision.detail}, "
             f"this request reserves {reserved}). It renews in {decision.retry_ms / 1000:.0f}s."
         )
-    else:
+    elif decision.kind == "concurrency":
         message = (
-            f"Rate limit reached for {kind_type} on API key '{key.name}': limit {limit}. "
+            f"Rate limit reached for concurrent requests on API key '{key.name}': limit {limit}, "
+            f"running {decision.detail}. Please try again when one finishes."
+        )
+    else:
+        quota, remaining, requested = (
+            (key.requests_per_minute, decision.requests_remaining, 1)
+            if decision.kind == "requests"
+            else (key.tokens_per_minute, decision.tokens_remaining, reserved)
+        )
+        message = (
+            f"Rate limit reached for {kind_type} on API key '{key.name}': limit {limit}, "
+            f"used {quota - max(remaining, 0)}, requested {requested}. "
             f"Please try again in {decision.retry_ms / 1000:.3g}s."
         )
     return OpenAIError(429, message, type=kind_type, code=code, headers=headers)
