@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -50,3 +51,14 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_redis(persistent: bool = False):
+    """A started RedisServer for the length of the block (fixtures wrap this)."""
+    server = RedisServer(persistent=persistent)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

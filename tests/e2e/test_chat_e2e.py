@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import openai_spec
-from redis_server import RedisServer
+from redis_server import running_redis
 from stack import call_replica, create_key, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e
@@ -34,10 +34,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+    with running_redis() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

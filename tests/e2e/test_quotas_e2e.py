@@ -16,7 +16,7 @@ import pytest
 import redis as redis_sync
 
 import openai_spec
-from redis_server import RedisServer
+from redis_server import running_redis
 from stack import APP_NAME, create_key, local_app_args, serve_stack
 from serve_app import redis_names
 
@@ -45,10 +45,8 @@ def app_args(redis_url: str, fail_mode: str = "open") -> dict:
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisServer(persistent=True)
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(persistent=True) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,13 @@
 import pytest
 import redis.asyncio as aioredis
 
-from redis_server import RedisServer
+from redis_server import running_redis
 
 
 @pytest.fixture(scope="session")
 def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+    with running_redis() as server:
+        yield server
 
 
 @pytest.fixture
