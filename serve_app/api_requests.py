@@ -1,14 +1,16 @@
-"""The part of a chat request the gateway itself must understand.
+"""The part of each OpenAI request the gateway itself must understand.
 
-The ingress needs only what routing and admission depend on (model, messages
-present, stream flags); every other field is validated by vLLM's own request
-model in the replica and comes back as a 400 if wrong. Checking these few here
-keeps obviously broken requests off the replicas and gives precise errors.
+The ingress needs only what routing and admission depend on (model, the
+prompt/messages/input being there, stream flags); every other field is
+validated by vLLM's own request model in the replica and comes back as a 400
+if wrong. Checking these few here keeps obviously broken requests off the
+replicas and gives precise errors.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,6 +40,54 @@ class ChatEnvelope(BaseModel):
     stream_options: StreamOptions | None = None
 
 
+# A prompt as OpenAI accepts it: text, texts, token ids, or lists of token ids.
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionEnvelope(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    prompt: Prompt
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+
+class EmbeddingEnvelope(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    input: Prompt
+    stream: Literal[False] | None = None
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One OpenAI endpoint as the gateway sees it."""
+
+    name: str  # the replica's name for it: "chat", "completions", "embeddings"
+    envelope: type[BaseModel]
+    generates: bool  # produces completion tokens (reserved up front; may stream)
+
+
+OPERATIONS = {
+    op.name: op
+    for op in (
+        Operation("chat", ChatEnvelope, generates=True),
+        Operation("completions", CompletionEnvelope, generates=True),
+        Operation("embeddings", EmbeddingEnvelope, generates=False),
+    )
+}
+
+
+def validate_request(operation: Operation, body: dict[str, Any]) -> BaseModel:
+    """The envelope of ``body`` for ``operation``, or a 400 naming the parameter."""
+    try:
+        return operation.envelope.model_validate(body)
+    except ValidationError as exc:
+        raise _as_invalid_request(exc) from None
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
     try:
@@ -47,15 +97,6 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError(400, "The request body must be a JSON object.")
     return body
-
-
-def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatEnvelope]:
-    body = parse_json_object(raw)
-    try:
-        envelope = ChatEnvelope.model_validate(body)
-    except ValidationError as exc:
-        raise _as_invalid_request(exc) from None
-    return body, envelope
 
 
 def _as_invalid_request(exc: ValidationError) -> OpenAIError:

@@ -1,0 +1,175 @@
+"""One request through the gateway, whatever route or dialect it came in by.
+
+Every route (OpenAI's own, Azure's, SageMaker's, Databricks', ...) turns its
+request into a canonical OpenAI body for one ``Operation`` and hands it to
+``Gateway.run``: model lookup, per-key authorisation, admission against the
+key's quotas, the call to the model's replicas, and settlement of what the
+request really used. The route then sends the ``Reply`` back as it is, or in
+its dialect's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+from starlette.responses import Response, StreamingResponse
+
+from replicas.config import ModelConfig
+from serve_app.access import Access, Ticket
+from serve_app.api_requests import OPERATIONS, Operation, validate_request
+from serve_app.errors import OpenAIError, from_engine_error
+from serve_app.keys import KeyRecord
+from serve_app.media import check_media
+from serve_app.parameters import apply_parameter_policy
+from serve_app.sse import DONE, split_replica, take_usage
+
+logger = logging.getLogger("ray.serve")
+
+STREAM_FAILED = (
+    'data: {"error": {"message": "The model stream failed.", "type": "server_error", '
+    '"param": null, "code": null}}\n\n'
+)
+
+
+@dataclass
+class Reply:
+    """A successful answer: a JSON body, or an SSE stream already accounted for."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    stream: AsyncIterator[str] | None = None
+
+    def response(self) -> Response:
+        if self.stream is not None:
+            return StreamingResponse(self.stream, media_type="text/event-stream", headers=self.headers)
+        return Response(self.body, media_type="application/json", headers=self.headers)
+
+
+class Gateway:
+    def __init__(self, access: Access, models: dict[str, DeploymentHandle], configs: list[ModelConfig]):
+        self.access = access
+        self.models = models
+        created = int(time.time())
+        self._cards = {
+            config.name: {"id": config.name, "object": "model", "created": created, "owned_by": config.owned_by}
+            for config in configs
+        }
+        self._card_details: dict[str, dict[str, Any]] = {}
+        self._media = {config.name: config.media for config in configs}
+
+    # -- models ----------------------------------------------------------------
+
+    def handle(self, model: str) -> DeploymentHandle:
+        handle = self.models.get(model)
+        if handle is None:
+            raise OpenAIError(
+                404,
+                f"The model '{model}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        return handle
+
+    async def model_card(self, model: str) -> dict[str, Any]:
+        """OpenAI's model object plus what vLLM reports (``max_model_len``, the
+        operations it serves). The details come from a replica once, then stay
+        cached: they are fixed by the model's config."""
+        card = self._cards[model]
+        if model not in self._card_details:
+            info = await self.models[model].model_info.remote()
+            self._card_details[model] = {
+                "max_model_len": info["max_model_len"],
+                "capabilities": info["operations"],
+            }
+        return {**card, **self._card_details[model]}
+
+    async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
+        return [await self.model_card(name) for name in self._cards if key.allows_model(name)]
+
+    # -- requests --------------------------------------------------------------
+
+    async def run(
+        self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, http_request_id: str = ""
+    ) -> Reply:
+        """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``."""
+        op = OPERATIONS[operation] if isinstance(operation, str) else operation
+        request = validate_request(op, body)
+        apply_parameter_policy(op.name, body)
+        handle = self.handle(request.model)
+        self.access.authorize(key, request.model)
+        if op.name == "chat":
+            check_media(body["messages"], self._media[request.model])
+        ticket = await self.access.admit(
+            key,
+            request.model,
+            self.access.reserve_tokens(op, body, raw_size),
+            # Ray Serve's id for this HTTP request: it answers it as x-request-id.
+            http_request_id,
+        )
+        body["request_id"] = ticket.request_id
+        try:
+            if getattr(request, "stream", False):
+                return await self._stream(handle, op, body, request, ticket)
+            status, payload, usage, replica = await handle.call.remote(op.name, body)
+        except OpenAIError as exc:
+            exc.headers = {**ticket.headers, **exc.headers}
+            raise
+        except BaseException:
+            self.access.settle(ticket, "failed")
+            raise
+        self.access.settle(ticket, "completed" if status == 200 else "failed", usage or {}, replica)
+        if status != 200:
+            error = from_engine_error(status, payload)
+            error.headers = ticket.headers
+            raise error
+        return Reply(ticket.headers, body=payload)
+
+    async def _stream(self, handle: DeploymentHandle, op: Operation, body: dict, request, ticket: Ticket) -> Reply:
+        options = request.stream_options
+        client_wants_usage = bool(options and options.include_usage)
+        # Usage is always asked for: it settles the token reservation.
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        chunks = handle.options(stream=True).stream.remote(op.name, body)
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            self.access.settle(ticket, "failed")
+            raise OpenAIError(500, "The model returned an empty stream.") from None
+        if isinstance(first, tuple):
+            status, error = first
+            self.access.settle(ticket, "failed", {})
+            raise from_engine_error(status, error)
+        return Reply(ticket.headers, stream=self._relay(first, chunks, ticket, client_wants_usage))
+
+    async def _relay(self, first: str, chunks, ticket: Ticket, client_wants_usage: bool):
+        """Relay the replica's stream and account for it.
+
+        The usage event (always requested from the replica) is read from the
+        final item and hidden unless the client asked for it. If the client goes
+        away, cancel downstream (Serve cancels the replica's generator, vLLM aborts)."""
+        status, usage = "cancelled", None
+        replica, first = split_replica(first)
+        try:
+            if first.endswith(DONE):
+                first, usage = take_usage(first, client_wants_usage)
+            yield first
+            self.access.running(ticket, replica)
+            async for chunk in chunks:
+                if chunk.endswith(DONE):
+                    chunk, usage = take_usage(chunk, client_wants_usage)
+                yield chunk
+            status = "completed"
+        except Exception:
+            status = "failed"
+            logger.exception("stream from replica failed")
+            yield STREAM_FAILED
+        finally:
+            if status != "completed":
+                chunks.cancel()
+            # A cancelled stream's usage is unknown: its reservation stays charged.
+            self.access.settle(ticket, status, usage if status == "completed" else None, replica)

@@ -1,0 +1,39 @@
+"""Checks on raw HTTP responses shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, in order (including `[DONE]`)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: ") :])
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+def assert_error_envelope(response: httpx.Response, status: int) -> dict:
+    """OpenAI's error envelope with exactly its four fields; returns ``error``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert error["code"] is None or isinstance(error["code"], str)
+    return error

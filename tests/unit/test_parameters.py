@@ -1,0 +1,52 @@
+"""Pure logic: parameters vLLM lacks are dropped (documented) or refused, never silently ignored."""
+
+import pytest
+
+from serve_app.errors import OpenAIError
+from serve_app.parameters import IGNORED, UNSUPPORTED, apply_parameter_policy
+
+
+def test_ignored_parameters_are_dropped_and_the_rest_kept():
+    body = {"model": "m", "messages": [], "metadata": {"a": "b"}, "service_tier": "auto", "top_k": 3}
+    apply_parameter_policy("chat", body)
+    assert body == {"model": "m", "messages": [], "top_k": 3}
+
+
+@pytest.mark.parametrize(
+    "operation, params",
+    [
+        ("chat", {"store": False}),
+        ("chat", {"modalities": ["text"]}),
+        ("chat", {"typical_p": None}),
+        ("completions", {"best_of": 1}),
+        ("embeddings", {"stream": False}),
+    ],
+)
+def test_off_values_pass_and_are_removed(operation, params):
+    body = dict(params)
+    apply_parameter_policy(operation, body)
+    assert body == {}
+
+
+@pytest.mark.parametrize(
+    "operation, params, param",
+    [
+        ("chat", {"typical_p": 0.9}, "typical_p"),
+        ("chat", {"store": True}, "store"),
+        ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"functions": []}, "functions"),
+        ("completions", {"best_of": 3}, "best_of"),
+        ("chat", {"top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"top_logprobs": -1}, "top_logprobs"),
+        ("chat", {"top_logprobs": True}, "top_logprobs"),
+    ],
+)
+def test_unsupported_values_are_400_naming_the_parameter(operation, params, param):
+    with pytest.raises(OpenAIError) as caught:
+        apply_parameter_policy(operation, dict(params))
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_no_parameter_is_both_ignored_and_unsupported():
+    for operation in IGNORED:
+        assert not IGNORED[operation] & UNSUPPORTED[operation].keys()
