@@ -88,6 +88,28 @@ class Gateway:
             }
         return {**card, **self._card_details[model]}
 
+    async def model_card_or_404(self, model: str) -> dict[str, Any]:
+        self.handle(model)
+        return await self.model_card(model)
+
+    async def only_model_for(self, operation: str | None) -> str:
+        """The model for a request that names none (platforms such as SageMaker
+        or Azure serve one model per endpoint): the only one serving
+        ``operation`` (any operation when None), else a 400 asking for it."""
+        names = [
+            name
+            for name in self._cards
+            if operation is None or operation in (await self.model_card(name))["capabilities"]
+        ]
+        if len(names) == 1:
+            return names[0]
+        raise OpenAIError(
+            400,
+            f"Missing required parameter: 'model'. This endpoint serves {', '.join(names) or 'no model for this operation'}.",
+            param="model",
+            code="missing_required_parameter",
+        )
+
     async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
         return [await self.model_card(name) for name in self._cards if key.allows_model(name)]
 

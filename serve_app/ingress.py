@@ -20,8 +20,11 @@ from starlette.responses import JSONResponse, Response
 from serve_app import admin
 from serve_app.access import Access
 from serve_app.api_requests import parse_json_object
+from serve_app.dialects import azure, databricks, sagemaker
+from serve_app.dialects.call import Call
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.gateway import Gateway
+from serve_app.keys import KeyRecord
 from serve_app.settings import AppSettings
 
 logger = logging.getLogger("ray.serve")
@@ -76,38 +79,101 @@ class Ingress:
             raise OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.")
         return raw
 
-    async def _openai(self, operation: str, request: Request) -> Response:
+    async def _read(self, request: Request) -> tuple[KeyRecord, dict[str, Any], int]:
+        """The caller's key (checked first: no key, no parsing) and the JSON body."""
         key = await self.access.authenticate(request.headers)
         raw = await self._read_body(request)
-        body = parse_json_object(raw)
-        reply = await self.gateway.run(key, operation, body, len(raw), _serve_request_id(request))
-        return reply.response()
+        return key, parse_json_object(raw), len(raw)
 
-    # -- OpenAI API ---------------------------------------------------------
+    async def _run(self, request: Request, key: KeyRecord, call: Call, size: int) -> Response:
+        reply = await self.gateway.run(key, call.operation, call.body, size, _serve_request_id(request))
+        return call.respond(reply)
+
+    async def _openai(self, operation: str, request: Request) -> Response:
+        key, body, size = await self._read(request)
+        return await self._run(request, key, Call(operation, body), size)
+
+    # -- OpenAI API (also under OpenVINO Model Server's /v3 and Databricks'
+    #    /serving-endpoints, where the OpenAI client is pointed at them) ---------
 
     @app.post("/v1/chat/completions")
+    @app.post("/v3/chat/completions")
+    @app.post("/serving-endpoints/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._openai("chat", request)
 
     @app.post("/v1/completions")
+    @app.post("/v3/completions")
+    @app.post("/serving-endpoints/completions")
     async def completions(self, request: Request) -> Response:
         return await self._openai("completions", request)
 
     @app.post("/v1/embeddings")
+    @app.post("/v3/embeddings")
+    @app.post("/serving-endpoints/embeddings")
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
 
     @app.get("/v1/models")
+    @app.get("/v3/models")
     async def list_models(self, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
         return JSONResponse({"object": "list", "data": await self.gateway.model_cards(key)})
 
     @app.get("/v1/models/{model_id:path}")
+    @app.get("/v3/models/{model_id:path}")
     async def retrieve_model(self, model_id: str, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
         self.gateway.handle(model_id)
         self.access.authorize(key, model_id)
         return JSONResponse(await self.gateway.model_card(model_id))
+
+    # -- Azure AI model inference -------------------------------------------------
+
+    async def _azure(self, operation: str, request: Request) -> Response:
+        try:
+            key, body, size = await self._read(request)
+            call = await azure.translate(operation, body, request.headers, self.gateway)
+            return await self._run(request, key, call, size)
+        except OpenAIError as exc:
+            return azure.error_response(exc)
+
+    @app.post("/chat/completions")
+    @app.post("/models/chat/completions")
+    async def azure_chat_completions(self, request: Request) -> Response:
+        return await self._azure("chat", request)
+
+    @app.post("/embeddings")
+    @app.post("/models/embeddings")
+    async def azure_embeddings(self, request: Request) -> Response:
+        return await self._azure("embeddings", request)
+
+    @app.get("/info")
+    @app.get("/models/info")
+    async def azure_info(self, request: Request) -> Response:
+        try:
+            await self.access.authenticate(request.headers)
+            return await azure.info(request.headers, self.gateway)
+        except OpenAIError as exc:
+            return azure.error_response(exc)
+
+    # -- SageMaker LMI ----------------------------------------------------------------
+
+    @app.post("/invocations")
+    async def sagemaker_invocations(self, request: Request) -> Response:
+        key, body, size = await self._read(request)
+        return await self._run(request, key, await sagemaker.translate(body, self.gateway), size)
+
+    @app.get("/ping")
+    async def sagemaker_ping(self) -> Response:
+        return sagemaker.ping()
+
+    # -- Databricks -------------------------------------------------------------------
+
+    @app.post("/serving-endpoints/{name}/invocations")
+    async def databricks_invocations(self, name: str, request: Request) -> Response:
+        key, body, size = await self._read(request)
+        return await self._run(request, key, await databricks.translate(name, body, self.gateway), size)
 
     # -- admin API (same operations as `llmctl`) ---------------------------------
 

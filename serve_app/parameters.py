@@ -1,17 +1,21 @@
-"""What happens to OpenAI parameters that vLLM does not implement.
+"""What happens to request parameters that vLLM does not implement.
 
 vLLM's request models accept (and log as ignored) any field they do not know,
 and OpenAI's spec has fields vLLM lacks. A gateway must not silently drop a
 parameter that changes what the client gets back, so every such field is in
-exactly one of two tables here:
+exactly one of these tables:
 
 - ``IGNORED``: no effect on the generated output on this stack (metadata,
   routing hints for OpenAI's own fleet, a latency hint). Dropped, documented in
   README's parameter table.
 - ``UNSUPPORTED``: we cannot honour it. 400 naming the parameter, unless it is
   set to the value that means "off".
+- ``LLAMACPP_ALIASES``: clients written for llama.cpp-style servers (Jan,
+  llama-server) send their own names for some sampling parameters; they are
+  renamed to vLLM's. Their samplers vLLM lacks (mirostat, tfs_z, ...) are in
+  ``UNSUPPORTED``.
 
-Fields in neither table and unknown to vLLM are refused by the replica
+Fields in none of these tables and unknown to vLLM are refused by the replica
 ("Unrecognized request argument supplied"), as OpenAI does.
 """
 
@@ -22,6 +26,17 @@ from typing import Any
 from serve_app.errors import OpenAIError
 
 MAX_TOP_LOGPROBS = 20
+
+# llama.cpp name -> vLLM name (chat and completions).
+LLAMACPP_ALIASES = {"repeat_penalty": "repetition_penalty", "n_predict": "max_tokens"}
+
+_LLAMACPP_IGNORED = frozenset(
+    {
+        "cache_prompt",  # vLLM reuses cached prefixes by itself
+        "repeat_last_n",  # vLLM's penalties see the whole sequence; the window is not configurable
+        "id_slot",  # llama-server slot pinning
+    }
+)
 
 IGNORED: dict[str, frozenset[str]] = {
     "chat": frozenset(
@@ -34,35 +49,53 @@ IGNORED: dict[str, frozenset[str]] = {
             "prompt_cache_options",
             "prediction",  # predicted outputs only cut latency; the answer is the same
         }
-    ),
-    "completions": frozenset(),
+    )
+    | _LLAMACPP_IGNORED,
+    "completions": _LLAMACPP_IGNORED,
     "embeddings": frozenset(),
 }
 
-# parameter -> (the value(s) that mean "off", why we refuse anything else)
-_OFF = object()  # marker: no value is "off", the parameter is always refused
+_ALWAYS = object()  # no value is "off": the parameter is always refused
+
+# llama.cpp samplers vLLM lacks: parameter -> (values that mean "off", why).
+_LLAMACPP_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "mirostat": ((0,), "mirostat sampling is not implemented by the engine"),
+    "mirostat_tau": (_ALWAYS, "mirostat sampling is not implemented by the engine"),
+    "mirostat_eta": (_ALWAYS, "mirostat sampling is not implemented by the engine"),
+    "tfs_z": ((1, 1.0), "tail-free sampling is not implemented by the engine"),
+    "typical_p": ((1, 1.0), "typical sampling is not implemented by the engine"),
+    "dynatemp_range": ((0, 0.0), "dynamic temperature is not implemented by the engine"),
+    "xtc_probability": ((0, 0.0), "XTC sampling is not implemented by the engine"),
+    "dry_multiplier": ((0, 0.0), "DRY sampling is not implemented by the engine"),
+    "grammar": (_ALWAYS, "GBNF grammars are not accepted; use response_format json_schema or structured_outputs"),
+    "samplers": (_ALWAYS, "the sampler order is fixed by the engine"),
+}
+
 UNSUPPORTED: dict[str, dict[str, tuple[Any, str]]] = {
     "chat": {
-        "typical_p": (_OFF, "typical sampling is not implemented by the engine"),
-        "functions": (_OFF, "the deprecated functions API is not supported; send 'tools'"),
-        "function_call": (_OFF, "the deprecated functions API is not supported; send 'tool_choice'"),
-        "audio": (_OFF, "audio output is not supported"),
+        "functions": (_ALWAYS, "the deprecated functions API is not supported; send 'tools'"),
+        "function_call": (_ALWAYS, "the deprecated functions API is not supported; send 'tool_choice'"),
+        "audio": (_ALWAYS, "audio output is not supported"),
         "modalities": (("text",), "only text output is supported"),
-        "web_search_options": (_OFF, "web search is not available"),
+        "web_search_options": (_ALWAYS, "web search is not available"),
         "store": ((False,), "stored completions are not supported"),
-        "verbosity": (_OFF, "verbosity is not supported"),
-        "moderation": (_OFF, "moderation is not available"),
+        "verbosity": (_ALWAYS, "verbosity is not supported"),
+        "moderation": (_ALWAYS, "moderation is not available"),
+        **_LLAMACPP_UNSUPPORTED,
     },
     "completions": {
-        "typical_p": (_OFF, "typical sampling is not implemented by the engine"),
         "best_of": ((1,), "best_of is not supported by the engine; use n"),
+        **_LLAMACPP_UNSUPPORTED,
     },
     "embeddings": {"stream": ((False,), "embeddings do not stream")},
 }
 
 
 def apply_parameter_policy(operation: str, body: dict[str, Any]) -> None:
-    """Drop ignored parameters from ``body`` in place; refuse unsupported ones."""
+    """Rename llama.cpp aliases, drop ignored parameters, refuse unsupported
+    ones; ``body`` is changed in place."""
+    if operation != "embeddings":
+        _rename_aliases(body)
     for name in IGNORED[operation] & body.keys():
         del body[name]
     for name, (off, why) in UNSUPPORTED[operation].items():
@@ -81,8 +114,20 @@ def apply_parameter_policy(operation: str, body: dict[str, Any]) -> None:
         )
 
 
+def _rename_aliases(body: dict[str, Any]) -> None:
+    for alias, name in LLAMACPP_ALIASES.items():
+        if alias not in body:
+            continue
+        value = body.pop(alias)
+        if name in body and body[name] != value:
+            raise OpenAIError(
+                400, f"'{alias}' and '{name}' are the same parameter; send one.", param=alias, code="invalid_value"
+            )
+        body[name] = value
+
+
 def _is_off(value: Any, off: Any) -> bool:
-    if off is _OFF:
+    if off is _ALWAYS:
         return False
     if isinstance(value, list):
         return tuple(value) == off

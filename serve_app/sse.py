@@ -38,3 +38,13 @@ def take_usage(item: str, keep: bool) -> tuple[str, dict | None]:
             item = "\n\n".join(events)
         return item, chunk["usage"]
     return item, None
+
+
+def events(item: str) -> list[dict]:
+    """Every JSON event of a relayed item, in order (for dialects that answer
+    streams in another shape; OpenAI-shaped streams never pay for this)."""
+    return [
+        json.loads(event[len("data: "):])
+        for event in item.split("\n\n")
+        if event.startswith("data: {")
+    ]
