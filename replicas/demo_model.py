@@ -21,13 +21,16 @@ import tempfile
 from pathlib import Path
 
 # Bump when anything below changes what gets built: it names the cache folder.
-DEMO_MODEL_VERSION = "1"
+DEMO_MODEL_VERSION = "2"
 DEMO_MODEL_NAME = "tiny-llama"
 
 CORPUS = Path(__file__).resolve().parent.parent / "LICENSE"
 VOCAB_SIZE = 1024
 SEED = 0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Reasoning models' markers, as ordinary (non-special) tokens: vLLM's reasoning
+# parsers need them in the vocabulary to serve a "thinking" variant of the demo.
+THINK_TOKENS = ["<think>", "</think>"]
 
 # ChatML, the format most open chat models use; generation prompt opens an
 # assistant turn so vLLM's chat layer behaves as it does with real models.
@@ -87,6 +90,7 @@ def _train_tokenizer(out: Path):
         unk_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
+    tokenizer.add_tokens(THINK_TOKENS)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     return tokenizer

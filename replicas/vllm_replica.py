@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 from ray import serve
 
+from replicas import reasoning
 from replicas.config import ModelConfig, resolve_source
 from replicas.streaming import coalesce
 
@@ -105,6 +106,8 @@ class VLLMReplica:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.batch_interval_s = config.stream_batch_interval_ms / 1000
         self._endpoints = _endpoints(state)
+        # Only a model with a reasoning parser ever carries `reasoning`.
+        self.reasons = bool(getattr(args, "reasoning_parser", None))
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         self._error_from = create_error_response
@@ -148,6 +151,8 @@ class VLLMReplica:
         response = result.model_dump()
         if _names_a_tool(body):
             _finish_named_tool_calls(response)
+        if self.reasons:
+            reasoning.add_to_response(response)
         return 200, openai_json(response), response.get("usage"), self.replica
 
     async def stream(self, operation: str, body: dict[str, Any]) -> AsyncIterator[str | tuple]:
@@ -165,6 +170,8 @@ class VLLMReplica:
         async for text in coalesce(result, self.batch_interval_s):
             if named_tool:
                 text = text.replace(_FINISH_STOP, _FINISH_TOOL_CALLS)
+            if self.reasons:
+                text = reasoning.add_to_stream(text)
             if first:
                 text, first = self._replica_comment + text, False
             yield text

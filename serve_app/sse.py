@@ -1,8 +1,10 @@
 """The few places the ingress looks inside a relayed SSE stream.
 
-Only the first item (the replica's name comment) and the last one (which
-ends with ``data: [DONE]``, after the usage event) are inspected; the items
-in between are passed on untouched, so streaming costs no parsing per chunk.
+For OpenAI-shaped streams only the first item (the replica's name comment)
+and the last one (which ends with ``data: [DONE]``, after the usage event) are
+inspected; the items in between are passed on untouched, so streaming costs
+no parsing per chunk. Dialects that answer in another shape parse every event
+(``events``).
 """
 
 from __future__ import annotations
