@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEMO_SOURCE = "demo"
 PACKAGE_PREFIX = "package:"
+# Requests an ingress replica holds for a model whose replicas are all at
+# max_ongoing_requests; beyond it the gateway answers 503 at once (backpressure)
+# instead of queueing without bound. Per ingress replica (Serve counts per handle).
+DEFAULT_MAX_QUEUED_REQUESTS = 64
 
 
 class MediaPolicy(BaseModel):
@@ -97,6 +101,7 @@ class ModelConfig(BaseModel):
         elif self.accelerator == "gpu":
             actor_options["num_gpus"] = 1
         options["ray_actor_options"] = actor_options
+        options["max_queued_requests"] = DEFAULT_MAX_QUEUED_REQUESTS
         options.update(self.deployment)
         return options
 

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response, StreamingResponse
 
@@ -34,6 +36,16 @@ STREAM_FAILED = (
     'data: {"error": {"message": "The model stream failed.", "type": "server_error", '
     '"param": null, "code": null}}\n\n'
 )
+
+
+# What a 503 tells the client to wait: a hint, the queue drains continuously.
+UNAVAILABLE_RETRY_S = 1
+
+
+def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
+    """503, never 429: the cluster is busy, the key's quota is fine."""
+    retry = {"retry-after": str(UNAVAILABLE_RETRY_S), "retry-after-ms": str(UNAVAILABLE_RETRY_S * 1000)}
+    return OpenAIError(503, message, code=code, headers={**ticket.headers, **retry})
 
 
 @dataclass
@@ -141,6 +153,13 @@ class Gateway:
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
+        except BackPressureError:
+            # The cluster is full, not the key's quota: nothing ran, nothing is charged.
+            self.access.settle(ticket, "overloaded", {})
+            raise _unavailable(ticket, f"Model '{request.model}' is at capacity. Please retry shortly.", "model_overloaded") from None
+        except (RayActorError, ActorUnavailableError):
+            self.access.settle(ticket, "failed", {})
+            raise _unavailable(ticket, f"A replica of model '{request.model}' went away. Please retry.", "replica_unavailable") from None
         except BaseException:
             self.access.settle(ticket, "failed")
             raise

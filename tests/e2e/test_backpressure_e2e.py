@@ -1,0 +1,104 @@
+"""Backpressure: a model whose replicas are busy and whose queue is full is
+answered 503 at once (OpenAI envelope, retry-after), never 429, and a refused
+request costs the key nothing and holds no concurrency slot.
+
+The stack serves only the demo chat model, with one request at a time per
+replica and a queue of one, so a handful of concurrent requests fill it."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis as redis_sync
+
+from http_checks import assert_error_envelope, free_port
+from serve_app import redis_names
+from stack import create_key, local_app_args, serve_stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-llama"
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "min_tokens": 300,
+        "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server):
+    args = {**local_app_args(), "redis_url": redis_server.url}
+    chat = next(model for model in args["models"] if model["name"] == MODEL)
+    chat["deployment"] = {**chat["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
+    args["models"] = [chat]
+    with serve_stack(args, port=free_port()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def key(base_url, redis_server):
+    return create_key(redis_server.url, "backpressure", requests_per_minute=10_000, max_concurrent=50)
+
+
+def _post(base_url, secret, stream):
+    body = {**LONG, "stream": stream}
+    with httpx.Client(base_url=base_url, timeout=120, headers={"authorization": f"Bearer {secret}"}) as client:
+        if not stream:
+            return client.post("/v1/chat/completions", json=body)
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.read()  # the whole stream: the slot is held until it ends
+            return response
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_full_queue_is_503_with_retry_after_never_429(base_url, redis_server, key, stream):
+    key_id, secret = key
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: _post(base_url, secret, stream), range(6)))
+    statuses = sorted(response.status_code for response in responses)
+    assert 200 in statuses and 503 in statuses and 429 not in statuses, statuses
+    assert set(statuses) <= {200, 503}, statuses
+    for response in responses:
+        if response.status_code != 503:
+            continue
+        error = assert_error_envelope(response, 503)
+        assert error["code"] == "model_overloaded" and error["type"] == "service_unavailable_error"
+        assert int(response.headers["retry-after"]) >= 1 and int(response.headers["retry-after-ms"]) >= 1000
+
+    # Refused requests hold no slot and are recorded as overloaded.
+    redis = redis_sync.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 10
+    while redis.zcard(redis_names.concurrency(key_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    refused = [r for r in responses if r.status_code == 503]
+    request_id = refused[0].headers["x-request-id"]
+    record = _record(redis_server.url, request_id)
+    assert record["status"] == "overloaded" and int(record.get("completion_tokens", 0)) == 0
+
+
+def _record(redis_url, http_request_id):
+    import asyncio
+
+    import redis.asyncio
+
+    from serve_app.usage import request_state
+
+    async def fetch():
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            deadline = time.monotonic() + 5
+            while True:
+                state = await request_state(client, http_request_id)
+                if (state and state.get("status") != "admitted") or time.monotonic() > deadline:
+                    return state
+                await asyncio.sleep(0.1)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(fetch())
+
+
+def test_served_again_once_the_queue_drains(base_url, key):
+    response = _post(base_url, key[1], stream=False)
+    assert response.status_code == 200, response.text
