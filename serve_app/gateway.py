@@ -73,35 +73,43 @@ class Gateway:
         }
         self._card_details: dict[str, dict[str, Any]] = {}
         self._media = {config.name: config.media for config in configs}
+        # What clients may send as `model`: each configured name and its aliases.
+        self._names = {config.name: config.name for config in configs}
+        self._names.update({alias: config.name for config in configs for alias in config.aliases})
+        self._aliases = {config.name: list(config.aliases) for config in configs}
 
     # -- models ----------------------------------------------------------------
 
-    def handle(self, model: str) -> DeploymentHandle:
-        handle = self.models.get(model)
-        if handle is None:
+    def resolve(self, model: str) -> str:
+        """The configured name behind ``model`` (a name or an alias), or 404."""
+        name = self._names.get(model)
+        if name is None:
             raise OpenAIError(
                 404,
                 f"The model '{model}' does not exist or you do not have access to it.",
                 param="model",
                 code="model_not_found",
             )
-        return handle
+        return name
 
     async def model_card(self, model: str) -> dict[str, Any]:
         """OpenAI's model object plus what vLLM reports (``max_model_len``, the
         operations it serves). The details come from a replica once, then stay
-        cached: they are fixed by the model's config."""
-        card = self._cards[model]
-        if model not in self._card_details:
-            info = await self.models[model].model_info.remote()
-            self._card_details[model] = {
+        cached: they are fixed by the model's config. An alias's card names the
+        model it stands for in ``alias_of``."""
+        name = self.resolve(model)
+        if name not in self._card_details:
+            info = await self.models[name].model_info.remote()
+            self._card_details[name] = {
                 "max_model_len": info["max_model_len"],
                 "capabilities": info["operations"],
             }
-        return {**card, **self._card_details[model]}
+        card = {**self._cards[name], **self._card_details[name]}
+        if model != name:
+            card.update(id=model, alias_of=name)
+        return card
 
     async def model_card_or_404(self, model: str) -> dict[str, Any]:
-        self.handle(model)
         return await self.model_card(model)
 
     async def only_model_for(self, operation: str | None) -> str:
@@ -123,7 +131,13 @@ class Gateway:
         )
 
     async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
-        return [await self.model_card(name) for name in self._cards if key.allows_model(name)]
+        """Every model ``key`` may use, each followed by its aliases."""
+        return [
+            await self.model_card(model)
+            for name in self._cards
+            if key.allows_model(name)
+            for model in (name, *self._aliases[name])
+        ]
 
     # -- requests --------------------------------------------------------------
 
@@ -134,13 +148,15 @@ class Gateway:
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
         request = validate_request(op, body)
         apply_parameter_policy(op.name, body)
-        handle = self.handle(request.model)
-        self.access.authorize(key, request.model)
+        model = self.resolve(request.model)
+        body["model"] = model  # the name vLLM serves it under
+        handle = self.models[model]
+        self.access.authorize(key, model)
         if op.name == "chat":
-            check_media(body["messages"], self._media[request.model])
+            check_media(body["messages"], self._media[model])
         ticket = await self.access.admit(
             key,
-            request.model,
+            model,
             self.access.reserve_tokens(op, body, raw_size),
             # Ray Serve's id for this HTTP request: it answers it as x-request-id.
             http_request_id,
@@ -156,10 +172,10 @@ class Gateway:
         except BackPressureError:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
             self.access.settle(ticket, "overloaded", {})
-            raise _unavailable(ticket, f"Model '{request.model}' is at capacity. Please retry shortly.", "model_overloaded") from None
+            raise _unavailable(ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded") from None
         except (RayActorError, ActorUnavailableError):
             self.access.settle(ticket, "failed", {})
-            raise _unavailable(ticket, f"A replica of model '{request.model}' went away. Please retry.", "replica_unavailable") from None
+            raise _unavailable(ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable") from None
         except BaseException:
             self.access.settle(ticket, "failed")
             raise

@@ -124,8 +124,7 @@ class Ingress:
     @app.get("/v3/models/{model_id:path}")
     async def retrieve_model(self, model_id: str, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
-        self.gateway.handle(model_id)
-        self.access.authorize(key, model_id)
+        self.access.authorize(key, self.gateway.resolve(model_id))
         return JSONResponse(await self.gateway.model_card(model_id))
 
     # -- Azure AI model inference -------------------------------------------------

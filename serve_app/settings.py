@@ -68,9 +68,9 @@ class AppSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _unique_names(self):
-        names = [m.name for m in self.models]
+        names = [name for m in self.models for name in (m.name, *m.aliases)]
         if len(names) != len(set(names)):
-            raise ValueError(f"model names must be unique, got {names}")
+            raise ValueError(f"model names and aliases must be unique, got {names}")
         if not names:
             raise ValueError("at least one model must be configured")
         return self

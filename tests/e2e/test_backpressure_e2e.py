@@ -1,9 +1,10 @@
 """Backpressure: a model whose replicas are busy and whose queue is full is
 answered 503 at once (OpenAI envelope, retry-after), never 429, and a refused
-request costs the key nothing and holds no concurrency slot.
+request costs the key nothing and holds no concurrency slot. Also model aliases.
 
-The stack serves only the demo chat model, with one request at a time per
-replica and a queue of one, so a handful of concurrent requests fill it."""
+The stack serves only the demo chat model (alias "chat-default"), with one
+request at a time per replica and a queue of one, so a handful of concurrent
+requests fill it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 import redis as redis_sync
 
@@ -21,6 +23,7 @@ from stack import create_key, local_app_args, serve_stack
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
+ALIAS = "chat-default"
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "min_tokens": 300,
         "ignore_eos": True, "temperature": 0}
 
@@ -30,6 +33,7 @@ def base_url(redis_server):
     args = {**local_app_args(), "redis_url": redis_server.url}
     chat = next(model for model in args["models"] if model["name"] == MODEL)
     chat["deployment"] = {**chat["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
+    chat["aliases"] = [ALIAS]
     args["models"] = [chat]
     with serve_stack(args, port=free_port()) as url:
         yield url
@@ -102,3 +106,14 @@ def _record(redis_url, http_request_id):
 def test_served_again_once_the_queue_drains(base_url, key):
     response = _post(base_url, key[1], stream=False)
     assert response.status_code == 200, response.text
+
+
+def test_an_alias_routes_to_its_model_and_is_listed(base_url, redis_server):
+    _, secret = create_key(redis_server.url, "alias-user", models=[MODEL])
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model=ALIAS, messages=LONG["messages"], max_tokens=3)
+    assert reply.model == MODEL and reply.usage.completion_tokens <= 3
+    cards = {card.id: card for card in client.models.list().data}
+    assert list(cards) == [MODEL, ALIAS]
+    assert cards[ALIAS].model_extra["alias_of"] == MODEL
+    assert client.models.retrieve(ALIAS).model_extra["alias_of"] == MODEL

@@ -102,3 +102,11 @@ def test_every_model_has_a_bounded_queue_unless_configured():
     assert ModelConfig(name="m").serve_options()["max_queued_requests"] == DEFAULT_MAX_QUEUED_REQUESTS
     configured = ModelConfig(name="m", deployment={"max_queued_requests": 3}).serve_options()
     assert configured["max_queued_requests"] == 3
+
+
+def test_aliases_must_not_collide_with_names_or_each_other():
+    with pytest.raises(ValidationError):
+        AppSettings(models=[ModelConfig(name="a", aliases=["b"]), ModelConfig(name="b")])
+    with pytest.raises(ValidationError):
+        AppSettings(models=[ModelConfig(name="a", aliases=["x"]), ModelConfig(name="b", aliases=["x"])])
+    AppSettings(models=[ModelConfig(name="a", aliases=["x"]), ModelConfig(name="b", aliases=["y"])])
