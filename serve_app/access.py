@@ -20,7 +20,7 @@ import redis.asyncio
 from redis.exceptions import RedisError
 
 from serve_app.admission import REFUSALS, Admission, Decision
-from serve_app.api_requests import Operation
+from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, Operation
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
@@ -30,8 +30,6 @@ from serve_app.usage import new_request_id
 logger = logging.getLogger("ray.serve")
 
 REDIS_DOWN_RETRY_S = 1
-# OpenAI's (and vLLM's) max_tokens when a completions request names none.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass

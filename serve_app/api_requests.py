@@ -40,6 +40,9 @@ class ChatEnvelope(BaseModel):
     stream_options: StreamOptions | None = None
 
 
+# OpenAI's (and vLLM's) max_tokens when a completions request names none.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
 # A prompt as OpenAI accepts it: text, texts, token ids, or lists of token ids.
 Prompt = str | list[str] | list[int] | list[list[int]]
 

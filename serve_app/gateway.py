@@ -66,17 +66,12 @@ class Gateway:
     def __init__(self, access: Access, models: dict[str, DeploymentHandle], configs: list[ModelConfig]):
         self.access = access
         self.models = models
-        created = int(time.time())
-        self._cards = {
-            config.name: {"id": config.name, "object": "model", "created": created, "owned_by": config.owned_by}
-            for config in configs
-        }
+        self._configs = {config.name: config for config in configs}
+        self._created = int(time.time())
         self._card_details: dict[str, dict[str, Any]] = {}
-        self._media = {config.name: config.media for config in configs}
         # What clients may send as `model`: each configured name and its aliases.
         self._names = {config.name: config.name for config in configs}
         self._names.update({alias: config.name for config in configs for alias in config.aliases})
-        self._aliases = {config.name: list(config.aliases) for config in configs}
 
     # -- models ----------------------------------------------------------------
 
@@ -104,13 +99,16 @@ class Gateway:
                 "max_model_len": info["max_model_len"],
                 "capabilities": info["operations"],
             }
-        card = {**self._cards[name], **self._card_details[name]}
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": self._configs[name].owned_by,
+            **self._card_details[name],
+        }
         if model != name:
             card.update(id=model, alias_of=name)
         return card
-
-    async def model_card_or_404(self, model: str) -> dict[str, Any]:
-        return await self.model_card(model)
 
     async def only_model_for(self, operation: str | None) -> str:
         """The model for a request that names none (platforms such as SageMaker
@@ -118,7 +116,7 @@ class Gateway:
         ``operation`` (any operation when None), else a 400 asking for it."""
         names = [
             name
-            for name in self._cards
+            for name in self._configs
             if operation is None or operation in (await self.model_card(name))["capabilities"]
         ]
         if len(names) == 1:
@@ -134,9 +132,9 @@ class Gateway:
         """Every model ``key`` may use, each followed by its aliases."""
         return [
             await self.model_card(model)
-            for name in self._cards
+            for name, config in self._configs.items()
             if key.allows_model(name)
-            for model in (name, *self._aliases[name])
+            for model in (name, *config.aliases)
         ]
 
     # -- requests --------------------------------------------------------------
@@ -153,7 +151,7 @@ class Gateway:
         handle = self.models[model]
         self.access.authorize(key, model)
         if op.name == "chat":
-            check_media(body["messages"], self._media[model])
+            check_media(body["messages"], self._configs[model].media)
         ticket = await self.access.admit(
             key,
             model,

@@ -98,12 +98,14 @@ def apply_parameter_policy(operation: str, body: dict[str, Any]) -> None:
         _rename_aliases(body)
     for name in IGNORED[operation] & body.keys():
         del body[name]
-    for name, (off, why) in UNSUPPORTED[operation].items():
-        if name in body and body[name] is not None and not _is_off(body[name], off):
+    unsupported = UNSUPPORTED[operation]
+    for name in [name for name in body if name in unsupported]:  # request order: the first is named
+        off, why = unsupported[name]
+        if body[name] is not None and not _is_off(body[name], off):
             raise OpenAIError(
                 400, f"Unsupported parameter: '{name}': {why}.", param=name, code="unsupported_parameter"
             )
-        body.pop(name, None)
+        del body[name]
     top = body.get("top_logprobs")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise OpenAIError(

@@ -71,7 +71,7 @@ async def translate(operation: str, body: dict[str, Any], headers: Mapping[str, 
 async def info(headers: Mapping[str, str], gateway: Gateway) -> Response:
     """``GET /info``: what the (selected) deployment serves."""
     model = headers.get("azureml-model-deployment") or await gateway.only_model_for(None)
-    card = await gateway.model_card_or_404(model)
+    card = await gateway.model_card(model)
     operation = card["capabilities"][0]
     return JSONResponse(
         {"model_name": card["id"], "model_type": MODEL_TYPES[operation], "model_provider_name": card["owned_by"]}

@@ -26,12 +26,11 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
+from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve_app.dialects.call import Call
 from serve_app.errors import OpenAIError
 from serve_app.gateway import Gateway, Reply
 from serve_app.sse import DONE, events
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 async def translate(name: str, body: dict[str, Any], gateway: Gateway) -> Call:
@@ -58,7 +57,7 @@ async def _completion(body: dict[str, Any], gateway: Gateway) -> Call:
     if not isinstance(raw, bool):
         raise OpenAIError(400, "'use_raw_prompt' must be a boolean.", param="use_raw_prompt")
     if behaviour == "truncate":
-        card = await gateway.model_card_or_404(body["model"])
+        card = await gateway.model_card(body["model"])
         room = card["max_model_len"] - (body.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
         if room < 1:
             raise OpenAIError(400, "'max_tokens' leaves no room for the prompt.", param="max_tokens")

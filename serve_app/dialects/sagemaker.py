@@ -147,10 +147,11 @@ async def _json_lines(stream: AsyncIterator[str], prompt: str, prefix_prompt: bo
                 lines.append(json.dumps({"error": event["error"]}))
                 continue
             for choice in event.get("choices") or ():
-                tokens = _tokens(choice) or [{"id": None, "text": choice.get("text", ""), "log_prob": None}]
-                # The event's text is what the client shows; tokens split it as the engine did.
-                tokens[-1]["text"] = choice.get("text", "") if len(tokens) == 1 else tokens[-1]["text"]
-                text.append(choice.get("text", ""))
+                delta = choice.get("text", "")
+                tokens = _tokens(choice) or [{"id": None, "text": delta, "log_prob": None}]
+                if len(tokens) == 1:
+                    tokens[0]["text"] = delta  # the detokenised text, not the raw token string
+                text.append(delta)
                 count += len(tokens)
                 last = choice.get("finish_reason") is not None
                 for token in tokens[:-1]:
