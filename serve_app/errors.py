@@ -82,7 +82,8 @@ def from_engine_error(status: int, error: dict[str, Any]) -> OpenAIError:
     """Normalise an error the engine produced (vLLM's ErrorInfo: numeric `code`,
     exception-class `type`) into OpenAI's envelope, keeping message and param."""
     message = str(error.get("message") or HTTPStatus(status).phrase)
-    return OpenAIError(status, message, param=error.get("param"), code=_engine_code(status))
+    code = error.get("code")  # vLLM's is the numeric status; the replica's own are names
+    return OpenAIError(status, message, param=error.get("param"), code=code if isinstance(code, str) else _engine_code(status))
 
 
 def _engine_code(status: int) -> str | None:

@@ -10,7 +10,9 @@ its dialect's shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response, StreamingResponse
 
-from replicas.config import ModelConfig
+from replicas.config import ADAPTER_NAME, ModelConfig
 from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.errors import OpenAIError, from_engine_error
@@ -48,6 +50,25 @@ def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
     return OpenAIError(503, message, code=code, headers={**ticket.headers, **retry})
 
 
+class QueueTimeout(Exception):
+    """No replica took the request within the model's ``queue_timeout_s``."""
+
+
+async def reach_replica(response, timeout_s: float) -> None:
+    """Wait until Serve has handed ``response`` (a unary or streaming call) to a
+    replica: immediate when one has room, longer while all are busy or the
+    model is scaling up from zero. Past ``timeout_s`` the call is withdrawn
+    and ``QueueTimeout`` raised. Serve has no public hook for "assigned"; its
+    responses await this private coroutine first (pinned by the scale-to-zero
+    end-to-end test)."""
+    try:
+        async with asyncio.timeout(timeout_s):  # no extra task per request, unlike wait_for
+            await response._fetch_future_result_async()
+    except TimeoutError:
+        response.cancel()
+        raise QueueTimeout from None
+
+
 @dataclass
 class Reply:
     """A successful answer: a JSON body, or an SSE stream already accounted for."""
@@ -72,27 +93,44 @@ class Gateway:
         # What clients may send as `model`: each configured name and its aliases.
         self._names = {config.name: config.name for config in configs}
         self._names.update({alias: config.name for config in configs for alias in config.aliases})
+        # Configured LoRA adapter names -> their base model.
+        self._adapters = {
+            adapter: config.name for config in configs if config.lora for adapter in config.lora.adapters
+        }
 
     # -- models ----------------------------------------------------------------
 
     def resolve(self, model: str) -> str:
-        """The configured name behind ``model`` (a name or an alias), or 404."""
+        """The configured name behind ``model`` (a name, alias or adapter), or 404."""
+        return self.target(model)[0]
+
+    def target(self, model: str) -> tuple[str, str | None]:
+        """(configured model, LoRA adapter or None) for what a client sent as
+        ``model``: a name, an alias, a configured adapter name, or
+        '<model>:<adapter folder>' for a model with an adapter folder. 404 otherwise."""
         name = self._names.get(model)
-        if name is None:
-            raise OpenAIError(
-                404,
-                f"The model '{model}' does not exist or you do not have access to it.",
-                param="model",
-                code="model_not_found",
-            )
-        return name
+        if name is not None:
+            return name, None
+        base = self._adapters.get(model)
+        if base is None:
+            base, _, folder = model.partition(":")
+            lora = self._configs[base].lora if base in self._configs else None
+            if lora is None or lora.dir is None or not re.fullmatch(ADAPTER_NAME, folder):
+                raise OpenAIError(
+                    404,
+                    f"The model '{model}' does not exist or you do not have access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
+        return base, model
 
     async def model_card(self, model: str) -> dict[str, Any]:
         """OpenAI's model object plus what vLLM reports (``max_model_len``, the
         operations it serves). The details come from a replica once, then stay
         cached: they are fixed by the model's config. An alias's card names the
-        model it stands for in ``alias_of``."""
-        name = self.resolve(model)
+        model it stands for in ``alias_of``, an adapter's its base in ``parent``
+        (vLLM's field for it)."""
+        name, adapter = self.target(model)
         if name not in self._card_details:
             info = await self.models[name].model_info.remote()
             self._card_details[name] = {
@@ -106,7 +144,9 @@ class Gateway:
             "owned_by": self._configs[name].owned_by,
             **self._card_details[name],
         }
-        if model != name:
+        if adapter is not None:
+            card.update(id=model, parent=name)
+        elif model != name:
             card.update(id=model, alias_of=name)
         return card
 
@@ -129,12 +169,13 @@ class Gateway:
         )
 
     async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
-        """Every model ``key`` may use, each followed by its aliases."""
+        """Every model ``key`` may use, each followed by its aliases and its
+        configured adapters (adapters in a folder are loaded on demand, not listed)."""
         return [
             await self.model_card(model)
             for name, config in self._configs.items()
             if key.allows_model(name)
-            for model in (name, *config.aliases)
+            for model in (name, *config.aliases, *(config.lora.adapters if config.lora else ()))
         ]
 
     # -- requests --------------------------------------------------------------
@@ -146,9 +187,12 @@ class Gateway:
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
         request = validate_request(op, body)
         apply_parameter_policy(op.name, body)
-        model = self.resolve(request.model)
-        body["model"] = model  # the name vLLM serves it under
+        model, adapter = self.target(request.model)
+        body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
+        if adapter is not None:
+            # Serve model multiplexing: prefer replicas that already hold the adapter.
+            handle = handle.options(multiplexed_model_id=adapter)
         self.access.authorize(key, model)
         if op.name == "chat":
             check_media(body["messages"], self._configs[model].media)
@@ -160,10 +204,13 @@ class Gateway:
             http_request_id,
         )
         body["request_id"] = ticket.request_id
+        queue_timeout_s = self._configs[model].queue_timeout_s
         try:
             if getattr(request, "stream", False):
-                return await self._stream(handle, op, body, request, ticket)
-            status, payload, usage, replica = await handle.call.remote(op.name, body)
+                return await self._stream(handle, op, body, request, ticket, queue_timeout_s)
+            response = handle.call.remote(op.name, body)
+            await reach_replica(response, queue_timeout_s)
+            status, payload, usage, replica = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
@@ -171,6 +218,11 @@ class Gateway:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
             self.access.settle(ticket, "overloaded", {})
             raise _unavailable(ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded") from None
+        except QueueTimeout:
+            # Still queued after the model's bound: replicas busy or starting (scale from zero).
+            self.access.settle(ticket, "overloaded", {})
+            message = f"No replica of model '{model}' became available within {queue_timeout_s:g}s (it may be starting). Please retry."
+            raise _unavailable(ticket, message, "model_unavailable") from None
         except (RayActorError, ActorUnavailableError):
             self.access.settle(ticket, "failed", {})
             raise _unavailable(ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable") from None
@@ -184,12 +236,15 @@ class Gateway:
             raise error
         return Reply(ticket.headers, body=payload)
 
-    async def _stream(self, handle: DeploymentHandle, op: Operation, body: dict, request, ticket: Ticket) -> Reply:
+    async def _stream(
+        self, handle: DeploymentHandle, op: Operation, body: dict, request, ticket: Ticket, queue_timeout_s: float
+    ) -> Reply:
         options = request.stream_options
         client_wants_usage = bool(options and options.include_usage)
         # Usage is always asked for: it settles the token reservation.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         chunks = handle.options(stream=True).stream.remote(op.name, body)
+        await reach_replica(chunks, queue_timeout_s)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:

@@ -68,9 +68,11 @@ class AppSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _unique_names(self):
-        names = [name for m in self.models for name in (m.name, *m.aliases)]
+        names = [
+            name for m in self.models for name in (m.name, *m.aliases, *(m.lora.adapters if m.lora else ()))
+        ]
         if len(names) != len(set(names)):
-            raise ValueError(f"model names and aliases must be unique, got {names}")
+            raise ValueError(f"model names, aliases and adapter names must be unique, got {names}")
         if not names:
             raise ValueError("at least one model must be configured")
         return self

@@ -81,6 +81,47 @@ def test_local_config_validates():
     assert [m.name for m in settings.models] == ["tiny-llama", "minilm"]
 
 
+def test_multi_model_config_validates():
+    import yaml
+    from pathlib import Path
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "multi.yaml").read_text())
+    settings = AppSettings(**config["applications"][0]["args"])
+    models = {m.name: m for m in settings.models}
+    assert list(models) == ["tiny-llama", "small-llama", "minilm"]
+    assert models["small-llama"].lora.adapters == {"small-llama-pirate": "demo"}
+    assert models["small-llama"].serve_options()["autoscaling_config"]["max_replicas"] == 2
+
+
+def test_lora_settings_reach_vllm_and_names_stay_unique():
+    from replicas.vllm_replica import vllm_cli_args
+
+    model = ModelConfig(name="m", lora={"adapters": {"a": "/x"}, "max_adapters_per_replica": 3, "max_rank": 8})
+    argv = vllm_cli_args(model, "/w")
+    assert argv[argv.index("--max-loras") + 1] == "3" and "--enable-lora" in argv
+    assert argv[argv.index("--max-lora-rank") + 1] == "8"
+    with pytest.raises(ValidationError, match="unique"):
+        AppSettings(models=[{"name": "a"}, {"name": "b", "lora": {"adapters": {"a": "/x"}}}])
+    with pytest.raises(ValidationError, match="letters"):
+        ModelConfig(name="m", lora={"adapters": {"../up": "/x"}})
+    with pytest.raises(ValidationError, match="demo base"):
+        ModelConfig(name="m", source="/weights", lora={"adapters": {"a": "demo"}})
+
+
+def test_adapter_folders_resolve_only_inside_the_configured_dir(tmp_path):
+    from replicas.config import resolve_adapter
+
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "adapter_config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    model = ModelConfig(name="m", lora={"dir": str(tmp_path), "adapters": {"named": "/elsewhere"}})
+    assert resolve_adapter(model, "m:good") == str(tmp_path / "good")
+    assert resolve_adapter(model, "named") == "/elsewhere"
+    for missing in ("m:empty", "m:nope", "m:../good", "m:.hidden", "other:good", "m:"):
+        assert resolve_adapter(model, missing) is None, missing
+    assert resolve_adapter(ModelConfig(name="m"), "m:good") is None
+
+
 def test_media_policy_reaches_vllm_flags():
     config = ModelConfig(name="m", media={"allowed_domains": ["img.example.com"], "local_dir": "/srv/media"})
     argv = vllm_cli_args(config, "/models/m")
@@ -110,3 +151,14 @@ def test_aliases_must_not_collide_with_names_or_each_other():
     with pytest.raises(ValidationError):
         AppSettings(models=[ModelConfig(name="a", aliases=["x"]), ModelConfig(name="b", aliases=["x"])])
     AppSettings(models=[ModelConfig(name="a", aliases=["x"]), ModelConfig(name="b", aliases=["y"])])
+
+
+def test_accelerator_type_reaches_ray_placement():
+    single = ModelConfig(name="m", accelerator="gpu", accelerator_type="L4").serve_options()
+    assert single["ray_actor_options"]["accelerator_type"] == "L4"
+    sharded = ModelConfig(
+        name="m", accelerator="gpu", accelerator_type="H100", engine_kwargs={"tensor_parallel_size": 2}
+    ).serve_options()
+    assert sharded["placement_group_bundles"][1:] == [{"GPU": 1, "accelerator_type:H100": 0.001}] * 2
+    with pytest.raises(ValidationError, match="accelerator: gpu"):
+        ModelConfig(name="m", accelerator_type="L4")

@@ -41,3 +41,39 @@ def test_second_call_reuses_the_cached_build(tmp_path):
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert build_demo_model(path) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_small_size_is_a_larger_model_with_the_same_tokenizer(tmp_path):
+    tiny = build_demo_model(tmp_path / "tiny")
+    small = build_demo_model(tmp_path / "small", size="small")
+    tiny_config, small_config = (json.loads((p / "config.json").read_text()) for p in (tiny, small))
+    assert small_config["num_hidden_layers"] > tiny_config["num_hidden_layers"]
+    assert small_config["hidden_size"] > tiny_config["hidden_size"] and small_config["head_dim"] == 64
+    assert (small / "model.safetensors").stat().st_size > 4 * (tiny / "model.safetensors").stat().st_size
+    assert digest(tiny)["tokenizer.json"] == digest(small)["tokenizer.json"]
+
+
+def test_demo_sources_name_a_known_size():
+    import pytest
+    from pydantic import ValidationError
+
+    from replicas.config import ModelConfig
+
+    ModelConfig(name="m", source="demo:small")
+    with pytest.raises(ValidationError, match="demo:small"):
+        ModelConfig(name="m", source="demo:huge")
+
+
+def test_demo_lora_adapter_is_peft_format_and_not_an_identity(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from replicas.demo_lora import RANK, build_demo_adapter
+
+    monkeypatch.setenv("LLM_CLUSTER_DATA_DIR", str(tmp_path / "data"))
+    first = build_demo_adapter(tmp_path / "a")
+    assert digest(build_demo_adapter(tmp_path / "b"))["adapter_model.safetensors"] == digest(first)["adapter_model.safetensors"]
+    config = json.loads((first / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == RANK
+    with safe_open(str(first / "adapter_model.safetensors"), "pt") as tensors:
+        lora_b = [name for name in tensors.keys() if "lora_B" in name]
+        assert lora_b and all(tensors.get_tensor(name).abs().sum() > 0 for name in lora_b)  # PEFT's default B is zero

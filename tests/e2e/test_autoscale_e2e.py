@@ -1,0 +1,182 @@
+"""Autoscaling on the real stack: the LLM-aware policy wired into Ray Serve.
+
+- Sustained streaming load takes the chat model from 1 to 2 replicas; when the
+  load drops it returns to 1, and every stream in flight while a replica is
+  stopped finishes (replicas drain before they stop). The load stays below
+  the request-count target: only the engine's waiting queue, which replicas
+  report to Serve's controller, can ask for the second replica.
+- A scale-to-zero model has no replica until a request comes: that request
+  waits for the cold start and is answered; idle again, the model goes back
+  to zero. A scale-to-zero model whose queue timeout is shorter than a start
+  answers 503 `model_unavailable` with retry-after, costing the key nothing.
+
+Delays are seconds here (minutes in production) so the module runs in a few
+minutes; every replica takes a fraction of a CPU so two chat replicas and the
+scale-to-zero models fit the box's two logical CPUs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+import redis as redis_sync
+
+from http_checks import assert_error_envelope, free_port
+from serve_app import redis_names
+from stack import APP_NAME, create_key, local_app_args, serve_stack
+
+pytestmark = pytest.mark.e2e
+
+CHAT, LAZY, IMPATIENT = "tiny-llama", "lazy-llama", "impatient-llama"
+FAST_SCALING = {"target_ongoing_requests": 2, "upscale_delay_s": 2, "downscale_delay_s": 8, "look_back_period_s": 2}
+STREAM = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 120, "temperature": 0,
+          "extra_body": {"min_tokens": 120, "ignore_eos": True}}
+
+
+def _scale_to_zero_model(name: str, queue_timeout_s: float, base: dict) -> dict:
+    return {
+        **base,
+        "name": name,
+        "cpus_per_replica": 0.25,
+        "deployment": {k: v for k, v in base["deployment"].items() if k != "num_replicas"},
+        "autoscaling": {**FAST_SCALING, "min_replicas": 0, "max_replicas": 1, "downscale_delay_s": 5},
+        "queue_timeout_s": queue_timeout_s,
+    }
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server):
+    args = {**local_app_args(), "redis_url": redis_server.url}
+    chat = next(model for model in args["models"] if model["name"] == CHAT)
+    chat["deployment"] = {k: v for k, v in chat["deployment"].items() if k != "num_replicas"}
+    chat["cpus_per_replica"] = 0.5
+    args["models"] = [
+        _scale_to_zero_model(LAZY, queue_timeout_s=240, base=chat),
+        _scale_to_zero_model(IMPATIENT, queue_timeout_s=2, base=chat),
+    ]
+    # Two sequences per engine step: more concurrent streams wait in the engine's
+    # queue. 6 ongoing requests are under the target of 8 per replica.
+    chat["engine_kwargs"] = {**chat["engine_kwargs"], "max_num_seqs": 2}
+    chat["autoscaling"] = {**FAST_SCALING, "target_ongoing_requests": 8, "min_replicas": 1, "max_replicas": 2}
+    args["models"].insert(0, chat)
+    with serve_stack(args, port=free_port()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def key(base_url, redis_server):
+    return create_key(redis_server.url, "autoscale", requests_per_minute=100_000, max_concurrent=100)
+
+
+def running_replicas(model: str) -> int:
+    from ray import serve
+
+    from replicas.config import deployment_name
+
+    deployment = serve.status().applications[APP_NAME].deployments[deployment_name(model)]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def wait_for_replicas(model: str, wanted: int, timeout_s: float) -> float:
+    """Seconds until ``model`` has exactly ``wanted`` running replicas."""
+    start = time.monotonic()
+    while running_replicas(model) != wanted:
+        assert time.monotonic() - start < timeout_s, f"{model}: {running_replicas(model)} replicas, wanted {wanted}"
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+class StreamingLoad:
+    """Threads that each stream chat completions back to back until stopped.
+    A stream counts as complete only when it ends with a finish_reason."""
+
+    def __init__(self, base_url: str, secret: str, model: str):
+        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=180)
+        self.model = model
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._threads: list[tuple[threading.Thread, threading.Event]] = []
+
+    def add(self, count: int) -> None:
+        for _ in range(count):
+            stop = threading.Event()
+            thread = threading.Thread(target=self._run, args=(stop,), daemon=True)
+            thread.start()
+            self._threads.append((thread, stop))
+
+    def remove(self, count: int) -> None:
+        """Stop ``count`` threads after their current stream (no stream is cut)."""
+        for thread, stop in self._threads[:count]:
+            stop.set()
+            thread.join(timeout=180)
+        self._threads = self._threads[count:]
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                finish = None
+                for chunk in self.client.chat.completions.create(model=self.model, stream=True, **STREAM):
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                self.outcomes["complete" if finish == "length" else f"finish={finish}"] += 1
+            except Exception as exc:  # any failure is a test failure, counted and kept
+                self.outcomes["error"] += 1
+                self.errors.append(repr(exc))
+
+
+def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_url, key):
+    assert running_replicas(LAZY) == 0
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
+    start = time.monotonic()
+    reply = client.chat.completions.create(model=LAZY, messages=STREAM["messages"], max_tokens=4)
+    waited = time.monotonic() - start
+    assert reply.model == LAZY and reply.choices[0].message.content is not None
+    assert running_replicas(LAZY) == 1
+    print(f"\ncold start answered after {waited:.1f}s")
+    # Idle again: back to zero after its downscale delay.
+    wait_for_replicas(LAZY, 0, timeout_s=120)
+
+
+def test_engine_queue_scales_up_and_idle_scales_down_without_failing_a_stream(base_url, key):
+    assert running_replicas(CHAT) == 1
+    load = StreamingLoad(base_url, key[1], CHAT)
+    try:
+        load.add(6)  # 2 running + 4 waiting in the engine: saturated, though 6 < 8 ongoing
+        up_s = wait_for_replicas(CHAT, 2, timeout_s=240)
+        time.sleep(5)  # both replicas serve for a while
+        load.remove(4)  # 2 ongoing: one replica is enough; streams stay in flight on both
+        down_s = wait_for_replicas(CHAT, 1, timeout_s=240)
+        time.sleep(3)
+    finally:
+        load.remove(len(load._threads))
+    print(f"\n1->2 replicas after {up_s:.0f}s of load, 2->1 after {down_s:.0f}s of less; streams {dict(load.outcomes)}")
+    assert load.outcomes["error"] == 0, load.errors[:3]
+    assert set(load.outcomes) == {"complete"}, load.outcomes
+    assert load.outcomes["complete"] >= 10
+
+
+def test_cold_start_longer_than_the_queue_timeout_is_503_with_retry_after(base_url, key, redis_server):
+    key_id, secret = key
+    assert running_replicas(IMPATIENT) == 0
+    start = time.monotonic()
+    response = httpx.post(
+        base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {secret}"},
+        json={"model": IMPATIENT, "messages": STREAM["messages"], "max_tokens": 4},
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    error = assert_error_envelope(response, 503)
+    assert error["code"] == "model_unavailable" and error["type"] == "service_unavailable_error"
+    assert int(response.headers["retry-after"]) >= 1
+    assert 2 <= elapsed < 15, elapsed  # waited its 2 s bound, not the whole start
+    redis = redis_sync.Redis.from_url(redis_server.url)
+    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    # The request still woke the model; with nobody waiting it goes back to zero.
+    wait_for_replicas(IMPATIENT, 1, timeout_s=180)
+    wait_for_replicas(IMPATIENT, 0, timeout_s=120)

@@ -1,0 +1,102 @@
+"""Several models at once, as configs/multi.yaml ships them: two chat models of
+different sizes (the small one with LoRA adapters through Serve model
+multiplexing) and an embedding model, each its own deployment and engine,
+routed by `model`. The only change to the shipped config: an adapter folder,
+so '<model>:<folder>' adapters are tested too."""
+
+from __future__ import annotations
+
+import shutil
+from copy import deepcopy
+
+import openai
+import pytest
+import yaml
+
+from http_checks import free_port
+from stack import REPO, create_key, replica_engine_processes, serve_stack
+
+pytestmark = pytest.mark.e2e
+
+TINY, SMALL, EMBED, PIRATE = "tiny-llama", "small-llama", "minilm", "small-llama-pirate"
+PROMPT = [{"role": "user", "content": "Tell me about the license."}]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    from replicas.demo_lora import build_demo_adapter
+
+    folder = tmp_path_factory.mktemp("adapters")
+    # The very adapter the config names `small-llama-pirate`, as a folder.
+    shutil.copytree(build_demo_adapter(size="small"), folder / "pirate-copy")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server, adapter_dir):
+    config = yaml.safe_load((REPO / "configs" / "multi.yaml").read_text())
+    args = deepcopy(config["applications"][0]["args"])
+    args["redis_url"] = redis_server.url
+    small = next(model for model in args["models"] if model["name"] == SMALL)
+    small["lora"]["dir"] = str(adapter_dir)
+    with serve_stack(args, port=free_port()) as url:
+        yield url
+
+
+def greedy(client, model, **extra):
+    reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=24, temperature=0, **extra)
+    return reply.model, reply.choices[0].message.content
+
+
+def test_every_model_is_listed_with_what_it_serves(client):
+    cards = {card.id: card.model_extra for card in client.models.list().data}
+    assert list(cards) == [TINY, "chat-default", SMALL, PIRATE, EMBED]
+    assert cards[SMALL]["capabilities"] == cards[TINY]["capabilities"] == ["chat", "completions"]
+    assert cards[EMBED]["capabilities"] == ["embeddings"]
+    assert cards[PIRATE]["parent"] == SMALL and cards["chat-default"]["alias_of"] == TINY
+
+
+def test_each_model_runs_its_own_engine_and_answers_under_its_name(client):
+    for model in (TINY, SMALL, EMBED):
+        assert replica_engine_processes(model), f"no engine for {model}"
+    tiny, small = greedy(client, TINY), greedy(client, SMALL)
+    assert tiny[0] == TINY and small[0] == SMALL
+    assert tiny[1] != small[1]  # different weights, same prompt, greedy
+    embedding = client.embeddings.create(model=EMBED, input="hello").data[0].embedding
+    assert len(embedding) == 384
+
+
+def test_a_configured_lora_adapter_changes_the_output_of_its_base(client):
+    name, adapted = greedy(client, PIRATE)
+    assert name == PIRATE
+    assert adapted != greedy(client, SMALL)[1]
+    assert greedy(client, PIRATE) == (PIRATE, adapted)  # deterministic, served from the loaded adapter
+
+
+def test_an_adapter_folder_is_loaded_on_demand_as_model_colon_folder(client):
+    name, from_folder = greedy(client, f"{SMALL}:pirate-copy")
+    assert name == f"{SMALL}:pirate-copy"
+    assert from_folder == greedy(client, PIRATE)[1]  # same weights as the named adapter
+
+
+def test_adapters_stream_too(client):
+    chunks = client.chat.completions.create(model=PIRATE, messages=PROMPT, max_tokens=24, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == greedy(client, PIRATE)[1]
+
+
+@pytest.mark.parametrize("model", [f"{SMALL}:missing", f"{SMALL}:..", f"{TINY}:pirate-copy", "pirate-copy"])
+def test_unknown_adapters_are_404_model_not_found(client, model):
+    with pytest.raises(openai.NotFoundError) as caught:
+        greedy(client, model)
+    assert caught.value.body["code"] == "model_not_found"
+    assert greedy(client, SMALL)[0] == SMALL  # the base model is unharmed
+
+
+def test_a_key_limited_to_the_base_model_may_use_its_adapters_only(base_url, redis_server):
+    _, secret = create_key(redis_server.url, "small-only", models=[SMALL])
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    assert greedy(client, PIRATE)[0] == PIRATE
+    with pytest.raises(openai.PermissionDeniedError):
+        greedy(client, TINY)
+    assert [card.id for card in client.models.list().data] == [SMALL, PIRATE]
