@@ -12,10 +12,17 @@ from serve_app.ingress import Ingress
 from serve_app.settings import AppSettings
 
 
+# Any config change redeploys the ingress (it holds the settings). Start its
+# replacement before stopping it (it is cheap), and let the old one relay its
+# streams to their end before it exits.
+INGRESS_ROLLOUT_DEFAULTS = {"max_surge_percent": 100, "graceful_shutdown_timeout_s": 300}
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     settings = AppSettings(**(args or {}))
     models = {
         model.name: VLLMReplica.options(**model.serve_options()).bind(model)
         for model in settings.models
     }
-    return Ingress.options(**settings.ingress.deployment).bind(settings, models)
+    return Ingress.options(**{**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment}).bind(settings, models)
+

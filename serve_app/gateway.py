@@ -90,6 +90,7 @@ class Gateway:
         self._configs = {config.name: config for config in configs}
         self._created = int(time.time())
         self._card_details: dict[str, dict[str, Any]] = {}
+        self._describing: dict[str, asyncio.Future] = {}
         # What clients may send as `model`: each configured name and its aliases.
         self._names = {config.name: config.name for config in configs}
         self._names.update({alias: config.name for config in configs for alias in config.aliases})
@@ -129,26 +130,39 @@ class Gateway:
         operations it serves). The details come from a replica once, then stay
         cached: they are fixed by the model's config. An alias's card names the
         model it stands for in ``alias_of``, an adapter's its base in ``parent``
-        (vLLM's field for it)."""
+        (vLLM's field for it). A scale-to-zero model is never woken up to be
+        described: its card has the details once one of its replicas served."""
         name, adapter = self.target(model)
-        if name not in self._card_details:
-            info = await self.models[name].model_info.remote()
-            self._card_details[name] = {
-                "max_model_len": info["max_model_len"],
-                "capabilities": info["operations"],
-            }
+        if name not in self._card_details and not self._configs[name].scales_to_zero:
+            await self._learn_details(name)
         card = {
             "id": name,
             "object": "model",
             "created": self._created,
             "owned_by": self._configs[name].owned_by,
-            **self._card_details[name],
+            **self._card_details.get(name, {}),
         }
         if adapter is not None:
             card.update(id=model, parent=name)
         elif model != name:
             card.update(id=model, alias_of=name)
         return card
+
+    async def _learn_details(self, name: str) -> None:
+        try:
+            info = await self.models[name].model_info.remote()
+        except Exception:  # the next card or request tries again
+            logger.exception("could not describe model %s", name)
+            return
+        self._card_details[name] = {"max_model_len": info["max_model_len"], "capabilities": info["operations"]}
+
+    def _describe_while_up(self, name: str) -> None:
+        """A scale-to-zero model just answered, so a replica is up: learn its
+        card details now, off the request's path."""
+        if name not in self._card_details and name not in self._describing:
+            task = asyncio.ensure_future(self._learn_details(name))
+            self._describing[name] = task  # a reference, or the loop may drop the task
+            task.add_done_callback(lambda _: self._describing.pop(name, None))
 
     async def only_model_for(self, operation: str | None) -> str:
         """The model for a request that names none (platforms such as SageMaker
@@ -157,7 +171,8 @@ class Gateway:
         names = [
             name
             for name in self._configs
-            if operation is None or operation in (await self.model_card(name))["capabilities"]
+            # A model not described yet (scaled to zero) may serve it.
+            if operation is None or operation in (await self.model_card(name)).get("capabilities", [operation])
         ]
         if len(names) == 1:
             return names[0]
@@ -230,6 +245,7 @@ class Gateway:
             self.access.settle(ticket, "failed")
             raise
         self.access.settle(ticket, "completed" if status == 200 else "failed", usage or {}, replica)
+        self._describe_while_up(model)
         if status != 200:
             error = from_engine_error(status, payload)
             error.headers = ticket.headers
@@ -254,6 +270,7 @@ class Gateway:
             status, error = first
             self.access.settle(ticket, "failed", {})
             raise from_engine_error(status, error)
+        self._describe_while_up(body["model"])
         return Reply(ticket.headers, stream=self._relay(first, chunks, ticket, client_wants_usage))
 
     async def _relay(self, first: str, chunks, ticket: Ticket, client_wants_usage: bool):

@@ -72,9 +72,9 @@ async def info(headers: Mapping[str, str], gateway: Gateway) -> Response:
     """``GET /info``: what the (selected) deployment serves."""
     model = headers.get("azureml-model-deployment") or await gateway.only_model_for(None)
     card = await gateway.model_card(model)
-    operation = card["capabilities"][0]
+    operation = (card.get("capabilities") or [None])[0]  # none yet: a scale-to-zero model not started
     return JSONResponse(
-        {"model_name": card["id"], "model_type": MODEL_TYPES[operation], "model_provider_name": card["owned_by"]}
+        {"model_name": card["id"], "model_type": MODEL_TYPES.get(operation, "unknown"), "model_provider_name": card["owned_by"]}
     )
 
 

@@ -17,9 +17,7 @@ scale-to-zero models fit the box's two logical CPUs.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
 
 import httpx
 import openai
@@ -29,6 +27,7 @@ import redis as redis_sync
 from http_checks import assert_error_envelope, free_port
 from serve_app import redis_names
 from stack import APP_NAME, create_key, local_app_args, serve_stack
+from streaming_load import StreamingLoad
 
 pytestmark = pytest.mark.e2e
 
@@ -91,60 +90,37 @@ def wait_for_replicas(model: str, wanted: int, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-class StreamingLoad:
-    """Threads that each stream chat completions back to back until stopped.
-    A stream counts as complete only when it ends with a finish_reason."""
-
-    def __init__(self, base_url: str, secret: str, model: str):
-        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=180)
-        self.model = model
-        self.outcomes: Counter[str] = Counter()
-        self.errors: list[str] = []
-        self._threads: list[tuple[threading.Thread, threading.Event]] = []
-
-    def add(self, count: int) -> None:
-        for _ in range(count):
-            stop = threading.Event()
-            thread = threading.Thread(target=self._run, args=(stop,), daemon=True)
-            thread.start()
-            self._threads.append((thread, stop))
-
-    def remove(self, count: int) -> None:
-        """Stop ``count`` threads after their current stream (no stream is cut)."""
-        for thread, stop in self._threads[:count]:
-            stop.set()
-            thread.join(timeout=180)
-        self._threads = self._threads[count:]
-
-    def _run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                finish = None
-                for chunk in self.client.chat.completions.create(model=self.model, stream=True, **STREAM):
-                    if chunk.choices and chunk.choices[0].finish_reason:
-                        finish = chunk.choices[0].finish_reason
-                self.outcomes["complete" if finish == "length" else f"finish={finish}"] += 1
-            except Exception as exc:  # any failure is a test failure, counted and kept
-                self.outcomes["error"] += 1
-                self.errors.append(repr(exc))
+def wait_for_card(client, model: str, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while "capabilities" not in (card := client.models.retrieve(model).model_extra):
+        assert time.monotonic() < deadline, card
+        time.sleep(0.5)
+    return card
 
 
 def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_url, key):
     assert running_replicas(LAZY) == 0
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
+    # Listing models does not wake it up; its card lacks what only a replica knows.
+    cards = {card.id: card.model_extra for card in client.models.list().data}
+    assert "capabilities" not in cards[LAZY] and cards[CHAT]["capabilities"] == ["chat", "completions"]
+    time.sleep(3)
+    assert running_replicas(LAZY) == 0
     start = time.monotonic()
     reply = client.chat.completions.create(model=LAZY, messages=STREAM["messages"], max_tokens=4)
     waited = time.monotonic() - start
     assert reply.model == LAZY and reply.choices[0].message.content is not None
     assert running_replicas(LAZY) == 1
     print(f"\ncold start answered after {waited:.1f}s")
+    card = wait_for_card(client, LAZY)  # learnt while its replica was up
+    assert card["capabilities"] == ["chat", "completions"] and card["max_model_len"] == 2048
     # Idle again: back to zero after its downscale delay.
     wait_for_replicas(LAZY, 0, timeout_s=120)
 
 
 def test_engine_queue_scales_up_and_idle_scales_down_without_failing_a_stream(base_url, key):
     assert running_replicas(CHAT) == 1
-    load = StreamingLoad(base_url, key[1], CHAT)
+    load = StreamingLoad(base_url, key[1], CHAT, STREAM)
     try:
         load.add(6)  # 2 running + 4 waiting in the engine: saturated, though 6 < 8 ongoing
         up_s = wait_for_replicas(CHAT, 2, timeout_s=240)
@@ -153,7 +129,7 @@ def test_engine_queue_scales_up_and_idle_scales_down_without_failing_a_stream(ba
         down_s = wait_for_replicas(CHAT, 1, timeout_s=240)
         time.sleep(3)
     finally:
-        load.remove(len(load._threads))
+        load.stop()
     print(f"\n1->2 replicas after {up_s:.0f}s of load, 2->1 after {down_s:.0f}s of less; streams {dict(load.outcomes)}")
     assert load.outcomes["error"] == 0, load.errors[:3]
     assert set(load.outcomes) == {"complete"}, load.outcomes

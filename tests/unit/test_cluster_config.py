@@ -79,3 +79,34 @@ def test_the_deployed_models_fit_the_node_types(cluster):
         assert offering, f"no node type offers {model.tensor_parallel_size}x {model.accelerator_type} for {model.name}"
         cpus = max(spec["resources"]["CPU"] for spec in offering)
         assert model.cpus_per_replica <= cpus
+
+
+def test_local_twin_passes_rays_validation_and_its_provider_adopts_this_machine(monkeypatch, tmp_path):
+    from ray.autoscaler._private.providers import _get_node_provider
+    from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_LAUNCH_CONFIG, TAG_RAY_NODE_KIND
+
+    local = ray_up_checks(load("cluster.local.yaml"))
+    head = local["head_node_type"]
+    assert local["available_node_types"][head]["resources"]["CPU"] < 1.5  # less than configs/multi.yaml needs
+    assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in " ".join(local["head_start_ray_commands"])
+
+    monkeypatch.setenv("RAY_FAKE_CLUSTER", "1")
+    provider = _get_node_provider(local["provider"], local["cluster_name"], use_cache=False)
+    [head_id] = provider.non_terminated_nodes({TAG_RAY_NODE_KIND: NODE_KIND_HEAD})
+    provider.create_node({}, {TAG_RAY_NODE_KIND: NODE_KIND_HEAD, TAG_RAY_LAUNCH_CONFIG: "abc"}, 1)
+    assert provider.non_terminated_nodes({TAG_RAY_NODE_KIND: NODE_KIND_HEAD}) == [head_id]
+    assert provider.node_tags(head_id)[TAG_RAY_LAUNCH_CONFIG] == "abc"
+    provider.terminate_node(head_id)  # forgotten (`ray down` ends its Ray with `ray stop`), not killed
+    assert provider.non_terminated_nodes({}) == []
+    provider.create_node({}, {TAG_RAY_NODE_KIND: NODE_KIND_HEAD}, 1)  # `ray up` adopts it again
+    assert provider.non_terminated_nodes({TAG_RAY_NODE_KIND: NODE_KIND_HEAD}) == [head_id]
+
+    runner = provider.get_command_runner("", head_id, {}, "c", None, True)
+    # Values go JSON-encoded, as Ray's SSH runner sends them (e.g. RAY_OVERRIDE_RESOURCES).
+    resources = runner.run("echo $RES", with_output=True, environment_variables={"RES": {"CPU": 1}})
+    assert resources.strip() == '{"CPU":1}'
+    (tmp_path / "a.yaml").write_text("x: 1")
+    runner.run_rsync_up(str(tmp_path / "a.yaml"), str(tmp_path / "copied" / "a.yaml"))
+    assert (tmp_path / "copied" / "a.yaml").read_text() == "x: 1"
+    with pytest.raises(Exception, match="Command failed"):
+        runner.run("exit 3")
