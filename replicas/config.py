@@ -21,10 +21,6 @@ DEFAULT_MAX_QUEUED_REQUESTS = 64
 # A replica being stopped (scale-down, redeploy) first finishes what it runs:
 # LLM streams last minutes, far beyond Serve's default of 20 s.
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
-# A rollout (`serve deploy` of a changed model) starts replacements before it stops
-# old replicas: a quarter more replicas at a time, at least one, so a one-replica
-# model keeps serving while its successor loads (Serve's default, 0, stops first).
-DEFAULT_MAX_SURGE_PERCENT = 25
 
 
 class MediaPolicy(BaseModel):
@@ -192,7 +188,6 @@ class ModelConfig(BaseModel):
         options["ray_actor_options"] = actor_options
         options["max_queued_requests"] = DEFAULT_MAX_QUEUED_REQUESTS
         options["graceful_shutdown_timeout_s"] = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S
-        options["max_surge_percent"] = DEFAULT_MAX_SURGE_PERCENT
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.serve_autoscaling_config()
         options.update(self.deployment)

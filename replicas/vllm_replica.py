@@ -83,6 +83,8 @@ class VLLMReplica:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
         from replicas.engine_stats import EngineLoad, recorder_factory
 
         self.config = config
@@ -99,7 +101,10 @@ class VLLMReplica:
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[recorder_factory(self.load)],
+            # vLLM's own metrics (queue, KV cache, prefix cache, tokens, latencies)
+            # through Ray's metrics system, as Ray Serve LLM does: every node's Ray
+            # metrics endpoint serves them, labelled per replica.
+            stat_loggers=[recorder_factory(self.load), RayPrometheusStatLogger],
             enable_log_requests=engine_args.enable_log_requests,
             disable_log_stats=engine_args.disable_log_stats,
         )

@@ -25,6 +25,7 @@ from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
 from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
 from serve_app.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
@@ -43,7 +44,8 @@ class Ticket:
 
 
 class Access:
-    def __init__(self, settings: AppSettings):
+    def __init__(self, settings: AppSettings, telemetry: Telemetry):
+        self.telemetry = telemetry
         quota = settings.quota
         self.redis = redis.asyncio.Redis.from_url(
             settings.redis_url,
@@ -62,7 +64,6 @@ class Access:
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         self._background: set[asyncio.Task] = set()
-        self.redis_fallbacks = 0  # requests served on local limits (exported as a metric later)
 
     # -- authentication ------------------------------------------------------
 
@@ -83,6 +84,7 @@ class Access:
             try:
                 record = await self.keys.authenticate(secret)
             except (RedisError, OSError) as exc:
+                self.telemetry.redis_failed("authenticate")
                 record = self._stale_or_unavailable(cached, exc)
             self._cache[hashed] = (now + self.cache_ttl_s, record)
         if record is None:
@@ -92,6 +94,7 @@ class Access:
     def _stale_or_unavailable(self, cached, exc) -> KeyRecord | None:
         if self.fail_open and cached is not None and cached[1] is not None:
             logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
+            self.telemetry.fell_back("cached_key")
             return cached[1]
         raise _unavailable(exc)
 
@@ -125,10 +128,13 @@ class Access:
 
     async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "") -> Ticket:
         request_id = new_request_id(key.id)
+        started = time.perf_counter()
         try:
             decision = await self.admission.admit(key, request_id, model, reserve_tokens, http_request_id)
         except (RedisError, OSError) as exc:
+            self.telemetry.redis_failed("admit")
             return self._admit_locally(key, request_id, reserve_tokens, exc)
+        self.telemetry.admission_took(time.perf_counter() - started)
         headers = decision.headers(key)
         if not decision.admitted:
             raise _refusal(key, decision, reserve_tokens, headers)
@@ -137,7 +143,7 @@ class Access:
     def _admit_locally(self, key: KeyRecord, request_id: str, reserve_tokens: int, exc) -> Ticket:
         if not self.fail_open:
             raise _unavailable(exc)
-        self.redis_fallbacks += 1
+        self.telemetry.fell_back("local_limits")
         logger.warning("Redis unreachable (%s): admitting on local limits", type(exc).__name__)
         admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
         if not admitted:
@@ -171,17 +177,17 @@ class Access:
         )
 
     def _spawn(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(_logged(coroutine))
+        task = asyncio.get_running_loop().create_task(self._logged(coroutine))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-
-async def _logged(coroutine) -> None:
-    try:
-        await coroutine
-    except (RedisError, OSError) as exc:
-        # The lease expires and the reservation stays charged: safe, if strict.
-        logger.warning("Redis unreachable while accounting a request: %s", type(exc).__name__)
+    async def _logged(self, coroutine) -> None:
+        try:
+            await coroutine
+        except (RedisError, OSError) as exc:
+            # The lease expires and the reservation stays charged: safe, if strict.
+            self.telemetry.redis_failed("accounting")
+            logger.warning("Redis unreachable while accounting a request: %s", type(exc).__name__)
 
 
 def _secret_from(headers) -> str | None:

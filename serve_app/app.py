@@ -12,10 +12,11 @@ from serve_app.ingress import Ingress
 from serve_app.settings import AppSettings
 
 
-# Any config change redeploys the ingress (it holds the settings). Start its
-# replacement before stopping it (it is cheap), and let the old one relay its
-# streams to their end before it exits.
-INGRESS_ROLLOUT_DEFAULTS = {"max_surge_percent": 100, "graceful_shutdown_timeout_s": 300}
+# Any config change redeploys the ingress (it holds the settings): let the old
+# replica relay its streams to their end before it exits (Serve's 20 s cuts them).
+# No surge by default: with no spare capacity a surge never schedules and the
+# rollout waits forever; configs give it where the cluster has room.
+INGRESS_ROLLOUT_DEFAULTS = {"graceful_shutdown_timeout_s": 300}
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

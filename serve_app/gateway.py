@@ -31,6 +31,7 @@ from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
 from serve_app.sse import DONE, split_replica, take_usage
+from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
 
@@ -84,8 +85,11 @@ class Reply:
 
 
 class Gateway:
-    def __init__(self, access: Access, models: dict[str, DeploymentHandle], configs: list[ModelConfig]):
+    def __init__(
+        self, access: Access, models: dict[str, DeploymentHandle], configs: list[ModelConfig], telemetry: Telemetry
+    ):
         self.access = access
+        self.telemetry = telemetry
         self.models = models
         self._configs = {config.name: config for config in configs}
         self._created = int(time.time())
@@ -196,13 +200,17 @@ class Gateway:
     # -- requests --------------------------------------------------------------
 
     async def run(
-        self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, http_request_id: str = ""
+        self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, record: RequestRecord
     ) -> Reply:
-        """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``."""
+        """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``.
+        ``record`` learns what telemetry needs; a streamed reply finishes it
+        when the stream ends, anything else is finished by the caller."""
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
+        record.operation = op.name
         request = validate_request(op, body)
         apply_parameter_policy(op.name, body)
         model, adapter = self.target(request.model)
+        record.model = model
         body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
         if adapter is not None:
@@ -216,13 +224,14 @@ class Gateway:
             model,
             self.access.reserve_tokens(op, body, raw_size),
             # Ray Serve's id for this HTTP request: it answers it as x-request-id.
-            http_request_id,
+            record.request_id,
         )
+        self.telemetry.admitted(record)
         body["request_id"] = ticket.request_id
         queue_timeout_s = self._configs[model].queue_timeout_s
         try:
             if getattr(request, "stream", False):
-                return await self._stream(handle, op, body, request, ticket, queue_timeout_s)
+                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record)
             response = handle.call.remote(op.name, body)
             await reach_replica(response, queue_timeout_s)
             status, payload, usage, replica = await response
@@ -245,6 +254,7 @@ class Gateway:
             self.access.settle(ticket, "failed")
             raise
         self.access.settle(ticket, "completed" if status == 200 else "failed", usage or {}, replica)
+        record.used(usage)
         self._describe_while_up(model)
         if status != 200:
             error = from_engine_error(status, payload)
@@ -253,7 +263,14 @@ class Gateway:
         return Reply(ticket.headers, body=payload)
 
     async def _stream(
-        self, handle: DeploymentHandle, op: Operation, body: dict, request, ticket: Ticket, queue_timeout_s: float
+        self,
+        handle: DeploymentHandle,
+        op: Operation,
+        body: dict,
+        request,
+        ticket: Ticket,
+        queue_timeout_s: float,
+        record: RequestRecord,
     ) -> Reply:
         options = request.stream_options
         client_wants_usage = bool(options and options.include_usage)
@@ -270,10 +287,12 @@ class Gateway:
             status, error = first
             self.access.settle(ticket, "failed", {})
             raise from_engine_error(status, error)
+        record.first_token_at = time.monotonic()
+        record.stream = True
         self._describe_while_up(body["model"])
-        return Reply(ticket.headers, stream=self._relay(first, chunks, ticket, client_wants_usage))
+        return Reply(ticket.headers, stream=self._relay(first, chunks, ticket, client_wants_usage, record))
 
-    async def _relay(self, first: str, chunks, ticket: Ticket, client_wants_usage: bool):
+    async def _relay(self, first: str, chunks, ticket: Ticket, client_wants_usage: bool, record: RequestRecord):
         """Relay the replica's stream and account for it.
 
         The usage event (always requested from the replica) is read from the
@@ -300,3 +319,8 @@ class Gateway:
                 chunks.cancel()
             # A cancelled stream's usage is unknown: its reservation stays charged.
             self.access.settle(ticket, status, usage if status == "completed" else None, replica)
+            record.status, record.cancelled = 200, status == "cancelled"
+            if status == "failed":
+                record.error_code = "stream_failed"
+            record.used(usage)
+            self.telemetry.finish(record)

@@ -8,6 +8,7 @@ chunk. It holds no model state.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app import admin
 from serve_app.access import Access
@@ -26,6 +27,7 @@ from serve_app.errors import OpenAIError, envelope, error_response, error_type_f
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.settings import AppSettings
+from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,8 +69,9 @@ class Ingress:
     def __init__(self, settings: AppSettings, models: dict[str, DeploymentHandle]):
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
-        self.access = Access(settings)
-        self.gateway = Gateway(self.access, models, settings.models)
+        self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log)
+        self.access = Access(settings, self.telemetry)
+        self.gateway = Gateway(self.access, models, settings.models, self.telemetry)
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -79,19 +82,41 @@ class Ingress:
             raise OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.")
         return raw
 
-    async def _read(self, request: Request) -> tuple[KeyRecord, dict[str, Any], int]:
+    async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
         """The caller's key (checked first: no key, no parsing) and the JSON body."""
         key = await self.access.authenticate(request.headers)
+        record.key_id, record.key_name = key.id, key.name
         raw = await self._read_body(request)
         return key, parse_json_object(raw), len(raw)
 
-    async def _run(self, request: Request, key: KeyRecord, call: Call, size: int) -> Response:
-        reply = await self.gateway.run(key, call.operation, call.body, size, _serve_request_id(request))
-        return call.respond(reply)
+    async def _handle(self, route: str, request: Request, translate, on_error=None) -> Response:
+        """One inference request by any route: read it, let ``translate`` turn
+        the body into a ``Call`` of this route's dialect, run it, answer; every
+        outcome is recorded once (access log + metrics, ``serve_app/telemetry.py``).
+        ``on_error`` renders errors in the dialect's shape."""
+        record = RequestRecord(route, _serve_request_id(request))
+        try:
+            key, body, size = await self._read(request, record)
+            call = await translate(body)
+            reply = await self.gateway.run(key, call.operation, call.body, size, record)
+            response = call.respond(reply)
+        except OpenAIError as exc:
+            record.refused(exc.status, exc.code, exc.type, exc.headers)
+            response = on_error(exc) if on_error else exc.response()
+        except BaseException as exc:
+            record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500  # 499: client closed
+            self.telemetry.finish(record)
+            raise
+        if not (record.stream and isinstance(response, StreamingResponse)):  # a stream finishes at its end
+            record.status = response.status_code
+            self.telemetry.finish(record)
+        return response
 
     async def _openai(self, operation: str, request: Request) -> Response:
-        key, body, size = await self._read(request)
-        return await self._run(request, key, Call(operation, body), size)
+        async def as_is(body: dict[str, Any]) -> Call:
+            return Call(operation, body)
+
+        return await self._handle("openai", request, as_is)
 
     # -- OpenAI API (also under OpenVINO Model Server's /v3 and Databricks'
     #    /serving-endpoints, where the OpenAI client is pointed at them) ---------
@@ -130,12 +155,10 @@ class Ingress:
     # -- Azure AI model inference -------------------------------------------------
 
     async def _azure(self, operation: str, request: Request) -> Response:
-        try:
-            key, body, size = await self._read(request)
-            call = await azure.translate(operation, body, request.headers, self.gateway)
-            return await self._run(request, key, call, size)
-        except OpenAIError as exc:
-            return azure.error_response(exc)
+        async def translate(body: dict[str, Any]) -> Call:
+            return await azure.translate(operation, body, request.headers, self.gateway)
+
+        return await self._handle("azure", request, translate, on_error=azure.error_response)
 
     @app.post("/chat/completions")
     @app.post("/models/chat/completions")
@@ -160,8 +183,7 @@ class Ingress:
 
     @app.post("/invocations")
     async def sagemaker_invocations(self, request: Request) -> Response:
-        key, body, size = await self._read(request)
-        return await self._run(request, key, await sagemaker.translate(body, self.gateway), size)
+        return await self._handle("sagemaker", request, lambda body: sagemaker.translate(body, self.gateway))
 
     @app.get("/ping")
     async def sagemaker_ping(self) -> Response:
@@ -171,8 +193,7 @@ class Ingress:
 
     @app.post("/serving-endpoints/{name}/invocations")
     async def databricks_invocations(self, name: str, request: Request) -> Response:
-        key, body, size = await self._read(request)
-        return await self._run(request, key, await databricks.translate(name, body, self.gateway), size)
+        return await self._handle("databricks", request, lambda body: databricks.translate(name, body, self.gateway))
 
     # -- admin API (same operations as `llmctl`) ---------------------------------
 

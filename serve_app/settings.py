@@ -51,6 +51,19 @@ class QuotaConfig(BaseModel):
     redis_timeout_s: float = Field(0.5, gt=0, description="Per-command Redis timeout.")
 
 
+class TelemetryConfig(BaseModel):
+    """Metrics and access log (README, "Metrics and logs")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    per_key_metrics: bool = Field(
+        False,
+        description="Label request and token metrics by API key name. Off by default: one "
+        "series per key grows without bound; per-key usage is in Redis (`llmctl usage`).",
+    )
+    access_log: bool = Field(True, description="One JSON line per request on the ingress's stdout.")
+
+
 class AppSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
@@ -59,6 +72,7 @@ class AppSettings(BaseSettings):
     models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig(name="tiny-llama")])
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL")
     )

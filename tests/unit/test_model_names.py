@@ -16,7 +16,7 @@ CONFIGS = [
 
 @pytest.fixture
 def gateway():
-    return Gateway(access=None, models={}, configs=CONFIGS)
+    return Gateway(access=None, models={}, configs=CONFIGS, telemetry=None)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,215 @@
+"""What the gateway tells operators about each request: one JSON access-log
+line and Prometheus metrics, both from the same per-request record.
+
+Metrics go through Ray's metrics system (``ray.util.metrics``), so every node's
+Ray metrics endpoint serves them beside Ray Serve's and vLLM's; Ray prefixes
+their names with ``ray_``. Labels stay low-cardinality: model, route (the API
+dialect), status code, limit kind. A key's name becomes a label only when the
+operator opts in (``telemetry.per_key_metrics``); otherwise per-key usage is in
+Redis (``llmctl usage``). The access log never holds prompt or completion text.
+
+Cost per request: a handful of metric updates and one ``json.dumps``; nothing
+per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+ACCESS_LOGGER = "llm_cluster.access"
+
+# Seconds. LLM latencies span milliseconds (first token of a short prompt) to
+# minutes (long generations); per-token times are milliseconds.
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+PER_TOKEN_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1]
+ADMISSION_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5]
+
+# 429 `type` (serve_app.admission.REFUSALS) -> the limit kind label.
+LIMIT_KINDS = {
+    "requests": "requests",
+    "tokens": "tokens",
+    "concurrency": "concurrency",
+    "daily_token_budget": "budget",
+    "monthly_token_budget": "budget",
+}
+
+
+@dataclass
+class RequestRecord:
+    """One request as the access log and metrics see it, filled in as it goes."""
+
+    route: str  # openai | azure | sagemaker | databricks
+    request_id: str = ""  # Serve's x-request-id
+    started: float = field(default_factory=time.monotonic)
+    key_id: str = ""
+    key_name: str = ""
+    model: str = ""  # the configured model ("" until resolved)
+    operation: str = ""
+    stream: bool = False
+    status: int = 0
+    error_code: str | None = None
+    limit: str | None = None  # which quota refused it (429)
+    retry_after: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    cancelled: bool = False  # the client went away mid-stream
+    in_flight: bool = False  # counted in the in-flight gauge
+
+    def refused(self, status: int, code: str | None, error_type: str, headers: dict[str, str]) -> None:
+        self.status, self.error_code = status, code
+        self.retry_after = headers.get("retry-after")
+        if status == 429:
+            self.limit = LIMIT_KINDS.get(error_type, error_type)
+
+    def used(self, usage: dict | None) -> None:
+        if usage:
+            self.prompt_tokens = usage.get("prompt_tokens") or 0
+            self.completion_tokens = usage.get("completion_tokens") or 0
+
+
+class Telemetry:
+    """One per ingress replica."""
+
+    def __init__(self, per_key_metrics: bool = False, access_log: bool = True):
+        self.per_key = per_key_metrics
+        self.access_log = _access_logger() if access_log else None
+        self.requests = Counter(
+            "llm_gateway_requests", "Requests answered, by model, route and HTTP status.", ("model", "route", "status")
+        )
+        self.refusals = Counter(
+            "llm_gateway_rate_limit_refusals", "429s by model and the limit that refused them.", ("model", "limit")
+        )
+        self.duration = Histogram(
+            "llm_gateway_request_duration_seconds", "End-to-end request latency at the ingress.",
+            LATENCY_BUCKETS, ("model", "route"),
+        )
+        self.ttft = Histogram(
+            "llm_gateway_time_to_first_token_seconds", "Streams: time to the first chunk.", LATENCY_BUCKETS, ("model",)
+        )
+        self.tpot = Histogram(
+            "llm_gateway_time_per_output_token_seconds", "Streams: time per output token after the first.",
+            PER_TOKEN_BUCKETS, ("model",),
+        )
+        self.prompt_tokens = Counter("llm_gateway_prompt_tokens", "Prompt tokens of answered requests.", ("model",))
+        self.completion_tokens = Counter(
+            "llm_gateway_completion_tokens", "Completion tokens of answered requests.", ("model",)
+        )
+        self.in_flight = Gauge("llm_gateway_requests_in_flight", "Admitted requests not finished yet.", ("model",))
+        self.admission = Histogram(
+            "llm_gateway_admission_seconds", "Time of the quota decision (one Redis script call).", ADMISSION_BUCKETS
+        )
+        self.redis_errors = Counter("llm_gateway_redis_errors", "Redis calls that failed, by operation.", ("operation",))
+        self.fallbacks = Counter(
+            "llm_gateway_redis_fallbacks", "Requests decided without Redis (fail-open: cached key, local limits).",
+            ("kind",),
+        )
+        self.disconnects = Counter(
+            "llm_gateway_client_disconnects", "Streams the client cancelled before the end.", ("model",)
+        )
+        if self.per_key:
+            self.key_requests = Counter(
+                "llm_gateway_key_requests", "Requests by API key name (opt-in).", ("key_name", "status")
+            )
+            self.key_tokens = Counter("llm_gateway_key_tokens", "Tokens by API key name (opt-in).", ("key_name", "kind"))
+        self._in_flight: dict[str, int] = {}
+
+    # -- events ------------------------------------------------------------------
+
+    def admitted(self, record: RequestRecord) -> None:
+        self._move_in_flight(record.model, +1)
+        record.in_flight = True
+
+    def admission_took(self, seconds: float) -> None:
+        self.admission.observe(seconds)
+
+    def redis_failed(self, operation: str) -> None:
+        self.redis_errors.inc(tags={"operation": operation})
+
+    def fell_back(self, kind: str) -> None:
+        self.fallbacks.inc(tags={"kind": kind})
+
+    def finish(self, record: RequestRecord) -> None:
+        """The request is over (answered, refused, failed or cancelled)."""
+        now = time.monotonic()
+        model = record.model or "unknown"
+        if record.in_flight:
+            self._move_in_flight(record.model, -1)
+            record.in_flight = False
+        status = str(record.status)
+        self.requests.inc(tags={"model": model, "route": record.route, "status": status})
+        self.duration.observe(now - record.started, tags={"model": model, "route": record.route})
+        if record.limit:
+            self.refusals.inc(tags={"model": model, "limit": record.limit})
+        if record.prompt_tokens:
+            self.prompt_tokens.inc(record.prompt_tokens, tags={"model": model})
+        if record.completion_tokens:
+            self.completion_tokens.inc(record.completion_tokens, tags={"model": model})
+        if record.first_token_at is not None:
+            self.ttft.observe(record.first_token_at - record.started, tags={"model": model})
+            if record.completion_tokens > 1 and not record.cancelled:
+                per_token = (now - record.first_token_at) / (record.completion_tokens - 1)
+                self.tpot.observe(per_token, tags={"model": model})
+        if record.cancelled:
+            self.disconnects.inc(tags={"model": model})
+        if self.per_key and record.key_name:
+            self.key_requests.inc(tags={"key_name": record.key_name, "status": status})
+            for kind, count in (("prompt", record.prompt_tokens), ("completion", record.completion_tokens)):
+                if count:
+                    self.key_tokens.inc(count, tags={"key_name": record.key_name, "kind": kind})
+        if self.access_log is not None:
+            self.access_log.info(access_line(record, now))
+
+    def _move_in_flight(self, model: str, delta: int) -> None:
+        count = self._in_flight.get(model, 0) + delta
+        self._in_flight[model] = count
+        self.in_flight.set(count, tags={"model": model})
+
+
+def access_line(record: RequestRecord, now: float) -> str:
+    """One JSON object per request: who, what, how it ended, how long; no text."""
+    line = {
+        "ts": round(time.time(), 3),
+        "request_id": record.request_id,
+        "key_id": record.key_id or None,
+        "model": record.model or None,
+        "route": record.route,
+        "operation": record.operation or None,
+        "stream": record.stream,
+        "status": record.status,
+        "latency_ms": round((now - record.started) * 1000, 1),
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+    }
+    if record.first_token_at is not None:
+        line["ttft_ms"] = round((record.first_token_at - record.started) * 1000, 1)
+    if record.error_code:
+        line["error_code"] = record.error_code
+    if record.limit:
+        line["limit"] = record.limit
+    if record.retry_after is not None:
+        line["retry_after"] = record.retry_after
+    if record.cancelled:
+        line["cancelled"] = True
+    return json.dumps(line, separators=(",", ":"))
+
+
+def _access_logger() -> logging.Logger:
+    """Access lines on the replica process's stdout, one JSON object each,
+    nothing around them (Ray keeps them in the replica's worker-*.out log file,
+    where log shippers pick them up). The process's own stdout: Ray Serve
+    replaces ``sys.stdout`` with a (buffered) writer into its own log format."""
+    logger = logging.getLogger(ACCESS_LOGGER)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.__stdout__)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # not again through Serve's own formatter
+    return logger

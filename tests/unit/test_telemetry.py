@@ -1,0 +1,40 @@
+"""Pure logic: what one request leaves in the access log (no text, the fields
+an operator needs) and how a refusal is classified for metrics."""
+
+import json
+
+from serve_app.telemetry import RequestRecord, access_line
+
+
+def test_access_line_is_one_json_object_with_the_request_outcome():
+    record = RequestRecord("openai", request_id="req-1", started=100.0)
+    record.key_id, record.key_name, record.model, record.operation = "k1", "team-a", "tiny-llama", "chat"
+    record.stream, record.status, record.first_token_at = True, 200, 100.05
+    record.used({"prompt_tokens": 12, "completion_tokens": 30})
+    line = access_line(record, now=100.5)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert entry["request_id"] == "req-1" and entry["key_id"] == "k1" and entry["model"] == "tiny-llama"
+    assert (entry["status"], entry["prompt_tokens"], entry["completion_tokens"]) == (200, 12, 30)
+    assert entry["latency_ms"] == 500.0 and entry["ttft_ms"] == 50.0 and entry["stream"] is True
+    assert "key_name" not in entry and "retry_after" not in entry  # key names stay out of logs by default
+
+
+def test_refusals_carry_the_limit_kind_and_retry_after():
+    record = RequestRecord("azure")
+    record.refused(429, "insufficient_quota", "daily_token_budget", {"retry-after": "3600"})
+    entry = json.loads(access_line(record, now=record.started))
+    assert (entry["status"], entry["limit"], entry["retry_after"], entry["error_code"]) == (
+        429, "budget", "3600", "insufficient_quota")
+    for error_type, limit in [("requests", "requests"), ("tokens", "tokens"), ("concurrency", "concurrency")]:
+        record = RequestRecord("openai")
+        record.refused(429, "rate_limit_exceeded", error_type, {"retry-after": "1"})
+        assert record.limit == limit
+    overloaded = RequestRecord("openai")
+    overloaded.refused(503, "model_overloaded", "service_unavailable_error", {"retry-after": "1"})
+    assert overloaded.limit is None and overloaded.retry_after == "1"  # 503 is the cluster, not a quota
+
+
+def test_no_prompt_or_completion_text_can_reach_the_line():
+    fields = set(json.loads(access_line(RequestRecord("openai"), now=0)))
+    assert not fields & {"messages", "prompt", "content", "input", "text", "choices"}
