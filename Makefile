@@ -13,7 +13,7 @@ export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 
-.PHONY: setup redis demo-model run test unit bench
+.PHONY: setup redis prometheus demo-model run metrics dashboards test unit bench
 
 setup: $(STAMP)
 $(STAMP):
@@ -23,6 +23,9 @@ $(STAMP):
 redis:
 	scripts/ensure_redis.sh
 
+prometheus:
+	scripts/ensure_prometheus.sh
+
 demo-model: setup
 	$(VENV)/bin/llmctl demo-model
 
@@ -30,7 +33,17 @@ run: setup redis demo-model
 	@echo "Development API key (OPENAI_API_KEY): $$($(VENV)/bin/llmctl keys ensure-dev)"
 	$(VENV)/bin/serve run $(CONFIG)
 
-test: setup redis demo-model
+# Prometheus beside a running stack (`make run` in another shell), scraping every
+# Ray metrics endpoint through Ray's service-discovery file; UI on :9090.
+metrics: prometheus
+	prometheus --config.file=dashboards/prometheus.yml --web.listen-address=127.0.0.1:9090 \
+	  --storage.tsdb.path=$${LLM_CLUSTER_DATA_DIR:-$$HOME/.cache/llm-cluster}/prometheus
+
+# Regenerate the Grafana dashboards (dashboards/grafana/*.json) from dashboards/generate.py.
+dashboards: setup
+	$(VENV)/bin/python dashboards/generate.py
+
+test: setup redis prometheus demo-model
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 unit: setup

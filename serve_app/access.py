@@ -135,10 +135,19 @@ class Access:
             self.telemetry.redis_failed("admit")
             return self._admit_locally(key, request_id, reserve_tokens, exc)
         self.telemetry.admission_took(time.perf_counter() - started)
+        self._record_budget_use(key, decision)
         headers = decision.headers(key)
         if not decision.admitted:
             raise _refusal(key, decision, reserve_tokens, headers)
         return Ticket(key, request_id, headers)
+
+    def _record_budget_use(self, key: KeyRecord, decision: Decision) -> None:
+        budgets = {"daily": key.daily_token_budget, "monthly": key.monthly_token_budget}
+        used = decision.budget_used()
+        if decision.kind in ("daily_budget", "monthly_budget"):  # refused: detail = that period's use
+            used = {decision.kind.split("_")[0]: int(decision.detail)}
+        for period, tokens in used.items():
+            self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
     def _admit_locally(self, key: KeyRecord, request_id: str, reserve_tokens: int, exc) -> Ticket:
         if not self.fail_open:

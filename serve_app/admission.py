@@ -48,6 +48,14 @@ class Decision:
     tokens_reset_ms: int
     detail: str
 
+    def budget_used(self) -> dict[str, int]:
+        """Tokens counted against each budget period, this request included
+        (admitted requests of keys with a budget); ``{}`` otherwise."""
+        if not self.admitted or not self.detail:
+            return {}
+        day, month = self.detail.split(",")
+        return {"daily": int(day), "monthly": int(month)}
+
     def headers(self, key: KeyRecord) -> dict[str, str]:
         """OpenAI's rate-limit headers (plus retry-after on refusals)."""
         headers: dict[str, str] = {}

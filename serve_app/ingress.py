@@ -70,6 +70,8 @@ class Ingress:
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log)
+        self.telemetry.models_served({name: handle.deployment_name for name, handle in models.items()})
+        self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
         self.access = Access(settings, self.telemetry)
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry)
 

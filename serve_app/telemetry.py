@@ -14,6 +14,7 @@ per streamed chunk.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -29,6 +30,9 @@ ACCESS_LOGGER = "llm_cluster.access"
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 PER_TOKEN_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1]
 ADMISSION_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5]
+
+# A key's budget use stays on the dashboards this long after its last request.
+BUDGET_SERIES_KEEP_S = 3600
 
 # 429 `type` (serve_app.admission.REFUSALS) -> the limit kind label.
 LIMIT_KINDS = {
@@ -113,12 +117,57 @@ class Telemetry:
         self.disconnects = Counter(
             "llm_gateway_client_disconnects", "Streams the client cancelled before the end.", ("model",)
         )
+        # An info metric: joins Serve's per-deployment metrics (replicas, autoscaling
+        # target) to model names in PromQL (`* on(deployment) group_left(model)`).
+        self.model_info = Gauge(
+            "llm_gateway_model_info", "1 per served model: its Serve deployment.", ("model", "deployment")
+        )
         if self.per_key:
             self.key_requests = Counter(
                 "llm_gateway_key_requests", "Requests by API key name (opt-in).", ("key_name", "status")
             )
             self.key_tokens = Counter("llm_gateway_key_tokens", "Tokens by API key name (opt-in).", ("key_name", "kind"))
+            self.key_budget = Gauge(
+                "llm_gateway_key_budget_used_ratio",
+                "Share of a key's token budget used this period, reservations included (opt-in).",
+                ("key_name", "period"),
+            )
         self._in_flight: dict[str, int] = {}
+        self._deployments: dict[str, str] = {}
+        self._budgets: dict[tuple[str, str], tuple[float, float]] = {}  # (key, period) -> (ratio, set at)
+        self._refresher: asyncio.Task | None = None
+
+    # -- gauges ------------------------------------------------------------------
+
+    def keep_gauges_fresh(self) -> None:
+        """Ray drops a gauge that is not set again within two metrics export
+        intervals (its metrics agent's TTL for dead workers' series), so a value
+        set once — the model info, an idle in-flight count, a quiet key's
+        budget use — would vanish from Prometheus. Re-set them on the running
+        loop every half interval; one cheap wake-up, not per request."""
+        if self._refresher is None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        interval = _gauge_refresh_s()
+        while True:
+            await asyncio.sleep(interval)
+            for model, deployment in self._deployments.items():
+                self.model_info.set(1, tags={"model": model, "deployment": deployment})
+            for model, count in self._in_flight.items():
+                self.in_flight.set(count, tags={"model": model})
+            cutoff = time.monotonic() - BUDGET_SERIES_KEEP_S
+            for (key_name, period), (ratio, at) in list(self._budgets.items()):
+                if at < cutoff:
+                    del self._budgets[key_name, period]  # Ray's TTL then removes the series
+                else:
+                    self.key_budget.set(ratio, tags={"key_name": key_name, "period": period})
+
+    def models_served(self, deployments: dict[str, str]) -> None:
+        """``deployments``: model name -> its Serve deployment name."""
+        self._deployments = dict(deployments)
+        for model, deployment in deployments.items():
+            self.model_info.set(1, tags={"model": model, "deployment": deployment})
 
     # -- events ------------------------------------------------------------------
 
@@ -128,6 +177,12 @@ class Telemetry:
 
     def admission_took(self, seconds: float) -> None:
         self.admission.observe(seconds)
+
+    def budget_used(self, key_name: str, period: str, used: int, budget: int) -> None:
+        """A budgeted key's use after an admission decision (per-key opt-in only)."""
+        if self.per_key and budget > 0:
+            self.key_budget.set(used / budget, tags={"key_name": key_name, "period": period})
+            self._budgets[key_name, period] = (used / budget, time.monotonic())
 
     def redis_failed(self, operation: str) -> None:
         self.redis_errors.inc(tags={"operation": operation})
@@ -170,6 +225,16 @@ class Telemetry:
         count = self._in_flight.get(model, 0) + delta
         self._in_flight[model] = count
         self.in_flight.set(count, tags={"model": model})
+
+
+def _gauge_refresh_s() -> float:
+    """Half of Ray's metrics export interval (its gauge TTL is two intervals)."""
+    try:
+        import ray
+
+        return max(ray._config.metrics_report_interval_ms() / 2000, 0.5)
+    except Exception:  # noqa: BLE001 - not in a Ray worker: Ray's default interval is 10 s
+        return 5.0
 
 
 def access_line(record: RequestRecord, now: float) -> str:

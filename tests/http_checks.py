@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import subprocess
+import time
 
 import httpx
+
+
+@contextlib.contextmanager
+def serving_process(command: list[str], ready_url: str, timeout_s: float, **popen):
+    """Run a server process until the block ends; enter once ``ready_url`` answers 200."""
+    proc = subprocess.Popen(command, **popen)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, f"{command[0]} exited early"
+            try:
+                if httpx.get(ready_url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{command[0]} did not come up"
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def free_port() -> int:

@@ -69,14 +69,21 @@ def wait_for_no_engines(timeout_s: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def serve_stack(args: dict[str, Any], port: int) -> Iterator[str]:
-    """Run the application built from ``args``; yield its base URL."""
+def serve_stack(
+    args: dict[str, Any], port: int, *, dashboard: bool = False, ray_system_config: dict | None = None
+) -> Iterator[str]:
+    """Run the application built from ``args``; yield its base URL.
+
+    ``dashboard``: start Ray's dashboard too (it writes the Prometheus
+    service-discovery file); ``ray_system_config``: Ray internals (e.g. a shorter
+    metrics export interval)."""
     import ray
     from ray import serve
 
     from serve_app.app import build_app
 
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(include_dashboard=dashboard, log_to_driver=False, logging_level="WARNING",
+             _system_config=ray_system_config or {})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)

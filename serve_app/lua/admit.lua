@@ -13,7 +13,8 @@
 -- 60 s ahead of now, so `retry_ms` is exactly when it would pass.
 --
 -- Returns {admitted(0/1), refusal kind, retry ms, req remaining, req reset ms,
---          tok remaining, tok reset ms, detail}
+--          tok remaining, tok reset ms, detail}; detail of an admission is the
+--          day's and month's budgeted tokens used, "day,month" (keys with a budget).
 
 local WINDOW = 60000
 local t = redis.call('TIME')
@@ -127,9 +128,12 @@ if not r.unlimited then redis.call('SET', KEYS[1], tostring(r.new_tat), 'PX', ma
 if not k.unlimited then redis.call('SET', KEYS[2], tostring(k.new_tat), 'PX', math.ceil(k.new_tat - now) + WINDOW) end
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)
 redis.call('PEXPIRE', KEYS[3], lease_ms + WINDOW)
-redis.call('HINCRBY', KEYS[4], day_field .. ':tokens', estimate)
+local day_used = redis.call('HINCRBY', KEYS[4], day_field .. ':tokens', estimate)
 redis.call('HINCRBY', KEYS[4], day_field .. ':requests', 1)
-redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
+local month_used = redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
 redis.call('HINCRBY', KEYS[4], month_field .. ':requests', 1)
 record('admitted', nil)
-return {1, '', 0, rr, rs, kr, ks, ''}
+-- Budget use (this request's reservation included), for the budget-use metric.
+local used = ''
+if daily > 0 or monthly > 0 then used = day_used .. ',' .. month_used end
+return {1, '', 0, rr, rs, kr, ks, used}

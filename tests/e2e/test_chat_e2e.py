@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import openai_spec
-from http_checks import assert_error_envelope, free_port, sse_events
+from http_checks import assert_error_envelope, free_port, serving_process, sse_events
 from stack import call_replica, local_app_args
 
 pytestmark = pytest.mark.e2e
@@ -251,31 +251,11 @@ def bare_vllm():
     config = ModelConfig(**local_app_args()["models"][0])
     port = free_port()
     env = {**os.environ, **config.env}
-    proc = subprocess.Popen(
-        vllm_serve_command(config, resolve_source(config), "127.0.0.1", port),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "vllm serve exited early"
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not come up"
-            time.sleep(1)
+    command = vllm_serve_command(config, resolve_source(config), "127.0.0.1", port)
+    with serving_process(command, url + "/v1/models", timeout_s=300, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 PARITY_REQUESTS = [

@@ -95,7 +95,12 @@ async def test_daily_budget_counts_reservations_and_refunds(redis):
     midnight = (now + datetime.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
     assert abs(d2.retry_ms / 1000 - (midnight - now).total_seconds()) < 5
     await adm.settle(k, first, "completed", prompt_tokens=30, completion_tokens=20)
-    assert (await admit(adm, k, tokens=300))[1].admitted
+    _, d3 = await admit(adm, k, tokens=300)
+    assert d3.admitted
+    assert d1.budget_used() == {"daily": 300, "monthly": 300}  # the budget-use metric's input
+    assert d3.budget_used() == {"daily": 350, "monthly": 350}  # 50 settled + 300 reserved
+    assert d2.budget_used() == {} and d2.detail == "300"  # a refusal names that period's use
+    assert (await admit(adm, key(), tokens=5))[1].budget_used() == {}  # no budget, nothing to report
 
 
 async def test_monthly_budget(redis):

@@ -38,3 +38,9 @@ def test_refusals_carry_the_limit_kind_and_retry_after():
 def test_no_prompt_or_completion_text_can_reach_the_line():
     fields = set(json.loads(access_line(RequestRecord("openai"), now=0)))
     assert not fields & {"messages", "prompt", "content", "input", "text", "choices"}
+
+
+def test_per_key_metrics_are_opt_in():
+    from serve_app.settings import AppSettings
+
+    assert AppSettings().telemetry.per_key_metrics is False  # key names as labels: unbounded series
