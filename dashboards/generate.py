@@ -50,9 +50,9 @@ def rate(metric: str, selector: str = "", by: str = "") -> str:
     return f"sum{grouping} (rate({metric}{matchers}[{RATE}]))"
 
 
-def quantile(q: float, histogram: str, selector: str = "", by: str = "") -> str:
+def quantile(q: float, histogram: str, selector: str = "") -> str:
     """``q`` of a Ray histogram (its ``_bucket`` series), over the rate window."""
-    return f"histogram_quantile({q}, {rate(histogram + '_bucket', selector, ', '.join(filter(None, ['le', by])))})"
+    return f"histogram_quantile({q}, {rate(histogram + '_bucket', selector, by='le')})"
 
 
 def share(part: str) -> str:
@@ -97,9 +97,8 @@ def stat(title: str, description: str, unit: str, expr: str) -> Stat:
     )
 
 
-def percentiles(histogram: str, selector: str = "", by: str = "", legend: str = "") -> list[Dataquery]:
-    prefix = f"{legend} " if legend else ""
-    return [target(quantile(q, histogram, selector, by), f"{prefix}p{int(q * 100)}") for q in QUANTILES]
+def percentiles(histogram: str, selector: str = "") -> list[Dataquery]:
+    return [target(quantile(q, histogram, selector), f"p{int(q * 100)}") for q in QUANTILES]
 
 
 def datasource_variable() -> DatasourceVariable:
