@@ -5,6 +5,18 @@ scripts with what the hot path needs: a short key cache (a revoked key stops
 working within ``key_cache_ttl_s``), OpenAI-style refusals, fire-and-forget
 bookkeeping that never delays a response, and the Redis-down behaviour that
 ``fail_mode`` chooses.
+
+Redis failures are told apart (README, "Keys and quotas"):
+- unreachable (connection refused or lost, timeout): ``fail_mode`` decides, and
+  every request the ingress decided without Redis is settled through Redis
+  once it answers again. A timed-out call may still have run, and settling is
+  idempotent, so nothing that call wrote outlives the request.
+- any other error (a script error, OOM, READONLY after a failover, MOVED):
+  Redis answered and refused to work, so the request gets 503
+  ``quota_backend_error``; it is never admitted without its quota.
+
+A background loop per ingress (``maintain``) renews the concurrency leases of
+its running requests and retries settlements Redis missed.
 """
 
 from __future__ import annotations
@@ -17,10 +29,11 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_app.admission import REFUSALS, Admission, Decision
-from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, Operation
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
@@ -31,6 +44,14 @@ from serve_app.usage import new_request_id
 logger = logging.getLogger("ray.serve")
 
 REDIS_DOWN_RETRY_S = 1
+# Settlements waiting for Redis to answer again: beyond this many, the oldest is
+# dropped (its lease then expires and the next admission of its key reaps it).
+MAX_UNSETTLED = 10_000
+MAINTENANCE_TICK_S = 1.0
+REPLICA_COUNT_REFRESH_S = 10.0
+
+# Redis did not answer (it may still run what was sent): fail_mode applies.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
 
 @dataclass
@@ -39,8 +60,10 @@ class Ticket:
 
     key: KeyRecord
     request_id: str
+    model: str
     headers: dict[str, str] = field(default_factory=dict)
     local: bool = False  # admitted by the local fallback, not by Redis
+    settled: bool = False
 
 
 class Access:
@@ -59,11 +82,17 @@ class Access:
         self.cache_ttl_s = quota.key_cache_ttl_s
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens
-        replicas = settings.ingress.deployment.get("num_replicas", 1)
-        self.local = LocalLimiter(replicas if isinstance(replicas, int) else 1)
+        self.renew_every_s = quota.concurrency_lease_s / 3
+        self.ingress_replicas = IngressReplicas(settings.ingress.deployment)
+        self.local = LocalLimiter(self.ingress_replicas.count)
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         self._background: set[asyncio.Task] = set()
+        # Requests admitted through Redis and not settled yet: their leases are renewed.
+        self._leased: dict[str, Ticket] = {}
+        # request id -> Admission.settle arguments, for settlements Redis has not taken yet.
+        self._unsettled: dict[str, tuple] = {}
+        self._maintainer: asyncio.Task | None = None
 
     # -- authentication ------------------------------------------------------
 
@@ -83,9 +112,12 @@ class Access:
         else:
             try:
                 record = await self.keys.authenticate(secret)
-            except (RedisError, OSError) as exc:
+            except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
                 record = self._stale_or_unavailable(cached, exc)
+            except RedisError as exc:
+                self.telemetry.redis_failed("authenticate")
+                raise _backend_error(exc) from None
             self._cache[hashed] = (now + self.cache_ttl_s, record)
         if record is None:
             raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
@@ -112,34 +144,35 @@ class Access:
 
     # -- admission -------------------------------------------------------------
 
-    def reserve_tokens(self, operation: Operation, body: dict, raw_size: int) -> int:
-        """Tokens to reserve before generation: the prompt (estimated at 4 bytes
-        per token of the request body, which over- rather than under-counts)
-        plus the completion budget of every choice."""
-        prompt = math.ceil(raw_size / 4)
-        if not operation.generates:
-            return prompt
-        default = COMPLETIONS_DEFAULT_MAX_TOKENS if operation.name == "completions" else self.default_max_tokens
-        completion = body.get("max_completion_tokens") or body.get("max_tokens") or default
-        n = body.get("n") or 1
-        if not isinstance(completion, int) or not isinstance(n, int):
-            completion, n = default, 1  # vLLM rejects these; reserve a default meanwhile
-        return prompt + max(completion, 0) * max(n, 1)
-
     async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "") -> Ticket:
         request_id = new_request_id(key.id)
         started = time.perf_counter()
         try:
             decision = await self.admission.admit(key, request_id, model, reserve_tokens, http_request_id)
-        except (RedisError, OSError) as exc:
+        except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
-            return self._admit_locally(key, request_id, reserve_tokens, exc)
+            try:
+                return self._admit_locally(key, request_id, model, reserve_tokens, exc)
+            except OpenAIError:
+                self._settle_later(key, request_id, model, "failed", 0, 0)  # in case the call ran
+                raise
+        except RedisError as exc:
+            self.telemetry.redis_failed("admit")
+            logger.error("Redis refused the admission script: %s", exc)
+            self._settle_later(key, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
+            raise _backend_error(exc) from None
         self.telemetry.admission_took(time.perf_counter() - started)
         self._record_budget_use(key, decision)
         headers = decision.headers(key)
+        if decision.kind == "duplicate":  # a 64-bit random id seen before: never in practice
+            raise _backend_error(RuntimeError("request id collision"))
         if not decision.admitted:
             raise _refusal(key, decision, reserve_tokens, headers)
-        return Ticket(key, request_id, headers)
+        ticket = Ticket(key, request_id, model, headers)
+        self._leased[request_id] = ticket
+        if http_request_id:
+            self._spawn(self.admission.index_http_id(http_request_id, request_id))
+        return ticket
 
     def _record_budget_use(self, key: KeyRecord, decision: Decision) -> None:
         budgets = {"daily": key.daily_token_budget, "monthly": key.monthly_token_budget}
@@ -149,7 +182,7 @@ class Access:
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
-    def _admit_locally(self, key: KeyRecord, request_id: str, reserve_tokens: int, exc) -> Ticket:
+    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc) -> Ticket:
         if not self.fail_open:
             raise _unavailable(exc)
         self.telemetry.fell_back("local_limits")
@@ -164,7 +197,7 @@ class Access:
                 code=code,
                 headers={"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))},
             )
-        return Ticket(key, request_id, {}, local=True)
+        return Ticket(key, request_id, model, {}, local=True)
 
     # -- bookkeeping off the response path ------------------------------------
 
@@ -174,16 +207,38 @@ class Access:
 
     def settle(self, ticket: Ticket, status: str, usage: dict | None = None, replica: str = "") -> None:
         """``usage`` None keeps the whole reservation charged (e.g. a stream the
-        client cancelled: tokens were made but never counted)."""
-        if ticket.local:
-            self.local.release(ticket.key.id, ticket.request_id)
+        client cancelled: tokens were made but never counted). Once per ticket."""
+        if ticket.settled:
             return
+        ticket.settled = True
         prompt = completion = -1
         if usage is not None:
             prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
-        self._spawn(
-            self.admission.settle(ticket.key, ticket.request_id, status, prompt, completion, replica)
-        )
+        if ticket.local:
+            self.local.release(ticket.key.id, ticket.request_id)
+            # Its admit call may have run in Redis after all; either way Redis learns the real usage.
+            self._settle_later(ticket.key, ticket.request_id, ticket.model, status, prompt, completion, replica)
+            return
+        self._leased.pop(ticket.request_id, None)
+        self._spawn(self._settle_now(
+            (ticket.key, ticket.request_id, status, prompt, completion, replica, ticket.model)
+        ))
+
+    async def _settle_now(self, settlement: tuple) -> None:
+        try:
+            await self.admission.settle(*settlement)
+        except RedisError as exc:
+            self.telemetry.redis_failed("accounting")
+            logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
+            key, request_id, status, prompt, completion, replica, model = settlement
+            self._settle_later(key, request_id, model, status, prompt, completion, replica)
+
+    def _settle_later(self, key, request_id, model, status, prompt, completion, replica="") -> None:
+        if len(self._unsettled) >= MAX_UNSETTLED:
+            dropped = next(iter(self._unsettled))
+            del self._unsettled[dropped]
+            logger.warning("settlement backlog full: dropped %s (its lease expires instead)", dropped)
+        self._unsettled[request_id] = (key, request_id, status, prompt, completion, replica, model)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(self._logged(coroutine))
@@ -193,10 +248,97 @@ class Access:
     async def _logged(self, coroutine) -> None:
         try:
             await coroutine
-        except (RedisError, OSError) as exc:
-            # The lease expires and the reservation stays charged: safe, if strict.
+        except RedisError as exc:
+            # Bookkeeping only (first-token time, the x-request-id index): nothing leaks.
             self.telemetry.redis_failed("accounting")
-            logger.warning("Redis unreachable while accounting a request: %s", type(exc).__name__)
+            logger.warning("Redis failed while accounting a request: %s", type(exc).__name__)
+
+    # -- maintenance (one loop per ingress) -------------------------------------
+
+    def start_maintenance(self) -> None:
+        """Start the loop on the running event loop (Serve runs ``__init__`` on it)."""
+        if self._maintainer is None:
+            self._maintainer = asyncio.get_running_loop().create_task(self.maintain())
+
+    async def maintain(self) -> None:
+        if self.ingress_replicas.autoscaled:
+            await self.ingress_replicas.refresh()
+        last_renewal = last_count = time.monotonic()
+        tick_s = min(MAINTENANCE_TICK_S, self.renew_every_s)
+        while True:
+            await asyncio.sleep(tick_s)
+            now = time.monotonic()
+            try:
+                if self._unsettled:
+                    await self.flush_unsettled()
+                if now - last_renewal >= self.renew_every_s:
+                    last_renewal = now
+                    await self.renew_leases()
+                if self.ingress_replicas.autoscaled and now - last_count >= REPLICA_COUNT_REFRESH_S:
+                    last_count = now
+                    await self.ingress_replicas.refresh()
+            except Exception:  # never let one bad tick end the loop
+                logger.exception("quota maintenance tick failed")
+
+    async def flush_unsettled(self) -> int:
+        """Settle what Redis missed, in one pipeline; what it still misses stays queued."""
+        batch = list(self._unsettled.values())[:1000]
+        try:
+            answered = await self.admission.settle_many(batch)
+        except RedisError:
+            return 0  # still unreachable: next tick
+        for settlement, done in zip(batch, answered):
+            if done:
+                self._unsettled.pop(settlement[1], None)
+        return sum(answered)
+
+    async def renew_leases(self) -> None:
+        """One pipeline renewing the leases of every request this ingress runs."""
+        running: dict[str, list[str]] = {}
+        for ticket in self._leased.values():
+            running.setdefault(ticket.key.id, []).append(ticket.request_id)
+        try:
+            await self.admission.renew(running)
+        except RedisError as exc:
+            self.telemetry.redis_failed("renew")
+            logger.warning("could not renew concurrency leases: %s", type(exc).__name__)
+
+
+class IngressReplicas:
+    """How many ingress replicas share a key's limits while Redis is down: the
+    configured count, or for an autoscaled ingress the running count Serve
+    reports (refreshed every ``REPLICA_COUNT_REFRESH_S``; until known, the
+    autoscaler's maximum, which errs on the strict side)."""
+
+    def __init__(self, deployment: dict):
+        autoscaling = deployment.get("autoscaling_config")
+        replicas = deployment.get("num_replicas", 1)
+        self.autoscaled = bool(autoscaling) or not isinstance(replicas, int)
+        if self.autoscaled:
+            maximum = (autoscaling or {}).get("max_replicas") if isinstance(autoscaling, dict) else None
+            self._count = int(maximum or 100)  # Serve's default max for num_replicas "auto"
+        else:
+            self._count = max(replicas, 1)
+
+    def count(self) -> int:
+        return self._count
+
+    async def refresh(self) -> None:
+        try:
+            running = await asyncio.to_thread(_running_replicas_of_this_deployment)
+        except Exception:  # the controller is busy or away: keep the last count
+            logger.warning("could not read the ingress replica count from Serve", exc_info=True)
+            return
+        if running:
+            self._count = running
+
+
+def _running_replicas_of_this_deployment() -> int:
+    from ray import serve
+
+    context = serve.get_replica_context()
+    status = serve.status().applications[context.app_name].deployments[context.deployment]
+    return int(status.replica_states.get("RUNNING", 0))
 
 
 def _secret_from(headers) -> str | None:
@@ -208,13 +350,18 @@ def _secret_from(headers) -> str | None:
     return headers.get("api-key") or None
 
 
+def _backend_error(exc) -> OpenAIError:
+    """Redis answered with an error (script, OOM, READONLY, MOVED): a server fault, never admission."""
+    return _quota_store_503("The service could not check quotas right now (quota store error).", "quota_backend_error")
+
+
 def _unavailable(exc) -> OpenAIError:
-    return OpenAIError(
-        503,
-        "The service cannot check quotas right now. Please retry shortly.",
-        code="quota_backend_unavailable",
-        headers={"retry-after": str(REDIS_DOWN_RETRY_S), "retry-after-ms": str(REDIS_DOWN_RETRY_S * 1000)},
-    )
+    return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
+
+
+def _quota_store_503(message: str, code: str) -> OpenAIError:
+    retry = {"retry-after": str(REDIS_DOWN_RETRY_S), "retry-after-ms": str(REDIS_DOWN_RETRY_S * 1000)}
+    return OpenAIError(503, f"{message} Please retry shortly.", code=code, headers=retry)
 
 
 def _refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str]) -> OpenAIError:
@@ -230,7 +377,12 @@ def _refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[st
     if decision.kind == "tokens_too_large":
         message = (
             f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
-            f"(prompt estimate plus max_tokens × n) and the limit is {limit}. Lower max_tokens."
+            f"(prompt estimate plus max_tokens × n × prompts) and the limit is {limit}. Lower max_tokens."
+        )
+    elif decision.kind.endswith("_budget") and decision.retry_ms < 0:
+        message = (
+            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
+            f"(prompt estimate plus max_tokens × n × prompts), more than its whole {limit}. Lower max_tokens."
         )
     elif decision.kind.endswith("_budget"):
         message = (

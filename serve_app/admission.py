@@ -1,6 +1,6 @@
 """Admission and accounting of requests against a key's quotas, in Redis.
 
-Three scripts (``lua/``), each loaded once and called by SHA, each one round
+Four scripts (``lua/``), each loaded once and called by SHA, each one round
 trip touching only the key's own hash-tagged keys:
 
 - ``admit``: concurrency lease, requests/min, tokens/min reservation, daily and
@@ -8,7 +8,9 @@ trip touching only the key's own hash-tagged keys:
   atomically, so concurrent requests cannot overshoot a limit.
 - ``running``: the first token is out.
 - ``settle``: real usage replaces the reservation, the lease is released,
-  the record is final.
+  the record is final (idempotent; also closes the id of a request admitted
+  without Redis, so a late admit of it changes nothing).
+- ``renew``: an ingress keeps the leases of its running requests alive.
 
 Limits use GCRA over 60 s (see admit.lua): a key with L/min may burst L at
 once, then gets one more every 60/L s. Over any span of s seconds it is
@@ -17,7 +19,9 @@ admitted at most L + L*s/60.
 
 from __future__ import annotations
 
+import datetime
 import math
+import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -84,36 +88,51 @@ def duration(ms: int) -> str:
     return f"{int(minutes)}m{rest:.0f}s"
 
 
+# Client-chosen x-request-ids are indexed only when short and plain (Ray Serve
+# answers with the client's own id when it sent one): an index key per request
+# must not let a client store kilobytes per request.
+_INDEXABLE_HTTP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def indexable_http_id(http_request_id: str) -> str:
+    """``http_request_id`` if it may be indexed, else ''."""
+    return http_request_id if _INDEXABLE_HTTP_ID.fullmatch(http_request_id or "") else ""
+
+
 class Admission:
     def __init__(self, redis, *, lease_s: float, retention_s: int):
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retention_s = retention_s
+        # Called straight by EVALSHA (one round trip; redis-py loads the script
+        # on NOSCRIPT and retries). Never inside a pipeline on the request path:
+        # a pipeline sends SCRIPT EXISTS first.
         self._admit = redis.register_script((_SCRIPTS / "admit.lua").read_text())
         self._running = redis.register_script((_SCRIPTS / "running.lua").read_text())
         self._settle = redis.register_script((_SCRIPTS / "settle.lua").read_text())
+        self._renew = redis.register_script((_SCRIPTS / "renew.lua").read_text())
 
     async def admit(
         self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = ""
     ) -> Decision:
+        """One EVALSHA. ``http_request_id`` is stored in the record when indexable
+        (``index_http_id`` writes its lookup key, off the request path)."""
         keys = redis_names.admission_keys(key.id, request_id)
         args = [
             request_id, model, key.requests_per_minute, key.tokens_per_minute,
             key.max_concurrent, key.daily_token_budget, key.monthly_token_budget,
-            reserve_tokens, self.lease_ms, self.retention_s, key.id, http_request_id,
+            reserve_tokens, self.lease_ms, self.retention_s, key.id, indexable_http_id(http_request_id),
+            redis_names.request_record_prefix(key.id),
         ]
-        if http_request_id:
-            # Also index the HTTP x-request-id (Ray Serve's) so `requests show` finds
-            # the record by it; outside the key's hash tag, so beside the script,
-            # in the same round trip.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                await self._admit(keys=keys, args=args, client=pipe)
-                pipe.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s)
-                reply, _ = await pipe.execute()
-        else:
-            reply = await self._admit(keys=keys, args=args)
+        reply = await self._admit(keys=keys, args=args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply
         return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail))
+
+    async def index_http_id(self, http_request_id: str, request_id: str) -> None:
+        """Let ``requests show <x-request-id>`` find an admitted request (the index
+        lives outside the key's hash tag, so not in the admit script)."""
+        if indexable_http_id(http_request_id):
+            await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s)
 
     async def running(self, key_id: str, request_id: str, replica: str = "") -> None:
         await self._running(keys=redis_names.admission_keys(key_id, request_id), args=[replica])
@@ -126,14 +145,42 @@ class Admission:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         replica: str = "",
+        model: str = "",
     ) -> int | None:
         """Final accounting; returns tokens charged beyond the reservation (or None
-        if the request was already settled)."""
-        return await self._settle(
-            keys=redis_names.admission_keys(key.id, request_id),
-            args=[request_id, status, prompt_tokens, completion_tokens, key.tokens_per_minute,
-                  self.retention_s, replica],
-        )
+        if the request was already settled). Idempotent: safe to retry."""
+        return await self._settle(keys=redis_names.admission_keys(key.id, request_id),
+                                  args=self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
+                                                         replica, model))
+
+    def _settle_args(self, key, request_id, status, prompt_tokens, completion_tokens, replica, model) -> list:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return [request_id, status, prompt_tokens, completion_tokens, key.tokens_per_minute,
+                self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"), now.strftime("m:%Y%m")]
+
+    async def settle_many(self, settlements: list[tuple]) -> list[bool]:
+        """Settle several requests in one pipeline (retries after Redis was
+        unreachable); each item is ``settle``'s arguments. Returns, per item,
+        whether Redis answered for it (an answered settle is done, whatever it did)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, request_id, status, prompt, completion, replica, model in settlements:
+                await self._settle(keys=redis_names.admission_keys(key.id, request_id),
+                                   args=self._settle_args(key, request_id, status, prompt, completion, replica, model),
+                                   client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        return [not isinstance(reply, Exception) for reply in replies]
+
+    async def renew(self, running: dict[str, list[str]]) -> int:
+        """Renew the leases of running requests, ``{key id: [request ids]}``, in
+        one pipeline (one script call per key). Returns leases renewed."""
+        if not running:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key_id, request_ids in running.items():
+                keys = [redis_names.concurrency(key_id)] + [redis_names.request_record(key_id, r) for r in request_ids]
+                await self._renew(keys=keys, args=[self.lease_ms, *request_ids], client=pipe)
+            replies = await pipe.execute()
+        return sum(int(reply) for reply in replies)
 
 
 def _text(value) -> str:

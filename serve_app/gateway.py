@@ -14,6 +14,7 @@ import asyncio
 import logging
 import re
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from serve_app.errors import OpenAIError, from_engine_error
 from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
+from serve_app.reservation import reserve
 from serve_app.sse import DONE, split_replica, take_usage
 from serve_app.telemetry import RequestRecord, Telemetry
 
@@ -160,6 +162,12 @@ class Gateway:
             return
         self._card_details[name] = {"max_model_len": info["max_model_len"], "capabilities": info["operations"]}
 
+    def context_length(self, name: str) -> int | None:
+        """The model's context length: what its replica reported, else its
+        configured ``max_model_len``; None while neither is known."""
+        learnt = self._card_details.get(name, {}).get("max_model_len")
+        return learnt or self._configs[name].engine_kwargs.get("max_model_len")
+
     def _describe_while_up(self, name: str) -> None:
         """A scale-to-zero model just answered, so a replica is up: learn its
         card details now, off the request's path."""
@@ -219,10 +227,17 @@ class Gateway:
         self.access.authorize(key, model)
         if op.name == "chat":
             check_media(body["messages"], self._configs[model].media)
+        reservation = reserve(
+            op.name,
+            body,
+            raw_size,
+            default_max_tokens=self.access.default_max_tokens,
+            context_length=self.context_length(model),
+        )
         ticket = await self.access.admit(
             key,
             model,
-            self.access.reserve_tokens(op, body, raw_size),
+            reservation.tokens,
             # Ray Serve's id for this HTTP request: it answers it as x-request-id.
             record.request_id,
         )
@@ -290,7 +305,23 @@ class Gateway:
         record.first_token_at = time.monotonic()
         record.stream = True
         self._describe_while_up(body["model"])
-        return Reply(ticket.headers, stream=self._relay(first, chunks, ticket, client_wants_usage, record))
+        relay = self._relay(first, chunks, ticket, client_wants_usage, record)
+        # A client that hangs up before the first byte is sent never starts the
+        # relay, so its `finally` never runs: settle when the unstarted relay is dropped
+        # (otherwise its lease would be renewed for as long as the ingress lives).
+        weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
+        return Reply(ticket.headers, stream=relay)
+
+    def _dropped_unstarted(self, ticket: Ticket, chunks, record: RequestRecord) -> None:
+        if ticket.settled:
+            return
+        try:
+            chunks.cancel()
+            self.access.settle(ticket, "cancelled")
+            record.status, record.cancelled = 499, True
+            self.telemetry.finish(record)
+        except RuntimeError:  # no running loop: the process is ending, its leases expire
+            pass
 
     async def _relay(self, first: str, chunks, ticket: Ticket, client_wants_usage: bool, record: RequestRecord):
         """Relay the replica's stream and account for it.

@@ -73,6 +73,7 @@ class Ingress:
         self.telemetry.models_served({name: handle.deployment_name for name, handle in models.items()})
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
         self.access = Access(settings, self.telemetry)
+        self.access.start_maintenance()  # lease renewal, settlements Redis missed
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry)
 
     async def _read_body(self, request: Request) -> bytes:

@@ -1,7 +1,7 @@
 """Approximate per-replica limits for when Redis is unreachable (fail_mode: open).
 
 Each ingress replica enforces its share of a key's limits (limit / number of
-ingress replicas) in memory, with the same GCRA rule as the Redis script, so a
+ingress replicas, read when deciding: an autoscaled ingress changes it) in memory, with the same GCRA rule as the Redis script, so a
 key cannot run unbounded while Redis is down. Budgets are not enforced here:
 they need the shared counters.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
@@ -23,13 +24,13 @@ class _KeyState:
 
 
 class LocalLimiter:
-    def __init__(self, replicas: int, clock=time.monotonic):
-        self.replicas = max(replicas, 1)
+    def __init__(self, replicas: Callable[[], int], clock=time.monotonic):
+        self.replicas = replicas
         self.clock = clock
         self._keys: dict[str, _KeyState] = {}
 
     def _share(self, limit: int) -> int:
-        return max(math.ceil(limit / self.replicas), 1) if limit else 0
+        return max(math.ceil(limit / max(self.replicas(), 1)), 1) if limit else 0
 
     def admit(self, key, request_id: str, reserve_tokens: int) -> tuple[bool, str, float]:
         """(admitted, refusal kind, retry-after seconds)."""

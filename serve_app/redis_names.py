@@ -52,8 +52,17 @@ def usage(key_id: str) -> str:
     return f"{PREFIX}:usage:{tag(key_id)}"
 
 
+def refusals(key_id: str) -> str:
+    """Hash of refusal counts per minute and kind (``<epoch minute>:<kind>``), kept an hour."""
+    return f"{PREFIX}:refused:{tag(key_id)}"
+
+
+def request_record_prefix(key_id: str) -> str:
+    return f"{PREFIX}:req:{tag(key_id)}:"
+
+
 def request_record(key_id: str, request_id: str) -> str:
-    return f"{PREFIX}:req:{tag(key_id)}:{request_id}"
+    return request_record_prefix(key_id) + request_id
 
 
 def http_request(http_request_id: str) -> str:
@@ -62,11 +71,13 @@ def http_request(http_request_id: str) -> str:
 
 
 def admission_keys(key_id: str, request_id: str) -> list[str]:
-    """KEYS of the admission, running and settle scripts, in their order."""
+    """KEYS of the admission, running and settle scripts, in their order
+    (all under the key's hash tag: one slot)."""
     return [
         requests_rate(key_id),
         tokens_rate(key_id),
         concurrency(key_id),
         usage(key_id),
         request_record(key_id, request_id),
+        refusals(key_id),
     ]

@@ -43,12 +43,15 @@ class QuotaConfig(BaseModel):
     )
     request_retention_s: int = Field(7 * 86400, gt=0, description="How long request records are kept.")
     default_max_tokens: int = Field(
-        1024, gt=0, description="Completion tokens reserved when a request names no max_tokens."
+        1024, gt=0, description="max_tokens set on a chat request that names none (never beyond the "
+        "model's context); what it reserves.",
     )
     fail_mode: Literal["open", "closed"] = Field(
         "open", description="Redis unreachable: open = serve with local approximate limits; closed = 503."
     )
-    redis_timeout_s: float = Field(0.5, gt=0, description="Per-command Redis timeout.")
+    redis_timeout_s: float = Field(
+        0.5, gt=0, description="Per-command Redis timeout; past it Redis counts as unreachable (fail_mode)."
+    )
 
 
 class TelemetryConfig(BaseModel):

@@ -60,15 +60,26 @@ async def request_state(redis, request_id: str) -> dict[str, Any] | None:
 
 
 async def key_usage(redis, key_id: str, now: datetime.datetime | None = None) -> dict[str, Any]:
-    """Today's and this month's (UTC) counters of one key."""
+    """Today's and this month's (UTC) counters of one key, and its refusals
+    (today's count; the last hour's by limit kind)."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     raw = {_text(k): int(v) for k, v in (await redis.hgetall(redis_names.usage(key_id))).items()}
     periods = {"today": now.strftime("d:%Y%m%d"), "month": now.strftime("m:%Y%m")}
     counters = ("requests", "tokens", "prompt_tokens", "completion_tokens")
-    return {
+    usage: dict[str, Any] = {
         label: {counter: raw.get(f"{period}:{counter}", 0) for counter in counters}
         for label, period in periods.items()
     }
+    usage["today"]["refused"] = raw.get(f"{periods['today']}:refused", 0)
+    # Refusals of the last hour by kind (admit.lua keeps them per minute).
+    minute = int(now.timestamp()) // 60
+    recent: dict[str, int] = {}
+    for field, count in (await redis.hgetall(redis_names.refusals(key_id))).items():
+        at, _, kind = _text(field).partition(":")
+        if int(at) > minute - 60:
+            recent[kind] = recent.get(kind, 0) + int(count)
+    usage["refused_last_hour"] = recent
+    return usage
 
 
 def _text(value) -> str:

@@ -30,6 +30,7 @@ from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve_app.dialects.call import Call
 from serve_app.errors import OpenAIError
 from serve_app.gateway import Gateway, Reply
+from serve_app.reservation import MAX_TOKENS_LIMIT, integer_parameter
 from serve_app.sse import DONE, events
 
 
@@ -58,7 +59,8 @@ async def _completion(body: dict[str, Any], gateway: Gateway) -> Call:
         raise OpenAIError(400, "'use_raw_prompt' must be a boolean.", param="use_raw_prompt")
     if behaviour == "truncate":
         card = await gateway.model_card(body["model"])
-        room = card["max_model_len"] - (body.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        max_tokens = integer_parameter(body, "max_tokens", 0, MAX_TOKENS_LIMIT)
+        room = card["max_model_len"] - (COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
         if room < 1:
             raise OpenAIError(400, "'max_tokens' leaves no room for the prompt.", param="max_tokens")
         body["truncate_prompt_tokens"] = room

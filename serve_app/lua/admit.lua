@@ -1,16 +1,28 @@
 -- Admit or refuse one request for one API key, atomically, in one round trip.
 --
 -- KEYS: 1 requests GCRA state, 2 tokens GCRA state, 3 concurrency leases (zset),
---       4 usage counters (hash), 5 this request's record (hash)
+--       4 usage counters (hash), 5 this request's record (hash),
+--       6 refusal counters per minute (hash)
 -- ARGV: 1 request id, 2 model, 3 requests/min, 4 tokens/min, 5 max concurrent,
 --       6 daily token budget, 7 monthly token budget, 8 tokens to reserve,
 --       9 concurrency lease ms, 10 record retention s, 11 key id, 12 HTTP x-request-id
+--       (already checked: ours or a short plain id; '' otherwise),
+--       13 prefix of this key's request records (for leases that expired)
 -- A limit of 0 means unlimited.
 --
 -- Rate limits are GCRA over a 60 s window: a limit L/min admits a burst of L,
 -- then one every 60/L s; a request of cost c (1 request, or its reserved
 -- tokens) is admitted when the theoretical arrival time after it is at most
--- 60 s ahead of now, so `retry_ms` is exactly when it would pass.
+-- 60 s ahead of now, so a limit's retry time is exactly when it would pass.
+-- Every limit is checked; a refusal names the one with the longest wait and
+-- retry_ms is that wait, so retrying after it passes all of them (if nothing
+-- else used the quota meanwhile). A request that can never fit (more than the
+-- whole tokens/min limit or a whole budget) gets retry_ms -1.
+--
+-- Nothing is stored per refusal beyond counters: the key's per-minute refusal
+-- counts (kept an hour) and the day's refused count in the usage hash. The
+-- usage hash keeps 35 days and 13 months of counters (older fields are pruned
+-- when a new day starts). Records exist only for admitted requests.
 --
 -- Returns {admitted(0/1), refusal kind, retry ms, req remaining, req reset ms,
 --          tok remaining, tok reset ms, detail}; detail of an admission is the
@@ -59,6 +71,37 @@ local ny, nm = y, m + 1
 if nm > 12 then ny, nm = y + 1, 1 end
 local next_month_ms = days_from_civil(ny, nm, 1) * 86400000
 
+-- A request id is admitted at most once. A record already there means this
+-- call arrives after its ingress gave up waiting for it (a Redis timeout) and
+-- settled the id: it must change nothing.
+if redis.call('EXISTS', KEYS[5]) == 1 then return {0, 'duplicate', -1, -1, 0, -1, 0, ''} end
+
+-- Leases that expired belong to requests whose ingress stopped renewing them
+-- (it died): their records become final ('abandoned', reservation charged).
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
+for _, id in ipairs(expired) do
+  local rec = ARGV[13] .. id
+  local status = redis.call('HGET', rec, 'status')
+  if status == 'admitted' or status == 'running' then
+    redis.call('HSET', rec, 'status', 'abandoned', 'finished_ms', now, 'usage', 'reserved',
+      'total_tokens', redis.call('HGET', rec, 'reserved_tokens') or 0)
+  end
+  redis.call('ZREM', KEYS[3], id)
+end
+
+-- Counters older than the retention are dropped once a day per key.
+local function prune_usage()
+  local old_day = string.format('d:%04d%02d%02d', civil_from_days(today - 35))
+  local old_month = string.format('m:%04d%02d', y - 1, m)
+  for _, name in ipairs(redis.call('HKEYS', KEYS[4])) do
+    local prefix = string.sub(name, 1, 2)
+    if (prefix == 'd:' and name < old_day) or (prefix == 'm:' and name < old_month) then
+      redis.call('HDEL', KEYS[4], name)
+    end
+  end
+  redis.call('EXPIRE', KEYS[4], 400 * 86400)
+end
+
 -- GCRA state of one limit for a request of `cost`.
 local function gcra(key, limit, cost)
   if limit <= 0 then return {ok = true, unlimited = true} end
@@ -79,60 +122,65 @@ local function gcra(key, limit, cost)
   return s
 end
 
-local function header_values(r, k)
-  local rr, rs, kr, ks = -1, 0, -1, 0
-  if not r.unlimited then rr, rs = r.remaining, r.reset end
-  if not k.unlimited then kr, ks = k.remaining, k.reset end
-  return rr, rs, kr, ks
-end
-
-local function record(status, reason)
-  redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', status,
-    'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
-    'http_request_id', ARGV[12])
-  if reason then redis.call('HSET', KEYS[5], 'reason', reason, 'finished_ms', now) end
-  redis.call('EXPIRE', KEYS[5], retention)
-end
-
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local r = gcra(KEYS[1], rpm, 1)
 local k = gcra(KEYS[2], tpm, estimate)
-local rr, rs, kr, ks = header_values(r, k)
+local rr, rs, kr, ks = -1, 0, -1, 0
+if not r.unlimited then rr, rs = r.remaining, r.reset end
+if not k.unlimited then kr, ks = k.remaining, k.reset end
 
-local function refuse(kind, retry_ms, detail)
-  record('rejected', kind)
-  return {0, kind, retry_ms, rr, rs, kr, ks, detail}
+-- Every limit that refuses, keeping the longest wait (-1: never fits, wins).
+local kind, wait, detail = nil, -2, ''
+local function refuses(this_kind, this_wait, this_detail)
+  if wait == -1 then return end
+  if this_wait == -1 or this_wait > wait then kind, wait, detail = this_kind, this_wait, this_detail end
 end
 
-if max_conc > 0 then
-  local running = redis.call('ZCARD', KEYS[3])
-  if running >= max_conc then
-    -- No clock says when a running request ends: 1 s is a polling hint.
-    return refuse('concurrency', 1000, tostring(running))
-  end
-end
-if not r.ok then return refuse('requests', r.retry, tostring(rpm)) end
-if k.too_large then return refuse('tokens_too_large', -1, tostring(estimate)) end
-if not k.ok then return refuse('tokens', k.retry, tostring(estimate)) end
+if k.too_large then refuses('tokens_too_large', -1, tostring(estimate)) end
+if not r.ok then refuses('requests', r.retry, tostring(rpm)) end
+if not k.ok and not k.too_large then refuses('tokens', k.retry, tostring(estimate)) end
+local day_used, month_used = 0, 0
 if daily > 0 then
-  local used = tonumber(redis.call('HGET', KEYS[4], day_field .. ':tokens') or 0)
-  if used + estimate > daily then return refuse('daily_budget', next_day_ms - now, tostring(used)) end
+  day_used = tonumber(redis.call('HGET', KEYS[4], day_field .. ':tokens') or 0)
+  if estimate > daily then refuses('daily_budget', -1, tostring(day_used))
+  elseif day_used + estimate > daily then refuses('daily_budget', next_day_ms - now, tostring(day_used)) end
 end
 if monthly > 0 then
-  local used = tonumber(redis.call('HGET', KEYS[4], month_field .. ':tokens') or 0)
-  if used + estimate > monthly then return refuse('monthly_budget', next_month_ms - now, tostring(used)) end
+  month_used = tonumber(redis.call('HGET', KEYS[4], month_field .. ':tokens') or 0)
+  if estimate > monthly then refuses('monthly_budget', -1, tostring(month_used))
+  elseif month_used + estimate > monthly then refuses('monthly_budget', next_month_ms - now, tostring(month_used)) end
+end
+if max_conc > 0 then
+  local running = redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')
+  -- No clock says when a running request ends: 1 s is a polling hint.
+  if running >= max_conc then refuses('concurrency', 1000, tostring(running)) end
 end
 
--- Admitted: commit every limit at once.
+if kind then
+  local minute = math.floor(now / 60000)
+  if redis.call('HINCRBY', KEYS[6], minute .. ':' .. kind, 1) == 1 then
+    for _, name in ipairs(redis.call('HKEYS', KEYS[6])) do
+      if tonumber(string.match(name, '^(%d+):')) < minute - 60 then redis.call('HDEL', KEYS[6], name) end
+    end
+    redis.call('EXPIRE', KEYS[6], 3660)
+  end
+  if redis.call('HINCRBY', KEYS[4], day_field .. ':refused', 1) == 1 then prune_usage() end
+  return {0, kind, wait, rr, rs, kr, ks, detail}
+end
+
+-- Admitted: commit every limit at once (counters first: nothing below can fail
+-- on values the gateway checked, and a lease is never left without a record).
+day_used = redis.call('HINCRBY', KEYS[4], day_field .. ':tokens', estimate)
+if redis.call('HINCRBY', KEYS[4], day_field .. ':requests', 1) == 1 then prune_usage() end
+month_used = redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
+redis.call('HINCRBY', KEYS[4], month_field .. ':requests', 1)
 if not r.unlimited then redis.call('SET', KEYS[1], tostring(r.new_tat), 'PX', math.ceil(r.new_tat - now) + WINDOW) end
 if not k.unlimited then redis.call('SET', KEYS[2], tostring(k.new_tat), 'PX', math.ceil(k.new_tat - now) + WINDOW) end
+redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
+  'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
+  'http_request_id', ARGV[12])
+redis.call('EXPIRE', KEYS[5], retention)
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)
 redis.call('PEXPIRE', KEYS[3], lease_ms + WINDOW)
-local day_used = redis.call('HINCRBY', KEYS[4], day_field .. ':tokens', estimate)
-redis.call('HINCRBY', KEYS[4], day_field .. ':requests', 1)
-local month_used = redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
-redis.call('HINCRBY', KEYS[4], month_field .. ':requests', 1)
-record('admitted', nil)
 -- Budget use (this request's reservation included), for the budget-use metric.
 local used = ''
 if daily > 0 or monthly > 0 then used = day_used .. ',' .. month_used end

@@ -1,15 +1,41 @@
 -- Settle a finished request: reconcile its token reservation with real usage,
 -- release its concurrency lease, finalise its record. Idempotent: a request
--- already settled (or never admitted) is left as it is.
+-- already settled is left as it is.
 --
 -- KEYS: as admit.lua (1 requests GCRA, 2 tokens GCRA, 3 leases, 4 usage, 5 record)
--- ARGV: 1 request id, 2 final status (completed|failed|cancelled), 3 prompt tokens,
---       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica
+-- ARGV: 1 request id, 2 final status (completed|failed|cancelled|overloaded), 3 prompt tokens,
+--       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica,
+--       8 key id, 9 model, 10 day field, 11 month field (both by the ingress's clock:
+--       used only for a request admitted without Redis, see below)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done.
+--
+-- No record: the request was admitted on the ingress's local limits because
+-- Redis did not answer (or its admit call is still on its way). Its real usage
+-- is counted, and a final record is written so that a late admit of the same
+-- id finds it and changes nothing (admit.lua), whatever order the calls arrive in.
 
 local WINDOW = 60000
 local status = redis.call('HGET', KEYS[5], 'status')
+if not status then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local prompt, completion = tonumber(ARGV[3]), tonumber(ARGV[4])
+  redis.call('HSET', KEYS[5], 'key_id', ARGV[8], 'model', ARGV[9], 'status', ARGV[2],
+    'admission', 'local', 'finished_ms', now, 'reserved_tokens', 0, 'day', ARGV[10], 'month', ARGV[11])
+  if prompt >= 0 then
+    for _, period in ipairs({ARGV[10], ARGV[11]}) do
+      redis.call('HINCRBY', KEYS[4], period .. ':tokens', prompt + completion)
+      redis.call('HINCRBY', KEYS[4], period .. ':prompt_tokens', prompt)
+      redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
+    end
+    redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
+      'total_tokens', prompt + completion)
+  end
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
+  return 0
+end
 if status ~= 'admitted' and status ~= 'running' then return false end
 
 local t = redis.call('TIME')

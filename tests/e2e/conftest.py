@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import redis as redis_sync
 
 from http_checks import free_port
 from redis_server import running_redis
@@ -18,6 +19,14 @@ from stack import create_key, local_app_args, serve_stack
 def redis_server():
     with running_redis() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def redis(redis_server):
+    """A synchronous client of the module's Redis, to assert on what the gateway stored."""
+    client = redis_sync.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import redis as redis_sync
 
 import openai_spec
 from redis_server import running_redis
@@ -53,13 +52,6 @@ def redis_server():
 def base_url(redis_server):
     with serve_stack(app_args(redis_server.url), port=_free_port()) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def redis(redis_server):
-    client = redis_sync.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
 
 
 def sdk(base_url, secret, **options) -> openai.OpenAI:

@@ -135,12 +135,21 @@ async def test_request_record_lifecycle_and_usage_counters(redis):
     assert usage[f"m:{today[:6]}:completion_tokens".encode()] == b"30"
 
 
-async def test_refusals_are_recorded_with_their_reason(redis):
+async def test_refusals_are_counted_per_minute_not_stored(redis):
     adm, k = admission(redis), key(requests_per_minute=1)
     await admit(adm, k)
-    rid, d = await admit(adm, k)
-    fields = await redis.hgetall(redis_names.request_record(k.id, rid))
-    assert fields[b"status"] == b"rejected" and fields[b"reason"] == b"requests"
+    refused = [await admit(adm, k) for _ in range(5)]
+    assert not any(d.admitted for _, d in refused)
+    assert not await redis.exists(*(redis_names.request_record(k.id, rid) for rid, _ in refused))
+    counts = await redis.hgetall(redis_names.refusals(k.id))
+    assert list(counts.values()) == [b"5"] and list(counts)[0].endswith(b":requests")
+    assert 3600 < await redis.ttl(redis_names.refusals(k.id)) <= 3660
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:refused") == b"5"
+    from serve_app.usage import key_usage
+
+    usage = await key_usage(redis, k.id)
+    assert usage["today"]["refused"] == 5 and usage["refused_last_hour"] == {"requests": 5}
 
 
 async def test_unlimited_key_gets_no_rate_headers(redis):
@@ -157,6 +166,7 @@ async def test_scripts_are_called_by_sha(redis):
     commandstats = await redis.info("commandstats")
     assert commandstats["cmdstat_evalsha"]["calls"] == 2
     assert "cmdstat_eval" not in commandstats
+    assert "cmdstat_script|exists" not in commandstats  # one round trip: no SCRIPT EXISTS first
 
 
 async def test_unknown_usage_keeps_the_reservation_charged(redis):
@@ -174,6 +184,7 @@ async def test_http_request_id_finds_the_record(redis):
     adm, k = admission(redis), key()
     rid = "ktest-0123456789abcdef"
     await adm.admit(k, rid, "m", 10, http_request_id="3f1c-serve-id")
+    await adm.index_http_id("3f1c-serve-id", rid)
     assert (await request_state(redis, "3f1c-serve-id"))["id"] == rid
     assert (await request_state(redis, "chatcmpl-" + rid))["status"] == "admitted"
     assert await request_state(redis, "unknown-id") is None

@@ -1,0 +1,219 @@
+"""Quotas against hostile input and a misbehaving Redis, on a real redis-server:
+honest retry-after for every mix of limits, refusals that store nothing,
+leases renewed and reaped, late admits after a timeout, script errors and OOM
+that refuse instead of failing open, and counters that stay bounded."""
+
+import asyncio
+import datetime
+import os
+import signal
+
+import pytest
+
+from serve_app import redis_names
+from serve_app.access import Access
+from serve_app.admission import Admission
+from serve_app.errors import OpenAIError
+from serve_app.keys import KeyRecord
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+
+_ids = iter(range(10**9))
+
+
+def key(**limits) -> KeyRecord:
+    return KeyRecord(id="khard", name="hard", created_at=0, **limits)
+
+
+def admission(redis, lease_s=600):
+    return Admission(redis, lease_s=lease_s, retention_s=3600)
+
+
+async def admit(adm, k, tokens=1):
+    rid = f"khard-{next(_ids):016x}"
+    return rid, await adm.admit(k, rid, "m", tokens)
+
+
+async def exhaust(adm, k, tokens):
+    """Admit requests of ``tokens`` until one is refused; return that refusal."""
+    for _ in range(1000):
+        _, decision = await admit(adm, k, tokens)
+        if not decision.admitted:
+            return decision
+    raise AssertionError("never refused")
+
+
+# Mixes of limits (each window short enough to wait out) and the request cost
+# that makes one or the other bind.
+MIXES = {
+    "requests only": (dict(requests_per_minute=120), 10),
+    "tokens only": (dict(tokens_per_minute=12_000), 100),
+    "requests bind before tokens": (dict(requests_per_minute=120, tokens_per_minute=100_000), 10),
+    "tokens bind before requests": (dict(requests_per_minute=600, tokens_per_minute=12_000), 400),
+    "both refuse, tokens wait longer": (dict(requests_per_minute=240, tokens_per_minute=6_000), 60),
+    "requests and a budget far from full": (dict(requests_per_minute=120, daily_token_budget=10**9), 10),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+async def test_waiting_exactly_retry_after_is_admitted_and_less_is_not(redis, mix):
+    limits, tokens = MIXES[mix]
+    adm, k = admission(redis), key(**limits)
+    refused = await exhaust(adm, k, tokens)
+    assert refused.retry_ms > 200, refused
+    await asyncio.sleep(refused.retry_ms / 2000)  # half the wait: some limit still refuses
+    _, early = await admit(adm, k, tokens)
+    assert not early.admitted, (mix, refused, early)
+    await asyncio.sleep(max(refused.retry_ms / 1000 - refused.retry_ms / 2000, 0) + 0.01)
+    _, retried = await admit(adm, k, tokens)
+    assert retried.admitted, (mix, refused, retried)
+
+
+async def test_the_refusal_names_the_limit_with_the_longest_wait(redis):
+    # 1 request/min and 1 concurrent request, one running: both refuse; the 1 s
+    # concurrency hint would send the client into another 429.
+    adm, k = admission(redis), key(requests_per_minute=1, max_concurrent=1)
+    await admit(adm, k)
+    _, refused = await admit(adm, k)
+    assert refused.kind == "requests" and 59_000 < refused.retry_ms <= 60_000, refused
+    assert refused.headers(k)["retry-after"] == "60"
+
+
+@pytest.mark.parametrize(
+    "limits, kind",
+    [
+        (dict(tokens_per_minute=100, requests_per_minute=1), "tokens_too_large"),
+        (dict(daily_token_budget=150), "daily_budget"),
+        (dict(monthly_token_budget=150, requests_per_minute=1), "monthly_budget"),
+    ],
+)
+async def test_a_request_that_can_never_fit_gets_no_retry_after(redis, limits, kind):
+    adm, k = admission(redis), key(**limits)
+    await admit(adm, k, tokens=1)  # uses the one request/min where there is one
+    _, refused = await admit(adm, k, tokens=200)
+    assert not refused.admitted and refused.kind == kind and refused.retry_ms == -1, refused
+    assert "retry-after" not in refused.headers(k)
+
+
+async def test_a_late_admit_after_its_settlement_changes_nothing(redis):
+    # The ingress timed out on admit, served the request on local limits and
+    # settled it; the admit call then arrives. It must not take a slot or charge.
+    adm, k = admission(redis), key(max_concurrent=1, daily_token_budget=1000)
+    rid = "khard-00000000000000aa"
+    assert await adm.settle(k, rid, "completed", 7, 5, "", "m") == 0
+    late = await adm.admit(k, rid, "m", 500)
+    assert not late.admitted and late.kind == "duplicate"
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 0
+    record = {a.decode(): b.decode() for a, b in (await redis.hgetall(redis_names.request_record(k.id, rid))).items()}
+    assert record["status"] == "completed" and record["admission"] == "local" and record["total_tokens"] == "12"
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"12"  # real usage, once
+    assert (await admit(adm, k, tokens=500))[1].admitted  # the slot is free
+
+
+async def test_renewal_keeps_running_leases_and_never_revives_settled_ones(redis):
+    adm, k = admission(redis, lease_s=0.6), key(max_concurrent=2)
+    a, _ = await admit(adm, k)
+    b, _ = await admit(adm, k)
+    for _ in range(8):  # 1.6 s: well past the lease, renewed every 0.2 s
+        assert await adm.renew({k.id: [a, b]}) == 2
+        await asyncio.sleep(0.2)
+    assert (await admit(adm, k))[1].kind == "concurrency"
+    await adm.settle(k, a, "completed", 1, 1)
+    assert await adm.renew({k.id: [a, b]}) == 1
+    assert await redis.zrange(redis_names.concurrency(k.id), 0, -1) == [b.encode()]
+
+
+async def test_leases_that_expire_finalise_their_records(redis):
+    # An ingress that died stops renewing: the next admission of the key reaps
+    # its requests' leases and makes their records final.
+    adm, k = admission(redis, lease_s=0.2), key(max_concurrent=1)
+    dead, _ = await admit(adm, k, tokens=40)
+    await adm.running(k.id, dead)
+    await asyncio.sleep(0.3)
+    assert (await admit(adm, k))[1].admitted
+    record = await redis.hgetall(redis_names.request_record(k.id, dead))
+    assert record[b"status"] == b"abandoned" and record[b"total_tokens"] == b"40"
+    assert await adm.settle(k, dead, "completed", 1, 1) is None  # final: a late settle changes nothing
+
+
+async def test_usage_counters_keep_35_days_and_13_months(redis):
+    adm, k = admission(redis), key()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    old_day = (now - datetime.timedelta(days=40)).strftime("d:%Y%m%d")
+    recent_day = (now - datetime.timedelta(days=3)).strftime("d:%Y%m%d")
+    old_month = f"m:{now.year - 2}{now.month:02d}"
+    usage = redis_names.usage(k.id)
+    await redis.hset(usage, mapping={f"{old_day}:tokens": 5, f"{recent_day}:tokens": 6, f"{old_month}:tokens": 7})
+    assert (await admit(adm, k))[1].admitted  # the key's first request today prunes
+    fields = {f.decode() for f in await redis.hkeys(usage)}
+    assert f"{recent_day}:tokens" in fields
+    assert f"{old_day}:tokens" not in fields and f"{old_month}:tokens" not in fields
+    assert 399 * 86400 < await redis.ttl(usage) <= 400 * 86400
+
+
+# -- the ingress's Access: which Redis errors fail open ---------------------------------
+
+
+@pytest.fixture
+async def access(redis_server, redis):
+    settings = AppSettings(redis_url=redis_server.url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30})
+    gate = Access(settings, Telemetry(False, False))
+    yield gate
+    await gate.redis.aclose()
+
+
+async def test_a_script_error_is_a_503_and_leaks_no_slot(access, redis):
+    # A reservation Redis cannot add (beyond 64-bit) makes the script fail
+    # mid-way; the request must not be served on local limits.
+    k = key(max_concurrent=1)
+    with pytest.raises(OpenAIError) as caught:
+        await access.admit(k, "m", 10**30)
+    assert caught.value.status == 503 and caught.value.code == "quota_backend_error"
+    await access.flush_unsettled()
+    assert not access._unsettled
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 0
+    ticket = await access.admit(k, "m", 10)
+    assert not ticket.local
+
+
+async def test_out_of_memory_is_a_503_not_a_local_admission(access, redis):
+    k = key(requests_per_minute=100)
+    await redis.config_set("maxmemory-policy", "noeviction")
+    await redis.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(OpenAIError) as caught:
+            await access.admit(k, "m", 10)
+    finally:
+        await redis.config_set("maxmemory", 0)
+    assert caught.value.status == 503 and caught.value.code == "quota_backend_error"
+    await access.flush_unsettled()
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 0
+
+
+async def test_a_stalled_redis_is_settled_once_it_answers(access, redis, redis_server):
+    # A stopped redis-server (SIGSTOP) stalls: the admit call times out but stays
+    # in the server's socket and runs when it resumes; the request is served on
+    # local limits, and its settlement is retried until Redis takes it.
+    # Afterwards: no lease, one charge of the real usage, a final record.
+    k = key(max_concurrent=1, daily_token_budget=10_000)
+    await access.admit(k, "m", 1)  # connections are open before the stall
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        ticket = await access.admit(k, "m", 500)
+        assert ticket.local
+        access.settle(ticket, "completed", {"prompt_tokens": 9, "completion_tokens": 4})
+        assert await access.flush_unsettled() == 0  # still stalled
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    while access._unsettled:
+        await access.flush_unsettled()
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # any admit call still in flight has run by now
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's, unsettled
+    record = await redis.hgetall(redis_names.request_record(k.id, ticket.request_id))
+    assert record[b"status"] == b"completed" and record[b"total_tokens"] == b"13"
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"14"  # 1 reserved + 13 used
+    await redis.delete(redis_names.concurrency(k.id))  # (the first request ends)
+    assert not (await access.admit(k, "m", 10)).local
