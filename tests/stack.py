@@ -26,19 +26,27 @@ LOCAL_CONFIG = REPO / "configs" / "local.yaml"
 APP_NAME = "llm"
 
 
-def local_app_args() -> dict[str, Any]:
+def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
+    """The shipped local config's application args; ``only``: keep just these
+    models (a module that uses one model starts faster without the others)."""
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
-    return deepcopy(config["applications"][0]["args"])
+    args = deepcopy(config["applications"][0]["args"])
+    if only is not None:
+        args["models"] = [model for model in args["models"] if model["name"] in only]
+    return args
 
 
 def engine_processes() -> list[psutil.Process]:
     found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue  # exited (holds no memory), not reaped yet
             text = (proc.info["name"] or "") + " " + " ".join(proc.info["cmdline"] or [])
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if "EngineCore" in text and proc.pid != os.getpid():
+        # vLLM titles its processes VLLM::EngineCore_DP0, VLLM::Worker_TP0, ...
+        if ("EngineCore" in text or "VLLM::Worker" in text) and proc.pid != os.getpid():
             found.append(proc)
     return found
 

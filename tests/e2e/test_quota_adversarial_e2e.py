@@ -34,7 +34,7 @@ HELLO = [{"role": "user", "content": "Tell me about the license."}]
 
 @pytest.fixture(scope="module")
 def base_url(redis_server):
-    args = local_app_args()
+    args = local_app_args(only=[MODEL])
     args["redis_url"] = redis_server.url
     args["quota"] = {"concurrency_lease_s": LEASE_S, "redis_timeout_s": 0.3, "fail_mode": "open"}
     # An autoscaled ingress (it stays at one replica: the target is never reached):

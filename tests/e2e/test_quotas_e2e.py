@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 
 def app_args(redis_url: str, fail_mode: str = "open") -> dict:
-    args = local_app_args()
+    args = local_app_args(only=[MODEL])
     args["ingress"]["deployment"]["num_replicas"] = 2
     args["quota"] = {"key_cache_ttl_s": CACHE_TTL_S, "fail_mode": fail_mode, "redis_timeout_s": 0.3}
     args["redis_url"] = redis_url
