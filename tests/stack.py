@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import yaml
 
@@ -36,7 +40,9 @@ def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
     return args
 
 
-def engine_processes() -> list[psutil.Process]:
+def engine_processes(workers: bool = True) -> list[psutil.Process]:
+    """Live vLLM engine processes on this machine: every EngineCore and, with
+    ``workers``, their Worker processes (what must not outlive a stack)."""
     found = []
     for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
@@ -46,13 +52,13 @@ def engine_processes() -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         # vLLM titles its processes VLLM::EngineCore_DP0, VLLM::Worker_TP0, ...
-        if ("EngineCore" in text or "VLLM::Worker" in text) and proc.pid != os.getpid():
+        if ("EngineCore" in text or (workers and "VLLM::Worker" in text)) and proc.pid != os.getpid():
             found.append(proc)
     return found
 
 
 def replica_engine_processes(model: str | None = None) -> list[psutil.Process]:
-    """Engine processes started by Serve replicas (not by a bare `vllm serve`),
+    """EngineCore processes started by Serve replicas (not by a bare `vllm serve`),
     only those of ``model``'s replicas when given."""
     from replicas.config import deployment_name
 
@@ -64,7 +70,7 @@ def replica_engine_processes(model: str | None = None) -> list[psutil.Process]:
         except psutil.Error:
             return False
 
-    return [proc for proc in engine_processes() if under_replica(proc)]
+    return [proc for proc in engine_processes(workers=False) if under_replica(proc)]
 
 
 def wait_for_no_engines(timeout_s: float = 60) -> None:
@@ -102,6 +108,83 @@ def serve_stack(
         finally:
             ray.shutdown()
             wait_for_no_engines()
+
+
+# `make stop` ends the stack within this (serve_app/local_stack.py STOP_BOUND_S).
+STACK_STOP_S = 30
+BIN = Path(sys.executable).parent
+
+
+def ray_processes() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "") in ("raylet", "gcs_server")]
+
+
+def assert_no_other_stack() -> None:
+    """Modules that stop Ray the operator's way (`ray stop --force` ends every
+    Ray process on the machine) run only alone."""
+    deadline = time.monotonic() + 30  # the previous module's Ray may still be exiting
+    while ray_processes():
+        assert time.monotonic() < deadline, "another Ray instance runs on this machine; `ray stop --force` would end it"
+        time.sleep(0.5)
+    assert not engine_processes(), "vLLM engine processes are already running"
+
+
+class CliStack:
+    """The stack as `make run` starts it: `llmctl run` of a Serve config, in a
+    session of its own (as a terminal's foreground job), with its own Ray."""
+
+    def __init__(self, config: dict, redis_url: str, workdir: Path):
+        self.port = config["http_options"]["port"]
+        self.config = workdir / "config.yaml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "stack.log"
+        self.redis_url = redis_url
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = open(self.log_path, "a")
+        # A session of its own, as a terminal's foreground job would be.
+        self.proc = subprocess.Popen([str(BIN / "llmctl"), "run", str(self.config)], cwd=REPO, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "REDIS_URL": self.redis_url})
+        log.close()
+
+    def wait_serving(self, secret: str, timeout_s: float = 300) -> float:
+        """Seconds until a chat completion succeeds."""
+        started = time.monotonic()
+        while not self.serves(secret):
+            assert self.proc is None or self.proc.poll() is None, f"llmctl run exited: {self.log_tail()}"
+            assert time.monotonic() - started < timeout_s, f"the stack did not serve: {self.log_tail()}"
+            time.sleep(1)
+        return time.monotonic() - started
+
+    def serves(self, secret: str) -> bool:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        try:
+            return httpx.post(self.base_url + "/v1/chat/completions", json=body, timeout=30,
+                              headers={"authorization": f"Bearer {secret}"}).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text()[-3000:]
+
+    def kill(self) -> None:
+        """Teardown whatever happened: nothing of this stack may reach the next module."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=STACK_STOP_S + 10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if ray_processes():
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+        for leftover in engine_processes():
+            leftover.kill()
 
 
 def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
