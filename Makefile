@@ -13,7 +13,7 @@ export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 
-.PHONY: setup redis prometheus demo-model run metrics dashboards test unit bench
+.PHONY: setup redis prometheus demo-model run stop metrics dashboards test unit bench
 
 setup: $(STAMP)
 $(STAMP):
@@ -29,9 +29,14 @@ prometheus:
 demo-model: setup
 	$(VENV)/bin/llmctl demo-model
 
+# The stack runs on a Ray instance of its own; Ctrl-C or `make stop` ends all of
+# it (Ray, replicas, vLLM engines) within 30 s (serve_app/local_stack.py).
 run: setup redis demo-model
 	@echo "Development API key (OPENAI_API_KEY): $$($(VENV)/bin/llmctl keys ensure-dev)"
-	$(VENV)/bin/serve run $(CONFIG)
+	$(VENV)/bin/llmctl run $(CONFIG)
+
+stop:
+	$(VENV)/bin/llmctl stop
 
 # Prometheus beside a running stack (`make run` in another shell), scraping every
 # Ray metrics endpoint through Ray's service-discovery file; UI on :9090.

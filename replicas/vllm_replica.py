@@ -20,8 +20,10 @@ the body is the OpenAI request as a dict:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +37,12 @@ from replicas.config import ModelConfig, resolve_source
 from replicas.streaming import coalesce
 
 logger = logging.getLogger("ray.serve")
+
+# How often a replica looks whether its engine died, and how long it then waits
+# (for the streams that failed with the engine to send their error events) before
+# it exits so that Serve replaces it at once.
+ENGINE_WATCH_INTERVAL_S = 0.5
+ERROR_FLUSH_S = 1.0
 
 
 def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
@@ -127,12 +135,35 @@ class VLLMReplica:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         self._error_from = create_error_response
+        self._engine_watch = asyncio.get_running_loop().create_task(self._exit_when_engine_dies())
         logger.info("vLLM engine ready for model %s (%s)", config.name, ", ".join(self._endpoints))
+
+    async def _exit_when_engine_dies(self) -> None:
+        """A replica whose engine died exits, as `vllm serve` does
+        (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH off): Serve's health check would take
+        three failed periods (30 s and more) to replace it, while it keeps
+        receiving requests it can only fail. An exited replica is replaced at
+        once and its requests fail over (503 with retry-after at the ingress)."""
+        while not self.engine.errored:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        logger.error("the vLLM engine of model %s died: replica %s exits so that Serve replaces it",
+                     self.config.name, self.replica)
+        await asyncio.sleep(ERROR_FLUSH_S)
+        os._exit(1)
 
     # -- requests ---------------------------------------------------------
 
     async def _start(self, operation: str, body: dict[str, Any]):
         """vLLM's answer to ``body``: a stream, a full response, or an error."""
+        result = await self._answer(operation, body)
+        if self.engine.errored and (isinstance(result, tuple) or _is_error(result)):
+            return 503, {
+                "message": f"The engine of a replica of model '{self.config.name}' stopped. Please retry.",
+                "code": "replica_unavailable",
+            }
+        return result
+
+    async def _answer(self, operation: str, body: dict[str, Any]):
         adapter = serve.get_multiplexed_model_id()
         if adapter:
             try:

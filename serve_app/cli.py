@@ -6,6 +6,7 @@
     llmctl usage --key NAME_OR_ID
     llmctl requests show REQUEST_ID
     llmctl check-config FILE | demo-model
+    llmctl run [CONFIG] [--grace S] | stop     (the local stack: `make run`, `make stop`)
 
 Redis is the one named by REDIS_URL (or --redis-url).
 """
@@ -164,6 +165,19 @@ def _demo_model(_: argparse.Namespace) -> int:
     return 0
 
 
+def _run_local(args: argparse.Namespace) -> int:
+    from serve_app import local_stack
+
+    grace_s = local_stack.DEFAULT_GRACE_S if args.grace is None else args.grace
+    return local_stack.run(args.config, grace_s)
+
+
+def _stop_local(_: argparse.Namespace) -> int:
+    from serve_app.local_stack import request_stop
+
+    return request_stop()
+
+
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     for flag in LIMIT_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None)
@@ -204,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("path", type=Path)
     check.set_defaults(run=lambda a: _check_config(a.path))
     commands.add_parser("demo-model", help="build the tiny demo model; print its path").set_defaults(run=_demo_model)
+
+    run = commands.add_parser("run", help="serve a config on a local Ray instance until Ctrl-C or `llmctl stop`")
+    run.add_argument("config", type=Path, nargs="?", default=Path("configs/local.yaml"))
+    run.add_argument("--grace", type=float, default=None, help="seconds requests in flight get when stopping")
+    run.set_defaults(run=_run_local)
+    commands.add_parser("stop", help="stop the stack `llmctl run` started").set_defaults(run=_stop_local)
 
     args = parser.parse_args(argv)
     return args.run(args)

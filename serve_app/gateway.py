@@ -31,8 +31,8 @@ from serve_app.errors import OpenAIError, from_engine_error
 from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
-from serve_app.reservation import reserve
-from serve_app.sse import DONE, split_replica, take_usage
+from serve_app.reservation import Reservation, reserve
+from serve_app.sse import DONE, ends_in_error, split_replica, take_usage
 from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
@@ -47,10 +47,19 @@ STREAM_FAILED = (
 UNAVAILABLE_RETRY_S = 1
 
 
+RETRY_HEADERS = {"retry-after": str(UNAVAILABLE_RETRY_S), "retry-after-ms": str(UNAVAILABLE_RETRY_S * 1000)}
+
+
 def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
     """503, never 429: the cluster is busy, the key's quota is fine."""
-    retry = {"retry-after": str(UNAVAILABLE_RETRY_S), "retry-after-ms": str(UNAVAILABLE_RETRY_S * 1000)}
-    return OpenAIError(503, message, code=code, headers={**ticket.headers, **retry})
+    return OpenAIError(503, message, code=code, headers={**ticket.headers, **RETRY_HEADERS})
+
+
+def _engine_error(ticket: Ticket, status: int, error: dict) -> OpenAIError:
+    """An error the replica answered; its 503 (engine gone) tells when to retry."""
+    exc = from_engine_error(status, error)
+    exc.headers = {**ticket.headers, **(RETRY_HEADERS if status == 503 else {})}
+    return exc
 
 
 class QueueTimeout(Exception):
@@ -246,7 +255,7 @@ class Gateway:
         queue_timeout_s = self._configs[model].queue_timeout_s
         try:
             if getattr(request, "stream", False):
-                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record)
+                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
             response = handle.call.remote(op.name, body)
             await reach_replica(response, queue_timeout_s)
             status, payload, usage, replica = await response
@@ -272,9 +281,7 @@ class Gateway:
         record.used(usage)
         self._describe_while_up(model)
         if status != 200:
-            error = from_engine_error(status, payload)
-            error.headers = ticket.headers
-            raise error
+            raise _engine_error(ticket, status, payload)
         return Reply(ticket.headers, body=payload)
 
     async def _stream(
@@ -286,6 +293,7 @@ class Gateway:
         ticket: Ticket,
         queue_timeout_s: float,
         record: RequestRecord,
+        reservation: Reservation,
     ) -> Reply:
         options = request.stream_options
         client_wants_usage = bool(options and options.include_usage)
@@ -301,11 +309,11 @@ class Gateway:
         if isinstance(first, tuple):
             status, error = first
             self.access.settle(ticket, "failed", {})
-            raise from_engine_error(status, error)
+            raise _engine_error(ticket, status, error)
         record.first_token_at = time.monotonic()
         record.stream = True
         self._describe_while_up(body["model"])
-        relay = self._relay(first, chunks, ticket, client_wants_usage, record)
+        relay = self._relay(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat")
         # A client that hangs up before the first byte is sent never starts the
         # relay, so its `finally` never runs: settle when the unstarted relay is dropped
         # (otherwise its lease would be renewed for as long as the ingress lives).
@@ -323,35 +331,69 @@ class Gateway:
         except RuntimeError:  # no running loop: the process is ending, its leases expire
             pass
 
-    async def _relay(self, first: str, chunks, ticket: Ticket, client_wants_usage: bool, record: RequestRecord):
+    async def _relay(
+        self,
+        first: str,
+        chunks,
+        ticket: Ticket,
+        client_wants_usage: bool,
+        record: RequestRecord,
+        reservation: Reservation,
+        chat: bool,
+    ):
         """Relay the replica's stream and account for it.
 
         The usage event (always requested from the replica) is read from the
         final item and hidden unless the client asked for it. If the client goes
-        away, cancel downstream (Serve cancels the replica's generator, vLLM aborts)."""
+        away, cancel downstream (Serve cancels the replica's generator, vLLM aborts).
+        A stream that fails (its replica or engine died: an exception here, or
+        vLLM's own error event) is charged what it delivered, never its whole
+        reservation: the prompt estimate plus one token per content event relayed
+        (an event carries at least one token; chat's first event per choice is
+        the role alone)."""
         status, usage = "cancelled", None
         replica, first = split_replica(first)
+        events, last = 0, first
         try:
             if first.endswith(DONE):
                 first, usage = take_usage(first, client_wants_usage)
+            events, last = first.count("data: {"), first
             yield first
             self.access.running(ticket, replica)
             async for chunk in chunks:
                 if chunk.endswith(DONE):
                     chunk, usage = take_usage(chunk, client_wants_usage)
+                events += chunk.count("data: {")
+                last = chunk
                 yield chunk
-            status = "completed"
+            # vLLM ends a stream whose engine failed with an error event and no usage.
+            failed_upstream = usage is None and ends_in_error(last)
+            events -= failed_upstream
+            status = "failed" if failed_upstream else "completed"
         except Exception:
-            status = "failed"
-            logger.exception("stream from replica failed")
-            yield STREAM_FAILED
+            if usage is not None:  # failed after the final usage event: the client has it all
+                status = "completed"
+            else:
+                status = "failed"
+                logger.exception("stream from replica failed")
+                yield STREAM_FAILED
         finally:
             if status != "completed":
                 chunks.cancel()
+            if status == "failed":
+                usage = _delivered(events, reservation, chat)
             # A cancelled stream's usage is unknown: its reservation stays charged.
-            self.access.settle(ticket, status, usage if status == "completed" else None, replica)
+            self.access.settle(ticket, status, None if status == "cancelled" else usage, replica)
             record.status, record.cancelled = 200, status == "cancelled"
             if status == "failed":
                 record.error_code = "stream_failed"
             record.used(usage)
             self.telemetry.finish(record)
+
+
+def _delivered(events: int, reservation: Reservation, chat: bool) -> dict[str, int]:
+    """What a failed stream is charged: its prompt (estimated) and one token per
+    content event it relayed, never more than it reserved."""
+    content_events = events - (reservation.choices if chat else 0)
+    completion = min(max(0, content_events), reservation.completion_per_choice * reservation.choices)
+    return {"prompt_tokens": reservation.prompt, "completion_tokens": completion}

@@ -39,7 +39,8 @@ class QuotaConfig(BaseModel):
         5.0, ge=0, description="Ingress caches key records this long: a revoked key stops within it."
     )
     concurrency_lease_s: float = Field(
-        600.0, gt=0, description="A concurrency slot expires after this even if its ingress died."
+        60.0, gt=0, description="A concurrency slot expires after this unless its ingress renews it "
+        "(every third of it while the request runs): an ingress that died holds a key's slots this long at most.",
     )
     request_retention_s: int = Field(7 * 86400, gt=0, description="How long request records are kept.")
     default_max_tokens: int = Field(

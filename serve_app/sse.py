@@ -42,6 +42,12 @@ def take_usage(item: str, keep: bool) -> tuple[str, dict | None]:
     return item, None
 
 
+def ends_in_error(item: str) -> bool:
+    """Whether ``item`` carries an error event (how vLLM ends a stream its
+    engine failed: the error, then ``[DONE]``, no usage)."""
+    return 'data: {"error"' in item
+
+
 def events(item: str) -> list[dict]:
     """Every JSON event of a relayed item, in order (for dialects that answer
     streams in another shape; OpenAI-shaped streams never pay for this)."""

@@ -116,7 +116,9 @@ BIN = Path(sys.executable).parent
 
 
 def ray_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "") in ("raylet", "gcs_server")]
+    """Live raylet and GCS processes on this machine (zombies hold nothing)."""
+    return [p for p in psutil.process_iter(["name", "status"])
+            if (p.info["name"] or "") in ("raylet", "gcs_server") and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def assert_no_other_stack() -> None:

@@ -8,8 +8,6 @@ not final), not only on status codes."""
 from __future__ import annotations
 
 import datetime
-import json
-import math
 import os
 import signal
 import threading

@@ -1,5 +1,6 @@
-"""A stream the client drops before its first byte is still settled (wiring of
-``Gateway._stream``; the replica side is faked, the relay is the real one)."""
+"""How a relayed stream is settled (wiring of ``Gateway._stream``; the replica
+side is faked, the relay is the real one): a stream the client drops before its
+first byte is still settled; a stream that fails is charged what it delivered."""
 
 import asyncio
 import gc
@@ -10,18 +11,37 @@ from serve_app.access import Ticket
 from serve_app.api_requests import OPERATIONS
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
+from serve_app.reservation import Reservation
 from serve_app.telemetry import RequestRecord, Telemetry
 
 
+ROLE = 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
+TOKEN = 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+
+
 class FakeChunks:
-    def __init__(self):
+    """The replica's stream: ``items`` after the first, then ``ending`` (an
+    exception to raise, or nothing: the stream ends)."""
+
+    def __init__(self, items=(), ending: Exception | None = None):
         self.cancelled = False
+        self.items = list(items)
+        self.ending = ending
 
     async def _fetch_future_result_async(self):
         return None
 
     async def __anext__(self):
-        return ': replica=r1\n\ndata: {"choices": []}\n\n'
+        return ": replica=r1\n\n" + ROLE
+
+    def __aiter__(self):
+        return self._rest()
+
+    async def _rest(self):
+        for item in self.items:
+            yield item
+        if self.ending is not None:
+            raise self.ending
 
     def cancel(self):
         self.cancelled = True
@@ -37,23 +57,32 @@ class RecordingAccess:
         if not ticket.settled:
             ticket.settled = True
             self.settled.append(status)
+            self.usage = usage
 
     def running(self, ticket, replica=""):
         pass
 
 
-def streaming_gateway():
+def streaming_gateway(chunks=None):
     access = RecordingAccess()
     gateway = Gateway(access, {}, [ModelConfig(name="tiny-llama")], Telemetry(False, False))
     ticket = Ticket(KeyRecord(id="k1", name="n", created_at=0), "k1-0", "tiny-llama")
-    return access, gateway, FakeChunks(), ticket
+    return access, gateway, chunks or FakeChunks(), ticket
+
+
+RESERVED = Reservation(prompt=7, completion_per_choice=100, choices=1)
 
 
 def stream_once(gateway, chunks, ticket):
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=lambda *a: chunks)))
     request = SimpleNamespace(stream_options=None)
     body = {"model": "tiny-llama", "messages": []}
-    return gateway._stream(handle, OPERATIONS["chat"], body, request, ticket, 5, RequestRecord("openai", "x"))
+    return gateway._stream(handle, OPERATIONS["chat"], body, request, ticket, 5, RequestRecord("openai", "x"), RESERVED)
+
+
+async def relay_all(gateway, chunks, ticket) -> str:
+    reply = await stream_once(gateway, chunks, ticket)
+    return "".join([item async for item in reply.stream])
 
 
 async def test_an_unstarted_stream_dropped_by_its_client_is_settled_once():
@@ -75,3 +104,40 @@ async def test_a_relayed_stream_is_settled_by_the_relay_alone():
     gc.collect()
     await asyncio.sleep(0)
     assert access.settled == ["cancelled"]
+
+
+async def test_a_stream_cut_by_a_dead_replica_ends_in_an_error_event_and_is_charged_what_it_delivered():
+    from ray.exceptions import ActorDiedError
+
+    access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 3, TOKEN * 2], ActorDiedError()))
+    relayed = await relay_all(gateway, chunks, ticket)
+    assert relayed.count(TOKEN) == 5 and relayed.endswith('"code": null}}\n\n') and '"error"' in relayed
+    assert access.settled == ["failed"] and chunks.cancelled
+    assert access.usage == {"prompt_tokens": 7, "completion_tokens": 5}  # not the 107 reserved
+
+
+async def test_a_stream_vllm_ended_with_an_error_event_is_failed_and_charged_what_it_delivered():
+    error = 'data: {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}\n\n'
+    access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 2, error + "data: [DONE]\n\n"]))
+    relayed = await relay_all(gateway, chunks, ticket)
+    assert relayed.endswith(error + "data: [DONE]\n\n")  # the client sees vLLM's error event
+    assert access.settled == ["failed"]
+    assert access.usage == {"prompt_tokens": 7, "completion_tokens": 2}
+
+
+async def test_a_complete_stream_is_charged_its_reported_usage():
+    usage = 'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}\n\n'
+    access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"]))
+    relayed = await relay_all(gateway, chunks, ticket)
+    assert '"usage"' not in relayed and relayed.endswith("data: [DONE]\n\n")  # the client did not ask for usage
+    assert access.settled == ["completed"] and access.usage["completion_tokens"] == 2
+
+
+async def test_a_replica_lost_after_the_final_usage_event_leaves_a_complete_stream():
+    from ray.exceptions import ActorDiedError
+
+    usage = 'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}\n\n'
+    access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"], ActorDiedError()))
+    relayed = await relay_all(gateway, chunks, ticket)
+    assert relayed.endswith("data: [DONE]\n\n") and '"error"' not in relayed
+    assert access.settled == ["completed"] and access.usage["completion_tokens"] == 2

@@ -1,0 +1,190 @@
+"""The local development stack (`make run`, `make stop`): quick to stop, nothing left.
+
+`serve run` alone answers Ctrl-C with `serve.shutdown()`, which drains every
+replica for up to its ``graceful_shutdown_timeout_s`` (300 s, the bound a real
+rollout needs), and an operator who forces it then used to find vLLM engines
+left running. Here `serve run` gets a Ray instance of its own (``--address
+local``: never someone else's cluster) in a session of its own. Stopping it
+(Ctrl-C, SIGTERM, `llmctl stop`) gives requests in flight ``grace_s`` to
+finish, then kills every process of that session and tree: the Serve CLI,
+Ray's processes and the vLLM engines under them (the engines also die on their
+own with their replica: replicas/engine_guard.py). Graceful drain stays what
+`serve deploy` rollouts and scale-downs use on a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+# A stop ends every process of the stack within this many seconds (README).
+STOP_BOUND_S = 30
+DEFAULT_GRACE_S = 5.0
+
+
+def pid_file() -> Path:
+    from replicas.demo_model import data_dir
+
+    return data_dir() / "run.pid"
+
+
+def running_stack_pid() -> int | None:
+    """The pid of the `llmctl run` recorded in the pid file, if it still runs."""
+    try:
+        pid = int(pid_file().read_text().strip())
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except (OSError, ValueError, psutil.Error):
+        return None
+    return pid if "llmctl" in cmdline and " run" in cmdline else None
+
+
+def run(config: Path, grace_s: float = DEFAULT_GRACE_S) -> int:
+    """Serve ``config`` until the stack ends or is told to stop; return an exit code."""
+    other = running_stack_pid()
+    if other is not None:
+        print(f"a local stack already runs (pid {other}); stop it with `make stop`", file=sys.stderr)
+        return 1
+    signals: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda received, _frame: signals.append(received))
+    serve = Path(sys.executable).parent / "serve"
+    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(config)], start_new_session=True)
+    path = pid_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
+    ray = _RayWatch(stack.pid)
+    try:
+        while stack.poll() is None and not signals and not ray.gone():
+            time.sleep(0.2)
+        if ray.lost:
+            # `serve run` itself would wait forever on a Ray that is gone
+            # (`ray stop --force`, a killed raylet): end what is left of it.
+            print("Ray stopped under the local stack; cleaning up", file=sys.stderr, flush=True)
+        if signals:
+            print(f"stopping the local stack (requests in flight get {grace_s:g} s)", file=sys.stderr, flush=True)
+        try:
+            took = stop(stack, grace_s if signals else 0, hurry=lambda: len(signals) > 1)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        if signals:
+            print(f"local stack stopped in {took:.1f} s", file=sys.stderr)
+        return 0 if signals else (1 if ray.lost else stack.returncode)
+    finally:
+        if running_stack_pid() == os.getpid():
+            path.unlink(missing_ok=True)
+
+
+class _RayWatch:
+    """Notices when the Ray instance `serve run` started (its GCS server and
+    raylet) goes away while `serve run` itself lives on."""
+
+    CHECK_EVERY_S = 1.0
+
+    def __init__(self, stack_pid: int):
+        self._stack_pid = stack_pid
+        self._seen: set[psutil.Process] = set()
+        self._checked = 0.0
+        self.lost = False
+
+    def gone(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked < self.CHECK_EVERY_S:
+            return self.lost
+        self._checked = now
+        if len(self._seen) < 2:  # Ray still starting: look for both among the children
+            try:
+                children = psutil.Process(self._stack_pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+            for proc in children:
+                try:
+                    if proc.name() in ("gcs_server", "raylet"):
+                        self._seen.add(proc)
+                except psutil.Error:
+                    continue
+        self.lost = any(not _alive(proc) for proc in self._seen)
+        return self.lost
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Running, and not a zombie: a killed process whose parent has not reaped
+    it yet (psutil's wait would wait for the reaping, which may never come)
+    holds nothing any more."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_ended(procs, timeout_s: float) -> list[psutil.Process]:
+    """Wait until none of ``procs`` is alive; return those still alive after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    alive = [proc for proc in procs if _alive(proc)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [proc for proc in alive if _alive(proc)]
+    return alive
+
+
+def stop(stack: subprocess.Popen, grace_s: float, hurry=lambda: False) -> float:
+    """End ``stack`` (a `serve run` started in its own session) and everything it
+    started; return the seconds it took. Raises if a process outlives STOP_BOUND_S."""
+    started = time.monotonic()
+    members = _members(stack.pid)
+    if stack.poll() is None:
+        stack.send_signal(signal.SIGINT)  # serve run: shut Serve down, draining
+        while stack.poll() is None and time.monotonic() - started < grace_s and not hurry():
+            members |= _members(stack.pid)
+            time.sleep(0.1)
+    members |= _members(stack.pid)
+    if stack.poll() is None:
+        stack.kill()
+    for proc in members:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    stack.wait()
+    alive = _wait_ended(members, timeout_s=max(1.0, STOP_BOUND_S - (time.monotonic() - started)))
+    if alive:
+        raise RuntimeError(f"processes of the local stack outlived its stop: {[p.pid for p in alive]}")
+    return time.monotonic() - started
+
+
+def _members(stack_pid: int) -> set[psutil.Process]:
+    """Every process of the stack: its tree, and whatever of its session was
+    reparented away from it (a Ray process whose parent died first)."""
+    members: set[psutil.Process] = set()
+    try:
+        members.update(psutil.Process(stack_pid).children(recursive=True))
+    except psutil.Error:
+        pass
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == stack_pid and proc.pid != stack_pid:
+                members.add(proc)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def request_stop(timeout_s: float = STOP_BOUND_S + 10) -> int:
+    """`llmctl stop`: stop the stack `llmctl run` started; wait until it ended."""
+    pid = running_stack_pid()
+    if pid is None:
+        print("no local stack is running", file=sys.stderr)
+        return 0
+    proc = psutil.Process(pid)
+    proc.send_signal(signal.SIGTERM)
+    if _wait_ended([proc], timeout_s):
+        print(f"the local stack (pid {pid}) did not stop within {timeout_s:g} s", file=sys.stderr)
+        return 1
+    print("local stack stopped", file=sys.stderr)
+    return 0
