@@ -31,9 +31,11 @@ demo-model: setup
 
 # The stack runs on a Ray instance of its own; Ctrl-C or `make stop` ends all of
 # it (Ray, replicas, vLLM engines) within 30 s (serve_app/local_stack.py).
+# The terminal shows one block once every model answers (URL, models, the
+# development key, where the logs are); VERBOSE=1 shows Ray's and vLLM's output too.
 run: setup redis demo-model
-	@echo "Development API key (OPENAI_API_KEY): $$($(VENV)/bin/llmctl keys ensure-dev)"
-	$(VENV)/bin/llmctl run $(CONFIG)
+	@$(VENV)/bin/llmctl keys ensure-dev > /dev/null
+	@$(VENV)/bin/llmctl run $(CONFIG)
 
 stop:
 	$(VENV)/bin/llmctl stop

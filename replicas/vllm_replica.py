@@ -42,6 +42,10 @@ logger = logging.getLogger("ray.serve")
 # (for the streams that failed with the engine to send their error events) before
 # it exits so that Serve replaces it at once.
 ENGINE_WATCH_INTERVAL_S = 0.5
+
+NO_MEDIA_DOMAIN = "media-fetching-is-off.invalid"
+# A media URL that redirects could lead vLLM's fetch off the allowed domains.
+MEDIA_ENV = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
 ERROR_FLUSH_S = 1.0
 
 
@@ -64,9 +68,10 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
     if config.lora is not None:
         argv += ["--enable-lora", "--max-loras", str(config.lora.max_adapters_per_replica),
                  "--max-lora-rank", str(config.lora.max_rank)]
-    # vLLM enforces the same media policy as the gateway (defence in depth).
-    if config.media.allowed_domains:
-        argv += ["--allowed-media-domains", *config.media.allowed_domains]
+    # vLLM enforces the same media policy as the gateway (defence in depth). Its
+    # empty domain list means "any host", so no allowed domain is a list of one
+    # that cannot resolve (RFC 2606 reserves .invalid): deny-all.
+    argv += ["--allowed-media-domains", *(config.media.allowed_domains or [NO_MEDIA_DOMAIN])]
     if config.media.local_dir:
         argv += ["--allowed-local-media-path", config.media.local_dir]
     return argv
@@ -95,6 +100,7 @@ class VLLMReplica:
 
         from replicas.engine_stats import EngineLoad, recorder_factory
 
+        os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._replica_comment = f": replica={self.replica}\n\n"

@@ -35,6 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_app.admission import REFUSALS, Admission, Decision
 from serve_app.errors import OpenAIError
+from serve_app.key_cache import KeyCache
 from serve_app.keys import KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
 from serve_app.settings import AppSettings
@@ -79,14 +80,13 @@ class Access:
         self.admission = Admission(
             self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s
         )
-        self.cache_ttl_s = quota.key_cache_ttl_s
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens
         self.renew_every_s = quota.concurrency_lease_s / 3
         self.ingress_replicas = IngressReplicas(settings.ingress.deployment)
         self.local = LocalLimiter(self.ingress_replicas.count)
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
-        self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
+        self._cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
         self._leased: dict[str, Ticket] = {}
@@ -105,34 +105,38 @@ class Access:
                 code="invalid_api_key",
             )
         hashed = digest(secret)
-        cached = self._cache.get(hashed)
-        now = time.monotonic()
-        if cached is not None and cached[0] > now:
-            record = cached[1]
-        else:
+        hit, record = self._cache.get(hashed)
+        if not hit:
             try:
                 record = await self.keys.authenticate(secret)
             except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
-                record = self._stale_or_unavailable(cached, exc)
+                record = self._fallback(hashed, exc)
             except RedisError as exc:
                 self.telemetry.redis_failed("authenticate")
                 raise _backend_error(exc) from None
-            self._cache[hashed] = (now + self.cache_ttl_s, record)
+            else:
+                self._cache.put(hashed, record)
         if record is None:
             raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return record
 
-    def _stale_or_unavailable(self, cached, exc) -> KeyRecord | None:
-        if self.fail_open and cached is not None and cached[1] is not None:
-            logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
-            self.telemetry.fell_back("cached_key")
-            return cached[1]
-        raise _unavailable(exc)
+    def _fallback(self, hashed: str, exc: Exception) -> KeyRecord:
+        """A key record to stand in while Redis is unreachable (fail_mode open):
+        one Redis confirmed within ``key_stale_max_s``, or a 503."""
+        record = self._cache.fallback(hashed) if self.fail_open else None
+        if record is None:
+            raise _unavailable(exc)
+        logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
+        self.telemetry.fell_back("cached_key")
+        return record
 
     def check_admin(self, headers) -> None:
         secret = _secret_from(headers)
-        if self.admin_token is None or not secret or not hmac.compare_digest(secret, self.admin_token):
+        # As bytes: compare_digest refuses str with non-ASCII characters (a header may carry any).
+        if self.admin_token is None or not secret or not hmac.compare_digest(
+            secret.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8")
+        ):
             raise OpenAIError(401, "Admin API: invalid or missing admin token.", code="invalid_api_key")
 
     @staticmethod

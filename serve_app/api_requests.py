@@ -10,6 +10,8 @@ replicas and gives precise errors.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -91,15 +93,80 @@ def validate_request(operation: Operation, body: dict[str, Any]) -> BaseModel:
         raise _as_invalid_request(exc) from None
 
 
+# Deeper JSON than any request shape needs (a JSON schema in response_format or a
+# tool is the deepest); beyond it, the parser, validation and pickling to a replica
+# would all recurse on the client's say-so.
+MAX_JSON_DEPTH = 100
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
     try:
-        body = json.loads(raw)
+        # NaN, Infinity and numbers beyond a float are not JSON (Python's parser takes them).
+        body = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "The request body must be a JSON object.")
+    # Only a body with that many brackets can be that deep: most skip the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    # A \uD800-\uDFFF escape not in a pair decodes to text no tokenizer takes;
+    # only bodies with such escapes (emoji from ensure_ascii clients) are walked.
+    if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise OpenAIError(400, "The JSON body of your request has an unpaired \\u surrogate escape (not Unicode text).",
+                          code="invalid_unicode")
     return body
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _not_a_number(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for name, child in items:
+            for text in (name, child):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return True
+            if isinstance(child, (dict, list)):
+                stack.append(child)
+    return False
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _too_deep() -> OpenAIError:
+    return OpenAIError(400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.",
+                       code="json_too_deep")
 
 
 def _as_invalid_request(exc: ValidationError) -> OpenAIError:

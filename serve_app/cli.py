@@ -169,7 +169,8 @@ def _run_local(args: argparse.Namespace) -> int:
     from serve_app import local_stack
 
     grace_s = local_stack.DEFAULT_GRACE_S if args.grace is None else args.grace
-    return local_stack.run(args.config, grace_s)
+    verbose = os.environ.get("VERBOSE", "") not in ("", "0")
+    return local_stack.run(args.config, grace_s, log=args.log, verbose=verbose)
 
 
 def _stop_local(_: argparse.Namespace) -> int:
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="serve a config on a local Ray instance until Ctrl-C or `llmctl stop`")
     run.add_argument("config", type=Path, nargs="?", default=Path("configs/local.yaml"))
     run.add_argument("--grace", type=float, default=None, help="seconds requests in flight get when stopping")
+    run.add_argument("--log", type=Path, default=None,
+                     help="where Ray's and vLLM's output goes (default: the data dir's logs/run.log; VERBOSE=1: the terminal)")
     run.set_defaults(run=_run_local)
     commands.add_parser("stop", help="stop the stack `llmctl run` started").set_defaults(run=_stop_local)
 

@@ -1,7 +1,7 @@
 """OpenAI's error envelope: the one shape every error leaves the gateway in.
 
 ``{"error": {"message": str, "type": str, "param": str|null, "code": str|null}}``
-with the HTTP status saying what kind of failure it is (DESIGN.md, Conventions).
+with the HTTP status saying what kind of failure it is (docs/architecture.md, Conventions).
 """
 
 from __future__ import annotations

@@ -147,9 +147,14 @@ class Gateway:
         model it stands for in ``alias_of``, an adapter's its base in ``parent``
         (vLLM's field for it). A scale-to-zero model is never woken up to be
         described: its card has the details once one of its replicas served."""
-        name, adapter = self.target(model)
+        name, _ = self.target(model)
         if name not in self._card_details and not self._configs[name].scales_to_zero:
-            await self._learn_details(name)
+            await self._details_within_queue_timeout(name)
+        return self._card(model)
+
+    def _card(self, model: str) -> dict[str, Any]:
+        """``model``'s card with what is known of it now."""
+        name, adapter = self.target(model)
         card = {
             "id": name,
             "object": "model",
@@ -163,10 +168,23 @@ class Gateway:
             card.update(id=model, alias_of=name)
         return card
 
-    async def _learn_details(self, name: str) -> None:
+    async def _details_within_queue_timeout(self, name: str) -> None:
+        """Learn ``name``'s details, waiting at most its queue timeout (its replicas
+        may all be busy or still loading); every caller waits on one replica call.
+        Past the bound the card goes without them: the next one tries again."""
         try:
-            info = await self.models[name].model_info.remote()
-        except Exception:  # the next card or request tries again
+            await asyncio.wait_for(asyncio.shield(self._describing_task(name)), self._configs[name].queue_timeout_s)
+        except TimeoutError:
+            logger.warning("model %s: no replica described it within its queue timeout", name)
+
+    async def _learn_details(self, name: str) -> None:
+        response = self.models[name].model_info.remote()
+        try:
+            await reach_replica(response, self._configs[name].queue_timeout_s)
+            info = await response
+        except QueueTimeout:
+            return  # withdrawn: the next card or request tries again
+        except Exception:
             logger.exception("could not describe model %s", name)
             return
         self._card_details[name] = {"max_model_len": info["max_model_len"], "capabilities": info["operations"]}
@@ -180,20 +198,40 @@ class Gateway:
     def _describe_while_up(self, name: str) -> None:
         """A scale-to-zero model just answered, so a replica is up: learn its
         card details now, off the request's path."""
-        if name not in self._card_details and name not in self._describing:
+        if name not in self._card_details:
+            self._describing_task(name)
+
+    def described(self, name: str) -> bool:
+        """Whether a replica of ``name`` has answered (with its details); if not,
+        ask one now, off the caller's path (readiness probes poll this)."""
+        if name in self._card_details:
+            return True
+        self._describing_task(name)
+        return False
+
+    def _describing_task(self, name: str) -> asyncio.Future:
+        """The one running ``_learn_details(name)``, started if none runs."""
+        if name not in self._describing:
             task = asyncio.ensure_future(self._learn_details(name))
             self._describing[name] = task  # a reference, or the loop may drop the task
             task.add_done_callback(lambda _: self._describing.pop(name, None))
+        return self._describing[name]
 
     async def only_model_for(self, operation: str | None) -> str:
         """The model for a request that names none (platforms such as SageMaker
         or Azure serve one model per endpoint): the only one serving
         ``operation`` (any operation when None), else a 400 asking for it."""
+        if operation is not None:  # what each serves: every model described side by side
+            await asyncio.gather(*(
+                self._details_within_queue_timeout(name)
+                for name, config in self._configs.items()
+                if name not in self._card_details and not config.scales_to_zero
+            ))
         names = [
             name
             for name in self._configs
-            # A model not described yet (scaled to zero) may serve it.
-            if operation is None or operation in (await self.model_card(name)).get("capabilities", [operation])
+            # A model not described (yet: scaled to zero, or busy past its queue timeout) may serve it.
+            if operation is None or operation in self._card_details.get(name, {}).get("capabilities", [operation])
         ]
         if len(names) == 1:
             return names[0]
@@ -206,9 +244,15 @@ class Gateway:
 
     async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
         """Every model ``key`` may use, each followed by its aliases and its
-        configured adapters (adapters in a folder are loaded on demand, not listed)."""
+        configured adapters (adapters in a folder are loaded on demand, not listed).
+        Models are described side by side: the list waits one queue timeout at most."""
+        await asyncio.gather(*(
+            self._details_within_queue_timeout(name)
+            for name, config in self._configs.items()
+            if key.allows_model(name) and name not in self._card_details and not config.scales_to_zero
+        ))
         return [
-            await self.model_card(model)
+            self._card(model)
             for name, config in self._configs.items()
             if key.allows_model(name)
             for model in (name, *config.aliases, *(config.lora.adapters if config.lora else ()))
@@ -234,8 +278,8 @@ class Gateway:
             # Serve model multiplexing: prefer replicas that already hold the adapter.
             handle = handle.options(multiplexed_model_id=adapter)
         self.access.authorize(key, model)
-        if op.name == "chat":
-            check_media(body["messages"], self._configs[model].media)
+        # Chat, and embeddings of chat-shaped input (vLLM's multimodal embeddings).
+        check_media(body.get("messages"), self._configs[model].media)
         reservation = reserve(
             op.name,
             body,

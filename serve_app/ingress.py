@@ -23,15 +23,18 @@ from serve_app.access import Access
 from serve_app.api_requests import parse_json_object
 from serve_app.dialects import azure, databricks, sagemaker
 from serve_app.dialects.call import Call
+from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
+from serve_app.readiness import Readiness
 from serve_app.settings import AppSettings
 from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="llm-cluster", docs_url=None, redoc_url=None)
+app = FastAPI(title="llm-cluster", docs_url=None, redoc_url=None, openapi_url=None)  # no unauthenticated schema
+app.add_middleware(RefuseServeControlHeaders)
 
 
 @app.exception_handler(OpenAIError)
@@ -53,6 +56,34 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
     return error_response(500, envelope("The server had an error processing your request.", "server_error"))
 
 
+# Who may call each route. "probe": anyone (liveness/readiness; names no model);
+# "key": an API key, and only for models the key may use (a model's data, its
+# card included, never reaches another key); "admin": the admin token. Every
+# route the app serves is here (tests/unit/test_route_access.py), and
+# tests/e2e/shared_stack/test_security_e2e.py calls each "key" route for a model the key
+# may not use.
+ROUTE_ACCESS: dict[tuple[str, str], str] = {
+    **{("POST", prefix + op): "key" for prefix in ("/v1/", "/v3/", "/serving-endpoints/")
+       for op in ("chat/completions", "completions", "embeddings")},
+    **{("GET", prefix + path): "key" for prefix in ("/v1/", "/v3/") for path in ("models", "models/{model_id:path}")},
+    **{("POST", prefix + op): "key" for prefix in ("/", "/models/") for op in ("chat/completions", "embeddings")},
+    ("GET", "/info"): "key",
+    ("GET", "/models/info"): "key",
+    ("POST", "/invocations"): "key",
+    ("POST", "/serving-endpoints/{name}/invocations"): "key",
+    ("POST", "/admin/keys"): "admin",
+    ("GET", "/admin/keys"): "admin",
+    ("GET", "/admin/keys/{key}"): "admin",
+    ("PATCH", "/admin/keys/{key}"): "admin",
+    ("DELETE", "/admin/keys/{key}"): "admin",
+    ("GET", "/admin/keys/{key}/usage"): "admin",
+    ("GET", "/admin/requests/{request_id}"): "admin",
+    ("GET", "/health"): "probe",
+    ("GET", "/ready"): "probe",
+    ("GET", "/ping"): "probe",
+}
+
+
 def _serve_request_id(request: Request) -> str:
     """Ray Serve's id for this HTTP request: its proxy answers with it as x-request-id."""
     return request.headers.get("x-request-id", "")
@@ -70,20 +101,30 @@ class Ingress:
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log)
-        self.telemetry.models_served({name: handle.deployment_name for name, handle in models.items()})
+        deployments = {name: handle.deployment_name for name, handle in models.items()}
+        self.telemetry.models_served(deployments)
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
         self.access = Access(settings, self.telemetry)
         self.access.start_maintenance()  # lease renewal, settlements Redis missed
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry)
+        self.readiness = Readiness(settings.models, deployments, self.gateway.described)
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, read as it arrives and refused (413) as soon as it passes the
+        limit: a chunked upload declares no length, so counting is the only check."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.")
-        return raw
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
 
     async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
         """The caller's key (checked first: no key, no parsing) and the JSON body."""
@@ -177,8 +218,8 @@ class Ingress:
     @app.get("/models/info")
     async def azure_info(self, request: Request) -> Response:
         try:
-            await self.access.authenticate(request.headers)
-            return await azure.info(request.headers, self.gateway)
+            key = await self.access.authenticate(request.headers)
+            return await azure.info(key, request.headers, self.gateway)
         except OpenAIError as exc:
             return azure.error_response(exc)
 
@@ -190,7 +231,8 @@ class Ingress:
 
     @app.get("/ping")
     async def sagemaker_ping(self) -> Response:
-        return sagemaker.ping()
+        # SageMaker sends traffic once /ping is 200: its readiness check.
+        return await self.ready()
 
     # -- Databricks -------------------------------------------------------------------
 
@@ -238,7 +280,16 @@ class Ingress:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.request(self.access, request_id))
 
+    # -- probes (the only routes without a key: they name no model) ----------------
+
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "models": list(self.gateway.models)})
+        """Liveness: the ingress process answers."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness: every model kept up has a replica that answers (serve_app/readiness.py)."""
+        is_ready, body = await self.readiness.check()
+        return JSONResponse(body, status_code=200 if is_ready else 503)
 

@@ -44,8 +44,14 @@ def running_stack_pid() -> int | None:
     return pid if "llmctl" in cmdline and " run" in cmdline else None
 
 
-def run(config: Path, grace_s: float = DEFAULT_GRACE_S) -> int:
-    """Serve ``config`` until the stack ends or is told to stop; return an exit code."""
+def default_log() -> Path:
+    return pid_file().parent / "logs" / "run.log"
+
+
+def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None, verbose: bool = False) -> int:
+    """Serve ``config`` until the stack ends or is told to stop; return an exit code.
+    Ray's and vLLM's output go to ``log`` (default: the data dir's logs/run.log),
+    or to this terminal with ``verbose``; the terminal gets the ready banner."""
     other = running_stack_pid()
     if other is not None:
         print(f"a local stack already runs (pid {other}); stop it with `make stop`", file=sys.stderr)
@@ -53,14 +59,24 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S) -> int:
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda received, _frame: signals.append(received))
+    log = log or default_log()
+    output = None
+    if not verbose:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        output = open(log, "w")
     serve = Path(sys.executable).parent / "serve"
-    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(config)], start_new_session=True)
+    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(config)], start_new_session=True,
+                             stdout=output, stderr=subprocess.STDOUT if output else None)
+    if output is not None:
+        output.close()  # the child holds it
     path = pid_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
     ray = _RayWatch(stack.pid)
+    banner = ReadyBanner(config, None if verbose else log)
     try:
         while stack.poll() is None and not signals and not ray.gone():
+            banner.poll()
             time.sleep(0.2)
         if ray.lost:
             # `serve run` itself would wait forever on a Ray that is gone
@@ -79,6 +95,78 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S) -> int:
     finally:
         if running_stack_pid() == os.getpid():
             path.unlink(missing_ok=True)
+
+
+class ReadyBanner:
+    """Says once, clearly, when every model of the stack answers (``/ready``),
+    with what a user needs next; until then, a line of progress now and then."""
+
+    POLL_EVERY_S = 1.0
+    PROGRESS_EVERY_S = 30.0
+
+    def __init__(self, config: Path, log: Path | None):
+        import yaml
+
+        serve_config = yaml.safe_load(Path(config).read_text())
+        http = serve_config.get("http_options") or {}
+        host = http.get("host", "127.0.0.1")
+        self.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+        self.models = [m["name"] for app in serve_config.get("applications", [])
+                       for m in (app.get("args") or {}).get("models", [])]
+        self.log = log
+        self.started = time.monotonic()
+        self._polled = self._reported = self.started
+        self.shown = False
+        where = f"logs: {log}" if log else "VERBOSE: Ray's and vLLM's output below"
+        print(f"starting {', '.join(self.models) or 'the stack'} ({where}); "
+              "the ready banner follows once every model answers", flush=True)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if self.shown or now - self._polled < self.POLL_EVERY_S:
+            return
+        self._polled = now
+        status = self._ready_status()
+        if status.get("status") == "ready":
+            self.shown = True
+            print(self.text(now - self.started), flush=True)
+        elif now - self._reported >= self.PROGRESS_EVERY_S:
+            self._reported = now
+            progress = f"{status['models_ready']}/{status['models']} models ready" if "models" in status else "starting Ray Serve"
+            print(f"still starting ({progress}, {now - self.started:.0f} s)", flush=True)
+
+    def _ready_status(self) -> dict:
+        import json
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.base_url + "/ready", timeout=2) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:  # 503 while starting: its body says how far
+            try:
+                return json.loads(exc.read())
+            except ValueError:
+                return {}
+        except (OSError, ValueError):  # not listening yet
+            return {}
+
+    def text(self, took_s: float) -> str:
+        from replicas.demo_model import data_dir
+
+        key_file = data_dir() / "dev-api-key"
+        key = key_file.read_text().strip() if key_file.exists() else "create one: llmctl keys create NAME"
+        rule = "─" * 72
+        return "\n".join([
+            rule,
+            f"  Ready after {took_s:.0f} s: every model answers.",
+            f"  URL      {self.base_url}/v1   (OpenAI SDK: base_url)",
+            f"  models   {', '.join(self.models)}",
+            f"  API key  {key}",
+            f"  logs     {self.log or 'this terminal (VERBOSE=1)'}",
+            "  stop     Ctrl-C here, or `make stop` from another shell",
+            rule,
+        ])
 
 
 class _RayWatch:

@@ -1,43 +1,58 @@
 """Which media URLs in chat messages a model's replicas may load.
 
-vLLM fetches any http(s) URL in an image/audio/video part unless told
-otherwise, which would let a client make the cluster call internal addresses
-(cloud metadata, admin ports). The gateway checks every media part against
-the model's ``MediaPolicy`` before the request reaches a replica: inline
-``data:`` URLs pass, http(s) only for configured domains, ``file://`` only
-under a configured directory.
+vLLM fetches any http(s) URL in a media part unless told otherwise, which
+would let a client make the cluster call internal addresses (cloud metadata,
+the Ray dashboard, admin ports). vLLM reads a URL from more shapes than the
+typed ``image_url``/``audio_url``/``video_url`` parts: ``input_image`` parts,
+parts with no ``type`` (or with a ``uuid``) that carry one of those fields, a
+bare string instead of ``{"url": ...}``. So the gateway checks every
+URL-carrying field of every content part of every message, whatever the
+part's type, against the model's ``MediaPolicy`` before the request reaches
+a replica: inline ``data:`` URLs pass, http(s) only for configured domains,
+``file://`` only under a configured directory. The replica enforces the same
+policy again (deny-all by default, no redirects: replicas/vllm_replica.py).
 """
 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from replicas.config import MediaPolicy
 from serve_app.errors import OpenAIError
 
-# Content parts that point at media by URL (each holds {"url": ...} under its type).
-_MEDIA_PARTS = frozenset({"image_url", "video_url", "audio_url"})
+# Fields vLLM (or a model's processor) may read a URL from, at any depth of a
+# content part: a string, or {"url": string}.
+URL_FIELDS = frozenset({"image_url", "audio_url", "video_url", "input_image", "file_url", "url"})
 
 
-def check_media(messages: list[Any], policy: MediaPolicy) -> None:
+def check_media(messages: Any, policy: MediaPolicy) -> None:
+    if not isinstance(messages, list):
+        return  # not a message list: the request's own validation answers it
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
-            url = _media_url(part)
-            if url is not None:
+            for url in media_urls(part):
                 _check_url(url, policy)
 
 
-def _media_url(part: Any) -> str | None:
-    if not isinstance(part, dict) or part.get("type") not in _MEDIA_PARTS:
-        return None
-    holder = part.get(part["type"])
-    url = holder.get("url") if isinstance(holder, dict) else holder
-    return url if isinstance(url, str) else None
+def media_urls(value: Any, depth: int = 0) -> Iterator[str]:
+    """Every URL string under a URL-carrying field of ``value``, however nested."""
+    if depth > 8:  # deeper than any part shape vLLM reads; refuse rather than guess
+        raise OpenAIError(400, "Content part nested too deeply.", param="messages", code="invalid_content_part")
+    if isinstance(value, dict):
+        for field, inner in value.items():
+            if field in URL_FIELDS and isinstance(inner, str):
+                yield inner
+            else:
+                yield from media_urls(inner, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            yield from media_urls(item, depth + 1)
 
 
 def _check_url(url: str, policy: MediaPolicy) -> None:

@@ -1,7 +1,7 @@
 """Every Redis key the gateway uses, named in one place.
 
 Keys that belong to one API key share the hash tag ``{k:<key_id>}`` so each
-script touching them runs on one slot of a Redis Cluster (DESIGN.md).
+script touching them runs on one slot of a Redis Cluster (docs/architecture.md, State).
 """
 
 from __future__ import annotations

@@ -38,6 +38,13 @@ class QuotaConfig(BaseModel):
     key_cache_ttl_s: float = Field(
         5.0, ge=0, description="Ingress caches key records this long: a revoked key stops within it."
     )
+    key_cache_max: int = Field(
+        10_000, gt=0, description="Key records an ingress caches at most (least recently used go first).",
+    )
+    key_stale_max_s: float = Field(
+        300.0, ge=0, description="While Redis is unreachable, a cached key authenticates only if Redis "
+        "confirmed it within this long (fail_mode open); older ones get 503.",
+    )
     concurrency_lease_s: float = Field(
         60.0, gt=0, description="A concurrency slot expires after this unless its ingress renews it "
         "(every third of it while the request runs): an ingress that died holds a key's slots this long at most.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import threading
 import time
 
 import httpx
@@ -64,3 +65,31 @@ def assert_error_envelope(response: httpx.Response, status: int) -> dict:
     assert error["param"] is None or isinstance(error["param"], str)
     assert error["code"] is None or isinstance(error["code"], str)
     return error
+
+
+class Listener:
+    """A TCP listener on 127.0.0.1 that counts the connections it is offered
+    (proof that nothing tried to fetch from it)."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()

@@ -139,7 +139,8 @@ class CliStack:
         self.port = config["http_options"]["port"]
         self.config = workdir / "config.yaml"
         self.config.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "stack.log"
+        self.log_path = workdir / "stack.log"  # what `make run` shows in its terminal
+        self.serve_log_path = workdir / "serve.log"  # Ray's and vLLM's output
         self.redis_url = redis_url
         self.proc: subprocess.Popen | None = None
 
@@ -150,7 +151,8 @@ class CliStack:
     def start(self) -> None:
         log = open(self.log_path, "a")
         # A session of its own, as a terminal's foreground job would be.
-        self.proc = subprocess.Popen([str(BIN / "llmctl"), "run", str(self.config)], cwd=REPO, stdout=log,
+        self.proc = subprocess.Popen([str(BIN / "llmctl"), "run", str(self.config), "--log", str(self.serve_log_path)],
+                                     cwd=REPO, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "REDIS_URL": self.redis_url})
         log.close()
@@ -173,7 +175,8 @@ class CliStack:
             return False
 
     def log_tail(self) -> str:
-        return self.log_path.read_text()[-3000:]
+        serve_log = self.serve_log_path.read_text()[-3000:] if self.serve_log_path.exists() else ""
+        return f"{self.log_path.read_text()[-1000:]}\n--- serve log ---\n{serve_log}"
 
     def kill(self) -> None:
         """Teardown whatever happened: nothing of this stack may reach the next module."""

@@ -18,9 +18,11 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
+from serve_app.access import Access
 from serve_app.dialects.call import Call
 from serve_app.errors import OpenAIError
 from serve_app.gateway import Gateway
+from serve_app.keys import KeyRecord
 
 # The request fields of Azure's API (azure-ai-inference REST spec).
 KNOWN_PARAMETERS = {
@@ -68,9 +70,10 @@ async def translate(operation: str, body: dict[str, Any], headers: Mapping[str, 
     return Call(operation, body)
 
 
-async def info(headers: Mapping[str, str], gateway: Gateway) -> Response:
-    """``GET /info``: what the (selected) deployment serves."""
+async def info(key: KeyRecord, headers: Mapping[str, str], gateway: Gateway) -> Response:
+    """``GET /info``: what the (selected) deployment serves, if ``key`` may use it."""
     model = headers.get("azureml-model-deployment") or await gateway.only_model_for(None)
+    Access.authorize(key, gateway.resolve(model))
     card = await gateway.model_card(model)
     operation = (card.get("capabilities") or [None])[0]  # none yet: a scale-to-zero model not started
     return JSONResponse(

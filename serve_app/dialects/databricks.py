@@ -29,7 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve_app.dialects.call import Call
 from serve_app.errors import OpenAIError
-from serve_app.gateway import Gateway, Reply
+from serve_app.gateway import RETRY_HEADERS, Gateway, Reply
 from serve_app.reservation import MAX_TOKENS_LIMIT, integer_parameter
 from serve_app.sse import DONE, events
 
@@ -58,9 +58,17 @@ async def _completion(body: dict[str, Any], gateway: Gateway) -> Call:
     if not isinstance(raw, bool):
         raise OpenAIError(400, "'use_raw_prompt' must be a boolean.", param="use_raw_prompt")
     if behaviour == "truncate":
-        card = await gateway.model_card(body["model"])
+        await gateway.model_card(body["model"])  # learns the context length (bounded wait)
+        context = gateway.context_length(gateway.resolve(body["model"]))
+        if context is None:  # scaled to zero and never started, or busy past its queue timeout
+            raise OpenAIError(
+                503,
+                "The model's context length is not known until one of its replicas has started; retry shortly.",
+                code="model_unavailable",
+                headers=RETRY_HEADERS,
+            )
         max_tokens = integer_parameter(body, "max_tokens", 0, MAX_TOKENS_LIMIT)
-        room = card["max_model_len"] - (COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+        room = context - (COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
         if room < 1:
             raise OpenAIError(400, "'max_tokens' leaves no room for the prompt.", param="max_tokens")
         body["truncate_prompt_tokens"] = room

@@ -6,7 +6,7 @@ in OpenAI's format, streams as OpenAI SSE), and ``inputs`` + ``parameters``
 is LMI's own text-generation schema, answered as ``{"generated_text": ...}``
 (plus ``details`` when asked) or, with ``"stream": true``, as JSON lines of
 ``{"token": {...}, "generated_text": null, "details": null}`` ending with one
-that carries the whole text. ``GET /ping`` is SageMaker's health check.
+that carries the whole text. ``GET /ping`` is SageMaker's health check: the ingress answers it as readiness (``/ready``).
 """
 
 from __future__ import annotations
@@ -165,6 +165,3 @@ async def _json_lines(stream: AsyncIterator[str], prompt: str, prefix_prompt: bo
         if lines:
             yield "\n".join(lines) + "\n"
 
-
-def ping() -> Response:
-    return Response(status_code=200)

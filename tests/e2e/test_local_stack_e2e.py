@@ -1,4 +1,6 @@
 """`make run`, then Ctrl-C: the local stack (the shipped config, both models)
+says when it is ready (one block, and the first requests after it succeed;
+Ray's and vLLM's output in the log file it names, not in the terminal), then
 ends within its bound, requests in flight end with an error, and nothing is
 left: no Ray process, no vLLM engine, the port free.
 
@@ -14,6 +16,7 @@ import signal
 import socket
 import time
 
+import httpx
 import psutil
 import pytest
 import yaml
@@ -37,6 +40,29 @@ def stack(redis_server, tmp_path_factory):
         yield local
     finally:
         local.kill()
+
+
+def test_the_ready_banner_comes_when_every_model_answers(stack, redis_server):
+    _, secret = create_key(redis_server.url, "first-request")
+    deadline = time.monotonic() + 400
+    while "Ready after" not in stack.log_path.read_text():
+        assert stack.proc.poll() is None, stack.log_tail()
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
+    # The first requests a user sends after the banner succeed, for every model.
+    headers = {"authorization": f"Bearer {secret}"}
+    chat = httpx.post(stack.base_url + "/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200, chat.text
+    embedding = httpx.post(stack.base_url + "/v1/embeddings", headers=headers, timeout=60,
+                           json={"model": "minilm", "input": "hi"})
+    assert embedding.status_code == 200, embedding.text
+    terminal = stack.log_path.read_text()
+    assert f"URL      {stack.base_url}/v1" in terminal and "tiny-llama, minilm" in terminal
+    assert str(stack.serve_log_path) in terminal
+    # Ray's and vLLM's chatter went to the log file it names, not to the terminal.
+    assert "EngineCore" not in terminal and "ServeReplica" not in terminal, terminal[-2000:]
+    assert "ServeReplica" in stack.serve_log_path.read_text()
 
 
 def test_ctrl_c_ends_the_whole_stack_within_its_bound(stack, redis_server):

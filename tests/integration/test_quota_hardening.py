@@ -217,3 +217,30 @@ async def test_a_stalled_redis_is_settled_once_it_answers(access, redis, redis_s
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"14"  # 1 reserved + 13 used
     await redis.delete(redis_names.concurrency(k.id))  # (the first request ends)
     assert not (await access.admit(k, "m", 10)).local
+
+
+# -- authentication against hostile headers -------------------------------------------
+
+
+async def test_random_bearer_tokens_leave_the_key_cache_bounded(access):
+    from serve_app.key_cache import NEGATIVE_MAX
+
+    for i in range(3 * NEGATIVE_MAX):
+        with pytest.raises(OpenAIError) as caught:
+            await access.authenticate({"authorization": f"Bearer sk-random-{i}"})
+        assert caught.value.status == 401
+    assert len(access._cache) <= NEGATIVE_MAX
+
+
+async def test_an_admin_token_header_of_any_characters_is_a_401_not_a_crash(redis_server):
+    settings = AppSettings(redis_url=redis_server.url, admin_token="s3cret-admin")
+    gate = Access(settings, Telemetry(False, False))
+    try:
+        # Starlette hands header values over as latin-1 text: any byte can arrive.
+        for value in ("Bearer s3crét-admin", "Bearer \u00ff\u00fe", "Bearer " + "\u00e9" * 10_000, "Bearer \x00"):
+            with pytest.raises(OpenAIError) as caught:
+                gate.check_admin({"authorization": value})
+            assert caught.value.status == 401
+        gate.check_admin({"authorization": "Bearer s3cret-admin"})
+    finally:
+        await gate.redis.aclose()

@@ -78,3 +78,52 @@ def test_other_operations_reject_what_they_cannot_route(operation, body, param):
 def test_other_operations_accept_openai_shapes(operation, body):
     raw, envelope = parse(body, operation)
     assert raw == body and envelope.model == "m"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,  # json.loads itself would raise RecursionError
+        b'{"a": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
+        b'{"a": ' + b"[" * 101 + b"]" * 101 + b"}",
+        b'{"a": ' + b'{"b": ' * 200 + b"1" + b"}" * 200 + b"}",
+    ],
+)
+def test_deep_json_is_a_400_naming_the_problem(raw):
+    with pytest.raises(OpenAIError) as caught:
+        parse_json_object(raw)
+    assert caught.value.status == 400 and caught.value.code == "json_too_deep"
+
+
+def test_many_brackets_at_a_shallow_depth_pass():
+    body = {"prompt": [[1, 2]] * 10_000, "tools": [{"a": [{"b": {}}]}] * 50}
+    assert parse_json_object(json.dumps(body).encode()) == body
+    nested = {"a": 0}
+    for _ in range(98):  # 99 levels with the outer object: within the limit
+        nested = {"a": nested}
+    assert parse_json_object(json.dumps(nested).encode()) == nested
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xff\xfe{}", b'{"a": "\xc3\x28"}', b'{"n": ' + b"9" * 100_000 + b"}", b"", b"{", b"[]", b"null", b"\x00"],
+)
+def test_unparseable_bodies_are_a_400(raw):
+    with pytest.raises(OpenAIError) as caught:
+        parse_json_object(raw)
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"temperature": NaN}', b'{"temperature": Infinity}', b'{"top_p": -Infinity}', b'{"temperature": 1e999}',
+    b'{"content": "\\ud800"}', b'{"messages": [{"content": "a \\udfff b"}]}', b'{"\\ud83d": 1}',
+])
+def test_non_json_numbers_and_lone_surrogates_are_a_400(raw):
+    with pytest.raises(OpenAIError) as caught:
+        parse_json_object(raw)
+    assert caught.value.status == 400
+
+
+def test_surrogate_pairs_and_ordinary_floats_pass():
+    assert parse_json_object(b'{"content": "\\ud83d\\ude00", "temperature": 0.7, "x": 1e300}') == {
+        "content": "\U0001F600", "temperature": 0.7, "x": 1e300}

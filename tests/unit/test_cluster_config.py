@@ -110,3 +110,16 @@ def test_local_twin_passes_rays_validation_and_its_provider_adopts_this_machine(
     assert (tmp_path / "copied" / "a.yaml").read_text() == "x: 1"
     with pytest.raises(Exception, match="Command failed"):
         runner.run("exit 3")
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster.local.yaml"])
+def test_the_ray_dashboard_never_listens_beyond_the_node(name):
+    # Its Jobs API runs submitted code without authentication: 127.0.0.1 only.
+    config = load(name)
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config.get(key, [])
+              if "ray start" in c]
+    assert starts
+    for command in starts:
+        assert "0.0.0.0" not in command, command
+        if "--head" in command:
+            assert "--dashboard-host=127.0.0.1" in command, command

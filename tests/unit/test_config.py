@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from replicas.config import ModelConfig, deployment_name
-from replicas.vllm_replica import vllm_cli_args
+from replicas.vllm_replica import NO_MEDIA_DOMAIN, vllm_cli_args
 from serve_app.settings import AppSettings
 
 
@@ -54,6 +54,7 @@ def test_engine_kwargs_become_vllm_serve_flags():
         "--enforce-eager",
         "--no-enable-prefix-caching",
         "--limit-mm-per-prompt", '{"image": 0}',
+        "--allowed-media-domains", NO_MEDIA_DOMAIN,
     ]
 
 
@@ -127,7 +128,10 @@ def test_media_policy_reaches_vllm_flags():
     argv = vllm_cli_args(config, "/models/m")
     assert argv[argv.index("--allowed-media-domains") + 1] == "img.example.com"
     assert argv[argv.index("--allowed-local-media-path") + 1] == "/srv/media"
-    assert "--allowed-media-domains" not in vllm_cli_args(ModelConfig(name="m"), "/models/m")
+    default = vllm_cli_args(ModelConfig(name="m"), "/models/m")
+    # vLLM reads an empty domain list as "any host": the default names one that cannot resolve.
+    assert default[default.index("--allowed-media-domains") + 1:] == [NO_MEDIA_DOMAIN]
+    assert "--allowed-local-media-path" not in default
 
 
 def test_packaged_weights_resolve_to_the_package_folder():

@@ -1,0 +1,73 @@
+"""One stack for every module of this package (package scope: started once,
+stopped after the package's last test, before any other module starts its
+own): a real Redis, Ray Serve with configs/local.yaml's models and an admin
+token, an unlimited key, and clients. The modules here only add keys and send
+requests (a fault they cause, they wait out), so they can share it; a module
+that needs another shape belongs in tests/e2e/ with its own fixtures.
+
+The stack counts as started when /ready says so: every model has a replica
+that answered (serve_app/readiness.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import redis as redis_sync
+
+from http_checks import free_port
+from redis_server import running_redis
+from stack import create_key, local_app_args, serve_stack
+
+ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
+READY_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="package")
+def redis_server():
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def redis(redis_server):
+    """A synchronous client of the stack's Redis, to assert on what the gateway stored."""
+    client = redis_sync.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="package")
+def admin_token():
+    return ADMIN_TOKEN
+
+
+@pytest.fixture(scope="package")
+def base_url(redis_server):
+    args = {**local_app_args(), "redis_url": redis_server.url, "admin_token": ADMIN_TOKEN}
+    with serve_stack(args, port=free_port()) as url:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while httpx.get(url + "/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the stack never became ready"
+            time.sleep(0.5)
+        yield url
+
+
+@pytest.fixture(scope="package")
+def api_key(base_url, redis_server):
+    return create_key(redis_server.url, "e2e-unlimited")[1]
+
+
+@pytest.fixture(scope="package")
+def client(base_url, api_key):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="package")
+def http(base_url, api_key):
+    headers = {"authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=base_url, timeout=120, headers=headers) as http_client:
+        yield http_client

@@ -1,0 +1,278 @@
+"""The gateway tried as a hostile client would, on the real stack (Redis, Ray
+Serve, the vLLM CPU engines of the local config, an admin token set):
+
+- every shape of media URL vLLM reads is refused before a replica sees it, and
+  a listener on 127.0.0.1 proves no connection is ever opened;
+- 10,000 random bearer tokens leave the ingress' memory within a bound;
+- a 100 MiB chunked upload is refused with 413 before it is read;
+- deep JSON, huge numbers, invalid UTF-8, odd headers → an OpenAI 4xx, never 500;
+- Serve's control headers are refused (no generation runs for them);
+- every route that serves a model's data refuses a key not allowed that model
+  (walked from the ingress' route table, dialects included);
+- /health and /ready answer without a key and name no model.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+import uuid
+
+import httpx
+import psutil
+import pytest
+
+from http_checks import Listener, assert_error_envelope
+from stack import call_replica, create_key
+from serve_app import redis_names
+from serve_app.ingress import ROUTE_ACCESS
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-llama"
+UPLOAD_BYTES = 100 * 1024 * 1024
+RANDOM_TOKENS = 10_000
+INGRESS_GROWTH_BOUND = 16 * 1024 * 1024  # RSS growth allowed for RANDOM_TOKENS bad tokens
+
+
+def chat(content, **extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+# -- media URLs ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def listener():
+    server = Listener()
+    yield server
+    server.close()
+
+
+def media_parts(url):
+    """Each shape vLLM 0.32 reads a media URL from (renderers/chat_utils.py)."""
+    return {
+        "image_url": {"type": "image_url", "image_url": {"url": url}},
+        "image_url string": {"type": "image_url", "image_url": url},
+        "input_image": {"type": "input_image", "image_url": url},
+        "untyped image_url": {"image_url": url},
+        "untyped audio_url dict": {"audio_url": {"url": url}},
+        "uuid + image_url": {"type": "image_url", "image_url": {"url": url}, "uuid": "u1"},
+        "uuid + untyped video_url": {"uuid": "u2", "video_url": url},
+        "video_url": {"type": "video_url", "video_url": {"url": url}},
+        "audio_url": {"type": "audio_url", "audio_url": {"url": url}},
+    }
+
+
+@pytest.mark.parametrize("shape", list(media_parts("x")))
+def test_no_media_url_shape_reaches_a_replica(base_url, api_key, listener, shape):
+    headers = {"authorization": f"Bearer {api_key}"}
+    for url in (f"http://127.0.0.1:{listener.port}/latest/meta-data/", f"http://localhost:{listener.port}/x.png"):
+        part = media_parts(url)[shape]
+        for path, body in (
+            ("/v1/chat/completions", chat([{"type": "text", "text": "hi"}, part])),
+            ("/v1/embeddings", {"model": "minilm", "input": "x", "messages": [{"role": "user", "content": [part]}]}),
+            ("/invocations", chat([part])),  # SageMaker's route
+        ):
+            response = httpx.post(base_url + path, json=body, headers=headers, timeout=60)
+            error = assert_error_envelope(response, 400)
+            assert error["code"] == "media_url_not_allowed", (path, error)
+    time.sleep(0.5)
+    assert listener.connections == 0
+
+
+# -- memory, size and parsing -----------------------------------------------------------
+
+
+def ingress_processes() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:llm:Ingress" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_random_bearer_tokens_leave_the_ingress_memory_bounded(base_url):
+    def flood(count):
+        with httpx.Client(base_url=base_url, timeout=30) as http:
+            for _ in range(count):
+                response = http.get("/v1/models", headers={"authorization": f"Bearer sk-{uuid.uuid4().hex}"})
+                assert response.status_code == 401
+
+    def flood_in_parallel(count, threads=4):
+        workers = [threading.Thread(target=flood, args=(count // threads,)) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    (ingress,) = ingress_processes()
+    flood_in_parallel(2_000)  # warm: allocator arenas, the bounded caches filled
+    before = ingress.memory_info().rss
+    flood_in_parallel(RANDOM_TOKENS)
+    grown = ingress.memory_info().rss - before
+    print(f"ingress RSS after {RANDOM_TOKENS} random tokens: {grown / 2**20:+.1f} MiB")
+    assert grown < INGRESS_GROWTH_BOUND, grown
+
+
+def test_a_chunked_upload_past_the_limit_is_refused_before_it_is_read(base_url, api_key):
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    )
+    chunk = b"a" * (1024 * 1024)
+    framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    sent, answer = 0, b""
+    sock.settimeout(2)
+    try:
+        while sent < UPLOAD_BYTES and not answer:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                answer = sock.recv(65536)
+                break
+            try:
+                sock.sendall(framed)  # blocks once the server stops reading
+                sent += len(chunk)
+            except TimeoutError:  # the server stopped reading: its answer is next
+                break
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    if not answer:
+        sock.settimeout(10)
+        answer = sock.recv(65536)
+    sock.close()
+    print(f"chunked upload: refused after {sent / 2**20:.0f} MiB sent")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    # Refused while arriving: the 413 came back before the client had sent it all
+    # (what was sent past the 8 MiB the ingress read sat in socket and proxy buffers).
+    assert sent < UPLOAD_BYTES
+
+
+HOSTILE_BODIES = {
+    "100,000 [": b"[" * 100_000,
+    "deep object": b'{"model": "tiny-llama", "messages": ' + b'{"a": ' * 500 + b"1" + b"}" * 500 + b"}",
+    "huge integer": b'{"model": "tiny-llama", "messages": [], "max_tokens": ' + b"9" * 100_000 + b"}",
+    "huge max_tokens": json.dumps(chat("hi", max_tokens=10**30)).encode(),
+    "float infinity": b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+    "NaN": b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}',
+    "invalid UTF-8": b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\xc3\x28"}]}',
+    "nul bytes": b'{"model": "tiny\x00llama", "messages": [{"role": "user", "content": "\x00"}]}',
+    "lone surrogate": b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\ud800"}]}',
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_BODIES))
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/invocations",
+                                  "/serving-endpoints/tiny-llama/invocations", "/chat/completions"])
+def test_hostile_bodies_get_a_4xx_never_a_500(base_url, api_key, name, path):
+    response = httpx.post(base_url + path, content=HOSTILE_BODIES[name], timeout=60,
+                          headers={"authorization": f"Bearer {api_key}", "content-type": "application/json"})
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    assert "Traceback" not in response.text
+
+
+@pytest.mark.parametrize("header, value", [
+    ("authorization", b"Bearer \xff\xfe\xc3\x28"),
+    ("authorization", b"Bearer " + "ключ".encode()),
+    ("api-key", b"\x80" * 5000),
+    ("authorization", b"Basic Zm9vOmJhcg=="),
+    ("authorization", b"Bearer"),
+])
+def test_odd_key_headers_are_a_401(base_url, header, value):
+    response = httpx.post(base_url + "/v1/chat/completions", json=chat("hi"), headers=[(header.encode(), value)])
+    assert_error_envelope(response, 401)
+
+
+@pytest.mark.parametrize("value", [b"Bearer \xff\xfe", b"Bearer " + "адмін".encode(), b"Bearer " + b"\xe9" * 10_000])
+def test_odd_admin_token_headers_are_a_401(base_url, admin_token, value):
+    response = httpx.get(base_url + "/admin/keys", headers=[(b"authorization", value)])
+    assert_error_envelope(response, 401)
+    assert httpx.get(base_url + "/admin/keys", headers={"authorization": f"Bearer {admin_token}"}).status_code == 200
+
+
+# -- Serve's control headers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("header, value", [("x-request-disconnect-disabled", "?1"), ("X-Request-Timeout-Seconds", "0"),
+                                           ("x-request-timeout-seconds", "86400")])
+def test_serve_control_headers_are_refused_before_any_generation(base_url, redis_server, header, value):
+    import redis as redis_sync
+
+    key_id, secret = create_key(redis_server.url, f"control-{uuid.uuid4().hex[:6]}")
+    body = chat("Tell me a story.", max_tokens=1500, ignore_eos=True, stream=True)
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body,
+                         headers={"authorization": f"Bearer {secret}", header: value}) as response:
+            response.read()
+            error = assert_error_envelope(response, 400)
+    assert error["code"] == "header_not_allowed" and error["param"] == header.lower()
+    load = call_replica(MODEL, "engine_load")
+    assert load["unfinished"] == 0 and load["running"] == 0, load
+    client = redis_sync.Redis.from_url(redis_server.url)
+    try:
+        assert not list(client.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"))
+    finally:
+        client.close()
+
+
+# -- authorization, route by route --------------------------------------------------------
+
+
+def forbidden_model_probes(base_url):
+    """One request per "key" route of the ingress' table, each for MODEL."""
+    chat_body, completion = chat("hi"), {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    embedding = {"model": MODEL, "input": "hi"}
+    azure = {"azureml-model-deployment": MODEL}
+    probes = {}
+    for prefix in ("/v1/", "/v3/", "/serving-endpoints/"):
+        probes[("POST", prefix + "chat/completions")] = ("POST", prefix + "chat/completions", chat_body, {})
+        probes[("POST", prefix + "completions")] = ("POST", prefix + "completions", completion, {})
+        probes[("POST", prefix + "embeddings")] = ("POST", prefix + "embeddings", embedding, {})
+    for prefix in ("/v1/", "/v3/"):
+        probes[("GET", prefix + "models/{model_id:path}")] = ("GET", prefix + "models/" + MODEL, None, {})
+    for prefix in ("/", "/models/"):
+        probes[("POST", prefix + "chat/completions")] = ("POST", prefix + "chat/completions", chat_body, {})
+        probes[("POST", prefix + "embeddings")] = ("POST", prefix + "embeddings", {"input": ["hi"]}, azure)
+    probes[("GET", "/info")] = ("GET", "/info", None, azure)
+    probes[("GET", "/models/info")] = ("GET", "/models/info", None, azure)
+    probes[("POST", "/invocations")] = ("POST", "/invocations", {"inputs": "hi", "parameters": {}}, {})
+    probes[("POST", "/serving-endpoints/{name}/invocations")] = (
+        "POST", f"/serving-endpoints/{MODEL}/invocations", {"prompt": "hi", "max_tokens": 2}, {})
+    return probes
+
+
+def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server):
+    key_routes = {route for route, kind in ROUTE_ACCESS.items() if kind == "key"}
+    probes = forbidden_model_probes(base_url)
+    listing = {("GET", "/v1/models"), ("GET", "/v3/models")}
+    assert set(probes) | listing == key_routes  # a new route needs its probe here
+
+    _, secret = create_key(redis_server.url, "other-models-only", models=["some-other-model"])
+    _, allowed = create_key(redis_server.url, "this-model", models=[MODEL])
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        for route, (method, path, body, headers) in probes.items():
+            for key, expect in ((secret, {403}), (None, {401})):
+                auth = {"authorization": f"Bearer {key}"} if key else {}
+                response = http.request(method, path, json=body, headers={**headers, **auth})
+                assert response.status_code in expect, (route, response.status_code, response.text[:300])
+                assert MODEL not in response.text or "may not use model" in response.text, (route, response.text)
+            # The control: the same probe with a key allowed the model is not refused for it.
+            response = http.request(method, path, json=body, headers={**headers, "authorization": f"Bearer {allowed}"})
+            assert response.status_code not in (401, 403), (route, response.status_code, response.text[:300])
+        for path in sorted(p for _, p in listing):
+            response = http.get(path, headers={"authorization": f"Bearer {secret}"})
+            assert response.status_code == 200 and response.json()["data"] == [], response.text
+
+
+# -- probes ---------------------------------------------------------------------------------
+
+
+def test_probes_answer_without_a_key_and_name_no_model(base_url):
+    assert httpx.get(base_url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(base_url + "/ready")
+    assert ready.status_code == 200, ready.text
+    assert ready.json() == {"status": "ready", "models_ready": 2, "models": 2}  # the local config's two
+    assert httpx.get(base_url + "/ping").status_code == 200
+    for hidden in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(base_url + hidden).status_code == 404
