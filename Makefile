@@ -13,7 +13,7 @@ export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 
-.PHONY: setup redis prometheus demo-model run stop metrics dashboards test unit bench
+.PHONY: setup redis prometheus demo-model run stop metrics dashboards test test-fast unit bench
 
 setup: $(STAMP)
 $(STAMP):
@@ -50,8 +50,15 @@ metrics: prometheus
 dashboards: setup
 	$(VENV)/bin/python dashboards/generate.py
 
+PYTEST_ARGS ?= -q -rfE --durations=15
+
+# Everything, slowest tests listed at the end.
 test: setup redis prometheus demo-model
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Unit + integration + the core end-to-end path (openai SDK → ingress → vLLM, one stack).
+test-fast: setup redis demo-model
+	$(VENV)/bin/python -m pytest tests/unit tests/integration tests/e2e/shared_stack/test_chat_e2e.py $(PYTEST_ARGS)
 
 unit: setup
 	$(VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)

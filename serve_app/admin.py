@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, invalid_request
 from serve_app.keys import KeyLimits, KeyNotFound, KeyRecord
 from serve_app.usage import key_usage, request_state
 
@@ -35,9 +35,7 @@ def _parse(model: type[BaseModel], body: Any) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        param = ".".join(str(part) for part in first.get("loc", ())) or None
-        raise OpenAIError(400, f"Invalid value for '{param}': {first.get('msg')}.", param=param) from None
+        raise invalid_request(exc) from None
 
 
 async def _key(access, id_or_name: str) -> KeyRecord:
@@ -70,7 +68,7 @@ async def update_key(access, id_or_name: str, body: Any) -> dict[str, Any]:
     try:
         return (await access.keys.update(record.id, **changes)).model_dump()
     except ValidationError as exc:
-        raise OpenAIError(400, str(exc.errors(include_url=False)[0]["msg"])) from None
+        raise invalid_request(exc) from None
 
 
 async def revoke_key(access, id_or_name: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, invalid_request
 
 
 class StreamOptions(BaseModel):
@@ -90,7 +90,7 @@ def validate_request(operation: Operation, body: dict[str, Any]) -> BaseModel:
     try:
         return operation.envelope.model_validate(body)
     except ValidationError as exc:
-        raise _as_invalid_request(exc) from None
+        raise invalid_request(exc) from None
 
 
 # Deeper JSON than any request shape needs (a JSON schema in response_format or a
@@ -167,18 +167,3 @@ def _deeper_than(value: Any, limit: int) -> bool:
 def _too_deep() -> OpenAIError:
     return OpenAIError(400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.",
                        code="json_too_deep")
-
-
-def _as_invalid_request(exc: ValidationError) -> OpenAIError:
-    first = exc.errors(include_url=False)[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    param = loc[0] if loc else None
-    where = ".".join(loc)
-    if first.get("type") == "missing":
-        message = f"Missing required parameter: '{where}'."
-    elif where == "messages" and first.get("type") == "too_short":
-        message = "'messages' must contain at least one message."
-    else:
-        message = f"Invalid value for '{where}': {first.get('msg')}."
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-    return OpenAIError(400, message, param=param, code=code)

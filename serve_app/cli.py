@@ -6,7 +6,8 @@
     llmctl usage --key NAME_OR_ID
     llmctl requests show REQUEST_ID
     llmctl check-config FILE | demo-model
-    llmctl run [CONFIG] [--grace S] | stop     (the local stack: `make run`, `make stop`)
+    llmctl run [CONFIG] [--grace S] [--log FILE] | stop   (the local stack: `make run`, `make stop`)
+    llmctl status [--json]     (replicas by state and target, engine load, Redis, keys)
 
 Redis is the one named by REDIS_URL (or --redis-url).
 """
@@ -185,6 +186,18 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=None, help="comma-separated model names; '*' = all")
 
 
+def _status(args: argparse.Namespace) -> int:
+    from serve_app import status
+
+    serve_part = status.serve_status(args.app)
+    redis_part = asyncio.run(status.redis_status(args.redis_url))
+    if args.json:
+        _print({"serve": serve_part, "redis": redis_part}, True)
+    else:
+        print(status.render(serve_part, redis_part, args.redis_url))
+    return 0 if "error" not in serve_part and redis_part["reachable"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -227,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="where Ray's and vLLM's output goes (default: the data dir's logs/run.log; VERBOSE=1: the terminal)")
     run.set_defaults(run=_run_local)
     commands.add_parser("stop", help="stop the stack `llmctl run` started").set_defaults(run=_stop_local)
+    status = commands.add_parser("status", help="models, replicas, engine load, Redis: what runs here")
+    status.add_argument("--app", default="llm", help="the Serve application's name")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(run=_status)
 
     args = parser.parse_args(argv)
     return args.run(args)

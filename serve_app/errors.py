@@ -10,6 +10,7 @@ import json
 from http import HTTPStatus
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.responses import Response
 
 # OpenAI's `type` for each status class; its SDK maps the status to an
@@ -55,6 +56,23 @@ class OpenAIError(Exception):
 
     def response(self) -> Response:
         return error_response(self.status, self.body(), self.headers)
+
+
+def invalid_request(exc: ValidationError) -> OpenAIError:
+    """The one 400 for a pydantic validation failure of a client's input: its
+    first error, naming the top-level parameter (OpenAI's wording)."""
+    first = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    if first.get("type") == "missing":
+        message = f"Missing required parameter: '{where}'."
+    elif where == "messages" and first.get("type") == "too_short":
+        message = "'messages' must contain at least one message."
+    else:
+        message = f"Invalid value for '{where}': {first.get('msg')}."
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return OpenAIError(400, message, param=param, code=code)
 
 
 def error_type_for(status: int) -> str:

@@ -15,18 +15,16 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
-from starlette.responses import Response, StreamingResponse
 
 from replicas.config import ADAPTER_NAME, ModelConfig
 from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
+from serve_app.calls import Reply
 from serve_app.errors import OpenAIError, from_engine_error
 from serve_app.keys import KeyRecord
 from serve_app.media import check_media
@@ -79,20 +77,6 @@ async def reach_replica(response, timeout_s: float) -> None:
     except TimeoutError:
         response.cancel()
         raise QueueTimeout from None
-
-
-@dataclass
-class Reply:
-    """A successful answer: a JSON body, or an SSE stream already accounted for."""
-
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes | None = None
-    stream: AsyncIterator[str] | None = None
-
-    def response(self) -> Response:
-        if self.stream is not None:
-            return StreamingResponse(self.stream, media_type="text/event-stream", headers=self.headers)
-        return Response(self.body, media_type="application/json", headers=self.headers)
 
 
 class Gateway:

@@ -22,7 +22,7 @@ from serve_app import admin
 from serve_app.access import Access
 from serve_app.api_requests import parse_json_object
 from serve_app.dialects import azure, databricks, sagemaker
-from serve_app.dialects.call import Call
+from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.gateway import Gateway

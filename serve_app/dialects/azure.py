@@ -19,9 +19,8 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from serve_app.access import Access
-from serve_app.dialects.call import Call
+from serve_app.calls import Call, ModelRegistry
 from serve_app.errors import OpenAIError
-from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 
 # The request fields of Azure's API (azure-ai-inference REST spec).
@@ -38,7 +37,7 @@ EXTRA_PARAMETER_MODES = ("error", "drop", "ignore", "pass-through")
 MODEL_TYPES = {"chat": "chat-completion", "completions": "completion", "embeddings": "embeddings"}
 
 
-async def translate(operation: str, body: dict[str, Any], headers: Mapping[str, str], gateway: Gateway) -> Call:
+async def translate(operation: str, body: dict[str, Any], headers: Mapping[str, str], gateway: ModelRegistry) -> Call:
     mode = headers.get("extra-parameters", "error").strip().lower()
     if mode not in EXTRA_PARAMETER_MODES:
         raise OpenAIError(
@@ -70,7 +69,7 @@ async def translate(operation: str, body: dict[str, Any], headers: Mapping[str, 
     return Call(operation, body)
 
 
-async def info(key: KeyRecord, headers: Mapping[str, str], gateway: Gateway) -> Response:
+async def info(key: KeyRecord, headers: Mapping[str, str], gateway: ModelRegistry) -> Response:
     """``GET /info``: what the (selected) deployment serves, if ``key`` may use it."""
     model = headers.get("azureml-model-deployment") or await gateway.only_model_for(None)
     Access.authorize(key, gateway.resolve(model))

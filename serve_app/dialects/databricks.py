@@ -27,14 +27,14 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 
 from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
-from serve_app.dialects.call import Call
+from serve_app.calls import Call, ModelRegistry, Reply
 from serve_app.errors import OpenAIError
-from serve_app.gateway import RETRY_HEADERS, Gateway, Reply
+from serve_app.gateway import RETRY_HEADERS
 from serve_app.reservation import MAX_TOKENS_LIMIT, integer_parameter
 from serve_app.sse import DONE, events
 
 
-async def translate(name: str, body: dict[str, Any], gateway: Gateway) -> Call:
+async def translate(name: str, body: dict[str, Any], gateway: ModelRegistry) -> Call:
     body["model"] = name
     if "messages" in body:
         return Call("chat", body)
@@ -50,7 +50,7 @@ async def translate(name: str, body: dict[str, Any], gateway: Gateway) -> Call:
     )
 
 
-async def _completion(body: dict[str, Any], gateway: Gateway) -> Call:
+async def _completion(body: dict[str, Any], gateway: ModelRegistry) -> Call:
     behaviour = body.pop("error_behavior", None) or "error"
     if behaviour not in ("error", "truncate"):
         raise OpenAIError(400, "'error_behavior' must be 'error' or 'truncate'.", param="error_behavior")

@@ -17,9 +17,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.dialects.call import Call
+from serve_app.calls import Call, ModelRegistry, Reply
 from serve_app.errors import OpenAIError
-from serve_app.gateway import Gateway, Reply
 from serve_app.sse import events
 
 # LMI's defaults: greedy decoding, 30 new tokens.
@@ -43,7 +42,7 @@ LMI_PARAMETERS = {
 _LMI_FLAGS = {"do_sample", "details", "return_full_text"}
 
 
-async def translate(body: dict[str, Any], gateway: Gateway) -> Call:
+async def translate(body: dict[str, Any], gateway: ModelRegistry) -> Call:
     if "messages" in body:
         call = Call("chat", body)
     elif "prompt" in body:
@@ -66,7 +65,8 @@ def _lmi_call(body: dict[str, Any]) -> Call:
     unknown = sorted(body.keys() - {"inputs", "parameters", "stream", "model"})
     if unknown:
         raise OpenAIError(400, f"Unknown field '{unknown[0]}' in an LMI request.", param=unknown[0])
-    inputs, parameters, stream = body["inputs"], body.get("parameters") or {}, bool(body.get("stream"))
+    parameters = body.get("parameters")
+    inputs, parameters, stream = body["inputs"], {} if parameters is None else parameters, bool(body.get("stream"))
     if not isinstance(parameters, dict):
         raise OpenAIError(400, "'parameters' must be an object.", param="parameters")
     if not (isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(i, str) for i in inputs))):

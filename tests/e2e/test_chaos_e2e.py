@@ -42,7 +42,7 @@ from redis_server import RedisServer
 from stack import LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, engine_processes, ray_processes
 from serve_app import redis_names
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 MODEL = "tiny-llama"

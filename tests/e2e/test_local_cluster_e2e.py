@@ -15,15 +15,14 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 import yaml
 
 from http_checks import free_port
-from stack import REPO, create_key, wait_for_no_engines
+from stack import REPO, create_key, ray_processes, wait_for_no_engines
 from streaming_load import StreamingLoad
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 DASHBOARD = "http://127.0.0.1:8265"
@@ -74,15 +73,14 @@ def running_replica_ids(deployment: str) -> set[str]:
     return {replica["replica_id"] for replica in replicas if replica["state"] == "RUNNING"}
 
 
-def ray_processes() -> list[psutil.Process]:
-    names = ("raylet", "gcs_server")
-    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "") in names]
-
-
 @pytest.fixture(scope="module")
 def cluster(redis_server, tmp_path_factory):
-    if ray_processes():
-        pytest.fail("another Ray instance runs on this machine; `ray up` of the local twin would stop it")
+    deadline = time.monotonic() + 30  # the previous module's stack may still be going away
+    while ray_processes():
+        if time.monotonic() > deadline:
+            pytest.fail(f"another Ray instance runs on this machine; `ray up` of the local twin would stop it: "
+                        f"{ray_processes()}")
+        time.sleep(0.5)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     # Token authentication, as Ray enables it by default: `ray start` and the CLIs share ~/.ray/auth_token.
     env.update(RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="token", REDIS_URL=redis_server.url,

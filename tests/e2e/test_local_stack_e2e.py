@@ -65,6 +65,29 @@ def test_the_ready_banner_comes_when_every_model_answers(stack, redis_server):
     assert "ServeReplica" in stack.serve_log_path.read_text()
 
 
+def test_llmctl_status_shows_what_runs(stack, redis_server):
+    import json
+    import subprocess
+
+    from stack import BIN
+
+    shown = subprocess.run([str(BIN / "llmctl"), "status", "--json"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REDIS_URL": redis_server.url})
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    status = json.loads(shown.stdout)
+    deployments = status["serve"]["deployments"]
+    assert status["serve"]["application"] == "RUNNING"
+    for model in ("model-tiny-llama", "model-minilm"):
+        assert deployments[model]["replicas"] == {"RUNNING": 1} and deployments[model]["target"] == 1
+        engine = deployments[model]["engine"]
+        assert set(engine) >= {"running", "waiting", "kv_cache_usage"} and 0 <= engine["kv_cache_usage"] <= 1, engine
+    assert deployments["Ingress"]["replicas"] == {"RUNNING": 1}
+    assert status["redis"]["reachable"] and status["redis"]["keys"] >= 1
+    table = subprocess.run([str(BIN / "llmctl"), "status"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REDIS_URL": redis_server.url}).stdout
+    assert "model-tiny-llama" in table and "KV" in table and "redis: reachable" in table
+
+
 def test_ctrl_c_ends_the_whole_stack_within_its_bound(stack, redis_server):
     _, secret = create_key(redis_server.url, "ctrl-c")
     stack.wait_serving(secret)

@@ -127,3 +127,15 @@ def test_non_json_numbers_and_lone_surrogates_are_a_400(raw):
 def test_surrogate_pairs_and_ordinary_floats_pass():
     assert parse_json_object(b'{"content": "\\ud83d\\ude00", "temperature": 0.7, "x": 1e300}') == {
         "content": "\U0001F600", "temperature": 0.7, "x": 1e300}
+
+
+def test_admin_bodies_use_the_same_400_as_requests():
+    from serve_app import admin
+
+    with pytest.raises(OpenAIError) as caught:
+        admin._parse(admin.NewKey, {"name": "k", "requests_per_minute": -1})
+    assert caught.value.status == 400 and caught.value.param == "requests_per_minute"
+    assert caught.value.code == "invalid_value" and "requests_per_minute" in caught.value.message
+    with pytest.raises(OpenAIError) as caught:
+        admin._parse(admin.NewKey, {})
+    assert caught.value.code == "missing_required_parameter" and caught.value.param == "name"

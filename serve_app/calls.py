@@ -1,0 +1,53 @@
+"""The values that pass between the routes, the dialects and the gateway.
+
+A route (or a dialect's translation) turns a request into a ``Call``: the
+operation and the canonical OpenAI body, plus how to render the answer. The
+gateway answers a ``Call`` with a ``Reply``. Dialects see the model registry
+only through ``ModelRegistry``: the few questions a platform's request shape
+needs answered (which model, how long its context), never the whole gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.responses import Response, StreamingResponse
+
+
+@dataclass
+class Reply:
+    """A successful answer: a JSON body, or an SSE stream already accounted for."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    stream: AsyncIterator[str] | None = None
+
+    def response(self) -> Response:
+        if self.stream is not None:
+            return StreamingResponse(self.stream, media_type="text/event-stream", headers=self.headers)
+        return Response(self.body, media_type="application/json", headers=self.headers)
+
+
+@dataclass
+class Call:
+    operation: str  # "chat" | "completions" | "embeddings"
+    body: dict[str, Any]  # the canonical OpenAI request
+    respond: Callable[[Reply], Response] = field(default=Reply.response)
+
+
+class ModelRegistry(Protocol):
+    """What dialects may ask of the gateway about its models."""
+
+    async def only_model_for(self, operation: str | None) -> str:
+        """The model for a request that names none, or a 400 asking for one."""
+
+    async def model_card(self, model: str) -> dict[str, Any]:
+        """``model``'s card (its details waited for at most its queue timeout)."""
+
+    def resolve(self, model: str) -> str:
+        """The configured name behind a name, alias or adapter, or a 404."""
+
+    def context_length(self, name: str) -> int | None:
+        """A configured model's context length, None while unknown."""

@@ -1,0 +1,140 @@
+"""``Gateway.run`` for a unary request, with the replica side faked: every way
+a call can end becomes the right answer (a 503 with retry-after, never a 500
+for what is not a bug) and the request is settled exactly once, as what it was.
+(The streamed side: test_stream_settlement.py; the real path: the e2e suite.)"""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import ActorUnavailableError
+from ray.serve.exceptions import BackPressureError
+
+from replicas.config import ModelConfig
+from serve_app.access import Ticket
+from serve_app.errors import OpenAIError
+from serve_app.gateway import Gateway
+from serve_app.keys import KeyRecord
+from serve_app.telemetry import RequestRecord, Telemetry
+
+KEY = KeyRecord(id="k1", name="n", created_at=0)
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+class Access:
+    """Admits everything; records each settlement."""
+
+    default_max_tokens = 16
+
+    def __init__(self):
+        self.settled = []
+
+    def authorize(self, key, model):
+        if not key.allows_model(model):
+            raise OpenAIError(403, "no", param="model")
+
+    async def admit(self, key, model, tokens, request_id):
+        return Ticket(key, "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
+
+    def settle(self, ticket, status, usage=None, replica=""):
+        assert not ticket.settled, "settled twice"
+        ticket.settled = True
+        self.settled.append((status, usage))
+
+
+class Response:
+    """A unary call: ``assign`` is how reaching a replica ends, ``result`` how the call does."""
+
+    def __init__(self, assign=None, result=None):
+        self.assign, self.result, self.cancelled = assign, result, False
+
+    async def _fetch_future_result_async(self):
+        if self.assign == "never":
+            await asyncio.sleep(3600)
+        if isinstance(self.assign, BaseException):
+            raise self.assign
+
+    def __await__(self):
+        async def answer():
+            if isinstance(self.result, BaseException):
+                raise self.result
+            return self.result
+        return answer().__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def run(response):
+    """(the fake access, the coroutine of one chat request answered by ``response``)."""
+    access = Access()
+    handle = SimpleNamespace(call=SimpleNamespace(remote=lambda *_: response))
+    gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
+                      Telemetry(False, False))
+
+    async def go():
+        return await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+
+    return access, go()
+
+
+async def outcome(response):
+    access, call = run(response)
+    try:
+        return access, await call
+    except OpenAIError as exc:
+        return access, exc
+
+
+async def test_an_answer_is_settled_completed_with_its_usage():
+    access, reply = await outcome(Response(result=(200, b'{"ok": 1}', USAGE, "r1")))
+    assert reply.body == b'{"ok": 1}' and reply.headers["x-ratelimit-limit-requests"] == "10"
+    assert access.settled == [("completed", USAGE)]
+
+
+@pytest.mark.parametrize("response, code, settled", [
+    (Response(assign="never"), "model_unavailable", "overloaded"),  # no replica took it in the queue timeout
+    (Response(assign=BackPressureError(num_queued_requests=9, max_queued_requests=8)), "model_overloaded", "overloaded"),
+    (Response(result=ActorUnavailableError("gone", None)), "replica_unavailable", "failed"),  # replica died mid-call
+])
+async def test_a_call_that_cannot_be_served_is_a_503_with_retry_after(response, code, settled):
+    access, error = await outcome(response)
+    assert isinstance(error, OpenAIError), error
+    assert error.status == 503 and error.code == code
+    assert error.headers["retry-after"] == "1" and error.headers["x-ratelimit-limit-requests"] == "10"
+    assert access.settled == [(settled, {})]
+    if response.assign == "never":
+        assert response.cancelled  # withdrawn from Serve's queue
+
+
+async def test_a_replica_503_keeps_its_code_and_gets_retry_after():
+    body = {"message": "The engine died.", "type": "ServiceUnavailable", "code": "replica_unavailable"}
+    access, error = await outcome(Response(result=(503, body, None, "r1")))
+    assert error.status == 503 and error.code == "replica_unavailable" and error.headers["retry-after"] == "1"
+    assert access.settled == [("failed", {})]
+
+
+async def test_an_engine_400_is_a_400_without_retry_after_and_settled_failed():
+    body = {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError",
+            "param": "messages", "code": 400}
+    access, error = await outcome(Response(result=(400, body, {"prompt_tokens": 3}, "r1")))
+    assert error.status == 400 and error.param == "messages" and "retry-after" not in error.headers
+    assert access.settled == [("failed", {"prompt_tokens": 3})]
+
+
+async def test_a_bug_below_is_settled_failed_once_and_raised():
+    access, call = run(Response(result=RuntimeError("bug")))
+    with pytest.raises(RuntimeError):
+        await call
+    assert [status for status, _ in access.settled] == ["failed"]
+
+
+async def test_refusals_before_admission_settle_nothing():
+    for body in ({**CHAT, "model": "nope"}, {**CHAT, "max_tokens": "4"}, {**CHAT, "messages": []}):
+        access = Access()
+        gateway = Gateway(access, {"tiny-llama": None}, [ModelConfig(name="tiny-llama")], Telemetry(False, False))
+        with pytest.raises(OpenAIError) as caught:
+            await gateway.run(KEY, "chat", json.loads(json.dumps(body)), 100, RequestRecord("openai", "x"))
+        assert caught.value.status in (400, 404) and access.settled == []
