@@ -247,8 +247,8 @@ def test_a_thousand_refusals_with_4kb_request_ids_store_almost_nothing(base_url,
         before, used_before, keys_before = stored(), redis.info("memory")["used_memory"], redis.dbsize()
         assert set(pool.map(refused, range(1000))) == {429}
     grown, used_grown = stored() - before, redis.info("memory")["used_memory"] - used_before
-    # Counters only: no key per refusal, a few bytes of counters in all.
-    assert redis.dbsize() == keys_before
+    # Counters only: no key per refusal (one may expire meanwhile), a few bytes of counters in all.
+    assert redis.dbsize() <= keys_before
     assert grown < 1024, grown
     assert used_grown < 1024 * 1024, used_grown  # before: ~9.5 MB for the same 1,000 refusals
     print(f"\n1000 refusals: stored keys grew by {grown} bytes, used_memory by {used_grown}")
