@@ -1,8 +1,13 @@
-"""Autoscaling configuration and policies for model deployments.
+"""LLM-aware autoscaling of model deployments.
 
-``policy`` decides replica counts from what saturates an LLM engine (ongoing
-requests, the engine's waiting queue, KV-cache use), as a pure function tested
-on recorded metric sequences. Wiring it into Ray Serve's custom autoscaling
-policy (fed by each replica's engine stats) comes next; until then each model's
-Serve ``deployment`` options (``num_replicas`` or ``autoscaling_config``) apply.
+- ``settings``: a model's ``autoscaling`` block as operators write it, turned
+  into Ray Serve's ``autoscaling_config`` with the policy below plugged in.
+- ``policy``: the decision, a pure function of what saturates an LLM engine
+  (ongoing requests, the engine's waiting queue, KV-cache use), tested on
+  recorded metric sequences.
+- ``serve_policy``: the adapter Serve's controller calls every tick; each model
+  replica reports the engine metrics it reads (``record_autoscaling_stats``).
+
+Adding and removing nodes for those replicas is Ray's autoscaler's job
+(cluster.yaml; the local twin's provider is in ``cluster/``).
 """

@@ -32,8 +32,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from replicas.config import ModelConfig  # noqa: E402
-from replicas.config import resolve_source  # noqa: E402
+from contract.model_config import ModelConfig  # noqa: E402
+from replicas.sources import resolve_source  # noqa: E402
 from replicas.vllm_replica import vllm_serve_command  # noqa: E402
 
 METRICS = [

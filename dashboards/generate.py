@@ -9,7 +9,7 @@ Every query reads metrics this project exports through Ray (README, "Metrics and
 logs"): the gateway's ``ray_llm_gateway_*``, vLLM's ``ray_vllm_*`` (label
 ``model_name``) and Ray Serve's ``ray_serve_*`` (label ``deployment``, joined to
 model names through the ``ray_llm_gateway_model_info`` info metric).
-tests/e2e/test_telemetry_e2e.py evaluates every expression against a real
+tests/e2e/local_stack/test_2_dashboards_e2e.py evaluates every expression against a real
 Prometheus scraping a loaded stack and fails on any that returns nothing.
 """
 
@@ -35,6 +35,7 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.95, 0.99)
 REQUESTS = "ray_llm_gateway_requests_total"
+HEALTHY = "ray_serve_deployment_replica_healthy"  # per replica, labelled with its deployment
 
 # Model selection on the per-model dashboard (all models when "All").
 MODEL = 'model=~"$model"'
@@ -70,6 +71,13 @@ def by_model(serve_metric: str, model_selector: str = "") -> str:
     ``ray_llm_gateway_model_info{model, deployment}`` names its model."""
     info = f"max by (deployment, model) (ray_llm_gateway_model_info{{{model_selector}}})"
     return f"sum by (model) ({serve_metric} * on (deployment) group_left (model) {info})"
+
+
+def autoscaler_or(autoscaler_metric: str, fixed_metric: str, model_selector: str = "") -> str:
+    """Serve exports its autoscaler's gauges only for autoscaled deployments: a model
+    with a fixed replica count (configs/local.yaml) shows ``fixed_metric`` instead (its
+    running replicas, the requests at them), so the panel has data on every config."""
+    return f"{by_model(autoscaler_metric, model_selector)} or {by_model(fixed_metric, model_selector)}"
 
 
 def target(expr: str, legend: str) -> Dataquery:
@@ -173,9 +181,10 @@ def overview() -> Dashboard:
             width=8,
         ))
         .with_panel(timeseries(
-            "Replicas per model", "Healthy replicas and the autoscaler's target (Ray Serve).", "short",
+            "Replicas per model", "Healthy replicas and the autoscaler's target (Ray Serve; a model without "
+            "autoscaling: its healthy replicas).", "short",
             target(by_model("ray_serve_deployment_replica_healthy"), "{{model}} healthy"),
-            target(by_model("ray_serve_autoscaling_target_replicas"), "{{model}} target"),
+            target(autoscaler_or("ray_serve_autoscaling_target_replicas", HEALTHY), "{{model}} target"),
             width=8,
         ))
         .with_panel(timeseries(
@@ -256,21 +265,24 @@ def per_model() -> Dashboard:
         .with_row(Row("Autoscaling"))
         .with_panel(timeseries(
             "Replicas", "Healthy replicas, the target Serve is moving to, and what the policy asked for before "
-            "min/max bounds (autoscaled models).", "short",
-            target(by_model("ray_serve_deployment_replica_healthy", MODEL), "{{model}} healthy"),
-            target(by_model("ray_serve_autoscaling_target_replicas", MODEL), "{{model}} target"),
-            target(by_model("ray_serve_autoscaling_desired_replicas", MODEL), "{{model}} policy decision"),
+            "min/max bounds. A model without autoscaling: its healthy replicas for all three.", "short",
+            target(by_model(HEALTHY, MODEL), "{{model}} healthy"),
+            target(autoscaler_or("ray_serve_autoscaling_target_replicas", HEALTHY, MODEL), "{{model}} target"),
+            target(autoscaler_or("ray_serve_autoscaling_desired_replicas", HEALTHY, MODEL), "{{model}} policy decision"),
         ))
         .with_panel(timeseries(
             "Ongoing requests seen by the autoscaler", "Requests queued or running at the model's replicas, as "
-            "Serve's autoscaler counts them (autoscaled models).", "short",
-            target(by_model("ray_serve_autoscaling_total_requests", MODEL), "{{model}}"),
+            "Serve's autoscaler counts them; a model without autoscaling: the requests its replicas are "
+            "processing.", "short",
+            target(autoscaler_or("ray_serve_autoscaling_total_requests", "ray_serve_replica_processing_queries", MODEL),
+                   "{{model}}"),
         ))
     )
 
 
 def quotas() -> Dashboard:
-    per_key = "Needs telemetry.per_key_metrics: true (otherwise: llmctl usage)."
+    per_key = ("Each ingress replica names its first telemetry.per_key_max_keys keys (100); later ones count as "
+               "'(other keys)'. Exact figures: llmctl usage.")
     return (
         dashboard(
             "llm-cluster-quotas", "LLM cluster / Quotas",

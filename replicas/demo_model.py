@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from contract.model_config import DEMO_DEFAULT_SIZE
+
 # Bump when anything below changes what gets built: it names the cache folder.
 DEMO_MODEL_VERSION = "2"
 
@@ -60,7 +62,7 @@ SIZES = {
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=4, **_COMMON),
 }
-DEFAULT_SIZE = "tiny"
+DEFAULT_SIZE = DEMO_DEFAULT_SIZE  # the config schema validates `demo:<size>` against DEMO_SIZES
 
 
 def data_dir() -> Path:

@@ -6,16 +6,7 @@ same ``init_app_state``), so chat templating, sampling parameters, stop
 strings, n, logprobs, tools and structured output behave as in vLLM itself.
 The gateway's work (auth, quotas, routing, accounting) happens in the ingress.
 
-Wire contract with the ingress (plain Python objects: cheap to pickle).
-``operation`` is one of ``OPERATIONS`` ("chat", "completions", "embeddings"),
-the body is the OpenAI request as a dict:
-- ``call(operation, body)`` returns ``(status, payload, usage, replica)``: a
-  JSON ``bytes`` body and its usage dict on success, an error ``dict`` (vLLM's
-  ErrorInfo) and None otherwise; ``replica`` names this replica.
-- ``stream(operation, body)`` yields SSE text (``str``), several events per
-  item when they pile up; the first item starts with the SSE comment
-  ``: replica=<id>`` (the ingress strips it). If the request fails before
-  streaming, it yields exactly one ``(status, error_dict)`` tuple instead.
+What ``call`` and ``stream`` answer the ingress: contract/replica_wire.py.
 """
 
 from __future__ import annotations
@@ -33,7 +24,9 @@ from ray import serve
 
 from autoscale.serve_policy import ENGINE_WAITING, KV_CACHE_USAGE
 from replicas import reasoning
-from replicas.config import ModelConfig, resolve_source
+from contract.model_config import ModelConfig
+from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
+from replicas.sources import resolve_source
 from replicas.streaming import coalesce
 
 logger = logging.getLogger("ray.serve")
@@ -103,7 +96,6 @@ class VLLMReplica:
         os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self._replica_comment = f": replica={self.replica}\n\n"
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(
             vllm_cli_args(config, resolve_source(config))
         )
@@ -159,14 +151,19 @@ class VLLMReplica:
 
     # -- requests ---------------------------------------------------------
 
+    def _refusal(self, status: int, error: dict[str, Any]) -> ReplicaError:
+        return ReplicaError(status, error, self.replica)
+
     async def _start(self, operation: str, body: dict[str, Any]):
-        """vLLM's answer to ``body``: a stream, a full response, or an error."""
+        """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``."""
         result = await self._answer(operation, body)
-        if self.engine.errored and (isinstance(result, tuple) or _is_error(result)):
-            return 503, {
+        if _is_error(result):
+            result = self._refusal(result.error.code, result.error.model_dump())
+        if self.engine.errored and isinstance(result, ReplicaError):
+            return self._refusal(503, {
                 "message": f"The engine of a replica of model '{self.config.name}' stopped. Please retry.",
                 "code": "replica_unavailable",
-            }
+            })
         return result
 
     async def _answer(self, operation: str, body: dict[str, Any]):
@@ -177,60 +174,56 @@ class VLLMReplica:
                     raise LookupError(adapter)
                 await self._adapter(adapter)
             except LookupError:
-                return 404, {
+                return self._refusal(404, {
                     "message": f"The model '{adapter}' does not exist or you do not have access to it.",
                     "param": "model",
                     "code": "model_not_found",
-                }
+                })
             body["model"] = adapter  # vLLM applies the adapter registered under this name
         endpoint = self._endpoints.get(operation)
         if endpoint is None:
-            return 400, {
+            return self._refusal(400, {
                 "message": f"Model '{self.config.name}' does not support {OPERATIONS[operation]}.",
                 "param": "model",
-            }
+            })
         request_type, fields, handler = endpoint
         unknown = body.keys() - fields
         if unknown:
             name = sorted(unknown)[0]
-            return 400, {"message": f"Unrecognized request argument supplied: {name}", "param": name}
+            return self._refusal(400, {"message": f"Unrecognized request argument supplied: {name}", "param": name})
         try:
             return await handler(request_type.validate_python(body))
         except ValidationError as exc:
-            return _validation_error(exc)
+            return self._refusal(400, _validation_error(exc))
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
-    async def call(self, operation: str, body: dict[str, Any]) -> tuple[int, Any, dict | None, str]:
+    async def call(self, operation: str, body: dict[str, Any]) -> ReplicaAnswer | ReplicaError:
         result = await self._start(operation, body)
-        if isinstance(result, tuple):
-            return (*result, None, self.replica)
-        if _is_error(result):
-            return result.error.code, result.error.model_dump(), None, self.replica
+        if isinstance(result, ReplicaError):
+            return result
         if isinstance(result, AsyncIterator):  # stream asked on the unary path
             await result.aclose()
-            error = {"message": "use the streaming path for stream=true", "param": "stream"}
-            return 400, error, None, self.replica
+            return self._refusal(400, {"message": "use the streaming path for stream=true", "param": "stream"})
         if hasattr(result, "body"):  # pooling endpoints answer with a finished HTTP response
             response = json.loads(result.body)
-            return result.status_code, openai_json(response), response.get("usage"), self.replica
-        response = result.model_dump()
-        if _names_a_tool(body):
-            _finish_named_tool_calls(response)
-        if self.reasons:
-            reasoning.add_to_response(response)
-        return 200, openai_json(response), response.get("usage"), self.replica
+            if result.status_code != 200:
+                return self._refusal(result.status_code, response.get("error") or {"message": str(response)})
+        else:
+            response = result.model_dump()
+            if _names_a_tool(body):
+                _finish_named_tool_calls(response)
+            if self.reasons:
+                reasoning.add_to_response(response)
+        return ReplicaAnswer(openai_json(response), Usage.from_openai(response.get("usage")), self.replica)
 
-    async def stream(self, operation: str, body: dict[str, Any]) -> AsyncIterator[str | tuple]:
+    async def stream(self, operation: str, body: dict[str, Any]) -> AsyncIterator[StreamStart | str | ReplicaError]:
         result = await self._start(operation, body)
-        if isinstance(result, tuple):
+        if isinstance(result, ReplicaError):
             yield result
             return
-        if _is_error(result):
-            yield result.error.code, result.error.model_dump()
-            return
         if not isinstance(result, AsyncIterator):  # a full response: send it as one event
-            yield f"{self._replica_comment}data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n"
+            yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
             return
         first, named_tool = True, _names_a_tool(body)
         async for text in coalesce(result, self.batch_interval_s):
@@ -239,8 +232,10 @@ class VLLMReplica:
             if self.reasons:
                 text = reasoning.add_to_stream(text)
             if first:
-                text, first = self._replica_comment + text, False
-            yield text
+                first = False
+                yield StreamStart(self.replica, text)
+            else:
+                yield text
 
     # -- LoRA adapters -----------------------------------------------------
 
@@ -251,7 +246,7 @@ class VLLMReplica:
         caches nothing for it)."""
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        from replicas.config import resolve_adapter
+        from replicas.sources import resolve_adapter
 
         known = self._serving_models.lora_requests.get(adapter)
         if known is None:
@@ -412,8 +407,8 @@ def _is_error(result: Any) -> bool:
     return type(result).__name__ == "ErrorResponse"
 
 
-def _validation_error(exc) -> tuple[int, dict[str, Any]]:
+def _validation_error(exc) -> dict[str, Any]:
     first = exc.errors()[0]
     param = ".".join(str(part) for part in first.get("loc", ())) or None
     message = f"{first.get('msg', 'invalid value')}" + (f" (at '{param}')" if param else "")
-    return 400, {"message": message, "param": param}
+    return {"message": message, "param": param}

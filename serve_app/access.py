@@ -33,6 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from contract.replica_wire import Usage
 from serve_app.admission import REFUSALS, Admission, Decision
 from serve_app.errors import OpenAIError
 from serve_app.key_cache import KeyCache
@@ -209,7 +210,7 @@ class Access:
         if not ticket.local:
             self._spawn(self.admission.running(ticket.key.id, ticket.request_id, replica))
 
-    def settle(self, ticket: Ticket, status: str, usage: dict | None = None, replica: str = "") -> None:
+    def settle(self, ticket: Ticket, status: str, usage: Usage | None = None, replica: str = "") -> None:
         """``usage`` None keeps the whole reservation charged (e.g. a stream the
         client cancelled: tokens were made but never counted). Once per ticket."""
         if ticket.settled:
@@ -217,7 +218,7 @@ class Access:
         ticket.settled = True
         prompt = completion = -1
         if usage is not None:
-            prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
         if ticket.local:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.

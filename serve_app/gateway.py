@@ -21,7 +21,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from replicas.config import ADAPTER_NAME, ModelConfig
+from contract.model_config import ADAPTER_NAME, ModelConfig
+from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
 from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.calls import Reply
@@ -30,7 +31,7 @@ from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
 from serve_app.reservation import Reservation, reserve
-from serve_app.sse import DONE, ends_in_error, split_replica, take_usage
+from serve_app.sse import DONE, ends_in_error, take_usage
 from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
@@ -53,10 +54,10 @@ def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
     return OpenAIError(503, message, code=code, headers={**ticket.headers, **RETRY_HEADERS})
 
 
-def _engine_error(ticket: Ticket, status: int, error: dict) -> OpenAIError:
+def _engine_error(ticket: Ticket, refused: ReplicaError) -> OpenAIError:
     """An error the replica answered; its 503 (engine gone) tells when to retry."""
-    exc = from_engine_error(status, error)
-    exc.headers = {**ticket.headers, **(RETRY_HEADERS if status == 503 else {})}
+    exc = from_engine_error(refused.status, refused.error)
+    exc.headers = {**ticket.headers, **(RETRY_HEADERS if refused.status == 503 else {})}
     return exc
 
 
@@ -286,31 +287,32 @@ class Gateway:
                 return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
             response = handle.call.remote(op.name, body)
             await reach_replica(response, queue_timeout_s)
-            status, payload, usage, replica = await response
+            answer: ReplicaAnswer | ReplicaError = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
         except BackPressureError:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
-            self.access.settle(ticket, "overloaded", {})
+            self.access.settle(ticket, "overloaded", Usage())
             raise _unavailable(ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded") from None
         except QueueTimeout:
             # Still queued after the model's bound: replicas busy or starting (scale from zero).
-            self.access.settle(ticket, "overloaded", {})
+            self.access.settle(ticket, "overloaded", Usage())
             message = f"No replica of model '{model}' became available within {queue_timeout_s:g}s (it may be starting). Please retry."
             raise _unavailable(ticket, message, "model_unavailable") from None
         except (RayActorError, ActorUnavailableError):
-            self.access.settle(ticket, "failed", {})
+            self.access.settle(ticket, "failed", Usage())
             raise _unavailable(ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable") from None
         except BaseException:
             self.access.settle(ticket, "failed")
             raise
-        self.access.settle(ticket, "completed" if status == 200 else "failed", usage or {}, replica)
-        record.used(usage)
         self._describe_while_up(model)
-        if status != 200:
-            raise _engine_error(ticket, status, payload)
-        return Reply(ticket.headers, body=payload)
+        if isinstance(answer, ReplicaError):
+            self.access.settle(ticket, "failed", Usage(), answer.replica)
+            raise _engine_error(ticket, answer)
+        self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
+        record.used(answer.usage)
+        return Reply(ticket.headers, body=answer.body)
 
     async def _stream(
         self,
@@ -334,10 +336,9 @@ class Gateway:
         except StopAsyncIteration:
             self.access.settle(ticket, "failed")
             raise OpenAIError(500, "The model returned an empty stream.") from None
-        if isinstance(first, tuple):
-            status, error = first
-            self.access.settle(ticket, "failed", {})
-            raise _engine_error(ticket, status, error)
+        if isinstance(first, ReplicaError):
+            self.access.settle(ticket, "failed", Usage(), first.replica)
+            raise _engine_error(ticket, first)
         record.first_token_at = time.monotonic()
         record.stream = True
         self._describe_while_up(body["model"])
@@ -361,7 +362,7 @@ class Gateway:
 
     async def _relay(
         self,
-        first: str,
+        start: StreamStart,
         chunks,
         ticket: Ticket,
         client_wants_usage: bool,
@@ -379,14 +380,16 @@ class Gateway:
         reservation: the prompt estimate plus one token per content event relayed
         (an event carries at least one token; chat's first event per choice is
         the role alone)."""
-        status, usage = "cancelled", None
-        replica, first = split_replica(first)
+        status, usage, drained = "cancelled", None, False
+        replica, first = start.replica, start.text
         events, last = 0, first
         try:
             if first.endswith(DONE):
                 first, usage = take_usage(first, client_wants_usage)
             events, last = first.count("data: {"), first
             yield first
+            if usage is not None:
+                status = "completed"
             self.access.running(ticket, replica)
             async for chunk in chunks:
                 if chunk.endswith(DONE):
@@ -394,6 +397,12 @@ class Gateway:
                 events += chunk.count("data: {")
                 last = chunk
                 yield chunk
+                if usage is not None:
+                    # The client has the whole stream, usage trailer and [DONE]: it may
+                    # hang up now (the openai SDK closes at [DONE]) while the replica's
+                    # stream is still ending; that is a complete stream, charged its usage.
+                    status = "completed"
+            drained = True
             # vLLM ends a stream whose engine failed with an error event and no usage.
             failed_upstream = usage is None and ends_in_error(last)
             events -= failed_upstream
@@ -406,7 +415,7 @@ class Gateway:
                 logger.exception("stream from replica failed")
                 yield STREAM_FAILED
         finally:
-            if status != "completed":
+            if not drained:
                 chunks.cancel()
             if status == "failed":
                 usage = _delivered(events, reservation, chat)
@@ -419,9 +428,9 @@ class Gateway:
             self.telemetry.finish(record)
 
 
-def _delivered(events: int, reservation: Reservation, chat: bool) -> dict[str, int]:
+def _delivered(events: int, reservation: Reservation, chat: bool) -> Usage:
     """What a failed stream is charged: its prompt (estimated) and one token per
     content event it relayed, never more than it reserved."""
     content_events = events - (reservation.choices if chat else 0)
     completion = min(max(0, content_events), reservation.completion_per_choice * reservation.choices)
-    return {"prompt_tokens": reservation.prompt, "completion_tokens": completion}
+    return Usage(reservation.prompt, completion)

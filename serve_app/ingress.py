@@ -100,7 +100,8 @@ class Ingress:
     def __init__(self, settings: AppSettings, models: dict[str, DeploymentHandle]):
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
-        self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log)
+        self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
+                                   settings.telemetry.per_key_max_keys)
         deployments = {name: handle.deployment_name for name, handle in models.items()}
         self.telemetry.models_served(deployments)
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from replicas.config import MediaPolicy
+from contract.model_config import MediaPolicy
 from serve_app.errors import OpenAIError
 
 # Fields vLLM (or a model's processor) may read a URL from, at any depth of a

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
 
 logger = logging.getLogger("ray.serve")
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
 
 
 class IngressConfig(BaseModel):
@@ -68,9 +68,15 @@ class TelemetryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     per_key_metrics: bool = Field(
-        False,
-        description="Label request and token metrics by API key name. Off by default: one "
-        "series per key grows without bound; per-key usage is in Redis (`llmctl usage`).",
+        True,
+        description="Label request, token and budget metrics by API key name (the quota "
+        "dashboard's top-key panels), for at most per_key_max_keys keys per ingress replica.",
+    )
+    per_key_max_keys: int = Field(
+        100, ge=1, le=10_000,
+        description="Key names an ingress replica labels metrics with: the first this many it "
+        "sees; later keys count together as '(other keys)', so minted keys cannot grow the "
+        "series without bound. Exact per-key usage is in Redis (`llmctl usage`).",
     )
     access_log: bool = Field(True, description="One JSON line per request on the ingress's stdout.")
 

@@ -1,7 +1,7 @@
 """The few places the ingress looks inside a relayed SSE stream.
 
-For OpenAI-shaped streams only the first item (the replica's name comment)
-and the last one (which ends with ``data: [DONE]``, after the usage event) are
+For OpenAI-shaped streams only the last item (which ends with
+``data: [DONE]``, after the usage event: the stream's usage trailer) is
 inspected; the items in between are passed on untouched, so streaming costs
 no parsing per chunk. Dialects that answer in another shape parse every event
 (``events``).
@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import json
 
+from contract.replica_wire import Usage
+
 DONE = "data: [DONE]\n\n"
-_REPLICA_COMMENT = ": replica="
 
 
-def split_replica(first: str) -> tuple[str, str]:
-    """(replica id, the item without the replica comment)."""
-    if not first.startswith(_REPLICA_COMMENT):
-        return "", first
-    comment, _, rest = first.partition("\n\n")
-    return comment[len(_REPLICA_COMMENT):], rest
-
-
-def take_usage(item: str, keep: bool) -> tuple[str, dict | None]:
+def take_usage(item: str, keep: bool) -> tuple[str, Usage | None]:
     """The usage reported by the stream's final usage event (the one with empty
     ``choices`` just before ``[DONE]``); drop that event unless ``keep``."""
     events = item.split("\n\n")
@@ -38,7 +31,7 @@ def take_usage(item: str, keep: bool) -> tuple[str, dict | None]:
         if not keep:
             del events[index]
             item = "\n\n".join(events)
-        return item, chunk["usage"]
+        return item, Usage.from_openai(chunk["usage"])
     return item, None
 
 

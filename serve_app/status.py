@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from replicas.config import deployment_name
+from contract.model_config import deployment_name
 
 APP_NAME = "llm"
 ENGINE_LOAD_TIMEOUT_S = 5.0

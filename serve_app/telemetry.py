@@ -4,9 +4,10 @@ line and Prometheus metrics, both from the same per-request record.
 Metrics go through Ray's metrics system (``ray.util.metrics``), so every node's
 Ray metrics endpoint serves them beside Ray Serve's and vLLM's; Ray prefixes
 their names with ``ray_``. Labels stay low-cardinality: model, route (the API
-dialect), status code, limit kind. A key's name becomes a label only when the
-operator opts in (``telemetry.per_key_metrics``); otherwise per-key usage is in
-Redis (``llmctl usage``). The access log never holds prompt or completion text.
+dialect), status code, limit kind. Key names label the per-key metrics for a
+bounded number of keys (``KeyLabels``; ``telemetry.per_key_max_keys``); exact
+per-key usage is in Redis (``llmctl usage``). The access log never holds prompt
+or completion text.
 
 Cost per request: a handful of metric updates and one ``json.dumps``; nothing
 per streamed chunk.
@@ -22,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+from contract.replica_wire import Usage
 
 ACCESS_LOGGER = "llm_cluster.access"
 
@@ -72,17 +75,40 @@ class RequestRecord:
         if status == 429:
             self.limit = LIMIT_KINDS.get(error_type, error_type)
 
-    def used(self, usage: dict | None) -> None:
-        if usage:
-            self.prompt_tokens = usage.get("prompt_tokens") or 0
-            self.completion_tokens = usage.get("completion_tokens") or 0
+    def used(self, usage: Usage | None) -> None:
+        if usage is not None:
+            self.prompt_tokens, self.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+
+
+OTHER_KEYS = "(other keys)"
+
+
+class KeyLabels:
+    """API key names as metric labels, bounded: the first ``limit`` keys an ingress
+    replica sees keep a series of their own, every later key is counted under
+    OTHER_KEYS. A tenant minting keys (or a platform with thousands) then costs
+    Prometheus at most ``limit`` + 1 series per metric and replica; the exact
+    per-key figures stay in Redis (`llmctl usage`)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._named: set[str] = set()
+
+    def label(self, key_name: str) -> str:
+        if key_name in self._named:
+            return key_name
+        if len(self._named) < self.limit:
+            self._named.add(key_name)
+            return key_name
+        return OTHER_KEYS
 
 
 class Telemetry:
     """One per ingress replica."""
 
-    def __init__(self, per_key_metrics: bool = False, access_log: bool = True):
+    def __init__(self, per_key_metrics: bool = False, access_log: bool = True, per_key_max_keys: int = 100):
         self.per_key = per_key_metrics
+        self.key_labels = KeyLabels(per_key_max_keys)
         self.access_log = _access_logger() if access_log else None
         self.requests = Counter(
             "llm_gateway_requests", "Requests answered, by model, route and HTTP status.", ("model", "route", "status")
@@ -124,12 +150,14 @@ class Telemetry:
         )
         if self.per_key:
             self.key_requests = Counter(
-                "llm_gateway_key_requests", "Requests by API key name (opt-in).", ("key_name", "status")
+                "llm_gateway_key_requests", "Requests by API key name (bounded: KeyLabels).", ("key_name", "status")
             )
-            self.key_tokens = Counter("llm_gateway_key_tokens", "Tokens by API key name (opt-in).", ("key_name", "kind"))
+            self.key_tokens = Counter(
+                "llm_gateway_key_tokens", "Tokens by API key name (bounded: KeyLabels).", ("key_name", "kind")
+            )
             self.key_budget = Gauge(
                 "llm_gateway_key_budget_used_ratio",
-                "Share of a key's token budget used this period, reservations included (opt-in).",
+                "Share of a key's token budget used this period, reservations included (named keys only).",
                 ("key_name", "period"),
             )
         self._in_flight: dict[str, int] = {}
@@ -179,8 +207,9 @@ class Telemetry:
         self.admission.observe(seconds)
 
     def budget_used(self, key_name: str, period: str, used: int, budget: int) -> None:
-        """A budgeted key's use after an admission decision (per-key opt-in only)."""
-        if self.per_key and budget > 0:
+        """A budgeted key's use after an admission decision (per-key metrics, named keys
+        only: a ratio summed over '(other keys)' would mean nothing)."""
+        if self.per_key and budget > 0 and self.key_labels.label(key_name) == key_name:
             self.key_budget.set(used / budget, tags={"key_name": key_name, "period": period})
             self._budgets[key_name, period] = (used / budget, time.monotonic())
 
@@ -214,10 +243,11 @@ class Telemetry:
         if record.cancelled:
             self.disconnects.inc(tags={"model": model})
         if self.per_key and record.key_name:
-            self.key_requests.inc(tags={"key_name": record.key_name, "status": status})
+            key_name = self.key_labels.label(record.key_name)
+            self.key_requests.inc(tags={"key_name": key_name, "status": status})
             for kind, count in (("prompt", record.prompt_tokens), ("completion", record.completion_tokens)):
                 if count:
-                    self.key_tokens.inc(count, tags={"key_name": record.key_name, "kind": kind})
+                    self.key_tokens.inc(count, tags={"key_name": key_name, "kind": kind})
         if self.access_log is not None:
             self.access_log.info(access_line(record, now))
 

@@ -19,6 +19,8 @@ import yaml
 from http_checks import free_port, serving_process
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "dashboards" / "prometheus.yml"
+# Where Ray's dashboard lists every node's metrics endpoint (the shipped config reads it).
+[SERVICE_DISCOVERY_FILE] = yaml.safe_load(SHIPPED_CONFIG.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"]
 
 
 class PrometheusError(AssertionError):

@@ -40,6 +40,15 @@ def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
     return args
 
 
+def demo_token_id(text: str) -> int:
+    """The demo model's token id for ``text`` (a whole vocabulary entry)."""
+    from tokenizers import Tokenizer
+
+    from replicas.demo_model import build_demo_model
+
+    return Tokenizer.from_file(str(build_demo_model() / "tokenizer.json")).token_to_id(text)
+
+
 def engine_processes(workers: bool = True) -> list[psutil.Process]:
     """Live vLLM engine processes on this machine: every EngineCore and, with
     ``workers``, their Worker processes (what must not outlive a stack)."""
@@ -60,7 +69,7 @@ def engine_processes(workers: bool = True) -> list[psutil.Process]:
 def replica_engine_processes(model: str | None = None) -> list[psutil.Process]:
     """EngineCore processes started by Serve replicas (not by a bare `vllm serve`),
     only those of ``model``'s replicas when given."""
-    from replicas.config import deployment_name
+    from contract.model_config import deployment_name
 
     marker = "ServeReplica" + (f":{APP_NAME}:{deployment_name(model)}" if model else "")
 
@@ -157,6 +166,14 @@ class CliStack:
                                      env={**os.environ, "REDIS_URL": self.redis_url})
         log.close()
 
+    def wait_ready(self, timeout_s: float = 400) -> None:
+        """Until the terminal shows the ready block (every model answered a request)."""
+        deadline = time.monotonic() + timeout_s
+        while "Ready after" not in self.log_path.read_text():
+            assert self.proc.poll() is None, self.log_tail()
+            assert time.monotonic() < deadline, self.log_tail()
+            time.sleep(0.2)
+
     def wait_serving(self, secret: str, timeout_s: float = 300) -> float:
         """Seconds until a chat completion succeeds."""
         started = time.monotonic()
@@ -218,7 +235,7 @@ def call_replica(model_name: str, method: str, *args):
     """
     from ray import serve
 
-    from replicas.config import deployment_name
+    from contract.model_config import deployment_name
 
     async def call():
         handle = serve.get_deployment_handle(deployment_name(model_name), app_name=APP_NAME)

@@ -75,7 +75,7 @@ def key(base_url, redis_server):
 def running_replicas(model: str) -> int:
     from ray import serve
 
-    from replicas.config import deployment_name
+    from contract.model_config import deployment_name
 
     deployment = serve.status().applications[APP_NAME].deployments[deployment_name(model)]
     return deployment.replica_states.get("RUNNING", 0)

@@ -2,7 +2,8 @@
 different sizes (the small one with LoRA adapters through Serve model
 multiplexing) and an embedding model, each its own deployment and engine,
 routed by `model`. The only change to the shipped config: an adapter folder,
-so '<model>:<folder>' adapters are tested too."""
+so '<model>:<folder>' adapters are tested too, and a "thinking" variant of the demo
+model for vLLM's reasoning parser."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import pytest
 import yaml
 
 from http_checks import free_port
-from stack import REPO, create_key, replica_engine_processes, serve_stack
+import openai_spec
+from stack import REPO, create_key, demo_token_id, replica_engine_processes, serve_stack
 
 pytestmark = pytest.mark.e2e
 
 TINY, SMALL, EMBED, PIRATE = "tiny-llama", "small-llama", "minilm", "small-llama-pirate"
+THINKING = "tiny-llama-thinking"  # added to the shipped config by this module
 PROMPT = [{"role": "user", "content": "Tell me about the license."}]
 
 
@@ -39,6 +42,21 @@ def base_url(redis_server, adapter_dir):
     args["redis_url"] = redis_server.url
     small = next(model for model in args["models"] if model["name"] == SMALL)
     small["lora"]["dir"] = str(adapter_dir)
+    tiny = next(model for model in args["models"] if model["name"] == TINY)
+    thinking = {
+        **deepcopy(tiny),
+        "name": THINKING,
+        "aliases": [],
+        "cpus_per_replica": 0.25,
+        "engine_kwargs": {
+            "max_model_len": 512,
+            "reasoning_parser": "deepseek_r1",
+            # grammar from the first token, so a test can make the random
+            # weights "think" (the parser reads the tags)
+            "structured_outputs_config": {"backend": "xgrammar", "enable_in_reasoning": True},
+        },
+    }
+    args["models"].append(thinking)
     with serve_stack(args, port=free_port()) as url:
         yield url
 
@@ -50,7 +68,7 @@ def greedy(client, model, **extra):
 
 def test_every_model_is_listed_with_what_it_serves(client):
     cards = {card.id: card.model_extra for card in client.models.list().data}
-    assert list(cards) == [TINY, "chat-default", SMALL, PIRATE, EMBED]
+    assert list(cards) == [TINY, "chat-default", SMALL, PIRATE, EMBED, THINKING]
     assert cards[SMALL]["capabilities"] == cards[TINY]["capabilities"] == ["chat", "completions"]
     assert cards[EMBED]["capabilities"] == ["embeddings"]
     assert cards[PIRATE]["parent"] == SMALL and cards["chat-default"]["alias_of"] == TINY
@@ -100,3 +118,41 @@ def test_a_key_limited_to_the_base_model_may_use_its_adapters_only(base_url, red
     with pytest.raises(openai.PermissionDeniedError):
         greedy(client, TINY)
     assert [card.id for card in client.models.list().data] == [SMALL, PIRATE]
+
+
+# -- reasoning: a "thinking" variant of the demo model (vLLM's DeepSeek-R1 parser) --
+
+def think_then_answer() -> dict:
+    """Make the random weights think: a grammar for `<think>word</think>word`,
+    and a bias so the tags come out as the vocabulary's tag tokens (which the
+    parser's streaming path looks for) rather than spelled letter by letter."""
+    bias = {str(demo_token_id("<think>")): 100, str(demo_token_id("</think>")): 100}
+    return {"structured_outputs": {"regex": "<think>[a-z]{3,8}</think>[a-z]{3,8}"}, "logit_bias": bias}
+
+
+def test_reasoning_is_returned_as_reasoning_content(http):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": THINKING, "messages": PROMPT, "max_tokens": 40, "temperature": 0, **think_then_answer()},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    openai_spec.validate(body, "CreateChatCompletionResponse")
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"]
+    assert message["reasoning"].isalpha() and message["content"].isalpha(), message
+
+
+def test_reasoning_streams_as_reasoning_content_deltas(client):
+    stream = client.chat.completions.create(
+        model=THINKING, messages=PROMPT, max_tokens=40, temperature=0, stream=True,
+        extra_body=think_then_answer(),
+    )
+    thinking, answer = "", ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta.model_extra or {}
+            assert delta.get("reasoning_content") == delta.get("reasoning")
+            thinking += delta.get("reasoning_content") or ""
+            answer += choice.delta.content or ""
+    assert thinking.isalpha() and answer.isalpha(), (thinking, answer)

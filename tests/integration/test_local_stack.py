@@ -2,7 +2,7 @@
 session leader that ignores Ctrl-C's SIGINT (as `serve run` draining for 300 s
 would), children that ignore SIGTERM (as vLLM's engines do), one of them
 reparented away from the tree (as a Ray process whose parent died first).
-The whole stack, under Ray and vLLM: tests/e2e/test_local_stack_e2e.py."""
+The whole stack, under Ray and vLLM: tests/e2e/local_stack/."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import signal
 
 import pytest
 
+from contract.replica_wire import Usage
 from serve_app import redis_names
 from serve_app.access import Access
 from serve_app.admission import Admission
@@ -202,7 +203,7 @@ async def test_a_stalled_redis_is_settled_once_it_answers(access, redis, redis_s
     try:
         ticket = await access.admit(k, "m", 500)
         assert ticket.local
-        access.settle(ticket, "completed", {"prompt_tokens": 9, "completion_tokens": 4})
+        access.settle(ticket, "completed", Usage(prompt_tokens=9, completion_tokens=4))
         assert await access.flush_unsettled() == 0  # still stalled
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)

@@ -8,7 +8,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from autoscale.serve_policy import ENGINE_WAITING, KV_CACHE_USAGE, LLMAutoscalingPolicy, load_from
 from autoscale.settings import AutoscalingSettings
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
 
 
 def context(settings, *, target, running, ongoing, waiting=(), kv=(), now=1000.0, state=None):

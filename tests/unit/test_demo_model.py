@@ -57,11 +57,18 @@ def test_demo_sources_name_a_known_size():
     import pytest
     from pydantic import ValidationError
 
-    from replicas.config import ModelConfig
+    from contract.model_config import ModelConfig
 
     ModelConfig(name="m", source="demo:small")
     with pytest.raises(ValidationError, match="demo:small"):
         ModelConfig(name="m", source="demo:huge")
+
+
+def test_the_schema_knows_every_demo_size_the_builder_builds():
+    from contract.model_config import DEMO_DEFAULT_SIZE, DEMO_SIZES
+    from replicas.demo_model import DEFAULT_SIZE, SIZES
+
+    assert set(DEMO_SIZES) == set(SIZES) and DEMO_DEFAULT_SIZE == DEFAULT_SIZE
 
 
 def test_demo_lora_adapter_is_peft_format_and_not_an_identity(tmp_path, monkeypatch):

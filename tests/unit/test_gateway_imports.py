@@ -22,3 +22,8 @@ def test_importing_the_gateway_loads_no_engine_library():
 def test_the_probe_sees_an_engine_library_when_one_is_imported():
     # The control: the same probe does notice a heavy import.
     assert "vllm" in loaded_after("import vllm")
+
+
+def test_the_contract_both_sides_import_is_pydantic_and_the_standard_library():
+    loaded = loaded_after("import contract.model_config, contract.replica_wire")
+    assert not loaded & {*HEAVY, "ray", "serve_app", "replicas", "redis"}, loaded

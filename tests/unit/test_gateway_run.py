@@ -11,7 +11,8 @@ import pytest
 from ray.exceptions import ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
+from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.access import Ticket
 from serve_app.errors import OpenAIError
 from serve_app.gateway import Gateway
@@ -20,7 +21,7 @@ from serve_app.telemetry import RequestRecord, Telemetry
 
 KEY = KeyRecord(id="k1", name="n", created_at=0)
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+USAGE = Usage(prompt_tokens=3, completion_tokens=4)
 
 
 class Access:
@@ -89,7 +90,7 @@ async def outcome(response):
 
 
 async def test_an_answer_is_settled_completed_with_its_usage():
-    access, reply = await outcome(Response(result=(200, b'{"ok": 1}', USAGE, "r1")))
+    access, reply = await outcome(Response(result=ReplicaAnswer(b'{"ok": 1}', USAGE, "r1")))
     assert reply.body == b'{"ok": 1}' and reply.headers["x-ratelimit-limit-requests"] == "10"
     assert access.settled == [("completed", USAGE)]
 
@@ -104,24 +105,24 @@ async def test_a_call_that_cannot_be_served_is_a_503_with_retry_after(response, 
     assert isinstance(error, OpenAIError), error
     assert error.status == 503 and error.code == code
     assert error.headers["retry-after"] == "1" and error.headers["x-ratelimit-limit-requests"] == "10"
-    assert access.settled == [(settled, {})]
+    assert access.settled == [(settled, Usage())]  # nothing ran: nothing charged
     if response.assign == "never":
         assert response.cancelled  # withdrawn from Serve's queue
 
 
 async def test_a_replica_503_keeps_its_code_and_gets_retry_after():
     body = {"message": "The engine died.", "type": "ServiceUnavailable", "code": "replica_unavailable"}
-    access, error = await outcome(Response(result=(503, body, None, "r1")))
+    access, error = await outcome(Response(result=ReplicaError(503, body, "r1")))
     assert error.status == 503 and error.code == "replica_unavailable" and error.headers["retry-after"] == "1"
-    assert access.settled == [("failed", {})]
+    assert access.settled == [("failed", Usage())]
 
 
 async def test_an_engine_400_is_a_400_without_retry_after_and_settled_failed():
     body = {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError",
             "param": "messages", "code": 400}
-    access, error = await outcome(Response(result=(400, body, {"prompt_tokens": 3}, "r1")))
+    access, error = await outcome(Response(result=ReplicaError(400, body, "r1")))
     assert error.status == 400 and error.param == "messages" and "retry-after" not in error.headers
-    assert access.settled == [("failed", {"prompt_tokens": 3})]
+    assert access.settled == [("failed", Usage())]  # refused before generating
 
 
 async def test_a_bug_below_is_settled_failed_once_and_raised():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from replicas.config import MediaPolicy
+from contract.model_config import MediaPolicy
 from serve_app.errors import OpenAIError
 from serve_app.media import check_media
 from http_checks import Listener

@@ -3,7 +3,7 @@
 
 import pytest
 
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
 from serve_app.gateway import Gateway
 

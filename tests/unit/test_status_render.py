@@ -1,4 +1,4 @@
-"""`llmctl status`'s table (pure rendering; the real report: test_local_stack_e2e.py)."""
+"""`llmctl status`'s table (pure rendering; the real report: tests/e2e/local_stack/test_1_ready_e2e.py)."""
 
 from serve_app.status import render
 

@@ -3,10 +3,12 @@ side is faked, the relay is the real one): a stream the client drops before its
 first byte is still settled; a stream that fails is charged what it delivered."""
 
 import asyncio
+import contextlib
 import gc
 from types import SimpleNamespace
 
-from replicas.config import ModelConfig
+from contract.model_config import ModelConfig
+from contract.replica_wire import StreamStart, Usage
 from serve_app.access import Ticket
 from serve_app.api_requests import OPERATIONS
 from serve_app.gateway import Gateway
@@ -32,7 +34,7 @@ class FakeChunks:
         return None
 
     async def __anext__(self):
-        return ": replica=r1\n\n" + ROLE
+        return StreamStart("r1", ROLE)
 
     def __aiter__(self):
         return self._rest()
@@ -40,6 +42,8 @@ class FakeChunks:
     async def _rest(self):
         for item in self.items:
             yield item
+        if getattr(self, "still_ending", False):
+            await asyncio.sleep(3600)  # the replica has sent everything but not ended its stream yet
         if self.ending is not None:
             raise self.ending
 
@@ -113,7 +117,7 @@ async def test_a_stream_cut_by_a_dead_replica_ends_in_an_error_event_and_is_char
     relayed = await relay_all(gateway, chunks, ticket)
     assert relayed.count(TOKEN) == 5 and relayed.endswith('"code": null}}\n\n') and '"error"' in relayed
     assert access.settled == ["failed"] and chunks.cancelled
-    assert access.usage == {"prompt_tokens": 7, "completion_tokens": 5}  # not the 107 reserved
+    assert access.usage == Usage(prompt_tokens=7, completion_tokens=5)  # not the 107 reserved
 
 
 async def test_a_stream_vllm_ended_with_an_error_event_is_failed_and_charged_what_it_delivered():
@@ -122,7 +126,7 @@ async def test_a_stream_vllm_ended_with_an_error_event_is_failed_and_charged_wha
     relayed = await relay_all(gateway, chunks, ticket)
     assert relayed.endswith(error + "data: [DONE]\n\n")  # the client sees vLLM's error event
     assert access.settled == ["failed"]
-    assert access.usage == {"prompt_tokens": 7, "completion_tokens": 2}
+    assert access.usage == Usage(prompt_tokens=7, completion_tokens=2)
 
 
 async def test_a_complete_stream_is_charged_its_reported_usage():
@@ -130,7 +134,31 @@ async def test_a_complete_stream_is_charged_its_reported_usage():
     access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"]))
     relayed = await relay_all(gateway, chunks, ticket)
     assert '"usage"' not in relayed and relayed.endswith("data: [DONE]\n\n")  # the client did not ask for usage
-    assert access.settled == ["completed"] and access.usage["completion_tokens"] == 2
+    assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=3, completion_tokens=2)
+
+
+async def test_a_client_that_hangs_up_at_done_while_the_replica_stream_ends_is_charged_its_usage():
+    # The openai SDK closes the connection as soon as it reads [DONE]; the replica's
+    # stream may not have ended yet. Not a cancelled stream: everything was delivered.
+    usage = 'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}\n\n'
+    chunks = FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"], ending=None)
+    chunks.still_ending = True
+    access, gateway, chunks, ticket = streaming_gateway(chunks)
+    reply = await stream_once(gateway, chunks, ticket)
+    relay = reply.stream
+    async for item in relay:
+        if item.endswith("data: [DONE]\n\n"):
+            break
+    # As the ASGI server does: the last item sent, it asks for the next one (the relay
+    # waits for the replica's stream to end), then the client disconnects and the
+    # server cancels the response.
+    pending = asyncio.ensure_future(relay.__anext__())
+    await asyncio.sleep(0.05)
+    pending.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await pending
+    assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=3, completion_tokens=2)
+    assert chunks.cancelled  # what is left of the replica's stream is withdrawn
 
 
 async def test_a_replica_lost_after_the_final_usage_event_leaves_a_complete_stream():
@@ -140,4 +168,4 @@ async def test_a_replica_lost_after_the_final_usage_event_leaves_a_complete_stre
     access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"], ActorDiedError()))
     relayed = await relay_all(gateway, chunks, ticket)
     assert relayed.endswith("data: [DONE]\n\n") and '"error"' not in relayed
-    assert access.settled == ["completed"] and access.usage["completion_tokens"] == 2
+    assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=3, completion_tokens=2)

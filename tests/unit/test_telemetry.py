@@ -3,14 +3,15 @@ an operator needs) and how a refusal is classified for metrics."""
 
 import json
 
-from serve_app.telemetry import RequestRecord, access_line
+from contract.replica_wire import Usage
+from serve_app.telemetry import OTHER_KEYS, KeyLabels, RequestRecord, access_line
 
 
 def test_access_line_is_one_json_object_with_the_request_outcome():
     record = RequestRecord("openai", request_id="req-1", started=100.0)
     record.key_id, record.key_name, record.model, record.operation = "k1", "team-a", "tiny-llama", "chat"
     record.stream, record.status, record.first_token_at = True, 200, 100.05
-    record.used({"prompt_tokens": 12, "completion_tokens": 30})
+    record.used(Usage(prompt_tokens=12, completion_tokens=30))
     line = access_line(record, now=100.5)
     assert "\n" not in line
     entry = json.loads(line)
@@ -40,7 +41,16 @@ def test_no_prompt_or_completion_text_can_reach_the_line():
     assert not fields & {"messages", "prompt", "content", "input", "text", "choices"}
 
 
-def test_per_key_metrics_are_opt_in():
+def test_per_key_metrics_are_on_and_bounded_by_default():
     from serve_app.settings import AppSettings
 
-    assert AppSettings().telemetry.per_key_metrics is False  # key names as labels: unbounded series
+    telemetry = AppSettings().telemetry
+    assert telemetry.per_key_metrics is True and telemetry.per_key_max_keys == 100
+
+
+def test_key_labels_name_the_first_keys_and_pool_the_rest():
+    labels = KeyLabels(limit=3)
+    assert [labels.label(name) for name in ("a", "b", "a", "c")] == ["a", "b", "a", "c"]
+    minted = {labels.label(f"minted-{n}") for n in range(10_000)}  # a tenant minting keys
+    assert minted == {OTHER_KEYS}
+    assert [labels.label(name) for name in ("c", "b", "a")] == ["c", "b", "a"]  # the named keep their series

@@ -244,8 +244,8 @@ def test_still_serving_after_bad_input(client):
 @pytest.fixture(scope="module")
 def bare_vllm():
     """``vllm serve`` of the same model with the same engine options."""
-    from replicas.config import ModelConfig
-    from replicas.config import resolve_source
+    from contract.model_config import ModelConfig
+    from replicas.sources import resolve_source
     from replicas.vllm_replica import vllm_serve_command
 
     config = ModelConfig(**local_app_args()["models"][0])

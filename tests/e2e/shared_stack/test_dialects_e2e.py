@@ -175,7 +175,10 @@ def test_sagemaker_lmi_text_generation_with_details(http):
     details = output["details"]
     assert details["generated_tokens"] == len(details["tokens"]) == 8
     assert details["finish_reason"] == "length"
-    assert "".join(token["text"] for token in details["tokens"]) == output["generated_text"]
+    # A byte-fallback token holding half a UTF-8 character has no text of its own, while
+    # the detokenized whole shows the broken character as U+FFFD.
+    joined = "".join(token["text"] for token in details["tokens"])
+    assert joined.replace("\ufffd", "") == output["generated_text"].replace("\ufffd", "")
     assert all(isinstance(token["id"], int) and token["log_prob"] <= 0 for token in details["tokens"])
 
 

@@ -1,7 +1,10 @@
-"""Per-model settings: what to serve, how vLLM runs it, and how Serve places it.
+"""The model configuration schema: what to serve, how vLLM runs it, and how
+Serve places it (one ``ModelConfig`` per entry under ``models`` in a config).
 
-Importing this module is cheap (no vLLM, no torch): the ingress builds the
-application from these objects on the CPU head node.
+Both sides read it: the ingress (names, aliases, media policy, queue bounds,
+context) and the replica (engine options). Importing it is cheap (pydantic
+only: no vLLM, no torch); turning a ``source`` into weights on disk is the
+replica's job (``replicas.sources``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from autoscale.settings import AutoscalingSettings
 
 DEMO_SOURCE = "demo"
+# The demo model's sizes (`demo`, `demo:small`); replicas/demo_model.py builds them.
+DEMO_SIZES = ("tiny", "small")
+DEMO_DEFAULT_SIZE = "tiny"
 PACKAGE_PREFIX = "package:"
 # Requests an ingress replica holds for a model whose replicas are all at
 # max_ongoing_requests; beyond it the gateway answers 503 at once (backpressure)
@@ -139,11 +145,8 @@ class ModelConfig(BaseModel):
             raise ValueError("set `name` and `source`, not engine_kwargs.model/served_model_name")
         if {"allowed_media_domains", "allowed_local_media_path"} & self.engine_kwargs.keys():
             raise ValueError("set `media`, not engine_kwargs.allowed_media_domains/allowed_local_media_path")
-        if self.source.startswith(DEMO_SOURCE + ":"):
-            from replicas.demo_model import SIZES
-
-            if self.source.partition(":")[2] not in SIZES:
-                raise ValueError(f"demo model sizes: {', '.join('demo:' + size for size in SIZES)}")
+        if self.source.startswith(DEMO_SOURCE + ":") and self.source.partition(":")[2] not in DEMO_SIZES:
+            raise ValueError(f"demo model sizes: {', '.join('demo:' + size for size in DEMO_SIZES)}")
         if self.accelerator_type and self.accelerator != "gpu":
             raise ValueError("accelerator_type needs accelerator: gpu")
         if self.lora is not None:
@@ -154,6 +157,15 @@ class ModelConfig(BaseModel):
         if self.autoscaling is not None and {"num_replicas", "autoscaling_config"} & self.deployment.keys():
             raise ValueError("set either `autoscaling` or deployment.num_replicas/autoscaling_config, not both")
         return self
+
+    @property
+    def is_demo(self) -> bool:
+        return self.source == DEMO_SOURCE or self.source.startswith(DEMO_SOURCE + ":")
+
+    @property
+    def demo_size(self) -> str:
+        """The demo model's size (`demo:<size>`; `demo` alone is the default)."""
+        return self.source.partition(":")[2] or DEMO_DEFAULT_SIZE
 
     @property
     def scales_to_zero(self) -> bool:
@@ -197,55 +209,3 @@ class ModelConfig(BaseModel):
 def deployment_name(model_name: str) -> str:
     """Serve deployment name for a model (Serve names may not contain '/')."""
     return "model-" + model_name.replace("/", "--")
-
-
-def demo_size(config: ModelConfig) -> str:
-    from replicas.demo_model import DEFAULT_SIZE
-
-    return config.source.partition(":")[2] or DEFAULT_SIZE
-
-
-def resolve_adapter(config: ModelConfig, adapter: str) -> str | None:
-    """The folder of ``adapter`` (a configured name or '<model>:<subfolder>'),
-    or None when this model has no such adapter."""
-    import re
-    from pathlib import Path
-
-    lora = config.lora
-    if lora is None:
-        return None
-    source = lora.adapters.get(adapter)
-    if source == DEMO_SOURCE:
-        from replicas.demo_lora import build_demo_adapter
-
-        return str(build_demo_adapter(size=demo_size(config)))
-    if source is not None:
-        return source
-    base, _, folder = adapter.partition(":")
-    if lora.dir is None or base != config.name or not re.fullmatch(ADAPTER_NAME, folder):
-        return None
-    path = Path(lora.dir) / folder
-    return str(path) if (path / "adapter_config.json").is_file() else None
-
-
-def resolve_source(config: ModelConfig) -> str:
-    """The local path or hub id vLLM loads for ``config.source``."""
-    if config.source == DEMO_SOURCE or config.source.startswith(DEMO_SOURCE + ":"):
-        from replicas.demo_model import build_demo_model
-
-        return str(build_demo_model(size=demo_size(config)))
-    if config.source.startswith(PACKAGE_PREFIX):
-        return str(packaged_model_path(config.source[len(PACKAGE_PREFIX):]))
-    return config.source
-
-
-def packaged_model_path(module_name: str):
-    """Weights shipped inside a Python package: its ``get_model_path()`` if it
-    has one, else its ``model/`` folder."""
-    import importlib
-    from pathlib import Path
-
-    module = importlib.import_module(module_name)
-    if hasattr(module, "get_model_path"):
-        return Path(module.get_model_path())
-    return Path(module.__file__).parent / "model"

@@ -15,46 +15,16 @@ import openai
 import pytest
 
 import openai_spec
-from http_checks import assert_error_envelope, free_port, sse_events
-from stack import local_app_args, serve_stack
+from http_checks import assert_error_envelope, sse_events
+from stack import demo_token_id
 
 pytestmark = pytest.mark.e2e
 
 CHAT_MODEL = "tiny-llama"
 EMBEDDING_MODEL = "minilm"
-THINKING_MODEL = "tiny-llama-thinking"
 
 
-@pytest.fixture(scope="module")
-def base_url(redis_server):
-    """The local config's models plus a "thinking" variant of the demo model
-    with vLLM's DeepSeek-R1 reasoning parser."""
-    args = {**local_app_args(), "redis_url": redis_server.url}
-    chat = next(model for model in args["models"] if model["name"] == CHAT_MODEL)
-    thinking = {
-        **chat,
-        "name": THINKING_MODEL,
-        "cpus_per_replica": 0.25,
-        "engine_kwargs": {
-            "max_model_len": 512,
-            "reasoning_parser": "deepseek_r1",
-            # grammar from the first token, so a test can make the random
-            # weights "think" (the parser reads the tags)
-            "structured_outputs_config": {"backend": "xgrammar", "enable_in_reasoning": True},
-        },
-    }
-    args["models"] = [*args["models"], thinking]
-    with serve_stack(args, port=free_port()) as url:
-        yield url
 HELLO = [{"role": "user", "content": "Tell me about the license."}]
-
-
-def demo_token_id(text: str) -> int:
-    from tokenizers import Tokenizer
-
-    from replicas.demo_model import build_demo_model
-
-    return Tokenizer.from_file(str(build_demo_model() / "tokenizer.json")).token_to_id(text)
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -69,7 +39,7 @@ def test_model_cards_carry_context_length_owner_and_capabilities(http):
     listed = http.get("/v1/models").json()
     openai_spec.validate(listed, "ListModelsResponse")
     cards = {card["id"]: card for card in listed["data"]}
-    assert list(cards) == [CHAT_MODEL, EMBEDDING_MODEL, THINKING_MODEL]
+    assert list(cards) == [CHAT_MODEL, EMBEDDING_MODEL]
     assert cards[CHAT_MODEL]["max_model_len"] == 2048
     assert cards[EMBEDDING_MODEL]["max_model_len"] == 256
     assert cards[CHAT_MODEL]["owned_by"] == "llm-cluster"
@@ -508,41 +478,3 @@ def test_media_urls_are_refused_by_the_gateway_unless_configured(http, url):
     # directory: the gateway refuses before any replica could fetch.
     error = assert_error_envelope(chat(http, messages=image_message(url), max_tokens=4), 400)
     assert error["param"] == "messages" and error["code"] == "media_url_not_allowed", error
-
-
-# -- chat: reasoning models -----------------------------------------------------------------
-
-def think_then_answer() -> dict:
-    """Make the random weights think: a grammar for `<think>word</think>word`,
-    and a bias so the tags come out as the vocabulary's tag tokens (which the
-    parser's streaming path looks for) rather than spelled letter by letter."""
-    bias = {str(demo_token_id("<think>")): 100, str(demo_token_id("</think>")): 100}
-    return {"structured_outputs": {"regex": "<think>[a-z]{3,8}</think>[a-z]{3,8}"}, "logit_bias": bias}
-
-
-def test_reasoning_is_returned_as_reasoning_content(http):
-    response = http.post(
-        "/v1/chat/completions",
-        json={"model": THINKING_MODEL, "messages": HELLO, "max_tokens": 40, "temperature": 0, **think_then_answer()},
-    )
-    assert response.status_code == 200, response.text
-    body = response.json()
-    openai_spec.validate(body, "CreateChatCompletionResponse")
-    message = body["choices"][0]["message"]
-    assert message["reasoning_content"] == message["reasoning"]
-    assert message["reasoning"].isalpha() and message["content"].isalpha(), message
-
-
-def test_reasoning_streams_as_reasoning_content_deltas(client):
-    stream = client.chat.completions.create(
-        model=THINKING_MODEL, messages=HELLO, max_tokens=40, temperature=0, stream=True,
-        extra_body=think_then_answer(),
-    )
-    thinking, answer = "", ""
-    for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta.model_extra or {}
-            assert delta.get("reasoning_content") == delta.get("reasoning")
-            thinking += delta.get("reasoning_content") or ""
-            answer += choice.delta.content or ""
-    assert thinking.isalpha() and answer.isalpha(), (thinking, answer)

@@ -1,4 +1,5 @@
-"""Metrics, dashboards and the access log on the real stack.
+"""Metrics, dashboards and the access log on the stack as `make run` starts it
+(configs/local.yaml unchanged: no autoscaling, per-key metrics as shipped).
 
 Two waves of mixed load (JSON answers, streams, a cancelled stream, 429s from
 a rate limit and a budget, a 401, a 404, requests during a Redis outage) with a
@@ -8,7 +9,9 @@ every generated Grafana panel must parse and return data; metric names and
 labels on Ray's metrics endpoint itself; the JSON access lines the ingress wrote.
 
 Two waves, because a counter's first sample is Prometheus' baseline: only what
-happens after it shows in rate() and histogram_quantile().
+happens after it shows in rate() and histogram_quantile(). The modules before
+this one sent requests too: counts are compared against a baseline taken before
+the load.
 """
 
 from __future__ import annotations
@@ -24,39 +27,23 @@ import httpx
 import openai
 import pytest
 
-from http_checks import free_port
-from prometheus_server import PrometheusError, has_values, running_prometheus
-from redis_server import running_redis
-from stack import create_key, local_app_args, serve_stack
+from prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusError, has_values, running_prometheus
+from stack import REPO, create_key
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
+MODELS = ("tiny-llama", "minilm")  # configs/local.yaml
 MESSAGES = [{"role": "user", "content": "hi"}]
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards" / "grafana"
+DASHBOARDS = REPO / "dashboards" / "grafana"
 KEY_CACHE_TTL_S = 5  # quota.key_cache_ttl_s default: past it, a Redis outage needs the stale cached key
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    with running_redis(persistent=True) as server:  # stopped and restarted during the load
-        yield server
-
-
-@pytest.fixture(scope="module")
-def base_url(redis_server):
-    args = {**local_app_args(), "redis_url": redis_server.url, "telemetry": {"per_key_metrics": True}}
-    [model] = [model for model in args["models"] if model["name"] == MODEL]
-    # Autoscaled (between 1 and 1), so Serve's autoscaler metrics exist too.
-    model["deployment"].pop("num_replicas")
-    model["autoscaling"] = {"min_replicas": 1, "max_replicas": 1}
-    args["models"] = [model]
-    # Ray's dashboard writes the Prometheus service-discovery file; metrics are
-    # exported every 2 s instead of 10 s so the test waits less.
-    with serve_stack(args, port=free_port(), dashboard=True,
-                     ray_system_config={"metrics_report_interval_ms": 2000}) as url:
-        yield url
+def base_url(stack):
+    stack.wait_ready()
+    return stack.base_url
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +53,12 @@ def prometheus(base_url):
         yield server
 
 
-def metrics_url() -> str:
-    import ray
-
-    [node] = [node for node in ray.nodes() if node["Alive"]]
-    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+def ray_metrics() -> str:
+    """What Ray's metrics endpoints serve, read where Prometheus finds them (the
+    service-discovery file Ray's dashboard writes)."""
+    groups = json.loads(Path(SERVICE_DISCOVERY_FILE).read_text())
+    targets = [target for group in groups for target in group["targets"]]
+    return "\n".join(httpx.get(f"http://{target}/metrics", timeout=10).text for target in targets)
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -87,6 +75,11 @@ def total(found, name: str, **labels) -> float:
     return sum(value for metric, have, value in found if metric == name and labels.items() <= have.items())
 
 
+def delta(load: "Load", name: str, **labels) -> float:
+    """What the load added to a counter (the earlier modules' requests are the baseline)."""
+    return total(load.samples, name, **labels) - total(load.baseline, name, **labels)
+
+
 @dataclass
 class Load:
     started: float  # wall clock, for range queries
@@ -95,6 +88,7 @@ class Load:
     cancelled: int = 0
     refused: collections.Counter = field(default_factory=collections.Counter)  # 429s by limit kind
     samples: list = field(default_factory=list)  # Ray's metrics endpoint once Prometheus has it all
+    baseline: list = field(default_factory=list)  # the same, before the load
 
 
 def wave(load: Load, base_url: str, redis_server, secret: str, number: int) -> None:
@@ -148,18 +142,20 @@ def wave(load: Load, base_url: str, redis_server, secret: str, number: int) -> N
 @pytest.fixture(scope="module")
 def load(base_url, redis_server, prometheus) -> Load:
     """The mixed load, twice; returns when Prometheus and Ray's endpoint show all of it."""
-    load = Load(started=time.time())
+    time.sleep(25)  # past two of Ray's 10 s export intervals: the earlier modules' requests are all exported
+    load = Load(started=time.time(), baseline=samples(ray_metrics()))
+    before = total(load.baseline, "ray_llm_gateway_requests_total")
     _, secret = create_key(redis_server.url, "telemetry")
     answered = "sum(ray_llm_gateway_requests_total)"
     for number in (1, 2):
         wave(load, base_url, redis_server, secret, number)
-        expected = sum(load.statuses.values())
+        expected = before + sum(load.statuses.values())
         prometheus.wait_until(answered, lambda count, expected=expected: count >= expected)
     prometheus.wait_until("sum(ray_llm_gateway_client_disconnects_total)", lambda count: count >= load.cancelled)
     deadline = time.monotonic() + 60
     while True:  # Ray's endpoint holds what Prometheus scraped from it
-        load.samples = samples(httpx.get(metrics_url(), timeout=10).text)
-        if total(load.samples, "ray_llm_gateway_requests_total") >= sum(load.statuses.values()):
+        load.samples = samples(ray_metrics())
+        if delta(load, "ray_llm_gateway_requests_total") >= sum(load.statuses.values()):
             return load
         assert time.monotonic() < deadline
         time.sleep(1)
@@ -201,7 +197,8 @@ def test_model_variable_lists_the_served_model(prometheus, load):
     [variable] = [v for v in board["templating"]["list"] if v["name"] == "model"]
     metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["query"]).groups()
     values = [v for v in prometheus.label_values(label, metric) if re.fullmatch(variable["regex"], v)]
-    assert values == [MODEL]  # "unknown" (requests refused before a model was known) filtered out
+    # "unknown" (requests refused before a model was known) filtered out
+    assert sorted(values) == sorted(MODELS)
 
 
 def test_prometheus_sees_what_the_clients_saw(prometheus, load):
@@ -210,9 +207,11 @@ def test_prometheus_sees_what_the_clients_saw(prometheus, load):
         return float(series["value"][1])
 
     for status, count in load.statuses.items():
-        assert value(f'sum(ray_llm_gateway_requests_total{{status="{status}"}})') == count, status
+        seen = value(f'sum(ray_llm_gateway_requests_total{{status="{status}"}})')
+        assert seen - total(load.baseline, "ray_llm_gateway_requests_total", status=str(status)) == count, status
     for limit, count in load.refused.items():
-        assert value(f'sum(ray_llm_gateway_rate_limit_refusals_total{{limit="{limit}"}})') == count, limit
+        seen = value(f'sum(ray_llm_gateway_rate_limit_refusals_total{{limit="{limit}"}})')
+        assert seen - total(load.baseline, "ray_llm_gateway_rate_limit_refusals_total", limit=limit) == count, limit
     assert value("sum(ray_llm_gateway_redis_fallbacks_total)") >= 4  # 2 outages × (local limits, cached key)
 
 
@@ -220,16 +219,16 @@ def test_prometheus_sees_what_the_clients_saw(prometheus, load):
 
 
 def test_requests_by_model_route_and_status(load):
-    found = load.samples
-    assert total(found, "ray_llm_gateway_requests_total", model=MODEL, route="openai", status="200") == load.statuses[200]
-    assert total(found, "ray_llm_gateway_requests_total", model=MODEL, status="429") == load.statuses[429]
-    assert total(found, "ray_llm_gateway_requests_total", model="unknown", status="401") == load.statuses[401]
-    assert total(found, "ray_llm_gateway_requests_total", status="404") == load.statuses[404]
+    requests = "ray_llm_gateway_requests_total"
+    assert delta(load, requests, model=MODEL, route="openai", status="200") == load.statuses[200]
+    assert delta(load, requests, model=MODEL, status="429") == load.statuses[429]
+    assert delta(load, requests, model="unknown", status="401") == load.statuses[401]
+    assert delta(load, requests, status="404") == load.statuses[404]
 
 
 def test_refusals_by_limit_kind(load):
     for limit, count in load.refused.items():
-        assert total(load.samples, "ray_llm_gateway_rate_limit_refusals_total", model=MODEL, limit=limit) == count
+        assert delta(load, "ray_llm_gateway_rate_limit_refusals_total", model=MODEL, limit=limit) == count
 
 
 def test_latency_histograms_and_tokens(load):
@@ -238,10 +237,10 @@ def test_latency_histograms_and_tokens(load):
                       "admission_seconds"):
         assert total(found, f"ray_llm_gateway_{histogram}_count") > 0, histogram
         assert total(found, f"ray_llm_gateway_{histogram}_bucket", le="+Inf") > 0, histogram
-    assert total(found, "ray_llm_gateway_time_to_first_token_seconds_count", model=MODEL) == load.streams
-    assert total(found, "ray_llm_gateway_prompt_tokens_total", model=MODEL) > 0
-    assert total(found, "ray_llm_gateway_completion_tokens_total", model=MODEL) >= load.statuses[200]
-    assert total(found, "ray_llm_gateway_client_disconnects_total", model=MODEL) == load.cancelled
+    assert delta(load, "ray_llm_gateway_time_to_first_token_seconds_count", model=MODEL) == load.streams
+    assert delta(load, "ray_llm_gateway_prompt_tokens_total", model=MODEL) > 0
+    assert delta(load, "ray_llm_gateway_completion_tokens_total", model=MODEL) >= load.statuses[200]
+    assert delta(load, "ray_llm_gateway_client_disconnects_total", model=MODEL) == load.cancelled
 
 
 def test_redis_outage_is_counted(load):
@@ -254,14 +253,14 @@ def test_redis_outage_is_counted(load):
 
 def test_in_flight_gauge_returns_to_zero_and_stays_exported(load):
     deadline = time.monotonic() + 30
-    while total(samples(httpx.get(metrics_url(), timeout=10).text), "ray_llm_gateway_requests_in_flight") != 0:
+    while total(samples(ray_metrics()), "ray_llm_gateway_requests_in_flight") != 0:
         assert time.monotonic() < deadline
         time.sleep(2)
     # Idle for longer than Ray's gauge TTL (two export intervals; 20 s when the
     # metrics agent reads Ray's default): the series is still there, at 0, because
     # the ingress keeps re-setting it.
     time.sleep(25)
-    idle = [(labels, value) for name, labels, value in samples(httpx.get(metrics_url(), timeout=10).text)
+    idle = [(labels, value) for name, labels, value in samples(ray_metrics())
             if name == "ray_llm_gateway_requests_in_flight"]
     assert idle and all(value == 0 for _, value in idle), idle
 
@@ -273,13 +272,13 @@ def test_labels_stay_low_cardinality(load):
                  "otel_scope_name", "otel_scope_version", "otel_scope_schema_url"}
     for name, labels in gateway:
         extra = set(labels) - ray_added - allowed
-        if name.startswith("ray_llm_gateway_key_"):  # per-key metrics (opted in here)
+        if name.startswith("ray_llm_gateway_key_"):  # per-key metrics (on in the local config)
             assert extra <= {"key_name", "period"}, (name, labels)
         else:
             assert not extra, (name, labels)
 
 
-def test_per_key_metrics_when_opted_in(load):
+def test_per_key_metrics_on_the_local_config(load):
     found = load.samples
     assert total(found, "ray_llm_gateway_key_requests_total", key_name="telemetry", status="200") > 0
     assert total(found, "ray_llm_gateway_key_requests_total", key_name="telemetry-limited-1", status="429") == 2
@@ -291,10 +290,10 @@ def test_per_key_metrics_when_opted_in(load):
 
 def test_model_info_names_the_serve_deployment(load):
     info = [labels for name, labels, value in load.samples if name == "ray_llm_gateway_model_info" and value == 1]
-    assert {(labels["model"], labels["deployment"]) for labels in info} == {(MODEL, f"model-{MODEL}")}
+    assert {(labels["model"], labels["deployment"]) for labels in info} == {(m, f"model-{m}") for m in MODELS}
     serve = {labels.get("deployment") for name, labels, _ in load.samples
              if name == "ray_serve_deployment_replica_healthy"}
-    assert f"model-{MODEL}" in serve  # the join the replica panels make
+    assert {f"model-{m}" for m in MODELS} <= serve  # the join the replica panels make
 
 
 def test_vllm_engine_metrics_are_on_the_same_endpoint(load):
@@ -309,7 +308,9 @@ def test_access_log_has_one_json_line_per_request_without_text(load):
     for path in Path("/tmp/ray/session_latest/logs").glob("worker-*.out"):
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith('{"ts":'):
-                lines.append(json.loads(line))
+                entry = json.loads(line)
+                if entry["ts"] >= load.started:  # the earlier modules' requests are not this load's
+                    lines.append(entry)
     by_status = collections.defaultdict(list)
     for entry in lines:
         by_status[entry["status"]].append(entry)

@@ -1,0 +1,65 @@
+"""The values that cross a replica call: the ingress calls a model's Serve
+deployment (``VLLMReplica``) through a handle; what comes back is one of
+these small frozen classes (cheap to pickle) or plain SSE text.
+
+- ``call(operation, body)`` returns a ``ReplicaAnswer`` (the JSON body vLLM
+  answered and its ``Usage``) or a ``ReplicaError``.
+- ``stream(operation, body)`` yields a ``StreamStart`` (which replica, and the
+  first SSE text), then SSE text (``str``; several events per item when they
+  pile up); or exactly one ``ReplicaError`` when the request failed before
+  streaming. The stream's ``Usage`` is its trailer: vLLM's final usage event
+  just before ``data: [DONE]``, which the ingress always asks for and reads
+  (``serve_app.sse.take_usage``) without parsing the chunks in between.
+
+``operation`` is "chat", "completions" or "embeddings"; the body is the OpenAI
+request as a dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens a request used, as settled against the key's quotas."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def from_openai(cls, usage: Mapping[str, Any] | None) -> Usage | None:
+        """From an OpenAI ``usage`` object; None when there is none."""
+        if not usage:
+            return None
+        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAnswer:
+    """A unary request answered: the OpenAI response as JSON bytes, sent on as is."""
+
+    body: bytes
+    usage: Usage | None
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaError:
+    """The replica refused or failed the request before any output: an HTTP
+    status and OpenAI's error fields (``message``, ``param``, ``code``: vLLM's
+    ErrorInfo, or the replica's own)."""
+
+    status: int
+    error: dict[str, Any]
+    replica: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStart:
+    """A stream's first item: which replica serves it, and its first SSE text."""
+
+    replica: str
+    text: str

@@ -1,0 +1,51 @@
+"""Where a replica's weights come from: a model's ``source`` (and its LoRA
+adapters) turned into folders vLLM loads. Builds the demo model and adapter
+on first use; runs on the replica's node, never in the ingress."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+from contract.model_config import ADAPTER_NAME, DEMO_SOURCE, PACKAGE_PREFIX, ModelConfig
+
+
+def resolve_source(config: ModelConfig) -> str:
+    """The local path or hub id vLLM loads for ``config.source``."""
+    if config.is_demo:
+        from replicas.demo_model import build_demo_model
+
+        return str(build_demo_model(size=config.demo_size))
+    if config.source.startswith(PACKAGE_PREFIX):
+        return str(packaged_model_path(config.source[len(PACKAGE_PREFIX):]))
+    return config.source
+
+
+def resolve_adapter(config: ModelConfig, adapter: str) -> str | None:
+    """The folder of ``adapter`` (a configured name or '<model>:<subfolder>'),
+    or None when this model has no such adapter."""
+    lora = config.lora
+    if lora is None:
+        return None
+    source = lora.adapters.get(adapter)
+    if source == DEMO_SOURCE:
+        from replicas.demo_lora import build_demo_adapter
+
+        return str(build_demo_adapter(size=config.demo_size))
+    if source is not None:
+        return source
+    base, _, folder = adapter.partition(":")
+    if lora.dir is None or base != config.name or not re.fullmatch(ADAPTER_NAME, folder):
+        return None
+    path = Path(lora.dir) / folder
+    return str(path) if (path / "adapter_config.json").is_file() else None
+
+
+def packaged_model_path(module_name: str) -> Path:
+    """Weights shipped inside a Python package: its ``get_model_path()`` if it
+    has one, else its ``model/`` folder."""
+    module = importlib.import_module(module_name)
+    if hasattr(module, "get_model_path"):
+        return Path(module.get_model_path())
+    return Path(module.__file__).parent / "model"

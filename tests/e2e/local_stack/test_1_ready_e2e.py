@@ -1,0 +1,56 @@
+"""`make run`: the local stack says when it is ready (one block, and the first
+requests after it succeed; Ray's and vLLM's output in the log file it names,
+not in the terminal), and `llmctl status` shows what runs."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from stack import create_key
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_ready_banner_comes_when_every_model_answers(stack, redis_server):
+    _, secret = create_key(redis_server.url, "first-request")
+    stack.wait_ready()
+    # The first requests a user sends after the banner succeed, for every model.
+    headers = {"authorization": f"Bearer {secret}"}
+    chat = httpx.post(stack.base_url + "/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200, chat.text
+    embedding = httpx.post(stack.base_url + "/v1/embeddings", headers=headers, timeout=60,
+                           json={"model": "minilm", "input": "hi"})
+    assert embedding.status_code == 200, embedding.text
+    terminal = stack.log_path.read_text()
+    assert f"URL      {stack.base_url}/v1" in terminal and "tiny-llama, minilm" in terminal
+    assert str(stack.serve_log_path) in terminal
+    # Ray's and vLLM's chatter went to the log file it names, not to the terminal.
+    assert "EngineCore" not in terminal and "ServeReplica" not in terminal, terminal[-2000:]
+    assert "ServeReplica" in stack.serve_log_path.read_text()
+
+
+def test_llmctl_status_shows_what_runs(stack, redis_server):
+    import json
+    import subprocess
+
+    from stack import BIN
+
+    shown = subprocess.run([str(BIN / "llmctl"), "status", "--json"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REDIS_URL": redis_server.url})
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    status = json.loads(shown.stdout)
+    deployments = status["serve"]["deployments"]
+    assert status["serve"]["application"] == "RUNNING"
+    for model in ("model-tiny-llama", "model-minilm"):
+        assert deployments[model]["replicas"] == {"RUNNING": 1} and deployments[model]["target"] == 1
+        engine = deployments[model]["engine"]
+        assert set(engine) >= {"running", "waiting", "kv_cache_usage"} and 0 <= engine["kv_cache_usage"] <= 1, engine
+    assert deployments["Ingress"]["replicas"] == {"RUNNING": 1}
+    assert status["redis"]["reachable"] and status["redis"]["keys"] >= 1
+    table = subprocess.run([str(BIN / "llmctl"), "status"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REDIS_URL": redis_server.url}).stdout
+    assert "model-tiny-llama" in table and "KV" in table and "redis: reachable" in table

@@ -1,0 +1,29 @@
+"""The values that cross a replica call (contract/replica_wire.py): they survive
+the pickling a Serve handle call puts them through, cannot be changed on the
+way, and read OpenAI's usage object the way settlement needs it."""
+
+import dataclasses
+import pickle
+
+import pytest
+
+from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
+
+
+@pytest.mark.parametrize("value", [
+    ReplicaAnswer(b'{"id": "x"}', Usage(3, 4), "replica-1"),
+    ReplicaAnswer(b"{}", None, ""),
+    ReplicaError(400, {"message": "bad", "param": "n", "code": None}, "replica-1"),
+    StreamStart("replica-1", 'data: {"choices": []}\n\n'),
+])
+def test_values_survive_pickling_and_are_frozen(value):
+    assert pickle.loads(pickle.dumps(value)) == value
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        value.replica = "other"
+
+
+def test_usage_from_openai_reads_tokens_and_treats_missing_as_unknown():
+    assert Usage.from_openai({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}) == Usage(5, 7)
+    assert Usage.from_openai({"prompt_tokens": 5}) == Usage(5, 0)  # embeddings: no completion
+    assert Usage.from_openai({"prompt_tokens": None, "completion_tokens": 2}) == Usage(0, 2)
+    assert Usage.from_openai(None) is None and Usage.from_openai({}) is None  # unknown ≠ zero
