@@ -77,7 +77,7 @@ def fake_engine_deployment(batch_interval_ms: float):
             return ReplicaAnswer(json.dumps(response).encode(), Usage(8, n), self.replica)
 
         async def stream(self, operation: str, body: dict):
-            from contract.replica_wire import StreamStart
+            from contract.replica_wire import as_replica_stream
             from replicas.streaming import coalesce
 
             n = body.get("max_tokens") or 16
@@ -91,13 +91,8 @@ def fake_engine_deployment(batch_interval_ms: float):
                 usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
                 yield f'data: {head}[],"usage":{json.dumps(usage)}}}\n\ndata: [DONE]\n\n'
 
-            first = True
-            async for item in coalesce(engine_steps(), batch_interval_ms / 1000):
-                if first:
-                    first = False
-                    yield StreamStart(self.replica, item)
-                else:
-                    yield item
+            async for item in as_replica_stream(self.replica, coalesce(engine_steps(), batch_interval_ms / 1000)):
+                yield item
 
     return FakeEngine
 

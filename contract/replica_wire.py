@@ -17,7 +17,7 @@ request as a dict.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,3 +63,14 @@ class StreamStart:
 
     replica: str
     text: str
+
+
+async def as_replica_stream(replica: str, texts: AsyncIterator[str]) -> AsyncIterator[StreamStart | str]:
+    """The replica side of a stream: its first text as a ``StreamStart``, the rest as is."""
+    first = True
+    async for text in texts:
+        if first:
+            first = False
+            yield StreamStart(replica, text)
+        else:
+            yield text

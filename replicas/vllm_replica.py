@@ -25,7 +25,7 @@ from ray import serve
 from autoscale.serve_policy import ENGINE_WAITING, KV_CACHE_USAGE
 from replicas import reasoning
 from contract.model_config import ModelConfig
-from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
+from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage, as_replica_stream
 from replicas.sources import resolve_source
 from replicas.streaming import coalesce
 
@@ -225,17 +225,17 @@ class VLLMReplica:
         if not isinstance(result, AsyncIterator):  # a full response: send it as one event
             yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
             return
-        first, named_tool = True, _names_a_tool(body)
-        async for text in coalesce(result, self.batch_interval_s):
+        async for item in as_replica_stream(self.replica, self._relayed(result, _names_a_tool(body))):
+            yield item
+
+    async def _relayed(self, events: AsyncIterator[str], named_tool: bool) -> AsyncIterator[str]:
+        """vLLM's SSE events, coalesced for the hop, with this model's fix-ups."""
+        async for text in coalesce(events, self.batch_interval_s):
             if named_tool:
                 text = text.replace(_FINISH_STOP, _FINISH_TOOL_CALLS)
             if self.reasons:
                 text = reasoning.add_to_stream(text)
-            if first:
-                first = False
-                yield StreamStart(self.replica, text)
-            else:
-                yield text
+            yield text
 
     # -- LoRA adapters -----------------------------------------------------
 

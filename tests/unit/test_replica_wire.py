@@ -27,3 +27,13 @@ def test_usage_from_openai_reads_tokens_and_treats_missing_as_unknown():
     assert Usage.from_openai({"prompt_tokens": 5}) == Usage(5, 0)  # embeddings: no completion
     assert Usage.from_openai({"prompt_tokens": None, "completion_tokens": 2}) == Usage(0, 2)
     assert Usage.from_openai(None) is None and Usage.from_openai({}) is None  # unknown ≠ zero
+
+
+async def test_a_replica_stream_starts_with_its_replica_then_relays_text():
+    from contract.replica_wire import as_replica_stream
+
+    async def texts():
+        for text in ("a", "b", "c"):
+            yield text
+
+    assert [item async for item in as_replica_stream("r1", texts())] == [StreamStart("r1", "a"), "b", "c"]
