@@ -39,7 +39,10 @@ import yaml
 
 from http_checks import free_port
 from redis_server import RedisServer
-from stack import LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, engine_processes, ray_processes
+from stack import (
+    LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, eager_engines, engine_processes,
+    ray_processes,
+)
 from serve_app import redis_names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -85,7 +88,7 @@ def chaos_config(redis_url: str) -> dict:
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     config["http_options"]["port"] = free_port()
     args = config["applications"][0]["args"]
-    args["models"] = [m for m in args["models"] if m["name"] == MODEL]
+    args["models"] = eager_engines([m for m in args["models"] if m["name"] == MODEL])
     args["models"][0]["queue_timeout_s"] = QUEUE_TIMEOUT_S
     args["ingress"]["deployment"]["num_replicas"] = 2
     args["redis_url"] = redis_url

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from http_checks import free_port
-from stack import REPO, create_key, ray_processes, wait_for_no_engines
+from stack import REPO, create_key, eager_engines, ray_processes, wait_for_no_engines
 from streaming_load import StreamingLoad
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -101,6 +101,7 @@ def multi_config(tmp_path: Path, port: int, **changes) -> Path:
     models = {model["name"]: model for model in config["applications"][0]["args"]["models"]}
     for name, change in changes.items():
         models[name].update(change)
+    eager_engines(list(models.values()))
     path = tmp_path / f"multi-{len(changes)}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

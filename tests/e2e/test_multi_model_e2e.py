@@ -16,7 +16,7 @@ import yaml
 
 from http_checks import free_port
 import openai_spec
-from stack import REPO, create_key, demo_token_id, replica_engine_processes, serve_stack
+from stack import REPO, create_key, demo_token_id, eager_engines, replica_engine_processes, serve_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +57,7 @@ def base_url(redis_server, adapter_dir):
         },
     }
     args["models"].append(thinking)
+    eager_engines(args["models"])
     with serve_stack(args, port=free_port()) as url:
         yield url
 
