@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -201,8 +202,25 @@ def records(redis, key_id) -> list[dict[str, str]]:
     return found
 
 
+def confirm_key_on_every_ingress(stack: CliStack, secret: str) -> None:
+    """Authenticated calls until, by any fair routing, every ingress replica has
+    confirmed the key with Redis: during a Redis outage an ingress can vouch only
+    for keys it has seen (fail_mode open), never for one it has not."""
+    with httpx.Client(base_url=stack.base_url, timeout=30) as http:
+        for _ in range(16):
+            assert http.get("/v1/models", headers={"authorization": f"Bearer {secret}"}).status_code == 200
+
+
+def unknown_key_refusal(outcome: Outcome) -> bool:
+    """Refused before any token because its ingress could not check the key (Redis
+    unreachable and the key unseen there): a 503 to retry, by design."""
+    return outcome.kind == "error" and outcome.received == 0 and "503" in outcome.error \
+        and "cannot check quotas" in outcome.error
+
+
 def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list[Outcome]:
     key_id, secret = create_key(stack.redis_url, f"chaos-{name}")
+    confirm_key_on_every_ingress(stack, secret)
     load = Load(stack.base_url, secret)
     time.sleep(4)  # steady streaming
     fault_at = time.monotonic()
@@ -290,6 +308,16 @@ def test_ingress_replica_killed(stack, redis):
     assert sum(o.kind == "completed" for o in outcomes) > sum(o.kind == "error" for o in outcomes)
 
 
+def assert_nothing_broke_but_unseen_keys(outcomes: list[Outcome]) -> None:
+    """A Redis outage breaks no stream and refuses nothing an ingress has confirmed;
+    only a request an ingress cannot authenticate (see confirm_key_on_every_ingress)
+    may get a 503 before its first token."""
+    broken = [o for o in outcomes if o.kind != "completed" and not unknown_key_refusal(o)]
+    assert not broken, broken
+    refused = [o for o in outcomes if unknown_key_refusal(o)]
+    assert len(refused) <= len(outcomes) // 10, refused
+
+
 def test_redis_paused(stack, redis, redis_server):
     def fault():
         redis_server.proc.send_signal(signal.SIGSTOP)
@@ -297,7 +325,7 @@ def test_redis_paused(stack, redis, redis_server):
         redis_server.proc.send_signal(signal.SIGCONT)
 
     outcomes = run_fault(stack, redis, "redis-pause", fault)
-    assert all(o.kind == "completed" for o in outcomes), [o for o in outcomes if o.kind != "completed"]
+    assert_nothing_broke_but_unseen_keys(outcomes)
 
 
 def test_redis_restarted(stack, redis, redis_server):
@@ -307,7 +335,7 @@ def test_redis_restarted(stack, redis, redis_server):
         redis_server.start()
 
     outcomes = run_fault(stack, redis, "redis-restart", fault)
-    assert all(o.kind == "completed" for o in outcomes), [o for o in outcomes if o.kind != "completed"]
+    assert_nothing_broke_but_unseen_keys(outcomes)
 
 
 def test_ray_stop_force(stack, redis):
