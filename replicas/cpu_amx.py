@@ -19,6 +19,5 @@ from __future__ import annotations
 def register() -> None:
     import torch
 
-    cpu = getattr(torch, "cpu", None)
-    if cpu is not None and hasattr(cpu, "_init_amx") and cpu._is_amx_tile_supported():
-        cpu._init_amx()
+    if hasattr(torch.cpu, "_init_amx") and torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
