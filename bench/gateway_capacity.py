@@ -14,7 +14,7 @@ CPU-µs per request and per streamed token of the proxy and the ingress (the
 number a platform team sizes ingress CPUs by).
 
     REDIS_URL=redis://127.0.0.1:6379/0 python bench/gateway_capacity.py \
-        [--tokens 64] [--concurrency 1 32] [--duration 15] [--targets shipped haproxy]
+        [--tokens 64] [--concurrency 1 32] [--duration 15] [--targets shipped ray-proxy]
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Each target is the environment Ray Serve starts with. "shipped": what the
-# Makefile exports; "haproxy": the same with Ray's HAProxy ingress instead of the
-# Python proxy.
-SHIPPED = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-TARGETS = {
-    "shipped": SHIPPED,
-    "haproxy": {**SHIPPED, "RAY_SERVE_ENABLE_HA_PROXY": "1"},
-}
+# Makefile exports (HAProxy ingress, throughput mode); "ray-proxy": the same with
+# Ray's Python proxy instead of HAProxy (the default before).
+from serve_env import MAKEFILE_ENV, RAY_PROXY_ENV  # noqa: E402
+
+TARGETS = {"shipped": MAKEFILE_ENV, "ray-proxy": RAY_PROXY_ENV}
 MODEL = "fake"
 APP = "llm"
 # Which processes a CPU figure belongs to, by what their command line holds.
@@ -175,6 +173,12 @@ def run_target(args) -> None:
         url, secret = f"http://127.0.0.1:{port}", bench_api_key()
         asyncio.run(drive(url, secret, args.tokens, 4, 3.0))  # warm-up: connections, caches, JIT-free paths
         results = {str(c): asyncio.run(drive(url, secret, args.tokens, c, args.duration)) for c in args.concurrency}
+        if args.profile:
+            from hop_profile import profiled, report
+
+            with profiled(Path(args.profile) / args.run_target) as hops:
+                load = asyncio.run(drive(url, secret, args.tokens, max(args.concurrency), args.duration))
+            results["profile"] = report(hops, load["requests"], load["requests"] * args.tokens)
         print("RESULT " + json.dumps(results), flush=True)
     finally:
         serve.shutdown()
@@ -213,6 +217,8 @@ def main() -> int:
     parser.add_argument("--batch-interval-ms", type=float, default=50.0,
                         help="the replica's stream_batch_interval_ms (configs/local.yaml: 50)")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--profile", metavar="DIR", help="one more load at the highest concurrency under py-spy "
+                        "(bench/hop_profile.py): CPU per request/token per process, top functions")
     parser.add_argument("--run-target", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_target:
@@ -222,7 +228,7 @@ def main() -> int:
     for target in args.targets:
         child = [sys.executable, __file__, "--run-target", target, "--tokens", str(args.tokens),
                  "--duration", str(args.duration), "--batch-interval-ms", str(args.batch_interval_ms),
-                 "--concurrency", *map(str, args.concurrency)]
+                 "--concurrency", *map(str, args.concurrency)] + (["--profile", args.profile] if args.profile else [])
         done = subprocess.run(child, env={**os.environ, **TARGETS[target]}, capture_output=True, text=True, cwd=REPO)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
@@ -231,6 +237,10 @@ def main() -> int:
         results[target] = json.loads(lines[-1][len("RESULT "):])
     print(f"\nGateway capacity: fake engine, {args.tokens} tokens/request, {args.duration:g} s per concurrency\n")
     print(table(results, args.concurrency))
+    for target, by_c in results.items():
+        if "profile" in by_c:
+            print(f"\n## {target}: CPU by process at c={max(args.concurrency)} (py-spy, {args.profile}/{target})\n")
+            print(by_c["profile"])
     return 0
 
 

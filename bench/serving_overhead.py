@@ -1,14 +1,26 @@
-"""Gateway overhead: bare `vllm serve` vs this stack, same model, same load, one run.
+"""Gateway overhead: bare `vllm serve`, this stack and Ray Serve LLM, same model, same load, one run.
 
-For each target (bare vLLM, then the Serve stack), start it, drive it with
-`vllm bench serve` (random dataset, the model's local tokenizer, ignore_eos so
-every request makes the same number of tokens) at each concurrency, stop it.
-Targets run one after the other, never side by side: on a 2-core box they
-would steal each other's CPU. With --repeats N the whole sequence repeats and
-every figure is the median over repeats. Prints one table: TTFT p50/p99,
-TPOT p50, output tokens/s per target and the stack/vLLM ratios.
+Targets (``--targets``, all by default):
 
-    python bench/serving_overhead.py [--concurrency 1 32] [--num-prompts 64] [--repeats 1]
+- ``vllm``: bare ``vllm serve`` with the model's engine options.
+- ``stack``: this stack as ``make run`` starts it (the Makefile's Ray Serve env:
+  HAProxy ingress, throughput mode).
+- ``stack-ray-proxy``: the same with Ray's Python proxy instead of HAProxy
+  (``RAY_SERVE_ENABLE_HA_PROXY=0``, the default before HAProxy).
+- ``rsllm``: Ray Serve LLM (``ray.serve.llm.build_openai_app``), same model and
+  engine options, Ray Serve's defaults: what users would run instead of us.
+- ``rsllm-fast``: Ray Serve LLM in the high-throughput mode Ray documents
+  (HAProxy + throughput-optimized + ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING``).
+
+For each target: start it, drive it with `vllm bench serve` (random dataset,
+the model's local tokenizer, ignore_eos so every request makes the same number
+of tokens) at each concurrency, stop it. Targets run one after the other,
+never side by side: on a 2-core box they would steal each other's CPU. With
+--repeats N the whole sequence repeats and every figure is the median over
+repeats. Prints one table: TTFT p50/p99, TPOT p50, output tokens/s per target
+and each target's ratio to bare vLLM.
+
+    python bench/serving_overhead.py [--targets vllm stack rsllm] [--concurrency 1 32] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -108,8 +120,49 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
         stop(proc)
 
 
+from serve_env import MAKEFILE_ENV, RAY_DEFAULT_ENV, RAY_PROXY_ENV, RSLLM_FAST_ENV  # noqa: E402
+
+TARGETS = ["vllm", "stack", "stack-ray-proxy", "rsllm", "rsllm-fast"]
+
+
+def ray_serve_llm_config(config: ModelConfig, source: str, ingress_cpus: float | None) -> dict:
+    """A Serve config running Ray Serve LLM's OpenAI app on the same model with the
+    same engine options, replica count and CPU share as our model deployment, and
+    its ingress with our ingress' CPU share (``ingress_cpus``; Serve's default of
+    one CPU would not fit beside the model on two cores). None: no ingress
+    deployment (direct streaming, where the model deployment is the ingress)."""
+    deployment = {k: v for k, v in config.deployment.items()
+                  if k in ("num_replicas", "max_ongoing_requests", "autoscaling_config")}
+    if "autoscaling_config" not in deployment:
+        deployment.setdefault("num_replicas", 1)
+    # Ray Serve LLM adds the replica actor's CPUs (default 1) to the engine's bundle:
+    # 0 here, so the replica with its engine reserves what ours does.
+    deployment["ray_actor_options"] = {"num_cpus": 0}
+    serve_config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1"},
+        "applications": [{
+            "name": "rsllm",
+            "route_prefix": "/",
+            "import_path": "ray.serve.llm:build_openai_app",
+            "args": {"llm_configs": [{
+                "model_loading_config": {"model_id": config.name, "model_source": source},
+                "accelerator_config": {"kind": "cpu"},
+                "engine_kwargs": dict(config.engine_kwargs),
+                "placement_group_config": {"bundles": [{"CPU": config.cpus_per_replica}]},
+                "deployment_config": deployment,
+                "runtime_env": {"env_vars": dict(config.env)},
+            }]},
+        }],
+    }
+    if ingress_cpus is not None:
+        app = serve_config["applications"][0]["args"]
+        app["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": ingress_cpus}}
+    return serve_config
+
+
 @contextmanager
-def serve_stack(serve_config: dict, log: Path, env: dict[str, str]):
+def serve_stack(serve_config: dict, model: str, log: Path, env: dict[str, str]):
     port = free_port()
     serve_config = {**serve_config, "http_options": {**serve_config.get("http_options", {}), "port": port}}
     config_file = log.with_suffix(".yaml")
@@ -121,11 +174,22 @@ def serve_stack(serve_config: dict, log: Path, env: dict[str, str]):
             env={**os.environ, **env}, stdout=out, stderr=out, cwd=REPO,
         )
     try:
-        model = serve_config["applications"][0]["args"]["models"][0]["name"]
         wait_ready(f"http://127.0.0.1:{port}", proc, model)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
+
+
+def profile_target(url: str, config: ModelConfig, source: str, target: str, args, out_dir: Path) -> str:
+    from hop_profile import GROUPS, profiled, report
+
+    groups = GROUPS
+    if target.startswith("rsllm"):  # Ray Serve LLM's own deployments in the "rsllm" application
+        groups = {**GROUPS, "ingress": ("ServeReplica:rsllm:OpenAiIngress",),
+                  "replica": ("ServeReplica:rsllm:LLMServer",)}
+    with profiled(args.profile / target, groups) as hops:
+        result = run_load(url, config, source, max(args.concurrency), args, out_dir)
+    return report(hops, result["completed"], result["total_output_tokens"])
 
 
 def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args, out_dir: Path) -> dict:
@@ -149,6 +213,7 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "local.yaml")
+    parser.add_argument("--targets", nargs="+", choices=TARGETS, default=TARGETS)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -156,48 +221,79 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--stack-env", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra environment for the stack (e.g. Ray Serve knobs)")
+                        help="extra environment for this stack's targets (e.g. Ray Serve knobs)")
     parser.add_argument("--batch-ms", type=float, help="override stream_batch_interval_ms")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="after each target's measured loads, one more at the highest concurrency under "
+                             "py-spy (bench/hop_profile.py): CPU per request/token per process, top functions")
     args = parser.parse_args()
 
     serve_config = yaml.safe_load(args.config.read_text())
+    # The first model only: one engine per target, the same one for every target.
+    serve_config["applications"][0]["args"]["models"] = serve_config["applications"][0]["args"]["models"][:1]
     if args.batch_ms is not None:
         serve_config["applications"][0]["args"]["models"][0]["stream_batch_interval_ms"] = args.batch_ms
     stack_env = dict(item.split("=", 1) for item in args.stack_env)
-    # vllm bench (and wait_ready) send it as a Bearer token; bare vLLM ignores it.
-    os.environ["OPENAI_API_KEY"] = bench_api_key()
+    # vllm bench (and wait_ready) send it as a Bearer token; bare vLLM and Ray Serve LLM ignore it,
+    # so Redis (REDIS_URL) is needed only when this stack is among the targets.
+    stack_targets = {"stack", "stack-ray-proxy"} & set(args.targets)
+    os.environ["OPENAI_API_KEY"] = bench_api_key() if stack_targets else "unused"
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
+    ingress_cpus = serve_config["applications"][0]["args"]["ingress"]["deployment"]["ray_actor_options"]["num_cpus"]
     source = resolve_source(config)
     results: dict[tuple[str, int], list[dict]] = {}
+    profiles: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         out_dir = Path(tmp)
+        starts = {
+            "vllm": lambda: bare_vllm(config, source, out_dir / "vllm.log"),
+            "stack": lambda: serve_stack(serve_config, config.name, out_dir / "stack.log", {**MAKEFILE_ENV, **stack_env}),
+            "stack-ray-proxy": lambda: serve_stack(serve_config, config.name, out_dir / "stack-ray-proxy.log",
+                                                   {**RAY_PROXY_ENV, **stack_env}),
+            "rsllm": lambda: serve_stack(ray_serve_llm_config(config, source, ingress_cpus), config.name,
+                                         out_dir / "rsllm.log", RAY_DEFAULT_ENV),
+            "rsllm-fast": lambda: serve_stack(ray_serve_llm_config(config, source, None), config.name,
+                                              out_dir / "rsllm-fast.log", {**RAY_DEFAULT_ENV, **RSLLM_FAST_ENV}),
+        }
         for _ in range(args.repeats):
-            for target, start in (
-                ("vllm", lambda: bare_vllm(config, source, out_dir / "vllm.log")),
-                ("stack", lambda: serve_stack(serve_config, out_dir / "stack.log", stack_env)),
-            ):
-                with start() as url:
-                    run_load(url, config, source, 1, args, out_dir)  # warm-up, discarded
-                    for concurrency in args.concurrency:
-                        results.setdefault((target, concurrency), []).append(
-                            run_load(url, config, source, concurrency, args, out_dir)
-                        )
+            for target in args.targets:
+                try:
+                    with starts[target]() as url:
+                        run_load(url, config, source, 1, args, out_dir)  # warm-up, discarded
+                        for concurrency in args.concurrency:
+                            result = run_load(url, config, source, concurrency, args, out_dir)
+                            results.setdefault((target, concurrency), []).append(result)
+                            print(f"{target} c={concurrency}: " + ", ".join(
+                                f"{label} {result[key]:.2f}" for key, label in METRICS), file=sys.stderr, flush=True)
+                        if args.profile and target != "vllm":
+                            profiles[target] = profile_target(url, config, source, target, args, out_dir)
+                except Exception:
+                    log = out_dir / f"{target}.log"
+                    print(f"target {target} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
+                          file=sys.stderr)
+                    raise
 
     def median(target: str, concurrency: int, key: str) -> float:
         return statistics.median(r[key] for r in results[(target, concurrency)])
 
     print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok, "
-          f"{args.num_prompts}+ prompts per point, median of {args.repeats} repeat(s)\n")
-    print(f"{'conc':>4}  {'metric':<14}{'vllm':>10}{'stack':>10}{'stack/vllm':>12}{'stack-vllm':>12}")
+          f"{args.num_prompts}+ prompts per point, median of {args.repeats} repeat(s); "
+          f"(x) = ratio to bare vllm\n")
+    print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
     raw = []
     for concurrency in args.concurrency:
         for key, label in METRICS:
-            ours, theirs = median("stack", concurrency, key), median("vllm", concurrency, key)
-            raw.append({"concurrency": concurrency, "metric": key, "vllm": theirs, "stack": ours})
-            print(f"{concurrency:>4}  {label:<14}{theirs:>10.2f}{ours:>10.2f}"
-                  f"{ours / theirs:>12.3f}{ours - theirs:>12.2f}")
+            row = {t: median(t, concurrency, key) for t in args.targets}
+            raw.append({"concurrency": concurrency, "metric": key, **row})
+            base = row.get("vllm")
+            cells = "".join(
+                f"{value:>13.2f}" + (f" ({value / base:5.2f}x)" if base else " " * 9) for value in row.values()
+            )
+            print(f"{concurrency:>4}  {label:<14}{cells}")
     if args.json:
         args.json.write_text(json.dumps(raw, indent=2))
+    for target, text in profiles.items():
+        print(f"\n## {target}: CPU by process at c={max(args.concurrency)} (py-spy, {args.profile / target})\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,11 @@ import yaml
 
 from http_checks import free_port
 from redis_server import RedisServer
+from settled import wait_until_settled
 from stack import (
     LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, eager_engines, engine_processes,
-    ray_processes,
+    haproxy_processes, ray_processes,
 )
-from serve_app import redis_names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -195,13 +195,6 @@ class Load:
 # -- one fault, and what must hold after it ------------------------------------------
 
 
-def records(redis, key_id) -> list[dict[str, str]]:
-    found = []
-    for name in redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*", count=1000):
-        found.append({k.decode(): v.decode() for k, v in redis.hgetall(name).items()})
-    return found
-
-
 def confirm_key_on_every_ingress(stack: CliStack, secret: str) -> None:
     """Authenticated calls until, by any fair routing, every ingress replica has
     confirmed the key with Redis: during a Redis outage an ingress can vouch only
@@ -260,15 +253,7 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
     # Settled: a dead ingress' leases expire, and the key's next admission reaps them.
     time.sleep(LEASE_S + 0.5)
     assert stack.serves(secret)
-    deadline = time.monotonic() + 15
-    while True:
-        found = records(redis, key_id)
-        open_ = [r for r in found if r["status"] in ("admitted", "running")]
-        leases = redis.zcard(redis_names.concurrency(key_id))
-        if not open_ and not leases:
-            break
-        assert time.monotonic() < deadline, (open_, leases)
-        time.sleep(0.2)
+    found = wait_until_settled(redis, key_id)
     failed = [r for r in found if r["status"] == "failed"]
     delivered = sum(o.received for o in outcomes if o.kind == "error")
     charged = sum(int(r.get("completion_tokens") or 0) for r in failed)
@@ -358,6 +343,7 @@ def test_ray_stop_force(stack, redis):
         assert stack.proc.wait(timeout=STACK_STOP_S + 10) == 1
         assert not engine_processes(), engine_processes()
         assert not ray_processes(), ray_processes()
+        assert not haproxy_processes(), haproxy_processes()  # it would keep the stack's port
         stack.start()
 
     run_fault(stack, redis, "ray-stop", fault, restart=restart)
@@ -377,6 +363,7 @@ def test_make_stop_ends_everything_within_its_bound(stack, redis):
     assert took <= STACK_STOP_S, took
     alive = [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive and not engine_processes() and not ray_processes(), (alive, engine_processes())
+    assert not haproxy_processes(), haproxy_processes()
     load.stop()
     assert all(o.kind != "truncated" for o in load.outcomes)
     RECOVERY.append(("make stop", "streams in flight end with an error", took))

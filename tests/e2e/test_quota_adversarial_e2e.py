@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from http_checks import free_port
+from settled import records, wait_until_settled
 from stack import create_key, local_app_args, serve_stack
 from serve_app import redis_names
 
@@ -56,26 +57,6 @@ def today() -> str:
 
 def charged(redis, key_id) -> int:
     return int(redis.hget(redis_names.usage(key_id), f"d:{today()}:tokens") or 0)
-
-
-def records(redis, key_id) -> list[dict[str, str]]:
-    found = []
-    for name in redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*", count=1000):
-        found.append({k.decode(): v.decode() for k, v in redis.hgetall(name).items()})
-    return found
-
-
-def wait_until_settled(redis, key_id, timeout_s=15) -> list[dict[str, str]]:
-    """Every record final and no lease left (settlement is off the response path)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = records(redis, key_id)
-        open_ = [r for r in found if r["status"] in ("admitted", "running")]
-        leases = redis.zcard(redis_names.concurrency(key_id))
-        if not open_ and not leases:
-            return found
-        assert time.monotonic() < deadline, (open_, leases)
-        time.sleep(0.1)
 
 
 # -- bad generation sizes ----------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import redis.asyncio as aioredis
 
 from contract.replica_wire import Usage
 from serve_app import redis_names
@@ -18,6 +19,7 @@ from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
+from redis_server import running_redis
 
 _ids = iter(range(10**9))
 
@@ -249,3 +251,57 @@ async def test_an_admin_token_header_of_any_characters_is_a_401_not_a_crash(redi
         gate.check_admin({"authorization": "Bearer s3cret-admin"})
     finally:
         await gate.redis.aclose()
+
+
+# -- fail_mode closed: an outage refuses, nothing is served unchecked ------------------
+
+
+async def no_lease_left(client, k: KeyRecord) -> None:
+    """Settlement runs as a background task: wait for it, within a bound."""
+    for _ in range(100):
+        if await client.zcard(redis_names.concurrency(k.id)) == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("a lease was left behind")
+
+
+async def test_fail_closed_refuses_every_request_while_redis_is_down_then_recovers():
+    from serve_app.keys import KeyLimits, KeyStore
+
+    with running_redis(persistent=True) as server:  # its own: this test stops it
+        settings = AppSettings(redis_url=server.url,
+                               quota={"fail_mode": "closed", "key_cache_ttl_s": 0.5, "redis_timeout_s": 1})
+        gate = Access(settings, Telemetry(False, False))
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            _, secret = await KeyStore(client).create("closed", KeyLimits(requests_per_minute=100, max_concurrent=1))
+            headers = {"authorization": f"Bearer {secret}"}
+            k = await gate.authenticate(headers)
+            gate.settle(await gate.admit(k, "m", 10), "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            await no_lease_left(client, k)
+            server.stop()
+            try:
+                # A key still in the cache is known, but nothing is admitted on local limits ...
+                with pytest.raises(OpenAIError) as refused:
+                    await gate.admit(k, "m", 10)
+                assert (refused.value.status, refused.value.code) == (503, "quota_backend_unavailable")
+                assert refused.value.headers["retry-after"] == "1"
+                # ... and once the cache entry is past its TTL, no stale record stands in.
+                await asyncio.sleep(0.6)
+                with pytest.raises(OpenAIError) as unknown:
+                    await gate.authenticate(headers)
+                assert (unknown.value.status, unknown.value.code) == (503, "quota_backend_unavailable")
+            finally:
+                server.start()
+            await client.connection_pool.disconnect()  # the test's own connections died with the server
+            k = await gate.authenticate(headers)
+            ticket = await gate.admit(k, "m", 10)  # max_concurrent 1: the refused admit left no lease
+            assert not ticket.local
+            gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            while gate._unsettled:  # the refused admit's clean-up, retried until Redis answered
+                await gate.flush_unsettled()
+                await asyncio.sleep(0.05)
+            await no_lease_left(client, k)
+        finally:
+            await gate.redis.aclose()
+            await client.aclose()

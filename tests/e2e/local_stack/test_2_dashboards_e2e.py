@@ -9,9 +9,12 @@ every generated Grafana panel must parse and return data; metric names and
 labels on Ray's metrics endpoint itself; the JSON access lines the ingress wrote.
 
 Two waves, because a counter's first sample is Prometheus' baseline: only what
-happens after it shows in rate() and histogram_quantile(). The modules before
-this one sent requests too: counts are compared against a baseline taken before
-the load.
+happens after it shows in rate() and histogram_quantile(). And a trickle of
+small streams all along, as a dashboard in use has: Ray drops a histogram series
+quiet for two export intervals, so the waves' few streams alone can leave the
+time-to-first-token series without two samples a minute apart on a slow box
+(a CI run saw every TTFT/TPOT panel empty). The modules before this one sent
+requests too: counts are compared against a baseline taken before the load.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,18 +143,60 @@ def wave(load: Load, base_url: str, redis_server, secret: str, number: int) -> N
             redis_server.start()
 
 
+class Trickle(threading.Thread):
+    """A small stream every couple of seconds until stopped; what the client saw
+    goes into the load's counts when it has stopped."""
+
+    def __init__(self, base_url: str, secret: str):
+        super().__init__(daemon=True)
+        self.base_url, self.secret = base_url, secret
+        self.statuses: collections.Counter = collections.Counter()
+        self.streams = 0
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+        try:
+            with httpx.Client(base_url=self.base_url, timeout=60,
+                              headers={"authorization": f"Bearer {self.secret}"}) as http:
+                while not self.stopping.wait(2):
+                    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        response.read()  # to the end: a whole stream, never a cancelled one
+                    self.statuses[response.status_code] += 1
+                    self.streams += response.status_code == 200
+        except BaseException as exc:  # the load's counts would be wrong: the fixture fails
+            self.error = exc
+
+    def stop_into(self, load: Load) -> None:
+        self.stopping.set()
+        self.join(timeout=120)
+        assert not self.is_alive() and self.error is None, self.error
+        load.statuses.update(self.statuses)
+        load.streams += self.streams
+
+
 @pytest.fixture(scope="module")
 def load(base_url, redis_server, prometheus) -> Load:
-    """The mixed load, twice; returns when Prometheus and Ray's endpoint show all of it."""
+    """The mixed load, twice, over a trickle of streams; returns when Prometheus and
+    Ray's endpoint show all of it."""
     time.sleep(25)  # past two of Ray's 10 s export intervals: the earlier modules' requests are all exported
     load = Load(started=time.time(), baseline=samples(ray_metrics()))
     before = total(load.baseline, "ray_llm_gateway_requests_total")
     _, secret = create_key(redis_server.url, "telemetry")
+    _, trickle_secret = create_key(redis_server.url, "telemetry-trickle")
+    trickle = Trickle(base_url, trickle_secret)
+    trickle.start()
     answered = "sum(ray_llm_gateway_requests_total)"
-    for number in (1, 2):
-        wave(load, base_url, redis_server, secret, number)
-        expected = before + sum(load.statuses.values())
-        prometheus.wait_until(answered, lambda count, expected=expected: count >= expected)
+    try:
+        for number in (1, 2):
+            wave(load, base_url, redis_server, secret, number)
+            expected = before + sum(load.statuses.values())  # the trickle's only add to it
+            prometheus.wait_until(answered, lambda count, expected=expected: count >= expected)
+    finally:
+        trickle.stop_into(load)
+    expected = before + sum(load.statuses.values())
+    prometheus.wait_until(answered, lambda count: count >= expected)
     prometheus.wait_until("sum(ray_llm_gateway_client_disconnects_total)", lambda count: count >= load.cancelled)
     deadline = time.monotonic() + 60
     while True:  # Ray's endpoint holds what Prometheus scraped from it

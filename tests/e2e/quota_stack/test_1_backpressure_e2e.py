@@ -2,9 +2,10 @@
 answered 503 at once (OpenAI envelope, retry-after), never 429, and a refused
 request costs the key nothing and holds no concurrency slot. Also model aliases.
 
-The stack serves only the demo chat model (alias "chat-default"), with one
-request at a time per replica and a queue of one, so a handful of concurrent
-requests fill it."""
+The package's stack (stack_args.py) has a narrow copy of the demo chat model for
+this (alias "chat-narrow"): one request at a time per replica and a queue of
+one, so a handful of concurrent requests fill it.
+"""
 
 from __future__ import annotations
 
@@ -16,27 +17,16 @@ import openai
 import pytest
 import redis as redis_sync
 
-from http_checks import assert_error_envelope, free_port
-from serve_app import redis_names
-from stack import create_key, local_app_args, serve_stack
+from http_checks import assert_error_envelope
+from settled import wait_until_settled
+from quota_stack.stack_args import NARROW, NARROW_ALIAS
+from stack import create_key
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "tiny-llama"
-ALIAS = "chat-default"
+MODEL, ALIAS = NARROW, NARROW_ALIAS
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "min_tokens": 300,
         "ignore_eos": True, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def base_url(redis_server):
-    args = {**local_app_args(), "redis_url": redis_server.url}
-    chat = next(model for model in args["models"] if model["name"] == MODEL)
-    chat["deployment"] = {**chat["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
-    chat["aliases"] = [ALIAS]
-    args["models"] = [chat]
-    with serve_stack(args, port=free_port()) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +61,7 @@ def test_full_queue_is_503_with_retry_after_never_429(base_url, redis_server, ke
 
     # Refused requests hold no slot and are recorded as overloaded.
     redis = redis_sync.Redis.from_url(redis_server.url)
-    deadline = time.monotonic() + 10
-    while redis.zcard(redis_names.concurrency(key_id)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    wait_until_settled(redis, key_id)
     refused = [r for r in responses if r.status_code == 503]
     request_id = refused[0].headers["x-request-id"]
     record = _record(redis_server.url, request_id)

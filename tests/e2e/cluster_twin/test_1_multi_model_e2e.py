@@ -1,65 +1,23 @@
-"""Several models at once, as configs/multi.yaml ships them: two chat models of
+"""Several models at once, as configs/multi.yaml ships them, on the package's
+cluster (conftest.py: the local twin, more than one node): two chat models of
 different sizes (the small one with LoRA adapters through Serve model
 multiplexing) and an embedding model, each its own deployment and engine,
-routed by `model`. The only change to the shipped config: an adapter folder,
-so '<model>:<folder>' adapters are tested too, and a "thinking" variant of the demo
-model for vLLM's reasoning parser."""
+routed by `model`. The only changes to the shipped config (twin.twin_config): an
+adapter folder, so '<model>:<folder>' adapters are tested too, and a "thinking"
+variant of the demo model for vLLM's reasoning parser."""
 
 from __future__ import annotations
 
-import shutil
-from copy import deepcopy
-
 import openai
 import pytest
-import yaml
 
-from http_checks import free_port
 import openai_spec
-from stack import REPO, create_key, demo_token_id, eager_engines, replica_engine_processes, serve_stack
+from cluster_twin.twin import EMBED, PIRATE, SMALL, THINKING, TINY
+from stack import create_key, demo_token_id, replica_engine_processes
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TINY, SMALL, EMBED, PIRATE = "tiny-llama", "small-llama", "minilm", "small-llama-pirate"
-THINKING = "tiny-llama-thinking"  # added to the shipped config by this module
 PROMPT = [{"role": "user", "content": "Tell me about the license."}]
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory):
-    from replicas.demo_lora import build_demo_adapter
-
-    folder = tmp_path_factory.mktemp("adapters")
-    # The very adapter the config names `small-llama-pirate`, as a folder.
-    shutil.copytree(build_demo_adapter(size="small"), folder / "pirate-copy")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def base_url(redis_server, adapter_dir):
-    config = yaml.safe_load((REPO / "configs" / "multi.yaml").read_text())
-    args = deepcopy(config["applications"][0]["args"])
-    args["redis_url"] = redis_server.url
-    small = next(model for model in args["models"] if model["name"] == SMALL)
-    small["lora"]["dir"] = str(adapter_dir)
-    tiny = next(model for model in args["models"] if model["name"] == TINY)
-    thinking = {
-        **deepcopy(tiny),
-        "name": THINKING,
-        "aliases": [],
-        "cpus_per_replica": 0.25,
-        "engine_kwargs": {
-            "max_model_len": 512,
-            "reasoning_parser": "deepseek_r1",
-            # grammar from the first token, so a test can make the random
-            # weights "think" (the parser reads the tags)
-            "structured_outputs_config": {"backend": "xgrammar", "enable_in_reasoning": True},
-        },
-    }
-    args["models"].append(thinking)
-    eager_engines(args["models"])
-    with serve_stack(args, port=free_port()) as url:
-        yield url
 
 
 def greedy(client, model, **extra):

@@ -1,0 +1,25 @@
+"""One stack for this package's modules (package scope), as tests/e2e/shared_stack
+does for the default shape: a persistent Redis (the quota tests stop and restart
+it) and the application of stack_args.py. Modules run in their numbered order;
+test_2_quotas_e2e.py ends with a Redis outage, so it is last."""
+
+from __future__ import annotations
+
+import pytest
+
+from http_checks import free_port
+from quota_stack.stack_args import app_args
+from redis_server import running_redis
+from stack import serve_stack
+
+
+@pytest.fixture(scope="package")
+def redis_server():
+    with running_redis(persistent=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def base_url(redis_server):
+    with serve_stack(app_args(redis_server.url), port=free_port()) as url:
+        yield url

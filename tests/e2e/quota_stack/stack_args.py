@@ -1,0 +1,31 @@
+"""The application this package's stack runs: the demo chat model behind two
+ingress replicas, with a short key cache and an admin token, and a narrow copy of it for the backpressure tests
+(one request at a time per replica, a queue of one, its own alias)."""
+
+from __future__ import annotations
+
+from copy import deepcopy
+
+from stack import local_app_args
+
+MODEL = "tiny-llama"
+NARROW, NARROW_ALIAS = "tiny-llama-narrow", "chat-narrow"
+ADMIN = "test-admin-token"
+CACHE_TTL_S = 1.0
+
+
+def app_args(redis_url: str) -> dict:
+    args = local_app_args(only=[MODEL])
+    args["ingress"]["deployment"]["num_replicas"] = 2
+    # Redis timeout 1 s: on this loaded 2-core box a 16-client flood can delay answers
+    # past 0.3 s, and a timed-out admit is decided on local limits (fail_mode open),
+    # which is not what the exact-limit tests measure. Redis outages here are stops
+    # (connection refused), which need no timeout.
+    args["quota"] = {"key_cache_ttl_s": CACHE_TTL_S, "fail_mode": "open", "redis_timeout_s": 1.0}
+    args["redis_url"] = redis_url
+    args["admin_token"] = ADMIN
+    narrow = deepcopy(args["models"][0])
+    narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)
+    narrow["deployment"] = {**narrow["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
+    args["models"].append(narrow)
+    return args

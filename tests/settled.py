@@ -1,0 +1,31 @@
+"""What a key left in Redis once its requests are over: request records and
+concurrency leases. Settlement runs off the response path (a background task
+of the ingress), so a client can read its answer before Redis has been told:
+tests wait for it, within a bound, instead of reading once."""
+
+from __future__ import annotations
+
+import time
+
+from serve_app import redis_names
+
+
+def records(redis, key_id: str) -> list[dict[str, str]]:
+    """Every request record of ``key_id`` (a synchronous redis client)."""
+    found = []
+    for name in redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*", count=1000):
+        found.append({k.decode(): v.decode() for k, v in redis.hgetall(name).items()})
+    return found
+
+
+def wait_until_settled(redis, key_id: str, timeout_s: float = 15) -> list[dict[str, str]]:
+    """Every record final and no lease left; returns the records."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = records(redis, key_id)
+        open_ = [r for r in found if r["status"] in ("admitted", "running")]
+        leases = redis.zcard(redis_names.concurrency(key_id))
+        if not open_ and not leases:
+            return found
+        assert time.monotonic() < deadline, (open_, leases)
+        time.sleep(0.1)
