@@ -4,6 +4,10 @@
 # Debian's package first if it is missing). A remote REDIS_URL is left alone.
 set -euo pipefail
 url=${REDIS_URL:-redis://127.0.0.1:6379/0}
+case "$url" in
+  redis://*|rediss://*|unix://*) ;;
+  *) echo "REDIS_URL is a cluster or sentinel URL: not starting a local server"; exit 0 ;;
+esac
 hostport=${url#*://}; hostport=${hostport#*@}; hostport=${hostport%%/*}
 host=${hostport%%:*}; port=${hostport##*:}; [ "$port" = "$host" ] && port=6379
 

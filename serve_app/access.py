@@ -7,7 +7,9 @@ bookkeeping that never delays a response, and the Redis-down behaviour that
 ``fail_mode`` chooses.
 
 Redis failures are told apart (README, "Keys and quotas"):
-- unreachable (connection refused or lost, timeout): ``fail_mode`` decides, and
+- unreachable (connection refused or lost, timeout; a Redis Cluster with a slot
+  between primaries, CLUSTERDOWN or TRYAGAIN, once the client's own retries
+  are spent): ``fail_mode`` decides, and
   every request the ingress decided without Redis is settled through Redis
   once it answers again. A timed-out call may still have run, and settling is
   idempotent, so nothing that call wrote outlives the request.
@@ -28,12 +30,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import redis.asyncio
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from contract.replica_wire import Usage
+from serve_app import redis_client
 from serve_app.admission import REFUSALS, Admission, Decision
 from serve_app.errors import OpenAIError
 from serve_app.key_cache import KeyCache
@@ -53,7 +55,10 @@ MAINTENANCE_TICK_S = 1.0
 REPLICA_COUNT_REFRESH_S = 10.0
 
 # Redis did not answer (it may still run what was sent): fail_mode applies.
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
+               ClusterDownError, TryAgainError, SlotNotCoveredError)
+# Anything the client raises about Redis (the cluster client's own errors are not RedisError).
+REDIS_FAILED = (RedisError, RedisClusterException)
 
 
 @dataclass
@@ -72,11 +77,7 @@ class Access:
     def __init__(self, settings: AppSettings, telemetry: Telemetry):
         self.telemetry = telemetry
         quota = settings.quota
-        self.redis = redis.asyncio.Redis.from_url(
-            settings.redis_url,
-            socket_timeout=quota.redis_timeout_s,
-            socket_connect_timeout=quota.redis_timeout_s,
-        )
+        self.redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
         self.keys = KeyStore(self.redis)
         self.admission = Admission(
             self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s
@@ -113,7 +114,7 @@ class Access:
             except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
                 record = self._fallback(hashed, exc)
-            except RedisError as exc:
+            except REDIS_FAILED as exc:
                 self.telemetry.redis_failed("authenticate")
                 raise _backend_error(exc) from None
             else:
@@ -161,7 +162,7 @@ class Access:
             except OpenAIError:
                 self._settle_later(key, request_id, model, "failed", 0, 0)  # in case the call ran
                 raise
-        except RedisError as exc:
+        except REDIS_FAILED as exc:
             self.telemetry.redis_failed("admit")
             logger.error("Redis refused the admission script: %s", exc)
             self._settle_later(key, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
@@ -232,7 +233,7 @@ class Access:
     async def _settle_now(self, settlement: tuple) -> None:
         try:
             await self.admission.settle(*settlement)
-        except RedisError as exc:
+        except REDIS_FAILED as exc:
             self.telemetry.redis_failed("accounting")
             logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
             key, request_id, status, prompt, completion, replica, model = settlement
@@ -253,7 +254,7 @@ class Access:
     async def _logged(self, coroutine) -> None:
         try:
             await coroutine
-        except RedisError as exc:
+        except REDIS_FAILED as exc:
             # Bookkeeping only (first-token time, the x-request-id index): nothing leaks.
             self.telemetry.redis_failed("accounting")
             logger.warning("Redis failed while accounting a request: %s", type(exc).__name__)
@@ -290,7 +291,7 @@ class Access:
         batch = list(self._unsettled.values())[:1000]
         try:
             answered = await self.admission.settle_many(batch)
-        except RedisError:
+        except REDIS_FAILED:
             return 0  # still unreachable: next tick
         for settlement, done in zip(batch, answered):
             if done:
@@ -304,7 +305,7 @@ class Access:
             running.setdefault(ticket.key.id, []).append(ticket.request_id)
         try:
             await self.admission.renew(running)
-        except RedisError as exc:
+        except REDIS_FAILED as exc:
             self.telemetry.redis_failed("renew")
             logger.warning("could not renew concurrency leases: %s", type(exc).__name__)
 

@@ -19,16 +19,21 @@ admitted at most L + L*s/60.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import math
 import re
 from dataclasses import dataclass
 from importlib import resources
 
+from redis.asyncio.cluster import RedisCluster
+
 from serve_app import redis_names
 from serve_app.keys import KeyRecord
 
 _SCRIPTS = resources.files("serve_app") / "lua"
+# Script calls in flight at once when a batch (settlements, renewals) runs on a cluster.
+CLUSTER_BATCH_CONCURRENCY = 32
 
 # What 429 bodies say, by refusal kind: (OpenAI `type`, `code`).
 REFUSALS = {
@@ -162,25 +167,44 @@ class Admission:
         """Settle several requests in one pipeline (retries after Redis was
         unreachable); each item is ``settle``'s arguments. Returns, per item,
         whether Redis answered for it (an answered settle is done, whatever it did)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key, request_id, status, prompt, completion, replica, model in settlements:
-                await self._settle(keys=redis_names.admission_keys(key.id, request_id),
-                                   args=self._settle_args(key, request_id, status, prompt, completion, replica, model),
-                                   client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
-        return [not isinstance(reply, Exception) for reply in replies]
+        calls = [(self._settle, redis_names.admission_keys(key.id, request_id),
+                  self._settle_args(key, request_id, status, prompt, completion, replica, model))
+                 for key, request_id, status, prompt, completion, replica, model in settlements]
+        replies = await self._script_batch(calls)
+        return [not isinstance(reply, BaseException) for reply in replies]
 
     async def renew(self, running: dict[str, list[str]]) -> int:
         """Renew the leases of running requests, ``{key id: [request ids]}``, in
         one pipeline (one script call per key). Returns leases renewed."""
         if not running:
             return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key_id, request_ids in running.items():
-                keys = [redis_names.concurrency(key_id)] + [redis_names.request_record(key_id, r) for r in request_ids]
-                await self._renew(keys=keys, args=[self.lease_ms, *request_ids], client=pipe)
-            replies = await pipe.execute()
+        calls = [(self._renew,
+                  [redis_names.concurrency(key_id)] + [redis_names.request_record(key_id, r) for r in request_ids],
+                  [self.lease_ms, *request_ids])
+                 for key_id, request_ids in running.items()]
+        replies = await self._script_batch(calls)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
         return sum(int(reply) for reply in replies)
+
+    async def _script_batch(self, calls: list[tuple]) -> list:
+        """Run ``(script, keys, args)`` calls; per call, its reply or its exception.
+        One pipeline on one node. A cluster client refuses scripts in pipelines
+        (each call may live on another node): there, concurrent calls, at most
+        CLUSTER_BATCH_CONCURRENCY in flight."""
+        if isinstance(self.redis, RedisCluster):
+            limit = asyncio.Semaphore(CLUSTER_BATCH_CONCURRENCY)
+
+            async def one(script, keys, args):
+                async with limit:
+                    return await script(keys=keys, args=args)
+
+            return await asyncio.gather(*(one(*call) for call in calls), return_exceptions=True)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                await script(keys=keys, args=args, client=pipe)
+            return await pipe.execute(raise_on_error=False)
 
 
 def _text(value) -> str:

@@ -141,9 +141,9 @@ async def _request(args: argparse.Namespace) -> int:
 
 
 def _redis(args: argparse.Namespace):
-    import redis.asyncio
+    from serve_app import redis_client
 
-    return redis.asyncio.Redis.from_url(args.redis_url)
+    return redis_client.connect(args.redis_url)
 
 
 def _check_config(path: Path) -> int:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.model_config import ModelConfig
+from serve_app import redis_client
 
 
 class IngressConfig(BaseModel):
@@ -91,11 +92,18 @@ class AppSettings(BaseSettings):
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     redis_url: str = Field(
-        "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL")
+        "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
+        description="One node, a Redis Cluster or a Sentinel's primary: serve_app/redis_client.py.",
     )
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the /admin API (LLM_CLUSTER_ADMIN_TOKEN); unset = admin API off."
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _known_redis_url(cls, url: str) -> str:
+        redis_client.parse(url)  # ValueError names the problem
+        return url
 
     @model_validator(mode="after")
     def _unique_names(self):

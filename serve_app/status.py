@@ -71,15 +71,18 @@ def _engine_load(app_name: str, deployment: str) -> dict[str, Any]:
 
 
 async def redis_status(redis_url: str) -> dict[str, Any]:
-    import redis.asyncio
+    import redis
 
-    from serve_app import redis_names
+    from serve_app import redis_client, redis_names
 
-    client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client = redis_client.connect(redis_url, timeout_s=2)
+    except ValueError as exc:  # not a URL this gateway reads
+        return {"reachable": False, "error": str(exc)}
     try:
         await client.ping()
         return {"reachable": True, "keys": await client.scard(redis_names.KEY_INDEX)}
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         await client.aclose()
@@ -106,8 +109,11 @@ def render(serve_part: dict[str, Any], redis_part: dict[str, Any], redis_url: st
             target = "" if entry["target"] is None else entry["target"]
             lines.append(f"{name:<28}{entry['status']:<14}{replicas.get('RUNNING', 0):>8}{starting:>9}{target:>7}   "
                          f"{engine_text}")
+    from serve_app.redis_client import redact
+
+    shown = redact(redis_url)  # never a password on a terminal
     if redis_part["reachable"]:
-        lines.append(f"redis: reachable ({redis_url}), {redis_part['keys']} keys")
+        lines.append(f"redis: reachable ({shown}), {redis_part['keys']} keys")
     else:
-        lines.append(f"redis: UNREACHABLE ({redis_url}): {redis_part['error']}")
+        lines.append(f"redis: UNREACHABLE ({shown}): {redis_part['error']}")
     return "\n".join(lines)

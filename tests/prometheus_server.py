@@ -60,7 +60,9 @@ class Prometheus:
             if result and check(value):
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"{expr}: {value} after {timeout_s:.0f}s")
+                targets = [(t["scrapeUrl"], t["health"], t.get("lastError"), t.get("lastScrapeDuration"))
+                           for t in self._get("/api/v1/targets")["activeTargets"]]
+                raise AssertionError(f"{expr}: {value} after {timeout_s:.0f}s; targets: {targets}")
             time.sleep(1)
 
 

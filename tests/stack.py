@@ -237,12 +237,11 @@ class CliStack:
 
 def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
     """Create an API key in the stack's Redis; return (key id, secret)."""
-    import redis.asyncio
-
     from serve_app.keys import KeyLimits, KeyStore
+    from serve_app.redis_client import connect
 
     async def create():
-        client = redis.asyncio.Redis.from_url(redis_url)
+        client = connect(redis_url)
         try:
             record, secret = await KeyStore(client).create(name, KeyLimits(**limits))
             return record.id, secret

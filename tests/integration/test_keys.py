@@ -62,3 +62,38 @@ async def test_disabled_key_does_not_authenticate(redis):
     assert await store.authenticate(secret) is None
     await store.update(record.id, enabled=True)
     assert (await store.authenticate(secret)).id == record.id
+
+
+# -- a connection closed while in use (redis-py 8.1: redis/redis-py#4287) ------------------
+
+
+def _raising_in(module_file: str, exc: BaseException):
+    """An async function whose frame lies in ``module_file``, raising ``exc``: the
+    shape of the failure as redis-py's own connection code raises it."""
+    namespace: dict = {}
+    exec(compile("async def send(*args, **kwargs):\n    raise EXC\n", module_file, "exec"), {"EXC": exc}, namespace)
+    return namespace["send"]
+
+
+async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_error(redis_server, monkeypatch):
+    import redis.asyncio.connection
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from serve_app.redis_client import connect
+
+    client = connect(redis_server.url)
+    try:
+        await client.ping()
+        broken = _raising_in(redis.asyncio.connection.__file__,
+                             AttributeError("'NoneType' object has no attribute 'writelines'"))
+        monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", broken)
+        with pytest.raises(RedisConnectionError, match="closed while in use"):
+            await client.get("x")
+        # The same error from anywhere else is a bug and stays what it is.
+        monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command",
+                            _raising_in(__file__, AttributeError("a bug of ours")))
+        with pytest.raises(AttributeError, match="a bug of ours"):
+            await client.get("x")
+    finally:
+        monkeypatch.undo()
+        await client.aclose()

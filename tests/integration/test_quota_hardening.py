@@ -19,7 +19,7 @@ from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
-from redis_server import running_redis
+from redis_server import every_node, running_redis
 
 _ids = iter(range(10**9))
 
@@ -159,11 +159,23 @@ async def test_usage_counters_keep_35_days_and_13_months(redis):
 
 
 @pytest.fixture
-async def access(redis_server, redis):
-    settings = AppSettings(redis_url=redis_server.url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30})
+async def access(redis_url, redis):
+    settings = AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30})
     gate = Access(settings, Telemetry(False, False))
     yield gate
     await gate.redis.aclose()
+
+
+@pytest.fixture
+async def node_access(redis_server):
+    """An Access on the single node, for a test that stalls that one process."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.flushdb()
+    settings = AppSettings(redis_url=redis_server.url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30})
+    gate = Access(settings, Telemetry(False, False))
+    yield gate, client
+    await gate.redis.aclose()
+    await client.aclose()
 
 
 async def test_a_script_error_is_a_503_and_leaks_no_slot(access, redis):
@@ -182,23 +194,24 @@ async def test_a_script_error_is_a_503_and_leaks_no_slot(access, redis):
 
 async def test_out_of_memory_is_a_503_not_a_local_admission(access, redis):
     k = key(requests_per_minute=100)
-    await redis.config_set("maxmemory-policy", "noeviction")
-    await redis.config_set("maxmemory", 1)
+    await redis.config_set("maxmemory-policy", "noeviction", **every_node(redis))
+    await redis.config_set("maxmemory", 1, **every_node(redis))
     try:
         with pytest.raises(OpenAIError) as caught:
             await access.admit(k, "m", 10)
     finally:
-        await redis.config_set("maxmemory", 0)
+        await redis.config_set("maxmemory", 0, **every_node(redis))
     assert caught.value.status == 503 and caught.value.code == "quota_backend_error"
     await access.flush_unsettled()
     assert await redis.zcard(redis_names.concurrency(k.id)) == 0
 
 
-async def test_a_stalled_redis_is_settled_once_it_answers(access, redis, redis_server):
+async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_server):
     # A stopped redis-server (SIGSTOP) stalls: the admit call times out but stays
     # in the server's socket and runs when it resumes; the request is served on
     # local limits, and its settlement is retried until Redis takes it.
     # Afterwards: no lease, one charge of the real usage, a final record.
+    access, redis = node_access
     k = key(max_concurrent=1, daily_token_budget=10_000)
     await access.admit(k, "m", 1)  # connections are open before the stall
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
@@ -225,10 +238,10 @@ async def test_a_stalled_redis_is_settled_once_it_answers(access, redis, redis_s
 # -- authentication against hostile headers -------------------------------------------
 
 
-async def test_random_bearer_tokens_leave_the_key_cache_bounded(redis_server):
+async def test_random_bearer_tokens_leave_the_key_cache_bounded(redis_url):
     from serve_app.key_cache import NEGATIVE_MAX
 
-    gate = Access(AppSettings(redis_url=redis_server.url, quota={"redis_timeout_s": 5}), Telemetry(False, False))
+    gate = Access(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 5}), Telemetry(False, False))
     try:
         for i in range(3 * NEGATIVE_MAX):
             with pytest.raises(OpenAIError) as caught:

@@ -21,3 +21,9 @@ def test_an_unreachable_redis_and_a_missing_cluster_are_said_plainly():
                    "redis://r:6379/0")
     assert table.splitlines() == ["serve: no Ray cluster on this machine",
                                   "redis: UNREACHABLE (redis://r:6379/0): ConnectionError: refused"]
+
+
+def test_the_redis_password_never_reaches_the_terminal():
+    table = render({"error": "no Ray cluster on this machine"}, {"reachable": True, "keys": 1},
+                   "rediss+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2:7000")
+    assert "s3cret" not in table and "rediss+cluster://app:***@10.0.0.1:7000,10.0.0.2:7000" in table

@@ -193,6 +193,10 @@ def load(base_url, redis_server, prometheus) -> Load:
             wave(load, base_url, redis_server, secret, number)
             expected = before + sum(load.statuses.values())  # the trickle's only add to it
             prometheus.wait_until(answered, lambda count, expected=expected: count >= expected)
+        # Traffic until Prometheus holds, for every histogram a panel reads, an
+        # increase within the panels' rate window, as a dashboard in use would.
+        for histogram in dashboard_histograms():
+            prometheus.wait_until(f"sum(rate({histogram}_bucket[1m]))", lambda rate: rate > 0)
     finally:
         trickle.stop_into(load)
     expected = before + sum(load.statuses.values())
@@ -219,6 +223,11 @@ def dashboard_queries():
                 yield board["title"], panel["title"], target["expr"]
 
 
+def dashboard_histograms() -> set[str]:
+    """The histograms (metric names without ``_bucket``) the panels read."""
+    return {name for _, _, expr in dashboard_queries() for name in re.findall(r"(\w+)_bucket\b", expr)}
+
+
 def test_every_dashboard_panel_returns_data(prometheus, load):
     queries = list(dashboard_queries())
     assert len(queries) >= 40  # three dashboards; none silently lost
@@ -238,6 +247,11 @@ def test_every_dashboard_panel_returns_data(prometheus, load):
                 continue
             if not has_values(result):
                 failures.append(f"{board} / {panel}: {promql}: no data")
+    if failures:  # what Prometheus holds of the histograms behind them, to tell why
+        for metric in sorted(set(re.findall(r"(ray_llm_gateway_\w+)_bucket", "\n".join(failures)))):
+            raw = prometheus.query_range(f"sum by (le) ({metric}_bucket)", load.started, end, 5)
+            failures.append(f"{metric}_bucket over the load: " + "; ".join(
+                f"le={series['metric'].get('le')}: {[v for _, v in series['values']][::4]}" for series in raw))
     assert not failures, "\n".join(failures)
 
 

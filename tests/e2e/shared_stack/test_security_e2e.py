@@ -207,9 +207,7 @@ def test_odd_admin_token_headers_are_a_401(base_url, admin_token, value):
 
 @pytest.mark.parametrize("header, value", [("x-request-disconnect-disabled", "?1"), ("X-Request-Timeout-Seconds", "0"),
                                            ("x-request-timeout-seconds", "86400")])
-def test_serve_control_headers_are_refused_before_any_generation(base_url, redis_server, header, value):
-    import redis as redis_sync
-
+def test_serve_control_headers_are_refused_before_any_generation(base_url, redis_server, redis, header, value):
     key_id, secret = create_key(redis_server.url, f"control-{uuid.uuid4().hex[:6]}")
     body = chat("Tell me a story.", max_tokens=1500, ignore_eos=True, stream=True)
     with httpx.Client(base_url=base_url, timeout=30) as http:
@@ -220,11 +218,7 @@ def test_serve_control_headers_are_refused_before_any_generation(base_url, redis
     assert error["code"] == "header_not_allowed" and error["param"] == header.lower()
     load = call_replica(MODEL, "engine_load")
     assert load["unfinished"] == 0 and load["running"] == 0, load
-    client = redis_sync.Redis.from_url(redis_server.url)
-    try:
-        assert not list(client.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"))
-    finally:
-        client.close()
+    assert not list(redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"))
 
 
 # -- authorization, route by route --------------------------------------------------------

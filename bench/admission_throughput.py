@@ -1,0 +1,113 @@
+"""Admissions per second and admission latency: one Redis node vs a Redis Cluster,
+from 1 and from 4 gateway processes.
+
+Each process runs what an ingress replica runs per request (serve_app.access:
+``Access.admit`` — one EVALSHA of the admit script — then ``Access.settle``, off
+the response path) in a closed loop with ``--concurrency`` requests in flight,
+over 1,000 API keys with generous limits (admitted, not refused: the full write
+path). ``1x1`` (one process, one admission at a time) is the bare round trip;
+more in flight measures throughput (latency then includes the queue). Redis servers are started here on loopback (the cluster: 3 primaries, 3
+replicas). Latency is the ``admit`` call as the gateway sees it, client CPU
+included; the load generator shares the box with Redis.
+
+    .venv/bin/python bench/admission_throughput.py [--duration 8] [--points 1x1 1x64 4x64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from redis_server import running_redis, running_redis_cluster  # noqa: E402
+
+KEYS = 1000
+
+
+def run_process(url: str, duration_s: float, concurrency: int, seed: int, results) -> None:
+    asyncio.run(_drive(url, duration_s, concurrency, seed, results))
+
+
+async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results) -> None:
+    from contract.replica_wire import Usage
+    from serve_app.access import Access
+    from serve_app.keys import KeyRecord
+    from serve_app.settings import AppSettings
+    from serve_app.telemetry import Telemetry
+
+    gate = Access(AppSettings(redis_url=url, quota={"redis_timeout_s": 2}), Telemetry(False, False))
+    keys = [KeyRecord(id=f"kb{seed}x{i}", name=f"bench-{seed}-{i}", created_at=0, requests_per_minute=10**7,
+                      tokens_per_minute=10**9, max_concurrent=10**4) for i in range(KEYS)]
+    usage = Usage(prompt_tokens=20, completion_tokens=40)
+    for key in keys[:concurrency]:  # scripts loaded, connections open
+        gate.settle(await gate.admit(key, "m", 60), "completed", usage)
+    latencies: list[float] = []
+    local = 0
+    deadline = time.perf_counter() + duration_s
+
+    async def worker(offset: int) -> None:
+        nonlocal local
+        i = offset
+        while time.perf_counter() < deadline:
+            key = keys[i % KEYS]
+            i += concurrency
+            started = time.perf_counter()
+            ticket = await gate.admit(key, "m", 60)
+            latencies.append(time.perf_counter() - started)
+            local += ticket.local
+            gate.settle(ticket, "completed", usage)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker(n) for n in range(concurrency)))
+    took = time.perf_counter() - began
+    while gate._background:  # settlements still in flight
+        await asyncio.sleep(0.01)
+    await gate.redis.aclose()
+    results.put((len(latencies), took, latencies[::10], local))
+
+
+def measure(url: str, processes: int, duration_s: float, concurrency: int) -> dict:
+    results = multiprocessing.get_context("spawn").Queue()
+    workers = [multiprocessing.get_context("spawn").Process(
+        target=run_process, args=(url, duration_s, concurrency, n, results)) for n in range(processes)]
+    for worker in workers:
+        worker.start()
+    parts = [results.get(timeout=duration_s + 120) for _ in workers]
+    for worker in workers:
+        worker.join()
+    count = sum(part[0] for part in parts)
+    took = max(part[1] for part in parts)
+    sampled = sorted(latency for part in parts for latency in part[2])
+    assert not sum(part[3] for part in parts), "some admissions fell back to local limits: Redis timed out"
+    return {"admissions/s": count / took, "p50 ms": 1000 * statistics.median(sampled),
+            "p99 ms": 1000 * sampled[int(0.99 * (len(sampled) - 1))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per point")
+    parser.add_argument("--points", nargs="+", default=["1x1", "1x64", "4x64"],
+                        help="PROCESSESxIN_FLIGHT per process: 1x1 is the bare round trip, the others throughput")
+    args = parser.parse_args()
+    points = [tuple(int(n) for n in point.split("x")) for point in args.points]
+    rows = []
+    with running_redis() as node, running_redis_cluster() as cluster:
+        for name, url in (("one node", node.url), ("cluster, 3 primaries", cluster.url)):
+            for processes, in_flight in points:
+                rows.append((name, processes, in_flight, measure(url, processes, args.duration, in_flight)))
+    print(f"\nadmit (one EVALSHA) + settle per request, {args.duration:.0f} s per point, {KEYS} keys\n")
+    print("| Redis | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for name, processes, in_flight, figures in rows:
+        print(f"| {name} | {processes} | {in_flight} | {figures['admissions/s']:,.0f} | {figures['p50 ms']:.2f} | "
+              f"{figures['p99 ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

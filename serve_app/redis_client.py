@@ -1,0 +1,177 @@
+"""One Redis client from one URL: a single node, a Redis Cluster or a Sentinel-managed
+primary, with TLS and AUTH/ACL users (docs/architecture.md, State).
+
+    redis://[user:password@]host:port/db          one node (rediss:// for TLS, unix:// too)
+    redis+cluster://[user:password@]host:port[,host:port...]
+                                                  a Redis Cluster: any nodes as seeds, the
+                                                  client follows MOVED/ASK and failovers
+    redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]
+                                                  the primary the sentinels name for
+                                                  ``service``, re-resolved after a failover
+
+``rediss+cluster://`` and ``rediss+sentinel://`` use TLS to the data nodes (query
+``ssl_cert_reqs``, ``ssl_ca_certs`` pass through). Sentinels themselves are reached
+without credentials unless ``sentinel_password`` (and ``sentinel_username``) is
+given in the query. Every key one call touches shares one hash tag
+(serve_app/redis_names.py), so every script and call runs on one slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+import redis.asyncio
+import redis.asyncio.connection
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+SINGLE_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_TLS_QUERY = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """What a URL names, parsed once (and checked when settings are loaded)."""
+
+    mode: str  # "single" | "cluster" | "sentinel"
+    url: str
+    hosts: list[tuple[str, int]] = field(default_factory=list)
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    service: str = ""
+    db: int = 0
+    query: dict[str, str] = field(default_factory=dict)
+
+
+def parse(url: str) -> RedisTarget:
+    """Raises ValueError naming what is wrong (the settings report it)."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in SINGLE_SCHEMES:
+        return RedisTarget("single", url)
+    if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        known = ", ".join(f"{s}://" for s in SINGLE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES)
+        raise ValueError(f"redis_url must start with one of {known}")
+    parts = urlsplit(url)
+    credentials, _, hostlist = parts.netloc.rpartition("@")
+    username, _, password = credentials.partition(":") if credentials else ("", "", "")
+    hosts = [_host_port(item) for item in hostlist.split(",") if item]
+    if not hosts:
+        raise ValueError("redis_url names no host")
+    query = dict(parse_qsl(parts.query))
+    target = dict(mode="cluster" if scheme in CLUSTER_SCHEMES else "sentinel", url=url, hosts=hosts,
+                  username=unquote(username) or None, password=unquote(password) or None,
+                  tls=scheme.startswith("rediss"), query=query)
+    path = [p for p in parts.path.split("/") if p]
+    if target["mode"] == "sentinel":
+        if not path:
+            raise ValueError("a redis+sentinel:// URL names its service: redis+sentinel://host:26379/mymaster")
+        target["service"] = unquote(path[0])
+        target["db"] = _db(path[1] if len(path) > 1 else "0")
+    elif path and path != ["0"]:
+        raise ValueError("a Redis Cluster has database 0 only")
+    return RedisTarget(**target)
+
+
+# Where a write on a connection closed under it fails (redis-py's connection
+# module, asyncio's streams and transports).
+_TRANSPORT_FILES = (Path(redis.asyncio.connection.__file__).resolve(), Path(asyncio.__file__).resolve().parent)
+
+
+class CredentialsRefused(ResponseError):
+    """Redis refused the URL's user or password (AUTH, ACL): a configuration
+    error, not an outage, so never a reason to fail open."""
+
+
+class _ClearErrors:
+    """Two of redis-py's errors say something else than what happened; the
+    gateway decides on the error's kind (serve_app/access.py), so they are said
+    plainly here, for every command of every client ``connect`` makes:
+
+    - A refused AUTH is a ConnectionError subclass: read as "Redis unreachable",
+      a wrong password would let fail_mode open admit everything on local
+      limits for as long as it stays wrong. It becomes CredentialsRefused.
+    - redis-py 8.1 lets a write on a connection that was closed meanwhile (a
+      node's connections dropped during a failover, a peer reset of an idle
+      pooled connection) escape as AttributeError/TypeError from the transport,
+      which no retry and no ``except RedisError`` recognises: the gateway would
+      answer 500 instead of applying ``fail_mode``. Seen here when a Redis
+      Cluster primary was killed under 16 clients
+      (tests/integration/test_redis_failover.py); upstream redis/redis-py#4287,
+      fix in PR #4217, not released in 8.1.0. It becomes the ConnectionError it is.
+    """
+
+    async def execute_command(self, *args, **options):
+        try:
+            return await super().execute_command(*args, **options)
+        except (AuthenticationError, AuthorizationError) as exc:
+            raise CredentialsRefused(f"Redis refused the credentials of redis_url: {exc}") from exc
+        except (AttributeError, TypeError) as exc:
+            if not _raised_in_transport(exc):
+                raise
+            raise RedisConnectionError(f"connection closed while in use ({exc})") from exc
+
+
+def _raised_in_transport(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return any(where == place or place in where.parents for place in _TRANSPORT_FILES)
+
+
+class SafeRedis(_ClearErrors, redis.asyncio.Redis):
+    """One node, or a Sentinel's primary."""
+
+
+class SafeRedisCluster(_ClearErrors, RedisCluster):
+    """A Redis Cluster."""
+
+
+def connect(url: str, timeout_s: float | None = None):
+    """An asyncio client for ``url``: a ``redis.asyncio.Redis`` for one node or a
+    Sentinel's primary, a ``RedisCluster`` for a cluster. ``timeout_s`` bounds each
+    connect and each reply."""
+    target = parse(url)
+    timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if target.mode == "single":
+        return SafeRedis.from_url(url, **timeouts)
+    auth = {"username": target.username, "password": target.password}
+    tls = {"ssl": True, **{k: v for k, v in target.query.items() if k in _TLS_QUERY}} if target.tls else {}
+    if target.mode == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in target.hosts]
+        return SafeRedisCluster(startup_nodes=nodes, **auth, **tls, **timeouts)
+    sentinel_auth = {"username": target.query.get("sentinel_username"),
+                     "password": target.query.get("sentinel_password")}
+    sentinel = Sentinel(target.hosts, sentinel_kwargs={**sentinel_auth, **timeouts}, **timeouts)
+    return sentinel.master_for(target.service, redis_class=SafeRedis, db=target.db, **auth, **tls)
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for logs and status output."""
+    parts = urlsplit(url)
+    credentials, at, hostlist = parts.netloc.rpartition("@")
+    if not at or ":" not in credentials:
+        return url
+    user = credentials.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostlist}"))
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    host, _, port = item.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"redis_url: {item!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _db(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"redis_url: database {text!r} is not a number")
+    return int(text)

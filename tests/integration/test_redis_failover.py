@@ -1,0 +1,157 @@
+"""A Redis primary (a Redis Cluster's, or the one Sentinel manages) dies under
+load and its replica takes over: what the gateway's admission (serve_app/access.py, as each ingress replica runs it)
+promises then (README, "Redis: one node, a Redis Cluster, or Sentinel").
+
+16 concurrent clients hammer one key with a small requests/min limit; the
+primary that owns the key's slot gets SIGKILL; the cluster (or Sentinel) promotes
+its replica.
+Asserted on what was admitted, not on status codes alone: service continues as
+``fail_mode`` says, the admitted count stays within the stated bound, and after
+recovery no lease is left and no record stays open."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from contract.replica_wire import Usage
+from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
+from serve_app import redis_names
+from serve_app.access import Access
+from serve_app.errors import OpenAIError
+from serve_app.keys import KeyLimits, KeyStore
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+
+CLIENTS = 16
+RPM = 60
+BEFORE_KILL_S = 3.0
+AFTER_RECOVERY_S = 3.0
+FAILOVER_BOUND_S = 30.0
+
+
+@pytest.fixture(params=["cluster", "sentinel"])
+def cluster(request):
+    """Its own servers: this test kills a primary."""
+    running = running_redis_cluster if request.param == "cluster" else running_redis_sentinel
+    with running() as servers:
+        yield servers
+
+
+def primary_of(servers, gate: Access, key_id: str):
+    """The server process that holds ``key_id``'s quota state now."""
+    if isinstance(servers, RedisSentinelSetup):
+        return servers.primary
+    owner = gate.redis.get_node_from_key(redis_names.requests_rate(key_id))
+    [primary] = [node for node in servers.nodes if node.port == owner.port]
+    return primary
+
+
+class Tally:
+    def __init__(self):
+        self.outcomes = collections.Counter()
+        self.local_after_kill = 0
+        self.redis_after_kill = 0
+        self.killed_at: float | None = None
+
+
+async def client_loop(gate: Access, secret: str, tally: Tally, stop: asyncio.Event) -> None:
+    headers = {"authorization": f"Bearer {secret}"}
+    while not stop.is_set():
+        try:
+            key = await gate.authenticate(headers)
+            ticket = await gate.admit(key, "m", 10)
+        except OpenAIError as refused:
+            tally.outcomes[f"{refused.status} {refused.code}"] += 1
+            await asyncio.sleep(0.05)  # a client backing off a little (not the whole retry-after)
+            continue
+        tally.outcomes["admitted"] += 1
+        if tally.killed_at is not None:
+            if ticket.local:
+                tally.local_after_kill += 1
+            else:
+                tally.redis_after_kill += 1
+        await asyncio.sleep(0.005)  # "generation"
+        gate.settle(ticket, "completed", Usage(prompt_tokens=5, completion_tokens=5))
+
+
+async def hammer_through_a_failover(cluster, fail_mode: str) -> tuple[Tally, float, Access, str]:
+    settings = AppSettings(redis_url=cluster.url, quota={
+        "fail_mode": fail_mode, "redis_timeout_s": 0.5, "key_cache_ttl_s": 1, "concurrency_lease_s": 10})
+    gate = Access(settings, Telemetry(False, False))
+    record, secret = await KeyStore(gate.redis).create(f"failover-{fail_mode}", KeyLimits(requests_per_minute=RPM))
+    tally, stop = Tally(), asyncio.Event()
+    started = time.monotonic()
+    clients = [asyncio.create_task(client_loop(gate, secret, tally, stop)) for _ in range(CLIENTS)]
+    try:
+        await asyncio.sleep(BEFORE_KILL_S)
+        primary_of(cluster, gate, record.id).proc.kill()
+        tally.killed_at = time.monotonic()
+        deadline = tally.killed_at + FAILOVER_BOUND_S
+        while tally.redis_after_kill == 0:  # the promoted replica admits through Redis again
+            assert time.monotonic() < deadline, f"no admission through Redis after the failover: {tally.outcomes}"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(AFTER_RECOVERY_S)
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    return tally, time.monotonic() - started, gate, record.id
+
+
+async def settled_everything(gate: Access, key_id: str) -> None:
+    """Every settlement taken by Redis, no lease left, no record left open."""
+    deadline = time.monotonic() + 20
+    while gate._unsettled or gate._background:
+        assert time.monotonic() < deadline, len(gate._unsettled)
+        await gate.flush_unsettled()
+        await asyncio.sleep(0.1)
+    assert await gate.redis.zcard(redis_names.concurrency(key_id)) == 0
+    open_records = []
+    async for name in gate.redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"):
+        if (await gate.redis.hget(name, "status")) in (b"admitted", b"running"):
+            open_records.append(name)
+    assert not open_records
+
+
+def redis_allowance(seconds: float) -> float:
+    """What GCRA admits over ``seconds``: a burst of the limit, then the rate."""
+    return RPM + RPM * seconds / 60
+
+
+async def test_fail_open_keeps_serving_through_a_primary_failover_within_the_bound(cluster):
+    tally, took, gate, key_id = await hammer_through_a_failover(cluster, "open")
+    try:
+        outage = took - BEFORE_KILL_S - AFTER_RECOVERY_S  # kill → admitted through Redis again
+        print(f"\nfail open: {dict(tally.outcomes)} in {took:.1f} s (failover {outage:.1f} s); "
+              f"after the kill: {tally.local_after_kill} local, {tally.redis_after_kill} through Redis")
+        # Never a 503 (nor a 500): each call either outlasts the failover in the
+        # client's own retries (slot map refreshed, the promoted replica answers) or
+        # fails as unreachable and is decided on local limits. Which, depends on
+        # where in the failover the call falls; both are service.
+        assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded"}, tally.outcomes
+        # The stated bound: Redis' own allowance over the run, plus one ingress share
+        # of the limit (burst + rate) for the outage, plus the admissions in flight
+        # when the primary died (acknowledged, maybe not replicated: at most CLIENTS).
+        bound = redis_allowance(took) + redis_allowance(outage) + CLIENTS
+        assert tally.outcomes["admitted"] <= bound, (tally.outcomes, bound)
+        await settled_everything(gate, key_id)
+    finally:
+        await gate.redis.aclose()
+
+
+async def test_fail_closed_refuses_during_a_primary_failover_and_admits_only_through_redis(cluster):
+    tally, took, gate, key_id = await hammer_through_a_failover(cluster, "closed")
+    try:
+        print(f"\nfail closed: {dict(tally.outcomes)} in {took:.1f} s; after the kill: "
+              f"{tally.redis_after_kill} through Redis")
+        # Nothing admitted without Redis; a call the client's retries did not carry
+        # through the failover is refused with 503 and retry-after, never a 500.
+        assert tally.local_after_kill == 0
+        assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded", "503 quota_backend_unavailable"}
+        assert tally.outcomes["admitted"] <= redis_allowance(took) + CLIENTS, tally.outcomes
+        await settled_everything(gate, key_id)
+    finally:
+        await gate.redis.aclose()

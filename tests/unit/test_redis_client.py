@@ -1,0 +1,58 @@
+"""Which client a redis_url makes, and what a bad one is told."""
+
+import pytest
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from serve_app import redis_client
+from serve_app.settings import AppSettings
+
+
+def test_single_node_urls_go_to_redis_py_as_they_are():
+    for url in ("redis://127.0.0.1:6379/2", "rediss://user:pw@cache.example:6380/0", "unix:///run/redis.sock"):
+        assert redis_client.parse(url).mode == "single"
+    client = redis_client.connect("rediss://app:s3cret@cache.example:6380/3", timeout_s=0.5)
+    assert isinstance(client, Redis)
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["username"], kwargs["password"], kwargs["db"], kwargs["socket_timeout"]) == ("app", "s3cret", 3, 0.5)
+
+
+def test_cluster_url_names_every_seed_and_the_acl_user():
+    target = redis_client.parse("rediss+cluster://app:p%40ss@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002")
+    assert target.mode == "cluster" and target.tls
+    assert target.hosts == [("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002)]
+    assert (target.username, target.password) == ("app", "p@ss")
+    client = redis_client.connect("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", timeout_s=1)
+    assert isinstance(client, RedisCluster)
+
+
+def test_sentinel_url_names_its_service_and_database():
+    target = redis_client.parse("redis+sentinel://:pw@s1:26379,s2:26379/llm-primary/2?sentinel_password=x")
+    assert (target.mode, target.service, target.db, target.password) == ("sentinel", "llm-primary", 2, "pw")
+    assert target.hosts == [("s1", 26379), ("s2", 26379)]
+    client = redis_client.connect("redis+sentinel://s1:26379/llm-primary")
+    assert isinstance(client, Redis) and client.connection_pool.service_name == "llm-primary"
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("http://127.0.0.1:6379", "must start with one of"),
+    ("127.0.0.1:6379", "must start with one of"),
+    ("redis+sentinel://s1:26379", "names its service"),
+    ("redis+sentinel://s1:26379/svc/x", "is not a number"),
+    ("redis+cluster://10.0.0.1:7000/3", "database 0 only"),
+    ("redis+cluster://10.0.0.1", "is not host:port"),
+    ("redis+cluster://", "names no host"),
+])
+def test_a_bad_url_is_refused_with_its_problem_named(url, problem):
+    with pytest.raises(ValueError, match=problem):
+        redis_client.parse(url)
+    with pytest.raises(ValidationError, match=problem):
+        AppSettings(redis_url=url)
+
+
+def test_redact_hides_only_the_password():
+    assert redis_client.redact("rediss://app:s3cret@h:6380/0") == "rediss://app:***@h:6380/0"
+    assert redis_client.redact("redis+cluster://:s3cret@a:1,b:2") == "redis+cluster://:***@a:1,b:2"
+    assert redis_client.redact("redis://h:6379/0") == "redis://h:6379/0"
+    assert redis_client.redact("redis://app@h:6379/0") == "redis://app@h:6379/0"
