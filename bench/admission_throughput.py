@@ -63,16 +63,31 @@ async def _drive(url: str, duration_s: float, concurrency: int, seed: int, resul
             local += ticket.local
             gate.settle(ticket, "completed", usage)
 
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker(n) for n in range(concurrency)))
     took = time.perf_counter() - began
     while gate._background:  # settlements still in flight
         await asyncio.sleep(0.01)
+    cpu = time.process_time() - cpu_began
     await gate.redis.aclose()
-    results.put((len(latencies), took, latencies[::10], local))
+    results.put((len(latencies), took, latencies[::10], local, cpu))
 
 
-def measure(url: str, processes: int, duration_s: float, concurrency: int) -> dict:
+def redis_cpu_s(ports: list[int]) -> float:
+    """CPU seconds the redis-server processes on ``ports`` have used (INFO cpu)."""
+    import redis
+
+    total = 0.0
+    for port in ports:
+        client = redis.Redis(port=port)
+        info = client.info("cpu")
+        total += info["used_cpu_sys"] + info["used_cpu_user"]
+        client.close()
+    return total
+
+
+def measure(url: str, ports: list[int], processes: int, duration_s: float, concurrency: int) -> dict:
+    redis_before = redis_cpu_s(ports)
     results = multiprocessing.get_context("spawn").Queue()
     workers = [multiprocessing.get_context("spawn").Process(
         target=run_process, args=(url, duration_s, concurrency, n, results)) for n in range(processes)]
@@ -86,7 +101,9 @@ def measure(url: str, processes: int, duration_s: float, concurrency: int) -> di
     sampled = sorted(latency for part in parts for latency in part[2])
     assert not sum(part[3] for part in parts), "some admissions fell back to local limits: Redis timed out"
     return {"admissions/s": count / took, "p50 ms": 1000 * statistics.median(sampled),
-            "p99 ms": 1000 * sampled[int(0.99 * (len(sampled) - 1))]}
+            "p99 ms": 1000 * sampled[int(0.99 * (len(sampled) - 1))],
+            "gateway us": 1e6 * sum(part[4] for part in parts) / count,
+            "redis us": 1e6 * (redis_cpu_s(ports) - redis_before) / count}
 
 
 def main() -> None:
@@ -98,15 +115,19 @@ def main() -> None:
     points = [tuple(int(n) for n in point.split("x")) for point in args.points]
     rows = []
     with running_redis() as node, running_redis_cluster() as cluster:
-        for name, url in (("one node", node.url), ("cluster, 3 primaries", cluster.url)):
+        targets = (("one node", node.url, [node.port]),
+                   ("cluster, 3 primaries", cluster.url, [n.port for n in cluster.nodes]))
+        for name, url, ports in targets:
             for processes, in_flight in points:
-                rows.append((name, processes, in_flight, measure(url, processes, args.duration, in_flight)))
-    print(f"\nadmit (one EVALSHA) + settle per request, {args.duration:.0f} s per point, {KEYS} keys\n")
-    print("| Redis | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms |")
-    print("|---|---|---|---|---|---|")
+                rows.append((name, processes, in_flight, measure(url, ports, processes, args.duration, in_flight)))
+    print(f"\nadmit (one EVALSHA) + settle per request, {args.duration:.0f} s per point, {KEYS} keys; "
+          f"CPU per admitted request: the gateway processes' and every redis-server's (replicas included)\n")
+    print("| Redis | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms "
+          "| gateway CPU µs | Redis CPU µs |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, processes, in_flight, figures in rows:
         print(f"| {name} | {processes} | {in_flight} | {figures['admissions/s']:,.0f} | {figures['p50 ms']:.2f} | "
-              f"{figures['p99 ms']:.2f} |")
+              f"{figures['p99 ms']:.2f} | {figures['gateway us']:.0f} | {figures['redis us']:.0f} |")
 
 
 if __name__ == "__main__":
