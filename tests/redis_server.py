@@ -49,8 +49,8 @@ class RedisServer:
             self.proc = None
 
 
-def _cli(node: RedisServer, *command: str) -> str:
-    done = subprocess.run([shutil.which("redis-cli"), "-p", str(node.port), *command],
+def _cli(port: int, *command: str) -> str:
+    done = subprocess.run([shutil.which("redis-cli"), "-p", str(port), *command],
                           capture_output=True, text=True, timeout=10)
     return done.stdout
 
@@ -102,13 +102,13 @@ class RedisClusterServers:
         # Ready when every node sees the cluster ok and every replica has synced: a
         # replica that never synced refuses to take over (cluster-replica-validity-factor).
         deadline = time.monotonic() + 30
-        while not (all("cluster_state:ok" in _cli(node, "cluster", "info") for node in self.nodes)
+        while not (all("cluster_state:ok" in _cli(node.port, "cluster", "info") for node in self.nodes)
                    and self._replicas_synced()):
             assert time.monotonic() < deadline, "the Redis Cluster did not become ok with every replica synced"
             time.sleep(0.2)
 
     def _replicas_synced(self) -> bool:
-        roles = [_cli(node, "info", "replication") for node in self.nodes]
+        roles = [_cli(node.port, "info", "replication") for node in self.nodes]
         replicas = [role for role in roles if "role:slave" in role]
         return (len(replicas) == self.primaries * self.replicas
                 and all("master_link_status:up" in role for role in replicas))
@@ -169,14 +169,12 @@ class RedisSentinelSetup:
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 30
         while not (all(self._sees_replica(port) for port in self.sentinel_ports)
-                   and "master_link_status:up" in _cli(self.replica, "info", "replication")):
+                   and "master_link_status:up" in _cli(self.replica.port, "info", "replication")):
             assert time.monotonic() < deadline, "the sentinels did not find the primary and its replica"
             time.sleep(0.2)
 
     def _sees_replica(self, port: int) -> bool:
-        done = subprocess.run([shutil.which("redis-cli"), "-p", str(port), "sentinel", "replicas", self.service],
-                              capture_output=True, text=True, timeout=10)
-        return str(self.replica.port) in done.stdout
+        return str(self.replica.port) in _cli(port, "sentinel", "replicas", self.service)
 
     def stop(self) -> None:
         for sentinel in self.sentinels:

@@ -158,10 +158,15 @@ async def test_usage_counters_keep_35_days_and_13_months(redis):
 # -- the ingress's Access: which Redis errors fail open ---------------------------------
 
 
+def ingress_access(url: str) -> Access:
+    """What one ingress replica runs, with a short Redis timeout and lease."""
+    return Access(AppSettings(redis_url=url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30}),
+                  Telemetry(False, False))
+
+
 @pytest.fixture
 async def access(redis_url, redis):
-    settings = AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30})
-    gate = Access(settings, Telemetry(False, False))
+    gate = ingress_access(redis_url)
     yield gate
     await gate.redis.aclose()
 
@@ -171,8 +176,7 @@ async def node_access(redis_server):
     """An Access on the single node, for a test that stalls that one process."""
     client = aioredis.Redis.from_url(redis_server.url)
     await client.flushdb()
-    settings = AppSettings(redis_url=redis_server.url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30})
-    gate = Access(settings, Telemetry(False, False))
+    gate = ingress_access(redis_server.url)
     yield gate, client
     await gate.redis.aclose()
     await client.aclose()

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from contract.replica_wire import Usage
-from redis_server import RedisServer, _free_port
+from http_checks import free_port
+from redis_server import RedisServer
 from serve_app.access import Access
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyLimits, KeyStore
@@ -35,7 +36,7 @@ def tls_redis(tmp_path_factory):
     (certs / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", "server.crt", "-days", "1", "-extfile", "san.cnf", cwd=certs)
-    server, tls_port = RedisServer(), _free_port()
+    server, tls_port = RedisServer(), free_port()
     # The plain port stays on loopback for the harness' readiness check only.
     server.start(["--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.crt"),
                   "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
