@@ -322,3 +322,38 @@ async def test_fail_closed_refuses_every_request_while_redis_is_down_then_recove
         finally:
             await gate.redis.aclose()
             await client.aclose()
+
+
+async def test_after_a_redis_restart_the_next_request_reads_redis_again():
+    """A restart closes every pooled connection: the next request must open a new
+    one, not fail on a dead one (a key not in the cache then got a 503, fail_mode
+    open or not: redis-py 8 skipped its pool check while maintenance
+    notifications were on)."""
+    from serve_app.keys import KeyLimits, KeyStore
+
+    with running_redis(persistent=True) as server:  # its own: this test restarts it
+        # No key cache: every request reads its key from Redis.
+        gate = Access(AppSettings(redis_url=server.url, quota={"redis_timeout_s": 0.3, "key_cache_ttl_s": 0}),
+                      Telemetry(False, False))
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            _, secret = await KeyStore(client).create("before", KeyLimits(requests_per_minute=1000))
+            k = await gate.authenticate({"authorization": f"Bearer {secret}"})
+            tickets = await asyncio.gather(*(gate.admit(k, "m", 10) for _ in range(8)))  # several pooled connections
+            for ticket in tickets:
+                gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            await no_lease_left(client, k)
+            server.stop()
+            server.start()
+            await asyncio.sleep(0.2)  # the event loop sees the old connections close, as a serving ingress does
+            await client.connection_pool.disconnect()
+            _, fresh = await KeyStore(client).create("after", KeyLimits(requests_per_minute=1000))
+            for _ in range(8):  # every pooled connection is tried: none may be a dead one
+                after = await gate.authenticate({"authorization": f"Bearer {fresh}"})
+                ticket = await gate.admit(after, "m", 10)
+                assert not ticket.local  # admitted by Redis, not by the fail-open fallback
+                gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            await no_lease_left(client, after)
+        finally:
+            await gate.redis.aclose()
+            await client.aclose()

@@ -56,3 +56,11 @@ def test_redact_hides_only_the_password():
     assert redis_client.redact("redis+cluster://:s3cret@a:1,b:2") == "redis+cluster://:***@a:1,b:2"
     assert redis_client.redact("redis://h:6379/0") == "redis://h:6379/0"
     assert redis_client.redact("redis://app@h:6379/0") == "redis://app@h:6379/0"
+
+
+def test_pooled_connections_are_checked_before_use():
+    """redis-py skips the check that a pooled connection is still open while
+    maintenance notifications are on (its default): after a Redis restart each
+    pooled connection would fail one command."""
+    for url in ("redis://127.0.0.1:6379/0", "unix:///run/redis.sock", "redis+sentinel://s1:26379/llm-primary"):
+        assert not redis_client.connect(url).connection_pool.maint_notifications_enabled(), url
