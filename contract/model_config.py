@@ -9,6 +9,7 @@ replica's job (``replicas.sources``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -27,6 +28,82 @@ DEFAULT_MAX_QUEUED_REQUESTS = 64
 # A replica being stopped (scale-down, redeploy) first finishes what it runs:
 # LLM streams last minutes, far beyond Serve's default of 20 s.
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
+# A key's scheduling tier (serve_app/keys.py), most urgent first, and the value
+# each sends as vLLM's request `priority` (lower runs earlier).
+PriorityTier = Literal["high", "normal", "low"]
+PRIORITY_TIERS: tuple[str, ...] = ("high", "normal", "low")
+VLLM_PRIORITY = {"high": 0, "normal": 1, "low": 2}
+
+
+class PrioritySettings(BaseModel):
+    """What a key's tier changes for this model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queue_shares: dict[PriorityTier, float] = Field(
+        default_factory=lambda: {"high": 1.0, "normal": 0.75, "low": 0.5},
+        description="Share of the model's queue (max_queued_requests, per ingress replica) requests of each "
+        "tier may fill; past it a request of that tier gets 503 model_overloaded at once. Defaults: low "
+        "keys are refused when the queue is half full, normal keys at three quarters, so the last quarter "
+        "is kept for high keys. Tiers not named get 1.0.",
+    )
+
+    @model_validator(mode="after")
+    def _shares_are_fractions(self):
+        for tier, share in self.queue_shares.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"priority.queue_shares.{tier} must be in (0, 1], got {share}")
+        return self
+
+    def queue_limit(self, tier: str, max_queued: int) -> int:
+        """Requests of ``tier`` waiting for a replica past which one more is refused
+        (-1: Serve's own limit, unbounded queue). Rounded up: a queue of one is
+        open to every tier."""
+        if max_queued < 0:
+            return -1
+        return math.ceil(self.queue_shares.get(tier, 1.0) * max_queued)
+
+
+# serve_app/routing.py, named here so this module imports nothing of Ray.
+PREFIX_AFFINITY_ROUTER = "serve_app.routing:PrefixAffinityRouter"
+
+
+class RoutingSettings(BaseModel):
+    """How the ingress picks one of a model's replicas (serve_app/routing.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["prefix_affinity", "power_of_two"] = Field(
+        "prefix_affinity",
+        description="prefix_affinity: prompts that start alike go to the same replica (its prefix cache "
+        "serves the shared part), unless that replica is busier than the guard allows. power_of_two: "
+        "Serve's default, the less busy of two random replicas.",
+    )
+    prefix_chars: int = Field(
+        512,
+        ge=16,
+        le=1_000_000,
+        description="Characters of the prompt (roles and text of the messages in order) that decide the "
+        "replica. 512 (~128 tokens): enough to tell system prompts and templates apart, short enough "
+        "that every request of one template, and every turn of one conversation, shares it.",
+    )
+    imbalance_threshold: int = Field(
+        4,
+        ge=0,
+        description="The preferred replica is skipped when it runs more than this many requests beyond "
+        "the least busy replica. 4: a vLLM batch absorbs a few more sequences at little cost, while a "
+        "hot prefix queued much deeper costs more time than recomputing the prefix elsewhere.",
+    )
+
+    def serve_request_router_config(self) -> dict[str, Any] | None:
+        if self.policy == "power_of_two":
+            return None
+        return {
+            "request_router_class": PREFIX_AFFINITY_ROUTER,
+            "request_router_kwargs": {
+                "prefix_chars": self.prefix_chars, "imbalance_threshold": self.imbalance_threshold,
+            },
+        }
 
 
 class MediaPolicy(BaseModel):
@@ -125,6 +202,8 @@ class ModelConfig(BaseModel):
         "min_replicas 0 scales to zero. Unset = deployment.num_replicas (default 1).",
     )
     lora: LoraSettings | None = Field(None, description="LoRA adapters on this (generative) model.")
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    priority: PrioritySettings = Field(default_factory=PrioritySettings)
     queue_timeout_s: float = Field(
         60.0,
         gt=0,
@@ -172,6 +251,17 @@ class ModelConfig(BaseModel):
         return self.autoscaling is not None and self.autoscaling.scales_to_zero
 
     @property
+    def priority_scheduling(self) -> bool:
+        """The engine orders waiting requests by priority (vLLM's
+        ``scheduling_policy: priority``): keys' tiers are sent as ``priority``."""
+        return self.engine_kwargs.get("scheduling_policy") == "priority"
+
+    @property
+    def max_queued_requests(self) -> int:
+        """Serve's queue bound per ingress replica for this model (-1: none)."""
+        return int(self.deployment.get("max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS))
+
+    @property
     def tensor_parallel_size(self) -> int:
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
 
@@ -202,6 +292,9 @@ class ModelConfig(BaseModel):
         options["graceful_shutdown_timeout_s"] = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.serve_autoscaling_config()
+        router = self.routing.serve_request_router_config()
+        if router is not None:
+            options["request_router_config"] = router
         options.update(self.deployment)
         return options
 

@@ -18,6 +18,10 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
+    # Prompt tokens looked up in the prefix cache, and found there, since the
+    # engine started: their ratio is what prefix-affinity routing is for.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -34,6 +38,9 @@ class EngineLoadRecorder(StatLoggerBase):
             self.load.running = scheduler_stats.num_running_reqs
             self.load.waiting = scheduler_stats.num_waiting_reqs
             self.load.kv_cache_usage = scheduler_stats.kv_cache_usage
+            prefix = scheduler_stats.prefix_cache_stats
+            self.load.prefix_cache_queries += prefix.queries
+            self.load.prefix_cache_hits += prefix.hits
 
     def log_engine_initialized(self):
         pass

@@ -268,6 +268,7 @@ class VLLMReplica:
         return {
             **self.load.as_dict(),
             "unfinished": self.engine.get_num_unfinished_requests(),
+            "replica": self.replica,
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serve_app.errors import OpenAIError, invalid_request
+from contract.model_config import PriorityTier
 from serve_app.keys import KeyLimits, KeyNotFound, KeyRecord
 from serve_app.usage import key_usage, request_state
 
@@ -28,6 +29,7 @@ class KeyChanges(BaseModel):
     max_concurrent: int | None = None
     daily_token_budget: int | None = None
     monthly_token_budget: int | None = None
+    priority: PriorityTier | None = None
     enabled: bool | None = None
 
 

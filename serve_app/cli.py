@@ -1,7 +1,7 @@
 """``llmctl``: the operator's command line.
 
     llmctl keys create NAME [--rpm N --tpm N --max-concurrent N --daily-tokens N
-                             --monthly-tokens N --models a,b] [--json]
+                             --monthly-tokens N --models a,b --priority high|normal|low] [--json]
     llmctl keys list|show|update|revoke ...
     llmctl usage --key NAME_OR_ID
     llmctl requests show REQUEST_ID
@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from contract.model_config import PRIORITY_TIERS
+
 LIMIT_FLAGS = {
     "rpm": "requests_per_minute",
     "tpm": "tokens_per_minute",
@@ -34,6 +36,8 @@ def _limit_changes(args: argparse.Namespace) -> dict:
     changes = {field: getattr(args, flag) for flag, field in LIMIT_FLAGS.items() if getattr(args, flag) is not None}
     if args.models is not None:
         changes["models"] = None if args.models in ("", "*") else args.models.split(",")
+    if args.priority is not None:
+        changes["priority"] = args.priority
     return changes
 
 
@@ -184,6 +188,8 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     for flag in LIMIT_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None)
     parser.add_argument("--models", default=None, help="comma-separated model names; '*' = all")
+    parser.add_argument("--priority", default=None, choices=PRIORITY_TIERS,
+                        help="scheduling tier under load (default normal)")
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ its dialect's shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -21,7 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from contract.model_config import ADAPTER_NAME, ModelConfig
+from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
 from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
@@ -61,6 +62,10 @@ def _engine_error(ticket: Ticket, refused: ReplicaError) -> OpenAIError:
     return exc
 
 
+# Operations whose engine requests carry the key's tier as vLLM's `priority`.
+PRIORITIZED = frozenset({"chat", "completions"})
+
+
 class QueueTimeout(Exception):
     """No replica took the request within the model's ``queue_timeout_s``."""
 
@@ -88,6 +93,9 @@ class Gateway:
         self.telemetry = telemetry
         self.models = models
         self._configs = {config.name: config for config in configs}
+        # Requests of each model waiting for a replica at this ingress (Serve's
+        # queue for it here): the priority tiers' queue shares are measured on it.
+        self._waiting = {config.name: 0 for config in configs}
         self._created = int(time.time())
         self._card_details: dict[str, dict[str, Any]] = {}
         self._describing: dict[str, asyncio.Future] = {}
@@ -281,12 +289,22 @@ class Gateway:
         )
         self.telemetry.admitted(record)
         body["request_id"] = ticket.request_id
-        queue_timeout_s = self._configs[model].queue_timeout_s
+        config = self._configs[model]
+        if config.priority_scheduling and op.name in PRIORITIZED:
+            body["priority"] = VLLM_PRIORITY[key.priority]
+        queue_limit = config.priority.queue_limit(key.priority, config.max_queued_requests)
+        if 0 <= queue_limit <= self._waiting[model]:
+            # This tier's share of the model's queue is full (the rest is kept for higher tiers).
+            self.access.settle(ticket, "overloaded", Usage())
+            raise _unavailable(ticket, f"Model '{model}' is at capacity for {key.priority}-priority keys. "
+                                       "Please retry shortly.", "model_overloaded")
+        queue_timeout_s = config.queue_timeout_s
         try:
             if getattr(request, "stream", False):
                 return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
-            response = handle.call.remote(op.name, body)
-            await reach_replica(response, queue_timeout_s)
+            with self._queued(model):
+                response = handle.call.remote(op.name, body)
+                await reach_replica(response, queue_timeout_s)
             answer: ReplicaAnswer | ReplicaError = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
@@ -329,8 +347,9 @@ class Gateway:
         client_wants_usage = bool(options and options.include_usage)
         # Usage is always asked for: it settles the token reservation.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        chunks = handle.options(stream=True).stream.remote(op.name, body)
-        await reach_replica(chunks, queue_timeout_s)
+        with self._queued(body["model"]):
+            chunks = handle.options(stream=True).stream.remote(op.name, body)
+            await reach_replica(chunks, queue_timeout_s)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -348,6 +367,15 @@ class Gateway:
         # (otherwise its lease would be renewed for as long as the ingress lives).
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
+
+    @contextlib.contextmanager
+    def _queued(self, model: str):
+        """Counts the request as waiting for one of ``model``'s replicas."""
+        self._waiting[model] += 1
+        try:
+            yield
+        finally:
+            self._waiting[model] -= 1
 
     def _dropped_unstarted(self, ticket: Ticket, chunks, record: RequestRecord) -> None:
         if ticket.settled:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.model_config import PriorityTier
 from serve_app import redis_names
 
 SECRET_PREFIX = "sk-llm-"
@@ -30,6 +31,12 @@ class KeyLimits(BaseModel):
     max_concurrent: int = Field(0, ge=0)
     daily_token_budget: int = Field(0, ge=0)
     monthly_token_budget: int = Field(0, ge=0)
+    priority: PriorityTier = Field(
+        "normal",
+        description="Scheduling tier: high, normal or low. Under load a model's engine runs higher tiers "
+        "first (where the model enables priority scheduling) and the ingress refuses lower tiers first "
+        "when the model's queue fills (contract/model_config.py PrioritySettings).",
+    )
 
 
 class KeyRecord(KeyLimits):

@@ -30,6 +30,10 @@ MAX_TOP_LOGPROBS = 20
 # llama.cpp name -> vLLM name (chat and completions).
 LLAMACPP_ALIASES = {"repeat_penalty": "repetition_penalty", "n_predict": "max_tokens"}
 
+# vLLM's own `priority` field: a client setting it would jump other tenants'
+# queue. The key's tier decides it (serve_app/gateway.py); the client's is dropped.
+_GATEWAY_OWNED = frozenset({"priority"})
+
 _LLAMACPP_IGNORED = frozenset(
     {
         "cache_prompt",  # vLLM reuses cached prefixes by itself
@@ -50,9 +54,10 @@ IGNORED: dict[str, frozenset[str]] = {
             "prediction",  # predicted outputs only cut latency; the answer is the same
         }
     )
-    | _LLAMACPP_IGNORED,
-    "completions": _LLAMACPP_IGNORED,
-    "embeddings": frozenset(),
+    | _LLAMACPP_IGNORED
+    | _GATEWAY_OWNED,
+    "completions": _LLAMACPP_IGNORED | _GATEWAY_OWNED,
+    "embeddings": _GATEWAY_OWNED,
 }
 
 _ALWAYS = object()  # no value is "off": the parameter is always refused

@@ -106,6 +106,8 @@ def render(serve_part: dict[str, Any], redis_part: dict[str, Any], redis_url: st
             else:
                 engine_text = (f"{engine['running']} running, {engine['waiting']} waiting, "
                                f"KV {engine['kv_cache_usage']:.0%}")
+                if engine.get("prefix_cache_queries"):  # one replica's, since its engine started
+                    engine_text += f", prefix cache hits {engine['prefix_cache_hits'] / engine['prefix_cache_queries']:.0%}"
             target = "" if entry["target"] is None else entry["target"]
             lines.append(f"{name:<28}{entry['status']:<14}{replicas.get('RUNNING', 0):>8}{starting:>9}{target:>7}   "
                          f"{engine_text}")

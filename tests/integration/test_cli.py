@@ -13,17 +13,20 @@ def run(capsys, redis_url, *argv):
 
 def test_key_lifecycle(capsys, redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_CLUSTER_DATA_DIR", str(tmp_path))
-    code, out = run(capsys, redis_url, "keys", "create", "cli-team", "--rpm", "60", "--models", "a,b", "--json")
+    code, out = run(capsys, redis_url, "keys", "create", "cli-team", "--rpm", "60", "--models", "a,b",
+                    "--priority", "low", "--json")
     created = json.loads(out)
     assert code == 0 and created["secret"].startswith("sk-llm-")
-    assert created["requests_per_minute"] == 60 and created["models"] == ["a", "b"]
+    assert created["requests_per_minute"] == 60 and created["models"] == ["a", "b"] and created["priority"] == "low"
 
     code, out = run(capsys, redis_url, "keys", "show", "cli-team", "--json")
     shown = json.loads(out)
     assert "secret" not in shown and shown["id"] == created["id"]
 
-    code, out = run(capsys, redis_url, "keys", "update", created["id"], "--tpm", "500", "--models", "*", "--json")
-    assert json.loads(out)["tokens_per_minute"] == 500 and json.loads(out)["models"] is None
+    code, out = run(capsys, redis_url, "keys", "update", created["id"], "--tpm", "500", "--models", "*",
+                    "--priority", "high", "--json")
+    updated = json.loads(out)
+    assert updated["tokens_per_minute"] == 500 and updated["models"] is None and updated["priority"] == "high"
 
     code, out = run(capsys, redis_url, "keys", "list", "--json")
     assert "cli-team" in [k["name"] for k in json.loads(out)]

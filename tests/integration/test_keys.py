@@ -97,3 +97,24 @@ async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_error(re
     finally:
         monkeypatch.undo()
         await client.aclose()
+
+
+async def test_priority_tiers_are_checked_and_old_records_read_as_normal(redis):
+    import json
+
+    from pydantic import ValidationError
+
+    from serve_app import redis_names
+
+    store = KeyStore(redis)
+    record, _ = await store.create("tiered", KeyLimits(priority="low"))
+    assert (await store.get(record.id)).priority == "low"
+    for odd in ("urgent", 0, None, ["high"], "HIGH"):
+        with pytest.raises(ValidationError):
+            await store.update("tiered", priority=odd)
+    assert (await store.get(record.id)).priority == "low"  # a refused change changes nothing
+    # A record written before tiers existed has no field: it is a normal key.
+    stored = json.loads(await redis.get(redis_names.key_record(record.id)))
+    del stored["priority"]
+    await redis.set(redis_names.key_record(record.id), json.dumps(stored))
+    assert (await store.get(record.id)).priority == "normal"

@@ -139,3 +139,75 @@ async def test_refusals_before_admission_settle_nothing():
         with pytest.raises(OpenAIError) as caught:
             await gateway.run(KEY, "chat", json.loads(json.dumps(body)), 100, RequestRecord("openai", "x"))
         assert caught.value.status in (400, 404) and access.settled == []
+
+
+# -- priority tiers ------------------------------------------------------------------
+
+
+def tiered_gateway(engine_kwargs=None, max_queued=4):
+    """A gateway whose calls wait for a replica until released; returns (gateway,
+    access, bodies the replica was sent, release)."""
+    access, sent, release = Access(), [], asyncio.Event()
+
+    class Waiting(Response):
+        async def _fetch_future_result_async(self):
+            await release.wait()
+
+    def remote(operation, body):
+        sent.append(body)
+        return Waiting(result=ReplicaAnswer(b"{}", USAGE, "r1"))
+
+    handle = SimpleNamespace(call=SimpleNamespace(remote=remote))
+    config = ModelConfig(name="tiny-llama", engine_kwargs=engine_kwargs or {},
+                         deployment={"max_queued_requests": max_queued})
+    return Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False)), access, sent, release
+
+
+def tier(name: str) -> KeyRecord:
+    return KeyRecord(id=f"k-{name}", name=name, created_at=0, priority=name)
+
+
+async def test_lower_tiers_are_refused_first_as_the_queue_fills():
+    gateway, access, sent, release = tiered_gateway(max_queued=4)  # shares: low 2, normal 3, high 4
+    calls = []
+
+    async def send(key):
+        try:
+            return await gateway.run(key, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+        except OpenAIError as exc:
+            return exc
+
+    for key in (tier("low"), tier("low")):  # two waiting: the low share is full
+        calls.append(asyncio.create_task(send(key)))
+    await asyncio.sleep(0)
+    low = await send(tier("low"))
+    assert isinstance(low, OpenAIError) and (low.status, low.code) == (503, "model_overloaded")
+    assert "low-priority" in low.message and low.headers["retry-after"] == "1"
+    calls.append(asyncio.create_task(send(tier("normal"))))  # three waiting
+    await asyncio.sleep(0)
+    normal = await send(tier("normal"))
+    assert isinstance(normal, OpenAIError) and normal.code == "model_overloaded"
+    calls.append(asyncio.create_task(send(tier("high"))))  # the last place is a high key's
+    await asyncio.sleep(0)
+    high = await send(tier("high"))
+    assert isinstance(high, OpenAIError) and high.code == "model_overloaded"
+    assert len(sent) == 4  # refused requests never reached Serve
+    release.set()
+    replies = await asyncio.gather(*calls)
+    assert all(not isinstance(reply, OpenAIError) for reply in replies)
+    assert sorted(status for status, _ in access.settled) == ["completed"] * 4 + ["overloaded"] * 3
+    assert gateway._waiting["tiny-llama"] == 0  # nothing counted as waiting once answered
+    # The queue drained: a low key is served again.
+    assert not isinstance(await send(tier("low")), OpenAIError)
+
+
+async def test_the_key_tier_is_the_engine_priority_and_a_client_cannot_set_its_own():
+    gateway, _, sent, release = tiered_gateway(engine_kwargs={"scheduling_policy": "priority"})
+    release.set()
+    for name, expected in (("high", 0), ("normal", 1), ("low", 2)):
+        await gateway.run(tier(name), "chat", {**CHAT, "priority": -1000}, 100, RequestRecord("openai", "x"))
+        assert sent[-1]["priority"] == expected
+    plain, _, sent, release = tiered_gateway()  # FCFS engine: vLLM refuses any priority but 0
+    release.set()
+    await plain.run(tier("high"), "chat", {**CHAT, "priority": -1000}, 100, RequestRecord("openai", "x"))
+    assert "priority" not in sent[-1]

@@ -6,13 +6,14 @@ from serve_app.status import render
 def test_the_table_names_replicas_engine_load_and_redis():
     serve_part = {"application": "RUNNING", "deployments": {
         "model-tiny-llama": {"status": "UPSCALING", "target": 2, "replicas": {"RUNNING": 1, "STARTING": 1},
-                             "engine": {"running": 3, "waiting": 5, "kv_cache_usage": 0.42}},
+                             "engine": {"running": 3, "waiting": 5, "kv_cache_usage": 0.42,
+                                        "prefix_cache_queries": 4000, "prefix_cache_hits": 3000}},
         "model-minilm": {"status": "HEALTHY", "target": 1, "replicas": {"RUNNING": 1}, "engine": {"error": "TimeoutError"}},
         "Ingress": {"status": "HEALTHY", "target": 1, "replicas": {"RUNNING": 1}},
     }}
     table = render(serve_part, {"reachable": True, "keys": 7}, "redis://r:6379/0")
     tiny = next(line for line in table.splitlines() if line.startswith("model-tiny-llama"))
-    assert tiny.split()[1:5] == ["UPSCALING", "1", "1", "2"] and "3 running, 5 waiting, KV 42%" in tiny
+    assert tiny.split()[1:5] == ["UPSCALING", "1", "1", "2"] and "3 running, 5 waiting, KV 42%, prefix cache hits 75%" in tiny
     assert "no answer (TimeoutError)" in table and "redis: reachable (redis://r:6379/0), 7 keys" in table
 
 

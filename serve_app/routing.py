@@ -1,0 +1,166 @@
+"""Which replica of a model takes a request: prefix affinity with a load guard.
+
+A Ray Serve request router (``request_router_config`` on a model's deployment,
+contract/model_config.py ``routing``); it runs in each ingress replica, inside
+the handle that calls the model.
+
+Requests whose prompts start alike go to the same replica, so vLLM's prefix
+cache serves the shared part (a long system prompt, a few-shot template, a
+conversation's earlier turns) instead of recomputing it. The replica is chosen by
+rendezvous hashing of the prompt's first ``prefix_chars`` characters over the
+running replicas' ids:
+
+- no index to keep: memory stays constant however many prompts pass (Ray's
+  PrefixCacheAffinityRouter keeps a prefix tree in a detached actor, unbounded
+  unless eviction is switched on, asks it with a blocking ``ray.get`` on every
+  routing decision, and cannot read our replica calls' arguments, which are a
+  plain body dict);
+- every ingress replica picks the same replica for the same prefix, with no
+  shared state;
+- a replica added or removed moves only the prefixes it wins or held.
+
+The load guard: the preferred replica is taken while it runs at most
+``imbalance_threshold`` more requests than the least busy replica; beyond that
+the request goes to the less busy of two random replicas (Serve's default), which
+then caches the prefix too. So a hot prefix spreads instead of queueing on one
+replica, and an idle replica is never skipped for long.
+
+LoRA adapters (Serve multiplexing): among the replicas that hold the adapter,
+the same prefix choice and the same guard: a hot adapter overflows to the least
+busy replicas, which load it, instead of queueing where it was first loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+
+ROUTER_PATH = "serve_app.routing:PrefixAffinityRouter"
+
+
+def prompt_prefix(body: Any, chars: int) -> str:
+    """The first ``chars`` characters of what the engine will read first: the
+    messages' roles and text in order, or the prompt. '' when there is none
+    (then nothing is gained by affinity)."""
+    if not isinstance(body, Mapping):
+        return ""
+    parts: list[str] = []
+    size = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, Mapping):
+                continue
+            for text in (str(message.get("role", "")), "\x1f", *_texts(message.get("content")), "\x1e"):
+                parts.append(text)
+                size += len(text)
+                if size >= chars:
+                    return "".join(parts)[:chars]
+        return "".join(parts)[:chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt[:chars]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, int)):
+        # One prompt of token ids, or the first of a batch of prompts.
+        first = prompt if isinstance(prompt[0], int) else prompt[0]
+        return (first if isinstance(first, str) else ",".join(map(str, first)))[:chars]
+    return ""
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str)]
+    return []
+
+
+def rendezvous_order(prefix: str, replica_ids: Sequence[str]) -> list[str]:
+    """``replica_ids`` from most to least preferred for ``prefix``: each id's
+    score is a hash of (prefix, id), so removing a replica changes the order of
+    the others for no prefix."""
+    digest = hashlib.blake2b(prefix.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return sorted(replica_ids, key=lambda rid: hashlib.blake2b(rid.encode(), key=digest, digest_size=8).digest(),
+                  reverse=True)
+
+
+def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], imbalance_threshold: int) -> str | None:
+    """The first replica of ``order`` that runs at most ``imbalance_threshold``
+    more requests than the least busy replica, or None when every replica of
+    ``order`` is past that (the caller then balances load). Unknown queue
+    lengths count as 0 (the router probes them first)."""
+    known = {rid: (queue_lens.get(rid) or 0) for rid in queue_lens}
+    if not order:
+        return None
+    least = min(known.values(), default=0)
+    for rid in order:
+        if known.get(rid, 0) - least <= imbalance_threshold:
+            return rid
+    return None
+
+
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Serve's power-of-two choice with prefix (and adapter) affinity in front.
+
+    Not a subclass of PowerOfTwoChoicesRequestRouter: its FIFOMixin hands the
+    replica chosen for one request to the oldest waiting request, which has
+    another prefix. Without it, Serve gives each request the replica chosen for it.
+    """
+
+    # Serve's own choice (adapter holders, then locality, then two at random),
+    # for requests with no prompt and adapters no replica holds yet.
+    _power_of_two = PowerOfTwoChoicesRequestRouter.choose_replicas
+
+    def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4) -> None:
+        self._prefix_chars = prefix_chars
+        self._imbalance_threshold = imbalance_threshold
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        prefix = self._prefix_of(pending_request)
+        if not prefix or not candidate_replicas:
+            return await self._power_of_two(candidate_replicas, pending_request)
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        holders = by_id.keys()
+        adapter = pending_request.metadata.multiplexed_model_id
+        if adapter:
+            held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
+            holders = [rid for rid in by_id if rid in held]
+            if not holders:  # nobody holds it yet: Serve's choice (fewest adapters loaded)
+                return await self._power_of_two(candidate_replicas, pending_request)
+        queue_lens = await self._queue_lens(candidate_replicas)
+        chosen = affine_choice(rendezvous_order(prefix, list(holders)), queue_lens, self._imbalance_threshold)
+        if chosen is not None:
+            # The preferred replica first; if its queue is full, the least busy of the rest.
+            rest = [by_id[rid] for rid in by_id if rid != chosen]
+            return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+        # Imbalanced: the less busy of two random replicas, adapter or not.
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def _prefix_of(self, pending_request: PendingRequest | None) -> str:
+        if pending_request is None or len(pending_request.args) < 2:
+            return ""
+        return prompt_prefix(pending_request.args[1], self._prefix_chars)  # call(operation, body)
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
+        """Requests each replica runs, from Serve's queue-length cache, probing
+        the replicas it has no fresh entry for."""
+        lens: dict[str, int | None] = {}
+        unknown = []
+        for replica in replicas:
+            cached = self._replica_queue_len_cache.get(replica.replica_id) if self._use_replica_queue_len_cache else None
+            if cached is None:
+                unknown.append(replica)
+            lens[replica.replica_id.unique_id] = cached
+        if unknown:
+            for replica, queue_len in await self._probe_queue_lens(unknown, 0):
+                lens[replica.replica_id.unique_id] = queue_len
+        return lens

@@ -1,0 +1,279 @@
+"""Who runs where and first, on the real stack: prefix-affinity routing
+(serve_app/routing.py) and keys' priority tiers (serve_app/gateway.py, vLLM's
+priority scheduling). Requests go through the OpenAI SDK or plain HTTP; where
+each one ran is read from its request record in Redis.
+
+Two models: the demo chat model on two vLLM replicas (routing), and a copy on
+one replica whose engine runs one sequence at a time with priority scheduling,
+four requests per replica and a Serve queue of four (tiers).
+
+- Requests that share a system prompt run on the replica that prefix ranks
+  first, every time, and different prefixes use both replicas.
+- A flood on one prefix does not queue on its replica alone: past the load
+  guard the other replica takes the overflow.
+- A high-priority key's request waiting in the engine runs before a low one's
+  that came earlier.
+- As the model's queue fills, low keys are refused first, then normal keys;
+  the last places are high keys'. Refused requests are charged nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from copy import deepcopy
+
+import httpx
+import openai
+import pytest
+import redis as redis_sync
+
+from http_checks import free_port
+from settled import wait_until_settled
+from serve_app.routing import prompt_prefix, rendezvous_order
+from stack import APP_NAME, create_key, local_app_args, serve_stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL, TIERED = "tiny-llama", "tiny-llama-tiers"
+PREFIX_CHARS, GUARD = 512, 4  # RoutingSettings defaults
+TIERED_ONGOING, TIERED_QUEUE = 4, 4  # queue shares (defaults): low 2, normal 3, high 4
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server):
+    args = {**local_app_args(only=[MODEL]), "redis_url": redis_server.url}
+    [chat] = args["models"]
+    tiered = deepcopy(chat)
+    chat["cpus_per_replica"] = 0.5  # three engines and the ingress on two CPUs
+    chat["deployment"] = {**chat["deployment"], "num_replicas": 2}
+    tiered.update(name=TIERED, cpus_per_replica=0.25)
+    tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
+    tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
+                            "max_queued_requests": TIERED_QUEUE}
+    args["models"].append(tiered)
+    with serve_stack(args, port=free_port()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def replica_ids(base_url) -> list[str]:
+    """The two replicas' ids, as the router and the records name them, once both run."""
+    import ray
+    from ray import serve
+
+    from contract.model_config import deployment_name
+
+    def running() -> int:
+        app = serve.status().applications.get(APP_NAME)
+        deployment = app and app.deployments.get(deployment_name(MODEL))
+        return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+    deadline = time.monotonic() + 600
+    while running() != 2:
+        assert time.monotonic() < deadline, serve.status()
+        time.sleep(1)
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment_name(MODEL)}#"
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
+    ids = sorted(name[len(prefix):] for name in names if name.startswith(prefix))
+    assert len(ids) == 2, names
+    return ids
+
+
+@pytest.fixture(scope="module")
+def key(redis_server) -> tuple[str, str]:
+    return create_key(redis_server.url, "routing", requests_per_minute=100_000, max_concurrent=100)
+
+
+@pytest.fixture(scope="module")
+def client(base_url, key, replica_ids):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
+    deadline = time.monotonic() + 600
+    while True:  # both replicas answer (the first may come up well before the second)
+        try:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+            break
+        except openai.APIStatusError:
+            assert time.monotonic() < deadline
+            time.sleep(2)
+    return client
+
+
+def system_prompts_preferring(replica: str, replica_ids: list[str], count: int) -> list[str]:
+    """Distinct long system prompts whose prefix ranks ``replica`` first."""
+    found = []
+    n = 0
+    while len(found) < count:
+        system = f"Policy book {n}. " + "Answer politely, cite the policy, never promise refunds. " * 30
+        prefix = prompt_prefix({"messages": conversation(system, "")}, PREFIX_CHARS)
+        assert prefix.startswith("system\x1fPolicy book")  # the body as the router reads it
+        if rendezvous_order(prefix, replica_ids)[0] == replica:
+            found.append(system)
+        n += 1
+    return found
+
+
+def conversation(system: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def replicas_that_ran(redis_server, key, request_ids: list[str]) -> list[str]:
+    """The replica each request ran on, from its record in Redis."""
+    records = wait_until_settled(redis_sync.Redis.from_url(redis_server.url), key[0])
+    by_id = {record["http_request_id"]: record for record in records}
+    return [by_id[request_id]["replica"] for request_id in request_ids]
+
+
+def send(client, messages, max_tokens: int = 2, **extra) -> str:
+    """One chat request; its x-request-id."""
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                           extra_body=extra or None)
+    raw.parse()
+    return raw.headers["x-request-id"]
+
+
+def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids, redis_server, key):
+    sent: list[tuple[str, str]] = []  # (request id, replica its prefix ranks first)
+    for replica in replica_ids:
+        for system in system_prompts_preferring(replica, replica_ids, 3):
+            for question in ("Where is my parcel?", "Cancel my order", "Do you ship to Mars?"):
+                sent.append((send(client, conversation(system, question)), replica))
+    ran = replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent])
+    assert ran == [preferred for _, preferred in sent]
+    assert set(ran) == set(replica_ids)  # different prefixes use both replicas
+
+
+def test_a_flood_on_one_prefix_overflows_to_the_other_replica(client, replica_ids, redis_server, key):
+    preferred = replica_ids[0]
+    [system] = system_prompts_preferring(preferred, replica_ids, 1)
+    streams = 12
+    # Long generations, so the first ones still run when the last ones are routed.
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(send, client, conversation(system, f"question {i}"), 200, min_tokens=200,
+                               ignore_eos=True) for i in range(streams)]
+        request_ids = [future.result() for future in futures]
+    ran = replicas_that_ran(redis_server, key, request_ids)
+    on_preferred = ran.count(preferred)
+    # The guard keeps the preferred replica at most GUARD requests ahead: it takes
+    # about half of the flood plus the guard, the other replica the rest.
+    assert streams - on_preferred >= (streams - GUARD) // 2 - 1, ran
+    assert on_preferred > streams - on_preferred, ran  # still the prefix's replica first
+
+
+# -- priority tiers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tier_keys(base_url, redis_server, replica_ids) -> dict[str, tuple[str, str]]:
+    keys = {tier: create_key(redis_server.url, f"tier-{tier}", priority=tier) for tier in ("high", "normal", "low")}
+    deadline = time.monotonic() + 600
+    while _chat(base_url, keys["high"][1], 1).status_code != 200:  # the tiered model is up
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    return keys
+
+
+def _chat(base_url: str, secret: str, max_tokens: int, **extra) -> httpx.Response:
+    body = {"model": TIERED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "min_tokens": max_tokens, "ignore_eos": True, **extra}
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=300,
+                      headers={"authorization": f"Bearer {secret}"})
+
+
+BLOCKER_TOKENS = 2000  # ~10 s or more of the engine's one sequence: stopped by the tests well before
+
+
+class Stream(threading.Thread):
+    """One streamed request in the background: its status, when its first
+    chunk came, when it ended; ``stop`` hangs up."""
+
+    def __init__(self, base_url: str, secret: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.base_url, self.secret, self.max_tokens = base_url, secret, max_tokens
+        self.status: int | None = None
+        self.body = b""
+        self.first_chunk = threading.Event()
+        self.stopping = threading.Event()
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        body = {"model": TIERED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": self.max_tokens,
+                "min_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", self.base_url + "/v1/chat/completions", json=body, timeout=300,
+                              headers={"authorization": f"Bearer {self.secret}"}) as response:
+                self.status = response.status_code
+                for chunk in response.iter_bytes():
+                    self.first_chunk.set()
+                    self.body += chunk
+                    if self.stopping.is_set():
+                        break
+        except httpx.HTTPError as exc:  # the test reads it from the body it asserts on
+            self.body += f"client error: {exc!r}".encode()
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(60)
+
+
+def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: bool = True) -> Stream:
+    stream = Stream(base_url, secret, max_tokens)
+    stream.start()
+    if wait_for_first_chunk:
+        assert stream.first_chunk.wait(300)
+    return stream
+
+
+def test_a_high_key_waiting_in_the_engine_runs_before_an_earlier_low_one(base_url, tier_keys):
+    blocker = started(base_url, tier_keys["high"][1], BLOCKER_TOKENS)  # the engine's one sequence
+    low = started(base_url, tier_keys["low"][1], 20, wait_for_first_chunk=False)
+    time.sleep(1.0)  # the low request is in the engine's waiting queue first
+    high = started(base_url, tier_keys["high"][1], 20, wait_for_first_chunk=False)
+    time.sleep(1.0)
+    assert not low.first_chunk.is_set() and not high.first_chunk.is_set()  # both still wait
+    blocker.stop()  # the engine takes the next waiting request: by priority, not by arrival
+    for stream in (low, high):
+        stream.join(300)
+        assert stream.status == 200 and stream.body.endswith(b"data: [DONE]\n\n"), stream.body[-300:]
+    assert high.ended_at < low.ended_at
+
+
+def test_as_the_queue_fills_lower_tiers_are_refused_first(base_url, tier_keys, redis_server):
+    # The replica's four places: long streams of a high key.
+    # One runs in the engine, three wait in it (its one sequence): their first
+    # chunks would come one after another, so none is waited for.
+    running = [started(base_url, tier_keys["high"][1], BLOCKER_TOKENS, wait_for_first_chunk=False)
+               for _ in range(TIERED_ONGOING)]
+    time.sleep(1)  # all four at the replica
+    # Then, quickly and in this order (the first blocker runs for seconds yet): each
+    # request either waits for a place or is refused at once.
+    tiers = ["low", "low", "low", "normal", "normal", "high", "high"]
+    offers = []
+    for tier in tiers:
+        offers.append(started(base_url, tier_keys[tier][1], 4, wait_for_first_chunk=False))
+        time.sleep(0.05)
+    time.sleep(1.5)
+    outcome = [None if stream.is_alive() else stream.status for stream in offers]
+    assert outcome == [None, None, 503, None, 503, None, 503], [s.body[:200] for s in offers]
+    for tier, stream in zip(tiers, offers):
+        if not stream.is_alive():
+            error = json.loads(stream.body)["error"]
+            assert error["code"] == "model_overloaded" and f"{tier}-priority" in error["message"], error
+    for stream in running:
+        stream.stop()
+    for stream in offers:  # the waiting ones are served once the places are free
+        stream.join(300)
+        if stream.status == 503:
+            continue
+        assert stream.status == 200 and stream.body.endswith(b"data: [DONE]\n\n"), stream.body[-300:]
+    # What each key was charged: the refused requests nothing, and no slot is left.
+    redis = redis_sync.Redis.from_url(redis_server.url)
+    for tier in ("low", "normal", "high"):
+        records = wait_until_settled(redis, tier_keys[tier][0])
+        overloaded = [r for r in records if r["status"] == "overloaded"]
+        assert len(overloaded) == 1 and overloaded[0]["total_tokens"] == "0", records

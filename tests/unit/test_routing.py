@@ -1,0 +1,171 @@
+"""Prefix affinity's pure parts (serve_app/routing.py): what part of a request
+decides, how replicas are ranked for it, and when load overrides it. The router
+itself runs under real Serve in tests/e2e/test_routing_e2e.py."""
+
+import collections
+import random
+import string
+
+import pytest
+
+from contract.model_config import PREFIX_AFFINITY_ROUTER, ModelConfig
+from serve_app.routing import affine_choice, prompt_prefix, rendezvous_order
+
+SYSTEM = "You are a support agent for ACME. " * 40  # ~1,400 characters, as shared system prompts are
+
+
+def chat(*turns: tuple[str, object]) -> dict:
+    return {"model": "m", "messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+def test_requests_sharing_a_system_prompt_share_their_prefix():
+    a = prompt_prefix(chat(("system", SYSTEM), ("user", "Where is my parcel?")), 512)
+    b = prompt_prefix(chat(("system", SYSTEM), ("user", "Cancel my order")), 512)
+    assert a == b and len(a) == 512
+
+
+def test_roles_and_message_boundaries_count():
+    """The same words in other roles or split otherwise are another prompt to the engine."""
+    assert prompt_prefix(chat(("system", "ab")), 64) != prompt_prefix(chat(("user", "ab")), 64)
+    assert prompt_prefix(chat(("user", "a"), ("user", "b")), 64) != prompt_prefix(chat(("user", "ab")), 64)
+
+
+def test_short_prompts_are_whole_and_content_parts_are_read():
+    parts = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    assert "describe" in prompt_prefix(chat(("user", parts)), 512)
+    assert prompt_prefix({"prompt": "Once upon a time"}, 512) == "Once upon a time"
+    assert prompt_prefix({"prompt": ["first prompt", "second"]}, 5) == "first"
+    assert prompt_prefix({"prompt": [1, 2, 3]}, 512) == "1,2,3"
+
+
+@pytest.mark.parametrize("body", [None, [], "text", {"messages": "x"}, {"messages": [1, None, {"role": 5}]},
+                                  {"prompt": None}, {"prompt": [[]]}, {"prompt": {"a": 1}}, {"input": "embed me"}])
+def test_odd_bodies_give_a_prefix_or_nothing_and_never_raise(body):
+    assert isinstance(prompt_prefix(body, 512), str)
+
+
+def test_a_prefix_ranks_replicas_the_same_everywhere_and_spreads_over_replicas():
+    replicas = [f"replica-{i}" for i in range(4)]
+    firsts = collections.Counter()
+    for n in range(2000):
+        prefix = f"template {n}"
+        order = rendezvous_order(prefix, replicas)
+        assert sorted(order) == replicas
+        assert rendezvous_order(prefix, list(reversed(replicas))) == order  # no dependence on listing order
+        firsts[order[0]] += 1
+    assert all(400 < count < 600 for count in firsts.values()), firsts
+
+
+def test_removing_a_replica_moves_only_the_prefixes_it_held():
+    replicas = [f"replica-{i}" for i in range(4)]
+    prefixes = ["".join(random.Random(n).choices(string.ascii_letters, k=40)) for n in range(1000)]
+    before = {p: rendezvous_order(p, replicas)[0] for p in prefixes}
+    after = {p: rendezvous_order(p, replicas[:3])[0] for p in prefixes}
+    moved = [p for p in prefixes if before[p] != after[p]]
+    assert moved and all(before[p] == "replica-3" for p in moved)
+
+
+def test_the_preferred_replica_is_kept_until_it_is_past_the_guard():
+    order = ["a", "b", "c"]
+    assert affine_choice(order, {"a": 6, "b": 2, "c": 2}, imbalance_threshold=4) == "a"
+    assert affine_choice(order, {"a": 7, "b": 2, "c": 3}, imbalance_threshold=4) == "b"  # next in its order
+    assert affine_choice(order, {"a": 7, "b": 7, "c": 2}, imbalance_threshold=4) == "c"
+    assert affine_choice(["a", "b"], {"a": 9, "b": 9, "c": 0}, imbalance_threshold=4) is None  # holders all busy
+    assert affine_choice(order, {"a": None, "b": None, "c": None}, imbalance_threshold=0) == "a"
+    assert affine_choice([], {"a": 0}, imbalance_threshold=4) is None
+
+
+def test_models_route_by_prefix_unless_configured_otherwise():
+    options = ModelConfig(name="m").serve_options()
+    assert options["request_router_config"]["request_router_class"] == PREFIX_AFFINITY_ROUTER
+    assert options["request_router_config"]["request_router_kwargs"] == {"prefix_chars": 512, "imbalance_threshold": 4}
+    assert "request_router_config" not in ModelConfig(name="m", routing={"policy": "power_of_two"}).serve_options()
+    with pytest.raises(ValueError):
+        ModelConfig(name="m", routing={"prefix_chars": 0})
+    with pytest.raises(ValueError):
+        ModelConfig(name="m", routing={"policy": "random"})
+
+
+# -- the router's decisions, with Serve's replica wrappers faked ------------------------
+
+
+class FakeReplica:
+    """What the router reads of a running replica (RunningReplica's attributes)."""
+
+    def __init__(self, unique_id: str, adapters=()):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id, DeploymentID("model-m", "llm"))
+        self.multiplexed_model_ids = set(adapters)
+        self.max_ongoing_requests = 16
+        self.node_id, self.availability_zone = "node", None
+
+
+def router_with(*replicas):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from serve_app.routing import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter(deployment_id=DeploymentID("model-m", "llm"),
+                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router.initialize_state(prefix_chars=512, imbalance_threshold=4)
+    # What update_replicas keeps, without its probes of the replicas.
+    router._replicas = {r.replica_id: r for r in replicas}
+    router._replica_id_set = set(router._replicas)
+    router._update_multiplexed_model_ids_with_replicas(list(replicas))
+    return router
+
+
+def queue(router, replica, length):
+    router._replica_queue_len_cache.update(replica.replica_id, length)
+
+
+def pending(body, adapter=""):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    return PendingRequest(args=["chat", body], kwargs={},
+                          metadata=RequestMetadata("r", "i", multiplexed_model_id=adapter))
+
+
+def ids(ranks):
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+async def test_the_router_prefers_the_prefix_replica_then_the_rest_and_balances_past_the_guard():
+    a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+    router = router_with(a, b, c)
+    body = chat(("system", SYSTEM), ("user", "hi"))
+    order = rendezvous_order(prompt_prefix(body, 512), ["a", "b", "c"])
+    for replica in (a, b, c):
+        queue(router, replica, 0)
+    ranks = ids(await router.choose_replicas([a, b, c], pending(body)))
+    assert ranks[0] == [order[0]] and sorted(ranks[1]) == sorted(order[1:])
+    by_id = {"a": a, "b": b, "c": c}
+    queue(router, by_id[order[0]], 5)
+    ranks = ids(await router.choose_replicas([a, b, c], pending(body)))
+    assert ranks[0] == [order[1]]  # the first is 5 ahead of the least busy: the next in the prefix's order
+
+
+async def test_all_replicas_past_the_guard_and_no_prompt_fall_back_to_two_choices():
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = router_with(a, b)
+    queue(router, a, 0)
+    queue(router, b, 0)
+    ranks = ids(await router.choose_replicas([a, b], pending({"input": "embed me"})))
+    assert len(ranks) == 1 and sorted(ranks[0]) == ["a", "b"]  # Serve's choice: both, least busy wins
+
+
+async def test_an_adapter_prefers_its_holders_and_overflows_when_they_are_busy():
+    holder, other = FakeReplica("holder", adapters=["pirate"]), FakeReplica("other")
+    router = router_with(holder, other)
+    queue(router, holder, 3)
+    queue(router, other, 0)
+    body = chat(("user", "ahoy"))
+    assert ids(await router.choose_replicas([holder, other], pending(body, "pirate")))[0] == ["holder"]
+    queue(router, holder, 9)  # a hot adapter: its holder far busier than the other replica
+    ranks = ids(await router.choose_replicas([holder, other], pending(body, "pirate")))
+    assert len(ranks) == 1 and sorted(ranks[0]) == ["holder", "other"]  # the less busy of the two takes it
+    # An adapter nobody holds: Serve's multiplexing (fewest adapters loaded first).
+    ranks = ids(await router.choose_replicas([holder, other], pending(body, "parrot")))
+    assert ranks and all(rank for rank in ranks)
