@@ -10,7 +10,7 @@ replica's job (``replicas.sources``).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,8 +31,8 @@ DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
 # A key's scheduling tier (serve_app/keys.py), most urgent first, and the value
 # each sends as vLLM's request `priority` (lower runs earlier).
 PriorityTier = Literal["high", "normal", "low"]
-PRIORITY_TIERS: tuple[str, ...] = ("high", "normal", "low")
-VLLM_PRIORITY = {"high": 0, "normal": 1, "low": 2}
+PRIORITY_TIERS: tuple[str, ...] = get_args(PriorityTier)
+VLLM_PRIORITY = {tier: rank for rank, tier in enumerate(PRIORITY_TIERS)}
 
 
 class PrioritySettings(BaseModel):

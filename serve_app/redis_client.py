@@ -34,6 +34,12 @@ from redis.maint_notifications import MaintNotificationsConfig
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+# redis-py 8's pools skip their "is this pooled connection still open?" check
+# while maintenance notifications (a Redis Enterprise/Cloud feature) are on, and
+# they are on ("auto") by default: after a Redis restart every idle pooled
+# connection failed its next command, so a key not in the cache got a 503 (a CI
+# run saw it; tests/integration/test_quota_hardening.py). Off for every pool.
+_POOL_CHECKS_CONNECTIONS = MaintNotificationsConfig(enabled=False)
 _TLS_QUERY = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 
 
@@ -142,14 +148,8 @@ def connect(url: str, timeout_s: float | None = None):
     connect and each reply."""
     target = parse(url)
     timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    # redis-py 8's pools skip their "is this pooled connection still open?" check
-    # while maintenance notifications (a Redis Enterprise/Cloud feature) are on, and
-    # they are on ("auto") by default: after a Redis restart every idle pooled
-    # connection failed its next command, so a key not in the cache got a 503
-    # (a CI run saw it; tests/integration/test_quota_hardening.py).
-    pooled = {**timeouts, "maint_notifications_config": MaintNotificationsConfig(enabled=False)}
     if target.mode == "single":
-        return SafeRedis.from_url(url, **pooled)
+        return SafeRedis.from_url(url, **timeouts, maint_notifications_config=_POOL_CHECKS_CONNECTIONS)
     auth = {"username": target.username, "password": target.password}
     tls = {"ssl": True, **{k: v for k, v in target.query.items() if k in _TLS_QUERY}} if target.tls else {}
     if target.mode == "cluster":
@@ -159,7 +159,7 @@ def connect(url: str, timeout_s: float | None = None):
                      "password": target.query.get("sentinel_password")}
     sentinel = Sentinel(target.hosts, sentinel_kwargs={**sentinel_auth, **timeouts}, **timeouts)
     return sentinel.master_for(target.service, redis_class=SafeRedis, db=target.db, **auth, **tls,
-                               maint_notifications_config=pooled["maint_notifications_config"])
+                               maint_notifications_config=_POOL_CHECKS_CONNECTIONS)
 
 
 def redact(url: str) -> str:

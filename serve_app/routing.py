@@ -96,12 +96,9 @@ def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], im
     more requests than the least busy replica, or None when every replica of
     ``order`` is past that (the caller then balances load). Unknown queue
     lengths count as 0 (the router probes them first)."""
-    known = {rid: (queue_lens.get(rid) or 0) for rid in queue_lens}
-    if not order:
-        return None
-    least = min(known.values(), default=0)
+    least = min((length or 0 for length in queue_lens.values()), default=0)
     for rid in order:
-        if known.get(rid, 0) - least <= imbalance_threshold:
+        if (queue_lens.get(rid) or 0) - least <= imbalance_threshold:
             return rid
     return None
 
