@@ -307,6 +307,13 @@ def quotas() -> Dashboard:
             target(top_keys(rate("ray_llm_gateway_key_tokens_total", by="key_name")), "{{key_name}}"),
         ))
         .with_panel(timeseries(
+            "Share of tokens served, per key", "Each key's share of all tokens served (the 10 largest). While a "
+            "model is saturated its waiting requests are handed on in fair order (models' fair_share), so "
+            f"backlogged keys converge to equal shares whatever their request rates. {per_key}", "percentunit",
+            target(top_keys(f"{rate('ray_llm_gateway_key_tokens_total', by='key_name')} / "
+                            f"scalar({rate('ray_llm_gateway_key_tokens_total')})"), "{{key_name}}"),
+        ))
+        .with_panel(timeseries(
             "Top refused keys", f"The 10 keys refused most (429). {per_key}", "reqps",
             target(top_keys(rate("ray_llm_gateway_key_requests_total", 'status="429"', by="key_name")),
                    "{{key_name}}"),

@@ -28,6 +28,7 @@ from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.calls import Reply
 from serve_app.errors import OpenAIError, from_engine_error
+from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter
 from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
@@ -85,17 +86,35 @@ async def reach_replica(response, timeout_s: float) -> None:
         raise QueueTimeout from None
 
 
+def _fair_gate(config: ModelConfig) -> FairGate:
+    share = config.fair_share
+    weights = TokenWeights(prompt=share.prompt_weight, completion=share.completion_weight)
+    return FairGate(share.dispatch_window, VirtualTokenCounter(weights))
+
+
 class Gateway:
     def __init__(
-        self, access: Access, models: dict[str, DeploymentHandle], configs: list[ModelConfig], telemetry: Telemetry
+        self,
+        access: Access,
+        models: dict[str, DeploymentHandle],
+        configs: list[ModelConfig],
+        telemetry: Telemetry,
+        describers: dict[str, DeploymentHandle] | None = None,
     ):
         self.access = access
         self.telemetry = telemetry
         self.models = models
+        # Handles for the gateway's own calls to a model (its description). The
+        # ingress gives each model one apart from ``models``: a router of its own,
+        # so a description waiting behind a busy replica never holds a slot of the
+        # queue clients are admitted to (a queue of one refused a client for it).
+        self._describers = describers if describers is not None else models
         self._configs = {config.name: config for config in configs}
         # Requests of each model waiting for a replica at this ingress (Serve's
         # queue for it here): the priority tiers' queue shares are measured on it.
         self._waiting = {config.name: 0 for config in configs}
+        # Fair share between keys while a model's replicas are all busy (fair_share.py).
+        self._gates = {config.name: _fair_gate(config) for config in configs if config.fair_share.enabled}
         self._created = int(time.time())
         self._card_details: dict[str, dict[str, Any]] = {}
         self._describing: dict[str, asyncio.Future] = {}
@@ -171,7 +190,7 @@ class Gateway:
             logger.warning("model %s: no replica described it within its queue timeout", name)
 
     async def _learn_details(self, name: str) -> None:
-        response = self.models[name].model_info.remote()
+        response = self._describers[name].model_info.remote()
         try:
             await reach_replica(response, self._configs[name].queue_timeout_s)
             info = await response
@@ -302,9 +321,8 @@ class Gateway:
         try:
             if getattr(request, "stream", False):
                 return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
-            with self._queued(model):
-                response = handle.call.remote(op.name, body)
-                await reach_replica(response, queue_timeout_s)
+            response = await self._hand_on(
+                model, key, reservation, lambda: handle.call.remote(op.name, body), queue_timeout_s)
             answer: ReplicaAnswer | ReplicaError = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
@@ -330,6 +348,7 @@ class Gateway:
             raise _engine_error(ticket, answer)
         self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
         record.used(answer.usage)
+        self._served(model, key.id, reservation, answer.usage)
         return Reply(ticket.headers, body=answer.body)
 
     async def _stream(
@@ -347,9 +366,9 @@ class Gateway:
         client_wants_usage = bool(options and options.include_usage)
         # Usage is always asked for: it settles the token reservation.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        with self._queued(body["model"]):
-            chunks = handle.options(stream=True).stream.remote(op.name, body)
-            await reach_replica(chunks, queue_timeout_s)
+        chunks = await self._hand_on(
+            body["model"], ticket.key, reservation, lambda: handle.options(stream=True).stream.remote(op.name, body),
+            queue_timeout_s)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -368,14 +387,32 @@ class Gateway:
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
 
-    @contextlib.contextmanager
-    def _queued(self, model: str):
-        """Counts the request as waiting for one of ``model``'s replicas."""
+    async def _hand_on(self, model: str, key: KeyRecord, reservation: Reservation, send, timeout_s: float):
+        """``send()`` the request to ``model``'s replicas once the fair-share gate lets
+        it (at once while the model has room) and wait until a replica takes it. The
+        model's queue timeout bounds both waits: past it the call is withdrawn and
+        ``QueueTimeout`` raised. Meanwhile the request counts as waiting."""
+        gate = self._gates.get(model)
+        turn = gate.turn(key.id, VLLM_PRIORITY[key.priority], reservation.prompt) if gate else contextlib.nullcontext()
+        response = None
         self._waiting[model] += 1
         try:
-            yield
+            async with asyncio.timeout(timeout_s), turn:
+                response = send()
+                await response._fetch_future_result_async()  # see reach_replica
+        except TimeoutError:
+            if response is not None:
+                response.cancel()
+            raise QueueTimeout from None
         finally:
             self._waiting[model] -= 1
+        return response
+
+    def _served(self, model: str, key_id: str, reservation: Reservation, usage: Usage | None) -> None:
+        """What the request used, charged to its key's fair-share counter."""
+        gate = self._gates.get(model)
+        if gate is not None and usage is not None:
+            gate.served(key_id, reservation.prompt, usage.prompt_tokens, usage.completion_tokens)
 
     def _dropped_unstarted(self, ticket: Ticket, chunks, record: RequestRecord) -> None:
         if ticket.settled:
@@ -453,6 +490,8 @@ class Gateway:
             if status == "failed":
                 record.error_code = "stream_failed"
             record.used(usage)
+            # A cancelled stream's usage is unknown: the key's counter takes what was relayed.
+            self._served(record.model, ticket.key.id, reservation, usage or _delivered(events, reservation, chat))
             self.telemetry.finish(record)
 
 

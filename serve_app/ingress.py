@@ -107,7 +107,8 @@ class Ingress:
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
         self.access = Access(settings, self.telemetry)
         self.access.start_maintenance()  # lease renewal, settlements Redis missed
-        self.gateway = Gateway(self.access, models, settings.models, self.telemetry)
+        describers = {name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()}
+        self.gateway = Gateway(self.access, models, settings.models, self.telemetry, describers)
         self.readiness = Readiness(settings.models, deployments, self.gateway.described)
 
     async def _read_body(self, request: Request) -> bytes:

@@ -15,6 +15,8 @@ four requests per replica and a Serve queue of four (tiers).
   that came earlier.
 - As the model's queue fills, low keys are refused first, then normal keys;
   the last places are high keys'. Refused requests are charged nothing.
+- Fair share: a light key's request overtakes a heavy key's backlog waiting
+  at the gateway (first come, first served would run it last).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def base_url(redis_server):
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
                             "max_queued_requests": TIERED_QUEUE}
+    tiered["fair_share"] = {"enabled": True, "dispatch_window": 1}  # one in Serve's queue, the rest in fair order
     args["models"].append(tiered)
     with serve_stack(args, port=free_port()) as url:
         yield url
@@ -277,3 +280,31 @@ def test_as_the_queue_fills_lower_tiers_are_refused_first(base_url, tier_keys, r
         records = wait_until_settled(redis, tier_keys[tier][0])
         overloaded = [r for r in records if r["status"] == "overloaded"]
         assert len(overloaded) == 1 and overloaded[0]["total_tokens"] == "0", records
+
+
+# -- fair share -------------------------------------------------------------------------
+
+
+def test_a_light_keys_request_overtakes_a_heavy_keys_backlog(base_url, tier_keys, redis_server):
+    heavy = create_key(redis_server.url, "fair-heavy", priority="high")[1]
+    light = create_key(redis_server.url, "fair-light", priority="high")[1]  # same tier: only the counters differ
+    blocker = started(base_url, heavy, BLOCKER_TOKENS)  # the engine's one sequence
+    # Three more wait in the engine (the replica's four places), one in Serve's
+    # queue (dispatch window 1), two at the gateway: the model's queue is 3 of 4.
+    backlog = []
+    for _ in range(TIERED_ONGOING - 1 + 1 + 2):
+        backlog.append(started(base_url, heavy, 20, wait_for_first_chunk=False))
+        time.sleep(0.1)
+    time.sleep(1)
+    late = started(base_url, light, 20, wait_for_first_chunk=False)
+    time.sleep(1)
+    assert not any(stream.first_chunk.is_set() for stream in (*backlog, late))  # all still wait
+    blocker.stop()
+    for stream in (*backlog, late):
+        stream.join(300)
+        assert stream.status == 200 and stream.body.endswith(b"data: [DONE]\n\n"), stream.body[-300:]
+    finished = sorted([*backlog, late], key=lambda stream: stream.ended_at)
+    # First come, first served would run it last. Its counter was lifted to the heavy
+    # key's (no credit for being new), then the heavy key was charged what its blocker
+    # streamed: it goes before at least one of the heavy requests waiting at the gateway.
+    assert finished.index(late) < len(backlog), [("light" if s is late else "heavy") for s in finished]

@@ -96,6 +96,22 @@ async def test_details_learnt_once_a_replica_answers():
     assert card["max_model_len"] == 256 and gateway.described("a")
 
 
+async def test_descriptions_go_through_their_own_handles_never_the_clients_queue():
+    # Serve counts max_queued_requests per router: a description queued behind a
+    # busy replica on the clients' handle took the one queue slot of a narrow model.
+    calls = []
+
+    def clients_queue():
+        raise AssertionError("a description went through the handle clients are queued on")
+
+    clients = SimpleNamespace(model_info=SimpleNamespace(remote=clients_queue))
+    own = SimpleNamespace(model_info=SimpleNamespace(remote=lambda: Answers(calls)))
+    gateway = Gateway(SimpleNamespace(), {"a": clients}, [ModelConfig(name="a")], Telemetry(False, False),
+                      describers={"a": own})
+    card = await gateway.model_card("a")
+    assert card["max_model_len"] == 256 and len(calls) == 1
+
+
 class StubReadiness(Readiness):
     def __init__(self, configs, running, described):
         super().__init__(configs, {c.name: f"model-{c.name}" for c in configs}, lambda n: n in described)
