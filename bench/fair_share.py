@@ -9,6 +9,11 @@ freshly started stack: ``fair_share.enabled: false`` (first come, first served)
 and ``true`` (virtual token counters, serve_app/fair_share.py). Before the
 contention, the light key alone on the idle model: its TTFT baseline.
 
+With fair share the replica's 4 places are filled from the ingress, and each
+place that frees goes to the waiting key with the lowest virtual token counter:
+the light key's request is next whenever it waits. First come, first served
+queues everything in Serve's router, in arrival order.
+
 Prints, per mode: each key's share of the completion tokens served, its output
 tokens/s, the light key's TTFT p50/p99 (and as a multiple of its idle TTFT),
 the heavy key's TTFT p50, and the model's total output tokens/s (work-conserving:

@@ -71,21 +71,11 @@ class FairShareSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(
-        False,
-        description="Requests waiting for a busy model are handed on in fair order: the key served the "
-        "fewest (weighted) tokens first, higher priority tiers before lower. Off (the default for now): "
-        "first come, first served. Not yet on by default: with it on, a burst of 12 requests on one "
-        "prefix all landed on the prefix's replica, past prefix affinity's load guard "
-        "(tests/e2e/test_scheduling_e2e.py); why is not understood yet.",
-    )
-    dispatch_window: int = Field(
-        4,
-        ge=1,
-        le=1024,
-        description="Requests of this model handed to Serve's router at once per ingress replica without "
-        "waiting their turn. Work-conserving: a model with room takes them at once. 4: Serve routes a few "
-        "side by side (one at a time would serialise routing at high concurrency), and a light key's "
-        "request waits behind at most 4 others once the model is saturated.",
+        True,
+        description="Once this ingress' requests fill every place of the model's replicas (the sum of their "
+        "max_ongoing_requests), new ones wait at the ingress and each place that frees goes to the waiting "
+        "key served the fewest (weighted) tokens, higher priority tiers first. Below that, requests pass at "
+        "once. Off: first come, first served in Serve's queue.",
     )
     prompt_weight: float = Field(1.0, ge=0, description="Counter cost of a prompt token (prefill).")
     completion_weight: float = Field(
@@ -98,6 +88,7 @@ class FairShareSettings(BaseModel):
 
 # serve_app/routing.py, named here so this module imports nothing of Ray.
 PREFIX_AFFINITY_ROUTER = "serve_app.routing:PrefixAffinityRouter"
+POWER_OF_TWO_ROUTER = "serve_app.routing:PowerOfTwoRouter"
 
 
 class RoutingSettings(BaseModel):
@@ -127,9 +118,9 @@ class RoutingSettings(BaseModel):
         "hot prefix queued much deeper costs more time than recomputing the prefix elsewhere.",
     )
 
-    def serve_request_router_config(self) -> dict[str, Any] | None:
+    def serve_request_router_config(self) -> dict[str, Any]:
         if self.policy == "power_of_two":
-            return None
+            return {"request_router_class": POWER_OF_TWO_ROUTER}
         return {
             "request_router_class": PREFIX_AFFINITY_ROUTER,
             "request_router_kwargs": {

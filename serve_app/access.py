@@ -28,6 +28,7 @@ import hmac
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError, TryAgainError
@@ -71,6 +72,9 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
     local: bool = False  # admitted by the local fallback, not by Redis
     settled: bool = False
+    # Called once when it is settled, whatever the outcome (the gateway frees the
+    # request's fair-share place with it: every path ends in exactly one settlement).
+    on_settle: Callable[[], None] | None = None
 
 
 class Access:
@@ -217,6 +221,8 @@ class Access:
         if ticket.settled:
             return
         ticket.settled = True
+        if ticket.on_settle is not None:
+            ticket.on_settle()
         prompt = completion = -1
         if usage is not None:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens

@@ -9,13 +9,20 @@ its counter lifted to the lowest counter among the keys already waiting, so
 being idle banks no credit; a heavy key therefore cannot starve a light one, and
 a light one cannot monopolise the model after a quiet hour.
 
-Work-conserving: up to ``window`` requests are handed to Serve's router at once
-without waiting, so a model with room serves anyone at full speed; only the
-requests beyond those wait, and only as long as no replica takes one.
+Work-conserving: requests are handed on at once while the model's replicas have
+places (the sum of their ``max_ongoing_requests``, as this ingress' router sees
+them: serve_app/routing.py), so a model with room serves anyone at full speed.
+Only when every place is taken by this ingress' requests do new ones wait, and
+each place that frees goes to the next in fair order, straight to the replica
+that has it (nothing waits in Serve's own queue, first come first served, and
+polled with backoff). A model with no replica (scale from zero) or whose places
+are not known yet lets requests through: Serve's queue wakes its autoscaler.
 
-Counters are charged when a request is handed on (its estimated prompt) and
-corrected when it ends (actual prompt and completion tokens): a key's counter
-lags by at most its requests in flight. Memory is bounded: counters of keys with
+Counters are charged what a request used when it ends (prompt and completion
+tokens as the engine counted them; a cancelled stream, what was relayed), not an
+estimate when it starts: with short requests an estimate's error outweighs what
+they use and reorders keys. A key's counter so lags by at most its requests in
+flight, which the model's places bound. Memory is bounded: counters of keys with
 nothing waiting and no lead over the lowest waiting counter carry no information
 (the lift would raise them anyway) and are dropped past ``max_keys``.
 """
@@ -24,9 +31,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Callable
+
+
+# Each model deployment's places (the sum of its running replicas'
+# max_ongoing_requests) as the request routers in this process last saw them
+# (serve_app/routing.py publishes them). Kept here, not in routing.py: Serve
+# pickles a custom router class by value, module globals included, so a registry
+# in the router's own module would be a copy the gateway never sees.
+_PLACES: dict[str, int] = {}
+
+
+def publish_places(deployment: str, places: int) -> None:
+    _PLACES[deployment] = places
+
+
+def replica_places(deployment: str) -> int | None:
+    """``deployment``'s places, None until a router in this process has seen its replicas."""
+    return _PLACES.get(deployment)
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,8 @@ class VirtualTokenCounter:
         self.max_keys = max_keys
         self.counters: dict[str, float] = {}
         self._floor = 0.0  # the counter of the key served last: where a key that starts waiting alone begins
+        self._last_turn: dict[str, int] = {}  # when each key last had a request handed on (a sequence number)
+        self._turns = 0
 
     def counter(self, key: str) -> float:
         return self.counters.get(key, self._floor)
@@ -59,10 +84,16 @@ class VirtualTokenCounter:
     def charge(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.counters[key] = self.counter(key) + self.weights.cost(prompt_tokens, completion_tokens)
 
+    def took_turn(self, key: str) -> None:
+        """A request of ``key`` was handed on."""
+        self._turns += 1
+        self._last_turn[key] = self._turns
+
     def next_key(self, waiting: dict[str, int]) -> str:
-        """Of the waiting keys (key -> tier rank, 0 first), the one served next:
-        the lowest counter of the highest tier, the longest waiting on a tie."""
-        key = min(waiting, key=lambda k: (waiting[k], self.counter(k)))
+        """Of the waiting keys (key -> tier rank, 0 first), the one served next: the
+        lowest counter of the highest tier; on a tie, the key whose last turn is
+        oldest (a key just lifted to the others' counter goes before them)."""
+        key = min(waiting, key=lambda k: (waiting[k], self.counter(k), self._last_turn.get(k, 0)))
         self._floor = self.counter(key)
         return key
 
@@ -72,63 +103,79 @@ class VirtualTokenCounter:
             return
         for key in [k for k, c in self.counters.items() if k not in waiting_keys and c <= self._floor]:
             del self.counters[key]
+            self._last_turn.pop(key, None)
 
 
 @dataclass
 class _Waiter:
     key: str
     tier: int
-    prompt_estimate: int
     granted: asyncio.Future
 
 
-class FairGate:
-    """One model's requests on their way to its replicas, at this ingress."""
+class Place:
+    """A request's place among the model's in flight; ``leave`` (idempotent) frees it."""
 
-    def __init__(self, window: int, counter: VirtualTokenCounter):
-        self.window = window
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: "FairGate"):
+        self._gate: FairGate | None = gate
+
+    def leave(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate._left()
+
+
+class FairGate:
+    """One model's requests in flight from this ingress, and those waiting for a place."""
+
+    def __init__(self, places: Callable[[], int | None], counter: VirtualTokenCounter):
+        self.places = places
         self.vtc = counter
-        self.handed_on = 0  # handed to Serve's router, not yet taken by a replica
+        self.in_flight = 0  # handed on and not finished
         self._queues: dict[str, collections.deque[_Waiter]] = {}
 
     @property
     def waiting(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
-    @contextlib.asynccontextmanager
-    async def turn(self, key: str, tier: int, prompt_estimate: int) -> AsyncIterator[None]:
-        """Holds the request until it may be handed on; the body hands it to Serve
-        and returns once a replica took it (or it failed)."""
+    async def enter(self, key: str, tier: int) -> Place:
+        """Returns once the request may be handed on: at once while a place is free
+        and nobody waits, else in fair order as places free."""
         if key not in self._queues:
             self.vtc.lift(key, list(self._queues))
-        if self.handed_on < self.window and not self._queues:
-            self._hand_on(key, prompt_estimate)
+        if not self._queues and self._room():
+            self._hand_on(key)
         else:
-            await self._wait(key, tier, prompt_estimate)
-        try:
-            yield
-        finally:
-            self.handed_on -= 1
-            self._release()
+            await self._wait(key, tier)
+        return Place(self)
 
-    def served(self, key: str, prompt_estimate: int, prompt_tokens: int, completion_tokens: int) -> None:
-        """A request ended with this usage: correct the estimate charged when it was handed on."""
-        self.vtc.charge(key, prompt_tokens - prompt_estimate, completion_tokens)
+    def served(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request ended having used this: charged to its key's counter."""
+        self.vtc.charge(key, prompt_tokens, completion_tokens)
 
-    def _hand_on(self, key: str, prompt_estimate: int) -> None:
-        self.handed_on += 1
-        self.vtc.charge(key, prompt_estimate, 0)
+    def _room(self) -> bool:
+        places = self.places()
+        return not places or self.in_flight < places  # unknown or none (scale from zero): Serve queues
 
-    async def _wait(self, key: str, tier: int, prompt_estimate: int) -> None:
-        waiter = _Waiter(key, tier, prompt_estimate, asyncio.get_running_loop().create_future())
+    def _hand_on(self, key: str) -> None:
+        self.in_flight += 1
+        self.vtc.took_turn(key)
+
+    def _left(self) -> None:
+        self.in_flight -= 1
+        self._release()
+
+    async def _wait(self, key: str, tier: int) -> None:
+        waiter = _Waiter(key, tier, asyncio.get_running_loop().create_future())
         self._queues.setdefault(key, collections.deque()).append(waiter)
+        self._release()  # places may have grown since the last one left (a replica added)
         try:
             await waiter.granted
         except BaseException:
             if waiter.granted.done() and not waiter.granted.cancelled():
-                # Granted as it was cancelled: give the place to the next one.
-                self.handed_on -= 1
-                self._release()
+                self._left()  # granted as it was cancelled: the place goes to the next one
             else:
                 self._remove(waiter)
             raise
@@ -141,7 +188,7 @@ class FairGate:
                 del self._queues[waiter.key]
 
     def _release(self) -> None:
-        while self.handed_on < self.window and self._queues:
+        while self._queues and self._room():
             key = self.vtc.next_key({k: queue[0].tier for k, queue in self._queues.items()})
             queue = self._queues[key]
             waiter = queue.popleft()
@@ -149,6 +196,6 @@ class FairGate:
                 del self._queues[key]
             if waiter.granted.done():  # cancelled while waiting, not yet removed
                 continue
-            self._hand_on(key, waiter.prompt_estimate)
+            self._hand_on(key)
             waiter.granted.set_result(None)
         self.vtc.forget_idle(set(self._queues))

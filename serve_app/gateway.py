@@ -11,7 +11,6 @@ its dialect's shape.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -22,13 +21,13 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig
+from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
 from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.calls import Reply
 from serve_app.errors import OpenAIError, from_engine_error
-from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter
+from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
 from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
@@ -89,7 +88,8 @@ async def reach_replica(response, timeout_s: float) -> None:
 def _fair_gate(config: ModelConfig) -> FairGate:
     share = config.fair_share
     weights = TokenWeights(prompt=share.prompt_weight, completion=share.completion_weight)
-    return FairGate(share.dispatch_window, VirtualTokenCounter(weights))
+    deployment = deployment_name(config.name)
+    return FairGate(lambda: replica_places(deployment), VirtualTokenCounter(weights))
 
 
 class Gateway:
@@ -321,8 +321,7 @@ class Gateway:
         try:
             if getattr(request, "stream", False):
                 return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
-            response = await self._hand_on(
-                model, key, reservation, lambda: handle.call.remote(op.name, body), queue_timeout_s)
+            response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.name, body), queue_timeout_s)
             answer: ReplicaAnswer | ReplicaError = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
@@ -346,9 +345,9 @@ class Gateway:
         if isinstance(answer, ReplicaError):
             self.access.settle(ticket, "failed", Usage(), answer.replica)
             raise _engine_error(ticket, answer)
+        self._served(model, key.id, answer.usage)  # before its place goes to the next one
         self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
         record.used(answer.usage)
-        self._served(model, key.id, reservation, answer.usage)
         return Reply(ticket.headers, body=answer.body)
 
     async def _stream(
@@ -367,8 +366,7 @@ class Gateway:
         # Usage is always asked for: it settles the token reservation.
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         chunks = await self._hand_on(
-            body["model"], ticket.key, reservation, lambda: handle.options(stream=True).stream.remote(op.name, body),
-            queue_timeout_s)
+            body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.name, body), queue_timeout_s)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -387,17 +385,21 @@ class Gateway:
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
 
-    async def _hand_on(self, model: str, key: KeyRecord, reservation: Reservation, send, timeout_s: float):
-        """``send()`` the request to ``model``'s replicas once the fair-share gate lets
-        it (at once while the model has room) and wait until a replica takes it. The
-        model's queue timeout bounds both waits: past it the call is withdrawn and
-        ``QueueTimeout`` raised. Meanwhile the request counts as waiting."""
+    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float):
+        """``send()`` the request to ``model``'s replicas once the fair-share gate gives
+        it a place (at once while the model has room) and wait until a replica takes
+        it. The model's queue timeout bounds both waits: past it the call is withdrawn
+        and ``QueueTimeout`` raised. Meanwhile the request counts as waiting. Its
+        place is freed when its ticket is settled, whatever way the request ends."""
         gate = self._gates.get(model)
-        turn = gate.turn(key.id, VLLM_PRIORITY[key.priority], reservation.prompt) if gate else contextlib.nullcontext()
         response = None
         self._waiting[model] += 1
         try:
-            async with asyncio.timeout(timeout_s), turn:
+            async with asyncio.timeout(timeout_s):
+                if gate is not None:
+                    key = ticket.key
+                    place = await gate.enter(key.id, VLLM_PRIORITY[key.priority])
+                    ticket.on_settle = place.leave
                 response = send()
                 await response._fetch_future_result_async()  # see reach_replica
         except TimeoutError:
@@ -408,11 +410,11 @@ class Gateway:
             self._waiting[model] -= 1
         return response
 
-    def _served(self, model: str, key_id: str, reservation: Reservation, usage: Usage | None) -> None:
+    def _served(self, model: str, key_id: str, usage: Usage | None) -> None:
         """What the request used, charged to its key's fair-share counter."""
         gate = self._gates.get(model)
         if gate is not None and usage is not None:
-            gate.served(key_id, reservation.prompt, usage.prompt_tokens, usage.completion_tokens)
+            gate.served(key_id, usage.prompt_tokens, usage.completion_tokens)
 
     def _dropped_unstarted(self, ticket: Ticket, chunks, record: RequestRecord) -> None:
         if ticket.settled:
@@ -484,14 +486,15 @@ class Gateway:
                 chunks.cancel()
             if status == "failed":
                 usage = _delivered(events, reservation, chat)
-            # A cancelled stream's usage is unknown: its reservation stays charged.
+            # The key's fair-share counter first, before its place goes to the next one;
+            # a cancelled stream's usage is unknown: the counter takes what was relayed.
+            self._served(record.model, ticket.key.id, usage or _delivered(events, reservation, chat))
+            # And its reservation stays charged.
             self.access.settle(ticket, status, None if status == "cancelled" else usage, replica)
             record.status, record.cancelled = 200, status == "cancelled"
             if status == "failed":
                 record.error_code = "stream_failed"
             record.used(usage)
-            # A cancelled stream's usage is unknown: the key's counter takes what was relayed.
-            self._served(record.model, ticket.key.id, reservation, usage or _delivered(events, reservation, chat))
             self.telemetry.finish(record)
 
 

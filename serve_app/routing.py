@@ -42,7 +42,17 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
+# By reference (Serve pickles this module by value, not the modules it imports).
+from serve_app import fair_share
+
 ROUTER_PATH = "serve_app.routing:PrefixAffinityRouter"
+
+class PublishesPlaces:
+    """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        fair_share.publish_places(self._deployment_id.name, sum(r.max_ongoing_requests for r in replicas))
 
 
 def prompt_prefix(body: Any, chars: int) -> str:
@@ -103,7 +113,11 @@ def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], im
     return None
 
 
-class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class PowerOfTwoRouter(PublishesPlaces, PowerOfTwoChoicesRequestRouter):
+    """Serve's default router (``routing.policy: power_of_two``), publishing places."""
+
+
+class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, RequestRouter):
     """Serve's power-of-two choice with prefix (and adapter) affinity in front.
 
     Not a subclass of PowerOfTwoChoicesRequestRouter: its FIFOMixin hands the

@@ -12,15 +12,25 @@ from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter
 WEIGHTS = TokenWeights(prompt=1.0, completion=2.0)
 
 
-def test_the_lowest_counter_goes_first_and_the_oldest_key_wins_a_tie():
+def test_the_lowest_counter_goes_first():
     vtc = VirtualTokenCounter(WEIGHTS)
     vtc.charge("heavy", 100, 50)  # 200
     vtc.charge("light", 10, 5)  # 20
     assert vtc.next_key({"heavy": 1, "light": 1}) == "light"
     vtc.charge("light", 0, 100)  # 220
     assert vtc.next_key({"heavy": 1, "light": 1}) == "heavy"
-    vtc.charge("light", 0, -10)  # 200: a tie
-    assert vtc.next_key({"heavy": 1, "light": 1}) == "heavy"  # waiting first (dict order)
+
+
+def test_on_a_tie_the_key_whose_last_turn_is_oldest_goes_first():
+    vtc = VirtualTokenCounter(WEIGHTS)
+    for _ in range(5):
+        vtc.charge("heavy", 40, 0)
+        vtc.took_turn("heavy")
+    vtc.lift("light", ["heavy"])  # starts waiting: lifted to the heavy key's 200, never had a turn
+    assert vtc.counter("light") == vtc.counter("heavy")
+    assert vtc.next_key({"heavy": 1, "light": 1}) == "light"
+    vtc.took_turn("light")
+    assert vtc.next_key({"heavy": 1, "light": 1}) == "heavy"  # still tied: now the heavy key's turn is older
 
 
 def test_a_higher_tier_goes_first_whatever_its_counter():
@@ -71,18 +81,8 @@ def test_backlogged_keys_share_tokens_evenly_whatever_their_request_rate():
 # -- the gate ---------------------------------------------------------------------
 
 
-class Model:
-    """Replica slots: a request handed on holds one until the test frees it."""
-
-    def __init__(self, gate: FairGate):
-        self.gate = gate
-        self.order: list[str] = []
-        self.free = asyncio.Event()
-
-    async def request(self, key: str, tier: int = 1, prompt: int = 10, completion: int = 50):
-        async with self.gate.turn(key, tier, prompt):
-            self.order.append(key)  # handed on, and (here at once) taken by a replica
-        self.gate.served(key, prompt, prompt, completion)
+def gate_with(places: int | None) -> FairGate:
+    return FairGate(lambda: places, VirtualTokenCounter(WEIGHTS))
 
 
 async def settle():
@@ -90,87 +90,102 @@ async def settle():
         await asyncio.sleep(0)
 
 
-async def test_a_model_with_room_hands_requests_on_without_waiting():
-    gate = FairGate(window=4, counter=VirtualTokenCounter(WEIGHTS))
-    entered = []
+async def test_a_model_with_places_free_hands_requests_on_without_waiting():
+    gate = gate_with(4)
+    places = [await gate.enter(f"k{i}", 1) for i in range(4)]
+    assert gate.in_flight == 4 and gate.waiting == 0
+    for place in places:
+        place.leave()
+        place.leave()  # idempotent: a ticket is settled once, but say it twice
+    assert gate.in_flight == 0
 
-    async def hold(key):
-        async with gate.turn(key, 1, 10):
-            entered.append(key)
-            await asyncio.sleep(0.05)
 
-    tasks = [asyncio.create_task(hold(f"k{i}")) for i in range(4)]
-    await settle()
-    assert len(entered) == 4 and gate.waiting == 0
-    await asyncio.gather(*tasks)
-    assert gate.handed_on == 0
+@pytest.mark.parametrize("places", [None, 0])
+async def test_unknown_places_or_none_at_all_let_everything_through(places):
+    # Not known yet (no router has seen the replicas), or scale from zero: Serve's
+    # own queue must see the requests, or its autoscaler never adds a replica.
+    gate = gate_with(places)
+    await asyncio.wait_for(asyncio.gather(*(gate.enter("k", 1) for _ in range(50))), 1)
+    assert gate.in_flight == 50 and gate.waiting == 0
 
 
 async def test_a_light_key_overtakes_a_heavy_keys_backlog():
-    gate = FairGate(window=1, counter=VirtualTokenCounter(WEIGHTS))
+    gate = gate_with(1)
     order = []
-    release = asyncio.Event()
 
     async def request(key):
-        async with gate.turn(key, 1, 10):
-            order.append(key)
-            if len(order) == 1:
-                await release.wait()  # the model is busy with the first one
-        gate.served(key, 10, 10, 50)
+        place = await gate.enter(key, 1)
+        order.append(key)
+        return place
 
+    running = await request("heavy")  # the one place
     heavy = [asyncio.create_task(request("heavy")) for _ in range(8)]
     await settle()
     light = asyncio.create_task(request("light"))
     await settle()
-    assert order == ["heavy"] and gate.waiting == 8
-    release.set()
-    await asyncio.gather(*heavy, light)
-    assert order.index("light") <= 2, order  # FCFS would have made it 9th
+    assert order == ["heavy"] and gate.waiting == 9
+    gate.served("heavy", 10, 50)
+    running.leave()  # each place that frees goes to the next in fair order
+    waiting = [*heavy, light]
+    while waiting:
+        await settle()
+        [granted] = [task for task in waiting if task.done()]  # one place: one at a time
+        waiting.remove(granted)
+        gate.served(order[-1], 10, 50)
+        granted.result().leave()
+    assert order.index("light") == 1, order  # next; first come, first served would have made it 10th
+
+
+async def test_a_place_freed_goes_to_a_higher_tier_first():
+    gate = gate_with(1)
+    running = await gate.enter("a", 1)
+    low = asyncio.create_task(gate.enter("low", 2))
+    high = asyncio.create_task(gate.enter("high", 0))
+    await settle()
+    running.leave()
+    await settle()
+    assert high.done() and not low.done()
+    high.result().leave()
+    await settle()
+    assert low.done()
 
 
 async def test_a_request_cancelled_while_waiting_leaves_no_trace():
-    gate = FairGate(window=1, counter=VirtualTokenCounter(WEIGHTS))
-    release = asyncio.Event()
-
-    async def hold():
-        async with gate.turn("a", 1, 10):
-            await release.wait()
-
-    first = asyncio.create_task(hold())
-    await settle()
-    waiting = asyncio.create_task(hold())
+    gate = gate_with(1)
+    first = await gate.enter("a", 1)
+    waiting = asyncio.create_task(gate.enter("a", 1))
     await settle()
     assert gate.waiting == 1
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert gate.waiting == 0
-    release.set()
-    await first
-    assert gate.handed_on == 0 and not gate._queues
+    first.leave()
+    assert gate.in_flight == 0 and not gate._queues
 
 
 async def test_a_request_granted_as_it_is_cancelled_passes_its_place_on():
-    gate = FairGate(window=1, counter=VirtualTokenCounter(WEIGHTS))
-    release = asyncio.Event()
-    entered = []
-
-    async def hold(name):
-        async with gate.turn(name, 1, 10):
-            entered.append(name)
-            await release.wait()
-
-    async def first_then_cancel_the_second():
-        await hold("first")
-        second.cancel()  # granted its place as the first left, but not yet running
-
-    first = asyncio.create_task(first_then_cancel_the_second())
-    await settle()
-    second = asyncio.create_task(hold("second"))
-    third = asyncio.create_task(hold("third"))
+    gate = gate_with(1)
+    first = await gate.enter("first", 1)
+    second = asyncio.create_task(gate.enter("second", 1))
+    third = asyncio.create_task(gate.enter("third", 1))
     await settle()
     assert gate.waiting == 2
-    release.set()
-    await asyncio.wait_for(asyncio.gather(first, second, third, return_exceptions=True), 5)
-    assert second.cancelled() and entered == ["first", "third"]
-    assert gate.handed_on == 0 and gate.waiting == 0
+    first.leave()  # the place is granted to the second ...
+    second.cancel()  # ... which is cancelled before it runs again
+    await asyncio.wait_for(asyncio.gather(second, third, return_exceptions=True), 5)
+    assert second.cancelled() and third.done() and gate.in_flight == 1 and gate.waiting == 0
+    third.result().leave()
+    assert gate.in_flight == 0
+
+
+async def test_a_place_added_lets_a_waiting_request_through_on_the_next_arrival():
+    places = [1]
+    gate = FairGate(lambda: places[0], VirtualTokenCounter(WEIGHTS))
+    await gate.enter("a", 1)
+    waiting = asyncio.create_task(gate.enter("b", 1))
+    await settle()
+    places[0] = 3  # a replica added: nothing has left yet
+    arriving = asyncio.create_task(gate.enter("c", 1))
+    await settle()
+    assert waiting.done() and arriving.done() and gate.in_flight == 3

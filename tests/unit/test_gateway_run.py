@@ -42,6 +42,8 @@ class Access:
     def settle(self, ticket, status, usage=None, replica=""):
         assert not ticket.settled, "settled twice"
         ticket.settled = True
+        if ticket.on_settle is not None:  # as serve_app.access.Access does
+            ticket.on_settle()
         self.settled.append((status, usage))
 
 
@@ -211,3 +213,47 @@ async def test_the_key_tier_is_the_engine_priority_and_a_client_cannot_set_its_o
     release.set()
     await plain.run(tier("high"), "chat", {**CHAT, "priority": -1000}, 100, RequestRecord("openai", "x"))
     assert "priority" not in sent[-1]
+
+
+# -- fair share: a place is freed however the request ends --------------------------
+
+
+@pytest.mark.parametrize("first_ends", ["answered", "queue_timeout", "engine_error"])
+async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatch, first_ends):
+    from serve_app import fair_share
+
+    monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)  # one place: one request in flight
+    access, sent, release = Access(), [], asyncio.Event()
+    first_result = ReplicaError(500, {"message": "boom"}, "r1") if first_ends == "engine_error" else \
+        ReplicaAnswer(b"{}", USAGE, "r1")
+
+    class First(Response):
+        async def _fetch_future_result_async(self):
+            if first_ends == "queue_timeout":
+                await asyncio.sleep(3600)
+            await release.wait()
+
+    def remote(operation, body):
+        sent.append(body)
+        return First(result=first_result) if len(sent) == 1 else Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
+
+    handle = SimpleNamespace(call=SimpleNamespace(remote=remote))
+    config = ModelConfig(name="tiny-llama", queue_timeout_s=0.3)
+    gateway = Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False))
+
+    async def send(key):
+        try:
+            return await gateway.run(key, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+        except OpenAIError as exc:
+            return exc
+
+    first = asyncio.create_task(send(tier("normal")))
+    await asyncio.sleep(0.2)  # the second's queue timeout ends this much after the first's
+    second = asyncio.create_task(send(KeyRecord(id="k2", name="other", created_at=0)))
+    await asyncio.sleep(0.05)
+    assert len(sent) == 1 and gateway._waiting["tiny-llama"] == 2  # the second waits at the gate
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 2)
+    assert len(sent) == 2 and not isinstance(second.result(), OpenAIError)
+    gate = gateway._gates["tiny-llama"]
+    assert gate.in_flight == 0 and gate.waiting == 0 and gateway._waiting["tiny-llama"] == 0

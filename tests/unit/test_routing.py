@@ -8,7 +8,7 @@ import string
 
 import pytest
 
-from contract.model_config import PREFIX_AFFINITY_ROUTER, ModelConfig
+from contract.model_config import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, ModelConfig
 from serve_app.routing import affine_choice, prompt_prefix, rendezvous_order
 
 SYSTEM = "You are a support agent for ACME. " * 40  # ~1,400 characters, as shared system prompts are
@@ -79,7 +79,8 @@ def test_models_route_by_prefix_unless_configured_otherwise():
     options = ModelConfig(name="m").serve_options()
     assert options["request_router_config"]["request_router_class"] == PREFIX_AFFINITY_ROUTER
     assert options["request_router_config"]["request_router_kwargs"] == {"prefix_chars": 512, "imbalance_threshold": 4}
-    assert "request_router_config" not in ModelConfig(name="m", routing={"policy": "power_of_two"}).serve_options()
+    power_of_two = ModelConfig(name="m", routing={"policy": "power_of_two"}).serve_options()
+    assert power_of_two["request_router_config"] == {"request_router_class": POWER_OF_TWO_ROUTER}
     with pytest.raises(ValueError):
         ModelConfig(name="m", routing={"prefix_chars": 0})
     with pytest.raises(ValueError):
@@ -169,3 +170,27 @@ async def test_an_adapter_prefers_its_holders_and_overflows_when_they_are_busy()
     # An adapter nobody holds: Serve's multiplexing (fewest adapters loaded first).
     ranks = ids(await router.choose_replicas([holder, other], pending(body, "parrot")))
     assert ranks and all(rank for rank in ranks)
+
+
+@pytest.mark.parametrize("router_class", [PREFIX_AFFINITY_ROUTER, POWER_OF_TWO_ROUTER])
+async def test_either_router_publishes_the_deployments_places_where_the_gateway_reads_them(router_class):
+    """What the fair-share gate fills before it holds requests back: the sum of the
+    running replicas' max_ongoing_requests, kept as replicas come and go. The class
+    is loaded as Serve loads it: pickled by value (a registry in the router's own
+    module would be a copy the gateway never sees; an e2e run found the gate open)."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve.config import RequestRouterConfig
+
+    from serve_app import fair_share
+
+    router_cls = RequestRouterConfig(request_router_class=router_class).get_request_router_class()
+    router = router_cls(deployment_id=DeploymentID("model-p", "llm"), handle_source=DeploymentHandleSource.UNKNOWN,
+                        use_replica_queue_len_cache=True)
+    router.initialize_state()
+    assert fair_share.replica_places("model-p") is None
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router.update_replicas([a, b])
+    assert fair_share.replica_places("model-p") == 32
+    router.update_replicas([b])
+    assert fair_share.replica_places("model-p") == 16
+    fair_share._PLACES.clear()
