@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import Callable
 
 
 # Each model deployment's places (the sum of its running replicas'
@@ -97,7 +97,7 @@ class VirtualTokenCounter:
         self._floor = self.counter(key)
         return key
 
-    def forget_idle(self, waiting_keys: set[str]) -> None:
+    def forget_idle(self, waiting_keys: Container[str]) -> None:
         """Past ``max_keys``: drop the counters no lift would keep (at or below the floor)."""
         if len(self.counters) <= self.max_keys:
             return
@@ -198,4 +198,4 @@ class FairGate:
                 continue
             self._hand_on(key)
             waiter.granted.set_result(None)
-        self.vtc.forget_idle(set(self._queues))
+        self.vtc.forget_idle(self._queues.keys())  # a view: nothing built per release

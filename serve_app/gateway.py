@@ -70,19 +70,26 @@ class QueueTimeout(Exception):
     """No replica took the request within the model's ``queue_timeout_s``."""
 
 
-async def reach_replica(response, timeout_s: float) -> None:
-    """Wait until Serve has handed ``response`` (a unary or streaming call) to a
-    replica: immediate when one has room, longer while all are busy or the
-    model is scaling up from zero. Past ``timeout_s`` the call is withdrawn
-    and ``QueueTimeout`` raised. Serve has no public hook for "assigned"; its
-    responses await this private coroutine first (pinned by the scale-to-zero
-    end-to-end test)."""
+async def reach_replica(send, timeout_s: float, before=None):
+    """``send()`` a call (unary or streaming) and wait until Serve has handed it to
+    a replica: immediate when one has room, longer while all are busy or the model
+    is scaling up from zero. ``before()``, when given, is awaited first within the
+    same bound (the fair-share gate). Past ``timeout_s`` the call is withdrawn and
+    ``QueueTimeout`` raised; else the call is returned. Serve has no public hook for
+    "assigned"; its responses await this private coroutine first (pinned by the
+    scale-to-zero end-to-end test)."""
+    response = None
     try:
         async with asyncio.timeout(timeout_s):  # no extra task per request, unlike wait_for
+            if before is not None:
+                await before()
+            response = send()
             await response._fetch_future_result_async()
     except TimeoutError:
-        response.cancel()
+        if response is not None:
+            response.cancel()
         raise QueueTimeout from None
+    return response
 
 
 def _fair_gate(config: ModelConfig) -> FairGate:
@@ -190,9 +197,9 @@ class Gateway:
             logger.warning("model %s: no replica described it within its queue timeout", name)
 
     async def _learn_details(self, name: str) -> None:
-        response = self._describers[name].model_info.remote()
         try:
-            await reach_replica(response, self._configs[name].queue_timeout_s)
+            describe = self._describers[name].model_info.remote
+            response = await reach_replica(describe, self._configs[name].queue_timeout_s)
             info = await response
         except QueueTimeout:
             return  # withdrawn: the next card or request tries again
@@ -392,23 +399,16 @@ class Gateway:
         and ``QueueTimeout`` raised. Meanwhile the request counts as waiting. Its
         place is freed when its ticket is settled, whatever way the request ends."""
         gate = self._gates.get(model)
-        response = None
+
+        async def take_a_place() -> None:
+            place = await gate.enter(ticket.key.id, VLLM_PRIORITY[ticket.key.priority])
+            ticket.on_settle = place.leave
+
         self._waiting[model] += 1
         try:
-            async with asyncio.timeout(timeout_s):
-                if gate is not None:
-                    key = ticket.key
-                    place = await gate.enter(key.id, VLLM_PRIORITY[key.priority])
-                    ticket.on_settle = place.leave
-                response = send()
-                await response._fetch_future_result_async()  # see reach_replica
-        except TimeoutError:
-            if response is not None:
-                response.cancel()
-            raise QueueTimeout from None
+            return await reach_replica(send, timeout_s, take_a_place if gate is not None else None)
         finally:
             self._waiting[model] -= 1
-        return response
 
     def _served(self, model: str, key_id: str, usage: Usage | None) -> None:
         """What the request used, charged to its key's fair-share counter."""
