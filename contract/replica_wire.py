@@ -11,8 +11,11 @@ these small frozen classes (cheap to pickle) or plain SSE text.
   just before ``data: [DONE]``, which the ingress always asks for and reads
   (``serve_app.sse.take_usage``) without parsing the chunks in between.
 
-``operation`` is "chat", "completions" or "embeddings"; the body is the OpenAI
-request as a dict.
+``operation`` is "chat", "completions", "templated_completions", "messages",
+"embeddings", "score", "rerank", "tokenize" or "detokenize"; the body is the
+request of that API (OpenAI's; Anthropic's for "messages"; vLLM's for the
+rest) as a dict. A "messages" stream is Anthropic's SSE: its usage is in the
+``message_delta`` event, and its end is ``message_stop``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,16 @@ class Usage:
         if not usage:
             return None
         return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+
+    @classmethod
+    def from_anthropic(cls, usage: Mapping[str, Any] | None) -> Usage | None:
+        """From an Anthropic ``usage`` object: the prompt is its input tokens and
+        the cached ones Anthropic counts apart; None when there is none."""
+        if not usage:
+            return None
+        prompt = sum(int(usage.get(name) or 0)
+                     for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        return cls(prompt, int(usage.get("output_tokens") or 0))
 
 
 @dataclass(frozen=True, slots=True)

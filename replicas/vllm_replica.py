@@ -209,6 +209,10 @@ class VLLMReplica:
             response = json.loads(result.body)
             if result.status_code != 200:
                 return self._refusal(result.status_code, response.get("error") or {"message": str(response)})
+        elif operation in ("messages", "count_tokens"):  # Anthropic's shape, as vLLM's Anthropic layer wrote it
+            response = result.model_dump(exclude_none=True)
+            return ReplicaAnswer(json.dumps(response).encode(), Usage.from_anthropic(response.get("usage")),
+                                 self.replica)
         else:
             response = result.model_dump()
             if _names_a_tool(body):
@@ -225,7 +229,8 @@ class VLLMReplica:
         if not isinstance(result, AsyncIterator):  # a full response: send it as one event
             yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
             return
-        async for item in as_replica_stream(self.replica, self._relayed(result, _names_a_tool(body))):
+        named_tool = operation == "chat" and _names_a_tool(body)
+        async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
             yield item
 
     async def _relayed(self, events: AsyncIterator[str], named_tool: bool) -> AsyncIterator[str]:
@@ -284,7 +289,9 @@ class VLLMReplica:
         return {
             "id": self.config.name,
             "max_model_len": self.max_model_len,
-            "operations": sorted(self._endpoints),
+            # What a model card lists: the API operations (every model has a tokenizer;
+            # templated completions are the Databricks dialect's way to completions).
+            "operations": sorted(self._endpoints.keys() & CARD_OPERATIONS),
         }
 
     async def check_health(self) -> None:
@@ -319,14 +326,28 @@ class _LoadedAdapter:
         self._loop.call_soon_threadsafe(remove)
 
 
+CARD_OPERATIONS = frozenset({"chat", "completions", "messages", "embeddings", "score", "rerank"})
+
 # What each operation is called in messages to clients.
-OPERATIONS = {"chat": "chat completions", "completions": "completions", "embeddings": "embeddings"}
+OPERATIONS = {
+    "chat": "chat completions",
+    "completions": "completions",
+    "templated_completions": "completions through the chat template",
+    "embeddings": "embeddings",
+    "messages": "Anthropic messages",
+    "count_tokens": "Anthropic token counting",
+    "score": "score",
+    "rerank": "rerank",
+    "tokenize": "tokenize",
+    "detokenize": "detokenize",
+}
 
 
 def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
     """Operation -> (request validator, the fields vLLM knows, vLLM handler) for
     what this model serves: a generative model gets chat and completions, an
-    embedding model embeddings. vLLM's request models accept unknown fields and
+    embedding model embeddings, score and rerank (cosine similarity; a
+    cross-encoder scores pairs itself), every model its tokenizer. vLLM's request models accept unknown fields and
     ignore them; knowing the fields lets the replica refuse them instead."""
     from pydantic import TypeAdapter
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -343,7 +364,56 @@ def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
     embedding = getattr(state, "serving_embedding", None)
     if embedding is not None:
         found["embeddings"] = (TypeAdapter(EmbeddingRequest), _field_names(EmbeddingRequest), embedding)
+    messages = getattr(state, "anthropic_serving_messages", None)
+    if messages is not None:
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+
+        found["messages"] = (TypeAdapter(AnthropicMessagesRequest), _field_names(AnthropicMessagesRequest),
+                             messages.create_messages)
+        found["count_tokens"] = (TypeAdapter(AnthropicCountTokensRequest), _field_names(AnthropicCountTokensRequest),
+                                 messages.count_tokens)
+    scores = getattr(state, "serving_scores", None)
+    if scores is not None:
+        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
+
+        found["score"] = (TypeAdapter(ScoreRequest), _field_names(ScoreRequest), scores)
+        found["rerank"] = (TypeAdapter(RerankRequest), _field_names(RerankRequest), scores)
+    tokenization = getattr(state, "serving_tokenization", None)
+    if tokenization is not None:
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+        found["tokenize"] = (TypeAdapter(TokenizeRequest), _field_names(TokenizeRequest),
+                             lambda request: tokenization.create_tokenize(request, None))
+        found["detokenize"] = (TypeAdapter(DetokenizeRequest), _field_names(DetokenizeRequest),
+                               lambda request: tokenization.create_detokenize(request, None))
+        if chat is not None and completion is not None:
+            found["templated_completions"] = (
+                found["completions"][0], found["completions"][1], _templated(tokenization, completion.create_completion))
     return found
+
+
+def _templated(tokenization, complete):
+    """A completions handler whose text prompts are each rendered as one user
+    message through the model's chat template first (by vLLM's own tokenize
+    path, the template chat uses), then completed as token ids: one choice per
+    prompt, indexed by prompt, streamed and counted as any completion."""
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+    async def handler(request):
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
+            return tokenization.create_error_response("Prompts sent through the chat template must be text.",
+                                                      param="prompt")
+        rendered = []
+        for prompt in prompts:
+            tokens = await tokenization.create_tokenize(
+                TokenizeChatRequest(model=request.model, messages=[{"role": "user", "content": prompt}]), None)
+            if _is_error(tokens):
+                return tokens
+            rendered.append(tokens.tokens)
+        return await complete(request.model_copy(update={"prompt": rendered}))
+
+    return handler
 
 
 def _field_names(request_type: Any) -> frozenset[str]:

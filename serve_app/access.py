@@ -107,7 +107,7 @@ class Access:
         if not secret:
             raise OpenAIError(
                 401,
-                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' or 'api-key: <key>'.",
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>', 'api-key: <key>' or 'x-api-key: <key>'.",
                 code="invalid_api_key",
             )
         hashed = digest(secret)
@@ -359,7 +359,8 @@ def _secret_from(headers) -> str | None:
         scheme, _, value = authorization.partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             return value.strip()
-    return headers.get("api-key") or None
+    # Azure's header, and Anthropic's (its SDK sends the key nowhere else).
+    return headers.get("api-key") or headers.get("x-api-key") or None
 
 
 def _backend_error(exc) -> OpenAIError:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.errors import OpenAIError, invalid_request
 
@@ -42,6 +42,9 @@ class ChatEnvelope(BaseModel):
     stream_options: StreamOptions | None = None
 
 
+# Token ids one /detokenize may send: more than any context; bounds the work.
+MAX_DETOKENIZE_TOKENS = 1_000_000
+
 # OpenAI's (and vLLM's) max_tokens when a completions request names none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -66,13 +69,82 @@ class EmbeddingEnvelope(BaseModel):
     stream: Literal[False] | None = None
 
 
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]  # the system prompt is a field of its own
+
+
+class MessagesEnvelope(BaseModel):
+    """Anthropic's Messages request: ``max_tokens`` is required there."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int
+    stream: bool | None = False
+
+
+class CountTokensEnvelope(BaseModel):
+    """Anthropic's messages.count_tokens: the Messages request without generation."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    stream: Literal[False] | None = None
+
+
+class TokenizeEnvelope(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    stream: Literal[False] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeEnvelope":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeEnvelope(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+    stream: Literal[False] | None = None
+
+
+class ScoringEnvelope(BaseModel):
+    """vLLM's /score and /rerank: its request models check the pairs and documents."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    stream: Literal[False] | None = None
+
+
 @dataclass(frozen=True)
 class Operation:
-    """One OpenAI endpoint as the gateway sees it."""
+    """One endpoint as the gateway sees it."""
 
-    name: str  # the replica's name for it: "chat", "completions", "embeddings"
+    name: str  # "chat", "completions", "messages", "count_tokens", "embeddings", "score", "rerank", ...
     envelope: type[BaseModel]
     generates: bool  # produces completion tokens (reserved up front; may stream)
+    # The request id goes into the body (vLLM's request model has the field: the
+    # engine's logs and aborts name it); vLLM's tokenizer requests have none.
+    carries_request_id: bool = True
+    streams_as: str = "openai"  # the SSE shape of its streams: "openai" or "anthropic"
+    replica: str = ""  # what the replica runs, where it differs from ``name``
+
+    @property
+    def replica_operation(self) -> str:
+        return self.replica or self.name
 
 
 OPERATIONS = {
@@ -81,8 +153,22 @@ OPERATIONS = {
         Operation("chat", ChatEnvelope, generates=True),
         Operation("completions", CompletionEnvelope, generates=True),
         Operation("embeddings", EmbeddingEnvelope, generates=False),
+        # Anthropic's Messages API, by vLLM's Anthropic layer (its request model has no request id).
+        Operation("messages", MessagesEnvelope, generates=True, carries_request_id=False, streams_as="anthropic"),
+        Operation("count_tokens", CountTokensEnvelope, generates=False, carries_request_id=False),
+        # Relevance of text pairs (a cross-encoder, or an embedding model's cosine similarity).
+        Operation("score", ScoringEnvelope, generates=False),
+        Operation("rerank", ScoringEnvelope, generates=False),
+        # The tokenizer only: nothing generated, nothing charged but the request.
+        Operation("tokenize", TokenizeEnvelope, generates=False, carries_request_id=False),
+        Operation("detokenize", DetokenizeEnvelope, generates=False, carries_request_id=False),
     )
 }
+
+# Completions whose prompts are each sent as a user message through the model's
+# chat template (Databricks' default for chat models), one choice per prompt.
+# Admitted, reserved and accounted exactly as completions.
+TEMPLATED_COMPLETIONS = Operation("completions", CompletionEnvelope, generates=True, replica="templated_completions")
 
 
 def validate_request(operation: Operation, body: dict[str, Any]) -> BaseModel:

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from starlette.responses import Response, StreamingResponse
 
+from serve_app.api_requests import Operation
+
 
 @dataclass
 class Reply:
@@ -32,7 +34,7 @@ class Reply:
 
 @dataclass
 class Call:
-    operation: str  # "chat" | "completions" | "embeddings"
+    operation: str | Operation  # "chat" | "completions" | ...; an Operation where the replica runs another
     body: dict[str, Any]  # the canonical OpenAI request
     respond: Callable[[Reply], Response] = field(default=Reply.response)
 

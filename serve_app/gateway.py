@@ -32,7 +32,7 @@ from serve_app.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
 from serve_app.reservation import Reservation, reserve
-from serve_app.sse import DONE, ends_in_error, take_usage
+from serve_app.sse import STREAM_SHAPES, StreamShape
 from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
@@ -314,7 +314,8 @@ class Gateway:
             record.request_id,
         )
         self.telemetry.admitted(record)
-        body["request_id"] = ticket.request_id
+        if op.carries_request_id:
+            body["request_id"] = ticket.request_id
         config = self._configs[model]
         if config.priority_scheduling and op.name in PRIORITIZED:
             body["priority"] = VLLM_PRIORITY[key.priority]
@@ -328,7 +329,7 @@ class Gateway:
         try:
             if getattr(request, "stream", False):
                 return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
-            response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.name, body), queue_timeout_s)
+            response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.replica_operation, body), queue_timeout_s)
             answer: ReplicaAnswer | ReplicaError = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
@@ -368,12 +369,14 @@ class Gateway:
         record: RequestRecord,
         reservation: Reservation,
     ) -> Reply:
-        options = request.stream_options
+        options = getattr(request, "stream_options", None)
         client_wants_usage = bool(options and options.include_usage)
-        # Usage is always asked for: it settles the token reservation.
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if op.streams_as == "openai":
+            # Usage is always asked for: it settles the token reservation. (Anthropic's
+            # streams always carry it.)
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         chunks = await self._hand_on(
-            body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.name, body), queue_timeout_s)
+            body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.replica_operation, body), queue_timeout_s)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -385,7 +388,8 @@ class Gateway:
         record.first_token_at = time.monotonic()
         record.stream = True
         self._describe_while_up(body["model"])
-        relay = self._relay(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat")
+        relay = self._relay(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat",
+                            STREAM_SHAPES[op.streams_as])
         # A client that hangs up before the first byte is sent never starts the
         # relay, so its `finally` never runs: settle when the unstarted relay is dropped
         # (otherwise its lease would be renewed for as long as the ingress lives).
@@ -436,6 +440,7 @@ class Gateway:
         record: RequestRecord,
         reservation: Reservation,
         chat: bool,
+        shape: StreamShape,
     ):
         """Relay the replica's stream and account for it.
 
@@ -451,16 +456,15 @@ class Gateway:
         replica, first = start.replica, start.text
         events, last = 0, first
         try:
-            if first.endswith(DONE):
-                first, usage = take_usage(first, client_wants_usage)
+            first, usage = shape.usage(first, client_wants_usage)
             events, last = first.count("data: {"), first
             yield first
             if usage is not None:
                 status = "completed"
             self.access.running(ticket, replica)
             async for chunk in chunks:
-                if chunk.endswith(DONE):
-                    chunk, usage = take_usage(chunk, client_wants_usage)
+                if usage is None:
+                    chunk, usage = shape.usage(chunk, client_wants_usage)
                 events += chunk.count("data: {")
                 last = chunk
                 yield chunk
@@ -471,7 +475,7 @@ class Gateway:
                     status = "completed"
             drained = True
             # vLLM ends a stream whose engine failed with an error event and no usage.
-            failed_upstream = usage is None and ends_in_error(last)
+            failed_upstream = usage is None and shape.failed(last)
             events -= failed_upstream
             status = "failed" if failed_upstream else "completed"
         except Exception:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from serve_app import admin
 from serve_app.access import Access
 from serve_app.api_requests import parse_json_object
-from serve_app.dialects import azure, databricks, sagemaker
+from serve_app.dialects import anthropic, azure, databricks, sagemaker
 from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
@@ -67,6 +67,11 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
        for op in ("chat/completions", "completions", "embeddings")},
     **{("GET", prefix + path): "key" for prefix in ("/v1/", "/v3/") for path in ("models", "models/{model_id:path}")},
     **{("POST", prefix + op): "key" for prefix in ("/", "/models/") for op in ("chat/completions", "embeddings")},
+    **{("POST", path): "key" for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")},
+    ("POST", "/v1/messages"): "key",
+    ("POST", "/v1/messages/count_tokens"): "key",
+    ("POST", "/tokenize"): "key",
+    ("POST", "/detokenize"): "key",
     ("GET", "/info"): "key",
     ("GET", "/models/info"): "key",
     ("POST", "/invocations"): "key",
@@ -82,6 +87,14 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/ready"): "probe",
     ("GET", "/ping"): "probe",
 }
+
+
+def _as_call(operation: str):
+    """The translation of a route whose body is already the canonical request."""
+    async def as_is(body: dict[str, Any]) -> Call:
+        return Call(operation, body)
+
+    return as_is
 
 
 def _serve_request_id(request: Request) -> str:
@@ -159,10 +172,7 @@ class Ingress:
         return response
 
     async def _openai(self, operation: str, request: Request) -> Response:
-        async def as_is(body: dict[str, Any]) -> Call:
-            return Call(operation, body)
-
-        return await self._handle("openai", request, as_is)
+        return await self._handle("openai", request, _as_call(operation))
 
     # -- OpenAI API (also under OpenVINO Model Server's /v3 and Databricks'
     #    /serving-endpoints, where the OpenAI client is pointed at them) ---------
@@ -184,6 +194,38 @@ class Ingress:
     @app.post("/serving-endpoints/embeddings")
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
+
+    # -- Anthropic's Messages API (route label "anthropic") ------------------------
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(self, request: Request) -> Response:
+        return await self._handle("anthropic", request, _as_call("messages"), anthropic.error_response)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(self, request: Request) -> Response:
+        return await self._handle("anthropic", request, _as_call("count_tokens"), anthropic.error_response)
+
+    # -- vLLM's own endpoints (route label "vllm"): scoring, reranking (Jina's and
+    #    Cohere's v2 shape), the tokenizer ----------------------------------------
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(self, request: Request) -> Response:
+        return await self._handle("vllm", request, _as_call("score"))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(self, request: Request) -> Response:
+        return await self._handle("vllm", request, _as_call("rerank"))
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._handle("vllm", request, _as_call("tokenize"))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._handle("vllm", request, _as_call("detokenize"))
 
     @app.get("/v1/models")
     @app.get("/v3/models")

@@ -58,6 +58,12 @@ IGNORED: dict[str, frozenset[str]] = {
     | _GATEWAY_OWNED,
     "completions": _LLAMACPP_IGNORED | _GATEWAY_OWNED,
     "embeddings": _GATEWAY_OWNED,
+    "messages": _GATEWAY_OWNED,
+    "count_tokens": _GATEWAY_OWNED,
+    "score": _GATEWAY_OWNED,
+    "rerank": _GATEWAY_OWNED,
+    "tokenize": _GATEWAY_OWNED,
+    "detokenize": _GATEWAY_OWNED,
 }
 
 _ALWAYS = object()  # no value is "off": the parameter is always refused
@@ -93,13 +99,19 @@ UNSUPPORTED: dict[str, dict[str, tuple[Any, str]]] = {
         **_LLAMACPP_UNSUPPORTED,
     },
     "embeddings": {"stream": ((False,), "embeddings do not stream")},
+    "messages": {},
+    "count_tokens": {},
+    "score": {},
+    "rerank": {},
+    "tokenize": {},
+    "detokenize": {},
 }
 
 
 def apply_parameter_policy(operation: str, body: dict[str, Any]) -> None:
     """Rename llama.cpp aliases, drop ignored parameters, refuse unsupported
     ones; ``body`` is changed in place."""
-    if operation != "embeddings":
+    if operation in ("chat", "completions"):
         _rename_aliases(body)
     for name in IGNORED[operation] & body.keys():
         del body[name]

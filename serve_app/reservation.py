@@ -76,9 +76,13 @@ def reserve(
     context_length: int | None,
 ) -> Reservation:
     """The reservation of a request of ``operation`` ("chat", "completions",
-    "embeddings"); for generating operations ``body`` is changed in place so
+    "embeddings", "score", "rerank", "tokenize", "detokenize", "count_tokens"); for generating operations ``body`` is changed in place so
     that it names its max tokens explicitly."""
+    if operation in ("tokenize", "detokenize", "count_tokens"):
+        return Reservation(0, 0, 0)  # the tokenizer only: a request, no tokens of the budget
     prompt = math.ceil(raw_size / BYTES_PER_PROMPT_TOKEN)
+    if operation in ("score", "rerank"):  # every text is a prompt; nothing is generated
+        return Reservation(prompt, 0, 0)
     if operation == "embeddings":
         return Reservation(max(prompt, _token_ids(body.get("input"))), 0, 0)
     n = integer_parameter(body, "n", 1, MAX_N) or 1

@@ -3,13 +3,17 @@
 For OpenAI-shaped streams only the last item (which ends with
 ``data: [DONE]``, after the usage event: the stream's usage trailer) is
 inspected; the items in between are passed on untouched, so streaming costs
-no parsing per chunk. Dialects that answer in another shape parse every event
+no parsing per chunk. Anthropic-shaped streams (vLLM's Messages API) carry
+their usage in the ``message_delta`` event near the end: only an item holding
+one is parsed. Dialects that answer in another shape parse every event
 (``events``).
 """
 
 from __future__ import annotations
 
 import json
+
+from dataclasses import dataclass
 
 from contract.replica_wire import Usage
 
@@ -49,3 +53,35 @@ def events(item: str) -> list[dict]:
         for event in item.split("\n\n")
         if event.startswith("data: {")
     ]
+
+
+def anthropic_usage(item: str) -> Usage | None:
+    """The usage of an Anthropic stream's ``message_delta`` event in ``item``
+    (vLLM sends the whole count there: input and output tokens), else None."""
+    marker = "event: message_delta\ndata: "
+    at = item.find(marker)
+    if at < 0:
+        return None
+    line = item[at + len(marker):].split("\n", 1)[0]
+    return Usage.from_anthropic(json.loads(line).get("usage"))
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """How the relay finds a stream's usage and a failure vLLM ended it with."""
+
+    name: str
+
+    def usage(self, item: str, keep: bool) -> tuple[str, Usage | None]:
+        """``item`` as sent on, and the stream's usage if ``item`` carries it."""
+        if self.name == "anthropic":
+            return item, anthropic_usage(item) if "event: message_delta" in item else None
+        return take_usage(item, keep) if item.endswith(DONE) else (item, None)
+
+    def failed(self, item: str) -> bool:
+        if self.name == "anthropic":
+            return "event: error\n" in item
+        return ends_in_error(item)
+
+
+STREAM_SHAPES = {name: StreamShape(name) for name in ("openai", "anthropic")}

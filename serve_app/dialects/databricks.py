@@ -4,13 +4,17 @@
 and the body's shape picks the task, as Databricks does: ``messages`` → chat,
 ``prompt`` → completions, ``input`` → embeddings. Databricks' own fields:
 
-- completions ``use_raw_prompt`` (default false): false wraps the prompt as a
-  user message in the model's chat template, as Databricks does for chat
-  models; true sends it untouched. The answer is a completion either way.
+- completions ``use_raw_prompt`` (default false): false sends each prompt (a
+  text, or a list of texts: "multiple independent prompts in one request") as
+  a user message through the model's chat template, as Databricks does for
+  chat models, one choice per prompt indexed by prompt; true sends the prompt
+  untouched (texts or token ids). The answer is a completion either way.
 - completions ``error_behavior``: ``error`` (default) answers 400 when the
   prompt does not fit the context; ``truncate`` keeps the prompt's last tokens
   so that it and ``max_tokens`` fit.
-- completions ``suffix``, ``echo``: as OpenAI's (vLLM refuses ``suffix``).
+- completions ``suffix``: "a string appended to the end of each completion"
+  (Databricks' meaning, not OpenAI's insertion suffix); ``echo`` as OpenAI's,
+  the prompt as sent (never the template around it).
 - embeddings ``instruction``: prefixed to every input, for instruction-tuned
   embedding models.
 
@@ -26,7 +30,7 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
+from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, TEMPLATED_COMPLETIONS
 from serve_app.calls import Call, ModelRegistry, Reply
 from serve_app.errors import OpenAIError
 from serve_app.gateway import RETRY_HEADERS
@@ -57,6 +61,9 @@ async def _completion(body: dict[str, Any], gateway: ModelRegistry) -> Call:
     raw = body.pop("use_raw_prompt", False)
     if not isinstance(raw, bool):
         raise OpenAIError(400, "'use_raw_prompt' must be a boolean.", param="use_raw_prompt")
+    suffix = body.pop("suffix", None) or ""
+    if not isinstance(suffix, str):
+        raise OpenAIError(400, "'suffix' must be a string.", param="suffix")
     if behaviour == "truncate":
         await gateway.model_card(body["model"])  # learns the context length (bounded wait)
         context = gateway.context_length(gateway.resolve(body["model"]))
@@ -72,80 +79,59 @@ async def _completion(body: dict[str, Any], gateway: ModelRegistry) -> Call:
         if room < 1:
             raise OpenAIError(400, "'max_tokens' leaves no room for the prompt.", param="max_tokens")
         body["truncate_prompt_tokens"] = room
-    if raw:
-        return Call("completions", body)
-    return _templated_completion(body)
+    if raw:  # vLLM echoes a raw prompt itself
+        return _finished(Call("completions", body), body, [], suffix)
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(text, str) for text in prompts):
+        raise OpenAIError(400, "A prompt sent through the chat template must be text or a list of texts "
+                               "(token ids need 'use_raw_prompt': true).", param="prompt")
+    echo = body.pop("echo", False)
+    if not isinstance(echo, bool):
+        raise OpenAIError(400, "'echo' must be a boolean.", param="echo")
+    # The replica renders each prompt through the chat template: echoing its
+    # answer would echo the template too, so the prompts as sent are echoed here.
+    return _finished(Call(TEMPLATED_COMPLETIONS, body), body, prompts if echo else [], suffix)
 
 
-def _templated_completion(body: dict[str, Any]) -> Call:
-    """A completion through the chat template, answered as a completion."""
-    prompt = body.pop("prompt")
-    if not isinstance(prompt, str):
-        raise OpenAIError(400, "A list of prompts needs 'use_raw_prompt': true.", param="prompt")
-    for name in ("suffix", "logprobs"):
-        if body.get(name) is not None:
-            raise OpenAIError(400, f"'{name}' needs 'use_raw_prompt': true.", param=name)
-    echo = bool(body.pop("echo", False))
-    body["messages"] = [{"role": "user", "content": prompt}]
-    echoed = prompt if echo else ""
-    if body.get("stream"):
-        return Call("chat", body, lambda reply: _stream_as_completion(reply, echoed))
-    return Call("chat", body, lambda reply: _as_completion(reply, echoed))
+def _finished(call: Call, body: dict[str, Any], echoed: list[str], suffix: str) -> Call:
+    """``call`` answering with each choice's prompt before its text (``echoed``,
+    by prompt) and ``suffix`` after it: Databricks' "a string appended to the end
+    of each completion"."""
+    if not echoed and not suffix:
+        return call
+
+    def edit(choice: dict[str, Any], started: set[int]) -> None:
+        index = choice["index"]
+        if echoed and index not in started:
+            started.add(index)
+            # vLLM numbers the choices prompt by prompt: n per prompt.
+            choice["text"] = echoed[index // (body.get("n") or 1)] + (choice.get("text") or "")
+        if suffix and choice.get("finish_reason") is not None:
+            choice["text"] = (choice.get("text") or "") + suffix
+
+    def respond(reply: Reply) -> Response:
+        if reply.stream is not None:
+            return StreamingResponse(_edited_events(reply.stream, edit), media_type="text/event-stream",
+                                     headers=reply.headers)
+        completion = json.loads(reply.body)
+        for choice in completion.get("choices") or ():
+            edit(choice, set())
+        return Response(json.dumps(completion), media_type="application/json", headers=reply.headers)
+
+    call.respond = respond
+    return call
 
 
-def _as_completion(reply: Reply, echoed: str) -> Response:
-    chat = json.loads(reply.body)
-    completion = {
-        "id": chat["id"].replace("chatcmpl-", "cmpl-", 1),
-        "object": "text_completion",
-        "created": chat["created"],
-        "model": chat["model"],
-        "choices": [
-            {
-                "index": choice["index"],
-                "text": echoed + (choice["message"].get("content") or ""),
-                "logprobs": None,
-                "finish_reason": choice["finish_reason"],
-            }
-            for choice in chat["choices"]
-        ],
-        "usage": chat.get("usage"),
-    }
-    return Response(json.dumps(completion), media_type="application/json", headers=reply.headers)
-
-
-def _stream_as_completion(reply: Reply, echoed: str) -> Response:
-    return StreamingResponse(_completion_events(reply.stream, echoed), media_type="text/event-stream", headers=reply.headers)
-
-
-async def _completion_events(stream: AsyncIterator[str], echoed: str):
-    first = True
+async def _edited_events(stream: AsyncIterator[str], edit) -> AsyncIterator[str]:
+    started: set[int] = set()
     async for item in stream:
         out = []
         for chunk in events(item):
-            if "error" in chunk:
-                out.append(chunk)
-                continue
-            choices = []
             for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") or ""
-                if first and echoed:
-                    text, first = echoed + text, False
-                choices.append(
-                    {"index": choice["index"], "text": text, "logprobs": None, "finish_reason": choice.get("finish_reason")}
-                )
-            completion = {
-                "id": chunk["id"].replace("chatcmpl-", "cmpl-", 1),
-                "object": "text_completion",
-                "created": chunk["created"],
-                "model": chunk["model"],
-                "choices": choices,
-            }
-            if chunk.get("usage"):
-                completion["usage"] = chunk["usage"]
-            out.append(completion)
-        text = "".join(f"data: {json.dumps(event)}\n\n" for event in out)
-        yield text + (DONE if item.endswith(DONE) else "")
+                edit(choice, started)
+            out.append(f"data: {json.dumps(chunk)}\n\n")
+        yield "".join(out) + (DONE if item.endswith(DONE) else "")
 
 
 def _embedding(body: dict[str, Any]) -> dict[str, Any]:

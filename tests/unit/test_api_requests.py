@@ -139,3 +139,43 @@ def test_admin_bodies_use_the_same_400_as_requests():
     with pytest.raises(OpenAIError) as caught:
         admin._parse(admin.NewKey, {})
     assert caught.value.code == "missing_required_parameter" and caught.value.param == "name"
+
+
+@pytest.mark.parametrize("body, ok", [
+    ({"model": "m", "prompt": "hi"}, True),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
+    ({"model": "m"}, False),  # neither
+    ({"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, False),  # both
+    ({"model": "m", "prompt": ["a", "b"]}, False),
+    ({"model": "m", "messages": []}, False),
+    ({"model": "m", "prompt": "hi", "stream": True}, False),
+])
+def test_tokenize_takes_a_prompt_or_messages(body, ok):
+    if ok:
+        assert parse(body, "tokenize")[1].model == "m"
+    else:
+        with pytest.raises(OpenAIError) as caught:
+            parse(body, "tokenize")
+        assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("tokens", [[1, "2"], "12", [1.5], None, [True]])
+def test_detokenize_takes_a_list_of_integers(tokens):
+    with pytest.raises(OpenAIError) as caught:
+        parse({"model": "m", "tokens": tokens}, "detokenize")
+    assert caught.value.status == 400 and caught.value.param == "tokens"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),  # required by Anthropic
+    ({"model": "m", "max_tokens": "9", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"model": "m", "max_tokens": 9, "messages": [{"role": "system", "content": "hi"}]}, "messages"),  # 'system' field
+    ({"model": "m", "max_tokens": 9, "messages": []}, "messages"),
+    ({"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+])
+def test_anthropic_messages_envelope(body, param):
+    with pytest.raises(OpenAIError) as caught:
+        parse(body, "messages")
+    assert caught.value.status == 400 and caught.value.param == param
+    ok = {"model": "m", "max_tokens": 9, "system": "be brief", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse(ok, "messages")[1].max_tokens == 9

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from serve_app.dialects import azure, databricks, sagemaker
+from serve_app.api_requests import TEMPLATED_COMPLETIONS
+from serve_app.dialects import anthropic, azure, databricks, sagemaker
 from serve_app.errors import OpenAIError
 from serve_app.calls import Reply
 
@@ -93,13 +94,61 @@ async def test_lmi_answer_is_generated_text_with_lmi_finish_reasons():
 
 async def test_databricks_prompt_goes_through_the_chat_template_and_back():
     call = await databricks.translate("m", {"prompt": "Hi", "max_tokens": 3, "echo": True}, Registry())
-    assert call.operation == "chat" and call.body["messages"] == [{"role": "user", "content": "Hi"}]
-    assert call.body["model"] == "m" and "prompt" not in call.body and "echo" not in call.body
-    chat = {"id": "chatcmpl-1", "created": 1, "model": "m", "usage": None,
-            "choices": [{"index": 0, "message": {"content": " there"}, "finish_reason": "stop"}]}
-    answer = json.loads(call.respond(Reply(body=json.dumps(chat).encode())).body)
-    assert answer["object"] == "text_completion" and answer["id"] == "cmpl-1"
-    assert answer["choices"][0]["text"] == "Hi there"
+    assert call.operation is TEMPLATED_COMPLETIONS and call.operation.replica_operation == "templated_completions"
+    assert call.operation.name == "completions"  # admitted, reserved and accounted as completions
+    assert call.body == {"model": "m", "prompt": "Hi", "max_tokens": 3}  # echo is the dialect's
+    answer = json.loads(call.respond(Reply(body=json.dumps(completion(" there")).encode())).body)
+    assert answer["object"] == "text_completion" and answer["choices"][0]["text"] == "Hi there"
+
+
+def completion(*texts, finish="stop"):
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                        for i, text in enumerate(texts)],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+
+
+async def test_databricks_prompt_list_is_templated_prompt_by_prompt_with_echo_and_suffix_per_choice():
+    body = {"prompt": ["Hi", "Yo"], "n": 2, "echo": True, "suffix": "!"}
+    call = await databricks.translate("m", body, Registry())
+    assert call.operation is TEMPLATED_COMPLETIONS and call.body["prompt"] == ["Hi", "Yo"]
+    assert "suffix" not in call.body and "echo" not in call.body
+    answer = json.loads(call.respond(Reply(body=json.dumps(completion("a", "b", "c", "d")).encode())).body)
+    # n=2: choices 0, 1 answer the first prompt, 2, 3 the second
+    assert [c["text"] for c in answer["choices"]] == ["Hia!", "Hib!", "Yoc!", "Yod!"]
+
+
+async def test_databricks_suffix_ends_each_streamed_choice_once_and_echo_starts_it_once():
+    call = await databricks.translate("m", {"prompt": ["Hi", "Yo"], "echo": True, "suffix": "?", "stream": True},
+                                      Registry())
+
+    async def stream():
+        chunk = lambda index, text, finish=None: {  # noqa: E731
+            "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": index, "text": text, "finish_reason": finish}]}
+        yield "".join(f"data: {json.dumps(c)}\n\n" for c in (chunk(0, " a"), chunk(1, " b")))
+        yield "".join(f"data: {json.dumps(c)}\n\n" for c in (chunk(0, " c", "stop"), chunk(1, " d", "length")))
+        usage = {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 4}}
+        yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+
+    response = call.respond(Reply(stream=stream()))
+    items = [item async for item in response.body_iterator]
+    assert items[-1].endswith("data: [DONE]\n\n")
+    texts = {0: "", 1: ""}
+    for item in items:
+        for event in item.split("\n\n"):
+            if event.startswith("data: {"):
+                for choice in json.loads(event[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    assert texts == {0: "Hi a c?", 1: "Yo b d?"}
+
+
+async def test_databricks_raw_prompt_gets_the_suffix_but_its_echo_is_vllms():
+    call = await databricks.translate("m", {"prompt": [[1, 2]], "use_raw_prompt": True, "echo": True, "suffix": "."},
+                                      Registry())
+    assert call.operation == "completions" and call.body["echo"] is True and "suffix" not in call.body
+    answer = json.loads(call.respond(Reply(body=json.dumps(completion("x", finish="length")).encode())).body)
+    assert answer["choices"][0]["text"] == "x."
 
 
 async def test_databricks_raw_prompt_truncation_leaves_room_for_max_tokens():
@@ -112,8 +161,13 @@ async def test_databricks_raw_prompt_truncation_leaves_room_for_max_tokens():
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "a", "error_behavior": "ignore"}, "error_behavior"),
     ({"prompt": "a", "use_raw_prompt": "yes"}, "use_raw_prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": [1, 2]}, "prompt"),  # token ids are raw
+    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", 2]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": "a", "suffix": 7}, "suffix"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
     ({"prompt": "a", "error_behavior": "truncate", "max_tokens": 128}, "max_tokens"),
     ({"prompt": "a", "error_behavior": "truncate", "max_tokens": "10"}, "max_tokens"),
     ({"input": [1, 2], "instruction": "q:"}, "instruction"),
@@ -159,3 +213,21 @@ def test_azure_errors_use_422_for_parameters_and_carry_the_error_code_header():
     assert response.status_code == 422 and response.headers["x-ms-error-code"] == "invalid_value"
     response = azure.error_response(OpenAIError(401, "no key"))
     assert response.status_code == 401 and response.headers["x-ms-error-code"] == "Unauthorized"
+
+
+# -- Anthropic Messages -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status, kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (413, "request_too_large"), (429, "rate_limit_error"), (500, "api_error"),
+    (503, "overloaded_error"), (502, "api_error"), (422, "invalid_request_error"),
+])
+def test_anthropic_errors_take_anthropics_shape_with_the_same_status_and_headers(status, kind):
+    exc = OpenAIError(status, "Something is wrong.", param="max_tokens", headers={"retry-after": "1"})
+    response = anthropic.error_response(exc)
+    assert response.status_code == status and response.headers["retry-after"] == "1"
+    assert json.loads(response.body) == {"type": "error", "error": {
+        "type": kind, "message": "Something is wrong. (max_tokens)"}}
+    named = anthropic.error_response(OpenAIError(400, "Invalid 'max_tokens': no.", param="max_tokens"))
+    assert json.loads(named.body)["error"]["message"] == "Invalid 'max_tokens': no."  # named once

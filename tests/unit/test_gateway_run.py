@@ -238,7 +238,8 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
         return First(result=first_result) if len(sent) == 1 else Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
     handle = SimpleNamespace(call=SimpleNamespace(remote=remote))
-    config = ModelConfig(name="tiny-llama", queue_timeout_s=0.3)
+    # Times wide enough for a loaded box (a CI neighbour stalled this loop past a 0.3 s bound).
+    config = ModelConfig(name="tiny-llama", queue_timeout_s=1.5)
     gateway = Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False))
 
     async def send(key):
@@ -248,12 +249,48 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
             return exc
 
     first = asyncio.create_task(send(tier("normal")))
-    await asyncio.sleep(0.2)  # the second's queue timeout ends this much after the first's
+    await asyncio.sleep(0.75)  # the second's queue timeout ends this much after the first's
     second = asyncio.create_task(send(KeyRecord(id="k2", name="other", created_at=0)))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
     assert len(sent) == 1 and gateway._waiting["tiny-llama"] == 2  # the second waits at the gate
     release.set()
-    await asyncio.wait_for(asyncio.gather(first, second), 2)
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
     assert len(sent) == 2 and not isinstance(second.result(), OpenAIError)
     gate = gateway._gates["tiny-llama"]
     assert gate.in_flight == 0 and gate.waiting == 0 and gateway._waiting["tiny-llama"] == 0
+
+
+def recording_gateway(answer: ReplicaAnswer):
+    """(a gateway whose replica answers ``answer``, its fake access, what each call sent)."""
+    sent, access = [], Access()
+
+    def remote(*args):
+        sent.append(args)
+        return Response(result=answer)
+
+    gateway = Gateway(access, {"tiny-llama": SimpleNamespace(call=SimpleNamespace(remote=remote))},
+                      [ModelConfig(name="tiny-llama")], Telemetry(False, False))
+    return gateway, access, sent
+
+
+@pytest.mark.parametrize("operation, body", [
+    ("tokenize", {"model": "tiny-llama", "prompt": "hi"}),
+    ("detokenize", {"model": "tiny-llama", "tokens": [1, 2]}),
+])
+async def test_the_tokenizer_endpoints_reach_the_replica_as_sent_and_are_charged_nothing(operation, body):
+    gateway, access, sent = recording_gateway(ReplicaAnswer(b'{"tokens": [1]}', None, "r1"))
+    reply = await gateway.run(KEY, operation, dict(body), 100, RequestRecord("vllm", "x"))
+    # No request id nor priority: vLLM's tokenizer request models know neither.
+    assert sent == [(operation, body)] and reply.body == b'{"tokens": [1]}'
+    assert access.settled == [("completed", Usage())]
+
+
+async def test_templated_completions_are_admitted_as_completions_and_run_as_the_replica_names_them():
+    from serve_app.api_requests import TEMPLATED_COMPLETIONS
+
+    gateway, _, sent = recording_gateway(ReplicaAnswer(b"{}", USAGE, "r1"))
+    record = RequestRecord("databricks", "x")
+    await gateway.run(KEY, TEMPLATED_COMPLETIONS, {"model": "tiny-llama", "prompt": ["a", "b"]}, 100, record)
+    [(operation, body)] = sent
+    assert operation == "templated_completions" and record.operation == "completions"
+    assert body["max_tokens"] == 16 and body["request_id"] == "req-1"  # completions' default, set explicitly

@@ -1,5 +1,7 @@
 """The reservation is an upper bound of what the engine may generate."""
 
+import json
+
 import pytest
 
 from serve_app.errors import OpenAIError
@@ -72,3 +74,20 @@ def test_the_larger_of_both_max_fields_and_the_context_bound_the_reservation():
 def test_embeddings_reserve_the_prompt_only():
     r = tokens("embeddings", {"model": "e", "input": "hello"}, raw=40)
     assert r.tokens == 10
+
+
+@pytest.mark.parametrize("operation, body", [
+    ("tokenize", {"model": "m", "prompt": "x" * 4000, "max_tokens": 10**6}),
+    ("detokenize", {"model": "m", "tokens": list(range(1000))}),
+])
+def test_the_tokenizer_endpoints_reserve_no_tokens_and_leave_the_body_alone(operation, body):
+    sent = dict(body)
+    assert tokens(operation, body, raw=len(json.dumps(body))).tokens == 0
+    assert body == sent
+
+
+@pytest.mark.parametrize("operation", ["score", "rerank"])
+def test_scoring_reserves_its_texts_as_prompt_tokens_and_nothing_generated(operation):
+    body = {"model": "e", "query": "q", "documents": ["d"] * 10, "max_tokens": 10**6}
+    r = tokens(operation, body, raw=400)
+    assert (r.prompt, r.completion_per_choice, r.tokens) == (100, 0, 100) and "max_tokens" in body

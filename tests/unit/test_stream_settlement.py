@@ -169,3 +169,24 @@ async def test_a_replica_lost_after_the_final_usage_event_leaves_a_complete_stre
     relayed = await relay_all(gateway, chunks, ticket)
     assert relayed.endswith("data: [DONE]\n\n") and '"error"' not in relayed
     assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=3, completion_tokens=2)
+
+
+def anthropic_event(name: str, data: str) -> str:
+    return f"event: {name}\ndata: {data}\n\n"
+
+
+async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_message_delta_usage():
+    delta = anthropic_event("content_block_delta", '{"type": "content_block_delta", "delta": {"text": "x"}}')
+    end = (anthropic_event("message_delta", '{"type": "message_delta", "usage": {"input_tokens": 9, "output_tokens": 3}}')
+           + anthropic_event("message_stop", '{"type": "message_stop"}'))
+    access, gateway, chunks, ticket = streaming_gateway(FakeChunks([delta * 3, end]))
+    sent = []
+    handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(
+        remote=lambda *args: sent.append(args) or chunks)))
+    body = {"model": "tiny-llama", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    reply = await gateway._stream(handle, OPERATIONS["messages"], body, SimpleNamespace(), ticket, 5,
+                                  RequestRecord("anthropic", "x"), RESERVED)
+    relayed = "".join([item async for item in reply.stream])
+    assert relayed.endswith(end)  # passed on whole: Anthropic's client reads the usage itself
+    assert sent == [("messages", body)] and "stream_options" not in body  # vLLM's Anthropic request has none
+    assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=9, completion_tokens=3)

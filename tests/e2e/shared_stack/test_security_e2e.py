@@ -175,7 +175,8 @@ HOSTILE_BODIES = {
 
 @pytest.mark.parametrize("name", list(HOSTILE_BODIES))
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/invocations",
-                                  "/serving-endpoints/tiny-llama/invocations", "/chat/completions"])
+                                  "/serving-endpoints/tiny-llama/invocations", "/chat/completions",
+                                  "/v1/messages", "/rerank", "/tokenize"])
 def test_hostile_bodies_get_a_4xx_never_a_500(base_url, api_key, name, path):
     response = httpx.post(base_url + path, content=HOSTILE_BODIES[name], timeout=60,
                           headers={"authorization": f"Bearer {api_key}", "content-type": "application/json"})
@@ -187,6 +188,7 @@ def test_hostile_bodies_get_a_4xx_never_a_500(base_url, api_key, name, path):
     ("authorization", b"Bearer \xff\xfe\xc3\x28"),
     ("authorization", b"Bearer " + "ключ".encode()),
     ("api-key", b"\x80" * 5000),
+    ("x-api-key", b"\xff" * 100),
     ("authorization", b"Basic Zm9vOmJhcg=="),
     ("authorization", b"Bearer"),
 ])
@@ -244,6 +246,16 @@ def forbidden_model_probes(base_url):
     probes[("POST", "/invocations")] = ("POST", "/invocations", {"inputs": "hi", "parameters": {}}, {})
     probes[("POST", "/serving-endpoints/{name}/invocations")] = (
         "POST", f"/serving-endpoints/{MODEL}/invocations", {"prompt": "hi", "max_tokens": 2}, {})
+    probes[("POST", "/v1/messages")] = (
+        "POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, {})
+    probes[("POST", "/v1/messages/count_tokens")] = (
+        "POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, {})
+    for path in ("/score", "/v1/score"):
+        probes[("POST", path)] = ("POST", path, {"model": MODEL, "queries": "a", "documents": ["b"]}, {})
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        probes[("POST", path)] = ("POST", path, {"model": MODEL, "query": "a", "documents": ["b"]}, {})
+    probes[("POST", "/tokenize")] = ("POST", "/tokenize", {"model": MODEL, "prompt": "hi"}, {})
+    probes[("POST", "/detokenize")] = ("POST", "/detokenize", {"model": MODEL, "tokens": [1, 2]}, {})
     return probes
 
 
