@@ -11,11 +11,12 @@ these small frozen classes (cheap to pickle) or plain SSE text.
   just before ``data: [DONE]``, which the ingress always asks for and reads
   (``serve_app.sse.take_usage``) without parsing the chunks in between.
 
-``operation`` is "chat", "completions", "templated_completions", "messages",
+``operation`` is "chat", "completions", "templated_completions", "responses", "messages",
 "embeddings", "score", "rerank", "tokenize" or "detokenize"; the body is the
 request of that API (OpenAI's; Anthropic's for "messages"; vLLM's for the
 rest) as a dict. A "messages" stream is Anthropic's SSE: its usage is in the
-``message_delta`` event, and its end is ``message_stop``.
+``message_delta`` event, and its end is ``message_stop``; a "responses" stream
+is the Responses API's typed events, its usage in ``response.completed``.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class Usage:
         return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
 
     @classmethod
-    def from_anthropic(cls, usage: Mapping[str, Any] | None) -> Usage | None:
-        """From an Anthropic ``usage`` object: the prompt is its input tokens and
-        the cached ones Anthropic counts apart; None when there is none."""
+    def from_input_output(cls, usage: Mapping[str, Any] | None) -> Usage | None:
+        """From an ``input_tokens``/``output_tokens`` usage object (OpenAI's Responses
+        API, Anthropic's Messages API): the prompt is the input tokens and the cached
+        ones Anthropic counts apart; None when there is none."""
         if not usage:
             return None
         prompt = sum(int(usage.get(name) or 0)

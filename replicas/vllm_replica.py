@@ -209,9 +209,11 @@ class VLLMReplica:
             response = json.loads(result.body)
             if result.status_code != 200:
                 return self._refusal(result.status_code, response.get("error") or {"message": str(response)})
-        elif operation in ("messages", "count_tokens"):  # Anthropic's shape, as vLLM's Anthropic layer wrote it
-            response = result.model_dump(exclude_none=True)
-            return ReplicaAnswer(json.dumps(response).encode(), Usage.from_anthropic(response.get("usage")),
+        elif operation in ("messages", "count_tokens", "responses"):  # as vLLM's Anthropic/Responses layer wrote it
+            response = result.model_dump(mode="json", by_alias=True, exclude_none=operation != "responses")
+            if operation == "responses":
+                response = _responses_json(response)
+            return ReplicaAnswer(json.dumps(response).encode(), Usage.from_input_output(response.get("usage")),
                                  self.replica)
         else:
             response = result.model_dump()
@@ -229,6 +231,8 @@ class VLLMReplica:
         if not isinstance(result, AsyncIterator):  # a full response: send it as one event
             yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
             return
+        if operation == "responses":  # typed events: SSE as vLLM's own router writes them
+            result = _responses_sse(result)
         named_tool = operation == "chat" and _names_a_tool(body)
         async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
             yield item
@@ -326,7 +330,7 @@ class _LoadedAdapter:
         self._loop.call_soon_threadsafe(remove)
 
 
-CARD_OPERATIONS = frozenset({"chat", "completions", "messages", "embeddings", "score", "rerank"})
+CARD_OPERATIONS = frozenset({"chat", "completions", "responses", "messages", "embeddings", "score", "rerank"})
 
 # What each operation is called in messages to clients.
 OPERATIONS = {
@@ -334,6 +338,7 @@ OPERATIONS = {
     "completions": "completions",
     "templated_completions": "completions through the chat template",
     "embeddings": "embeddings",
+    "responses": "responses",
     "messages": "Anthropic messages",
     "count_tokens": "Anthropic token counting",
     "score": "score",
@@ -364,6 +369,11 @@ def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
     embedding = getattr(state, "serving_embedding", None)
     if embedding is not None:
         found["embeddings"] = (TypeAdapter(EmbeddingRequest), _field_names(EmbeddingRequest), embedding)
+    responses = getattr(state, "openai_serving_responses", None)
+    if responses is not None:
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        found["responses"] = (TypeAdapter(ResponsesRequest), _field_names(ResponsesRequest), responses.create_responses)
     messages = getattr(state, "anthropic_serving_messages", None)
     if messages is not None:
         from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
@@ -390,6 +400,43 @@ def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
             found["templated_completions"] = (
                 found["completions"][0], found["completions"][1], _templated(tokenization, completion.create_completion))
     return found
+
+
+# Fields OpenAI's Response object requires but allows to be null; vLLM's other
+# nulls (`user`, `prompt`, ...) are optional fields the spec wants absent.
+_RESPONSE_REQUIRED_NULLABLE = frozenset({"error", "incomplete_details", "instructions", "metadata",
+                                         "temperature", "top_p"})
+
+
+def _responses_json(response: dict[str, Any]) -> dict[str, Any]:
+    """A full Responses answer as OpenAI's wire format has it."""
+    response = {key: _drop_nulls(value) for key, value in response.items()
+                if value is not None or key in _RESPONSE_REQUIRED_NULLABLE}
+    for key in _RESPONSE_REQUIRED_NULLABLE:
+        response.setdefault(key, None)  # vLLM leaves `error` out
+    for tool in response.get("tools") or ():
+        if tool.get("type") == "function":
+            tool.setdefault("strict", None)  # required, nullable
+    for item in response.get("output") or ():
+        for part in item.get("content") or () if item.get("type") == "message" else ():
+            if part.get("type") == "output_text":
+                part.setdefault("logprobs", [])  # required; vLLM leaves it null when none were asked
+    return response
+
+
+def _drop_nulls(node: Any) -> Any:
+    """Below the top level no field of a Response is required and null (an output
+    text's ``logprobs`` is an optional array, unlike chat's)."""
+    if isinstance(node, dict):
+        return {key: _drop_nulls(value) for key, value in node.items() if value is not None}
+    if isinstance(node, list):
+        return [_drop_nulls(item) for item in node]
+    return node
+
+
+async def _responses_sse(events):
+    async for event in events:
+        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
 
 
 def _templated(tokenization, complete):

@@ -85,6 +85,16 @@ class MessagesEnvelope(BaseModel):
     stream: bool | None = False
 
 
+class ResponsesEnvelope(BaseModel):
+    """OpenAI's Responses request as the gateway needs it (vLLM checks the items)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    input: str | list[Any]
+    stream: bool | None = False
+
+
 class CountTokensEnvelope(BaseModel):
     """Anthropic's messages.count_tokens: the Messages request without generation."""
 
@@ -133,13 +143,13 @@ class ScoringEnvelope(BaseModel):
 class Operation:
     """One endpoint as the gateway sees it."""
 
-    name: str  # "chat", "completions", "messages", "count_tokens", "embeddings", "score", "rerank", ...
+    name: str  # "chat", "completions", "responses", "messages", "count_tokens", "embeddings", "score", ...
     envelope: type[BaseModel]
     generates: bool  # produces completion tokens (reserved up front; may stream)
     # The request id goes into the body (vLLM's request model has the field: the
     # engine's logs and aborts name it); vLLM's tokenizer requests have none.
     carries_request_id: bool = True
-    streams_as: str = "openai"  # the SSE shape of its streams: "openai" or "anthropic"
+    streams_as: str = "openai"  # the SSE shape of its streams: "openai", "responses" or "anthropic"
     replica: str = ""  # what the replica runs, where it differs from ``name``
 
     @property
@@ -153,6 +163,8 @@ OPERATIONS = {
         Operation("chat", ChatEnvelope, generates=True),
         Operation("completions", CompletionEnvelope, generates=True),
         Operation("embeddings", EmbeddingEnvelope, generates=False),
+        # OpenAI's Responses API, by vLLM's; its state (store, previous_response_id) in Redis.
+        Operation("responses", ResponsesEnvelope, generates=True, streams_as="responses"),
         # Anthropic's Messages API, by vLLM's Anthropic layer (its request model has no request id).
         Operation("messages", MessagesEnvelope, generates=True, carries_request_id=False, streams_as="anthropic"),
         Operation("count_tokens", CountTokensEnvelope, generates=False, carries_request_id=False),

@@ -9,7 +9,7 @@ needs answered (which model, how long its context), never the whole gateway.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,7 +36,8 @@ class Reply:
 class Call:
     operation: str | Operation  # "chat" | "completions" | ...; an Operation where the replica runs another
     body: dict[str, Any]  # the canonical OpenAI request
-    respond: Callable[[Reply], Response] = field(default=Reply.response)
+    # How the answer reaches the client; may be async (a Responses answer is stored first).
+    respond: Callable[[Reply], Response | Awaitable[Response]] = field(default=Reply.response)
 
 
 class ModelRegistry(Protocol):

@@ -63,7 +63,7 @@ def _engine_error(ticket: Ticket, refused: ReplicaError) -> OpenAIError:
 
 
 # Operations whose engine requests carry the key's tier as vLLM's `priority`.
-PRIORITIZED = frozenset({"chat", "completions"})
+PRIORITIZED = frozenset({"chat", "completions", "responses"})
 
 
 class QueueTimeout(Exception):
@@ -297,8 +297,9 @@ class Gateway:
             # Serve model multiplexing: prefer replicas that already hold the adapter.
             handle = handle.options(multiplexed_model_id=adapter)
         self.access.authorize(key, model)
-        # Chat, and embeddings of chat-shaped input (vLLM's multimodal embeddings).
-        check_media(body.get("messages"), self._configs[model].media)
+        # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal
+        # embeddings), and the Responses API's input items (messages with content parts).
+        check_media(body.get("input") if op.name == "responses" else body.get("messages"), self._configs[model].media)
         reservation = reserve(
             op.name,
             body,

@@ -9,6 +9,7 @@ chunk. It holds no model state.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from serve_app import admin
 from serve_app.access import Access
 from serve_app.api_requests import parse_json_object
+from serve_app import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
 from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
@@ -29,6 +31,7 @@ from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.readiness import Readiness
 from serve_app.settings import AppSettings
+from serve_app.stored_responses import ResponseStore, item_list
 from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
@@ -68,6 +71,10 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
     **{("GET", prefix + path): "key" for prefix in ("/v1/", "/v3/") for path in ("models", "models/{model_id:path}")},
     **{("POST", prefix + op): "key" for prefix in ("/", "/models/") for op in ("chat/completions", "embeddings")},
     **{("POST", path): "key" for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")},
+    ("POST", "/v1/responses"): "key",
+    ("GET", "/v1/responses/{response_id}"): "key",
+    ("DELETE", "/v1/responses/{response_id}"): "key",
+    ("GET", "/v1/responses/{response_id}/input_items"): "key",
     ("POST", "/v1/messages"): "key",
     ("POST", "/v1/messages/count_tokens"): "key",
     ("POST", "/tokenize"): "key",
@@ -91,7 +98,7 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
 
 def _as_call(operation: str):
     """The translation of a route whose body is already the canonical request."""
-    async def as_is(body: dict[str, Any]) -> Call:
+    async def as_is(body: dict[str, Any], key: KeyRecord) -> Call:
         return Call(operation, body)
 
     return as_is
@@ -122,6 +129,7 @@ class Ingress:
         self.access.start_maintenance()  # lease renewal, settlements Redis missed
         describers = {name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()}
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry, describers)
+        self.responses = ResponseStore(self.access.redis)
         self.readiness = Readiness(settings.models, deployments, self.gateway.described)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -156,9 +164,11 @@ class Ingress:
         record = RequestRecord(route, _serve_request_id(request))
         try:
             key, body, size = await self._read(request, record)
-            call = await translate(body)
+            call = await translate(body, key)
             reply = await self.gateway.run(key, call.operation, call.body, size, record)
             response = call.respond(reply)
+            if inspect.isawaitable(response):  # a respond that keeps state (Responses API)
+                response = await response
         except OpenAIError as exc:
             record.refused(exc.status, exc.code, exc.type, exc.headers)
             response = on_error(exc) if on_error else exc.response()
@@ -194,6 +204,29 @@ class Ingress:
     @app.post("/serving-endpoints/embeddings")
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
+
+    # -- OpenAI's Responses API (state in Redis: serve_app/responses_api.py) -------
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        return await self._handle("openai", request, lambda body, key: responses_api.translate(
+            body, key, self.responses))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request) -> JSONResponse:
+        key = await self.access.authenticate(request.headers)
+        return JSONResponse((await responses_api.retrieve(self.responses, key, response_id))["response"])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
+        key = await self.access.authenticate(request.headers)
+        return JSONResponse(await responses_api.delete(self.responses, key, response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request) -> JSONResponse:
+        key = await self.access.authenticate(request.headers)
+        stored = await responses_api.retrieve(self.responses, key, response_id)
+        return JSONResponse(item_list(stored["input_items"]))
 
     # -- Anthropic's Messages API (route label "anthropic") ------------------------
 
@@ -243,7 +276,7 @@ class Ingress:
     # -- Azure AI model inference -------------------------------------------------
 
     async def _azure(self, operation: str, request: Request) -> Response:
-        async def translate(body: dict[str, Any]) -> Call:
+        async def translate(body: dict[str, Any], key: KeyRecord) -> Call:
             return await azure.translate(operation, body, request.headers, self.gateway)
 
         return await self._handle("azure", request, translate, on_error=azure.error_response)
@@ -271,7 +304,7 @@ class Ingress:
 
     @app.post("/invocations")
     async def sagemaker_invocations(self, request: Request) -> Response:
-        return await self._handle("sagemaker", request, lambda body: sagemaker.translate(body, self.gateway))
+        return await self._handle("sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway))
 
     @app.get("/ping")
     async def sagemaker_ping(self) -> Response:
@@ -282,7 +315,7 @@ class Ingress:
 
     @app.post("/serving-endpoints/{name}/invocations")
     async def databricks_invocations(self, name: str, request: Request) -> Response:
-        return await self._handle("databricks", request, lambda body: databricks.translate(name, body, self.gateway))
+        return await self._handle("databricks", request, lambda body, key: databricks.translate(name, body, self.gateway))
 
     # -- admin API (same operations as `llmctl`) ---------------------------------
 

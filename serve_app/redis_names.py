@@ -81,3 +81,8 @@ def admission_keys(key_id: str, request_id: str) -> list[str]:
         request_record(key_id, request_id),
         refusals(key_id),
     ]
+
+
+def stored_response(key_id: str, response_id: str) -> str:
+    """A Responses API response stored for its key (``store``), with its conversation."""
+    return f"{PREFIX}:resp:{tag(key_id)}:{response_id}"

@@ -20,6 +20,7 @@ prompts counted exactly) that settlement replaces with the real usage.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,8 @@ def reserve(
         return Reservation(prompt, 0, 0)
     if operation == "embeddings":
         return Reservation(max(prompt, _token_ids(body.get("input"))), 0, 0)
+    if operation == "responses":
+        return _responses(body, prompt, default_max_tokens, context_length)
     n = integer_parameter(body, "n", 1, MAX_N) or 1
     named = [
         value
@@ -107,6 +110,20 @@ def reserve(
     if operation == "completions":
         prompt = max(prompt, _token_ids(body.get("prompt")))
     return Reservation(prompt, completion, n * prompts)
+
+
+def _responses(body: dict[str, Any], prompt: int, default_max_tokens: int, context_length: int | None) -> Reservation:
+    """A Responses request: ``max_output_tokens`` bounds generation; the input may
+    hold a stored conversation the client did not send (previous_response_id), so
+    the prompt is estimated from the input as it goes to the engine."""
+    completion = integer_parameter(body, "max_output_tokens", 1, MAX_TOKENS_LIMIT)
+    if completion is None:
+        completion = min(default_max_tokens, context_length) if context_length else default_max_tokens
+        body["max_output_tokens"] = completion
+    if context_length:
+        completion = min(completion, context_length)
+    sent = math.ceil(len(json.dumps(body.get("input"))) / BYTES_PER_PROMPT_TOKEN)
+    return Reservation(max(prompt, sent), completion, 1)
 
 
 def _prompt_count(prompt: Any) -> int:

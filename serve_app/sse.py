@@ -63,7 +63,22 @@ def anthropic_usage(item: str) -> Usage | None:
     if at < 0:
         return None
     line = item[at + len(marker):].split("\n", 1)[0]
-    return Usage.from_anthropic(json.loads(line).get("usage"))
+    return Usage.from_input_output(json.loads(line).get("usage"))
+
+
+def responses_usage(item: str) -> Usage | None:
+    """The usage in a Responses stream's ``response.completed`` event in ``item``."""
+    response = completed_response(item)
+    return Usage.from_input_output(response.get("usage")) if response else None
+
+
+def completed_response(item: str) -> dict | None:
+    """The response a Responses stream's ``response.completed`` event in ``item`` carries."""
+    marker = "event: response.completed\ndata: "
+    at = item.find(marker)
+    if at < 0:
+        return None
+    return json.loads(item[at + len(marker):].split("\n", 1)[0]).get("response")
 
 
 @dataclass(frozen=True)
@@ -76,12 +91,16 @@ class StreamShape:
         """``item`` as sent on, and the stream's usage if ``item`` carries it."""
         if self.name == "anthropic":
             return item, anthropic_usage(item) if "event: message_delta" in item else None
+        if self.name == "responses":
+            return item, responses_usage(item) if "event: response.completed" in item else None
         return take_usage(item, keep) if item.endswith(DONE) else (item, None)
 
     def failed(self, item: str) -> bool:
         if self.name == "anthropic":
             return "event: error\n" in item
+        if self.name == "responses":
+            return "event: error\n" in item or "event: response.failed\n" in item
         return ends_in_error(item)
 
 
-STREAM_SHAPES = {name: StreamShape(name) for name in ("openai", "anthropic")}
+STREAM_SHAPES = {name: StreamShape(name) for name in ("openai", "responses", "anthropic")}

@@ -128,6 +128,9 @@ def serve_stack(
 
     from serve_app.app import build_app
 
+    # The previous module's Ray may still be exiting (a CI run's ray.init timed out
+    # waiting for its raylet 2 s after the chaos module's `ray stop --force`).
+    wait_for_no_ray()
     ray.init(include_dashboard=dashboard, log_to_driver=False, logging_level="WARNING",
              _system_config=ray_system_config or {})
     try:
@@ -153,13 +156,18 @@ def ray_processes() -> list[psutil.Process]:
             if (p.info["name"] or "") in ("raylet", "gcs_server") and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
+def wait_for_no_ray(timeout_s: float = 30) -> None:
+    """Until no raylet or GCS runs here: the previous module's Ray may still be exiting."""
+    deadline = time.monotonic() + timeout_s
+    while ray_processes():
+        assert time.monotonic() < deadline, "another Ray instance runs on this machine"
+        time.sleep(0.5)
+
+
 def assert_no_other_stack() -> None:
     """Modules that stop Ray the operator's way (`ray stop --force` ends every
     Ray process on the machine) run only alone."""
-    deadline = time.monotonic() + 30  # the previous module's Ray may still be exiting
-    while ray_processes():
-        assert time.monotonic() < deadline, "another Ray instance runs on this machine; `ray stop --force` would end it"
-        time.sleep(0.5)
+    wait_for_no_ray()
     assert not engine_processes(), "vLLM engine processes are already running"
 
 

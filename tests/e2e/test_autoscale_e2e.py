@@ -138,7 +138,7 @@ def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_u
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
     # Listing models does not wake it up; its card lacks what only a replica knows.
     cards = {card.id: card.model_extra for card in client.models.list().data}
-    assert "capabilities" not in cards[LAZY] and cards[CHAT]["capabilities"] == ["chat", "completions", "messages"]
+    assert "capabilities" not in cards[LAZY] and cards[CHAT]["capabilities"] == ["chat", "completions", "messages", "responses"]
     time.sleep(3)
     assert running_replicas(LAZY) == 0
     start = time.monotonic()
@@ -148,7 +148,7 @@ def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_u
     assert running_replicas(LAZY) == 1
     print(f"\ncold start answered after {waited:.1f}s")
     card = wait_for_card(client, LAZY)  # learnt while its replica was up
-    assert card["capabilities"] == ["chat", "completions", "messages"] and card["max_model_len"] == 2048
+    assert card["capabilities"] == ["chat", "completions", "messages", "responses"] and card["max_model_len"] == 2048
     # Idle again: back to zero after its downscale delay.
     wait_for_replicas(LAZY, 0, timeout_s=120)
 

@@ -91,3 +91,15 @@ def test_scoring_reserves_its_texts_as_prompt_tokens_and_nothing_generated(opera
     body = {"model": "e", "query": "q", "documents": ["d"] * 10, "max_tokens": 10**6}
     r = tokens(operation, body, raw=400)
     assert (r.prompt, r.completion_per_choice, r.tokens) == (100, 0, 100) and "max_tokens" in body
+
+
+def test_responses_reserve_max_output_tokens_and_the_input_as_sent_to_the_engine():
+    history = [{"type": "message", "role": "user", "content": "x" * 4000}]  # a stored conversation
+    body = {"model": "m", "input": history, "max_output_tokens": 50}
+    r = tokens("responses", body, raw=100)
+    assert r.completion_per_choice == 50 and r.prompt >= 1000  # not the 25 the client's body alone suggests
+    unnamed = {"model": "m", "input": "hi"}
+    assert tokens("responses", unnamed, default=300).completion_per_choice == 300
+    assert unnamed["max_output_tokens"] == 300  # set explicitly: the engine must not pick its own
+    with pytest.raises(OpenAIError):
+        tokens("responses", {"model": "m", "input": "hi", "max_output_tokens": 0})

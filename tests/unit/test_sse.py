@@ -59,5 +59,15 @@ def test_the_openai_shape_reads_only_the_final_item():
 
 
 def test_anthropic_usage_without_a_usage_object_is_unknown():
-    assert Usage.from_anthropic(None) is None and Usage.from_anthropic({}) is None
-    assert Usage.from_anthropic({"input_tokens": 4, "output_tokens": 1, "cache_creation_input_tokens": 2}) == Usage(6, 1)
+    assert Usage.from_input_output(None) is None and Usage.from_input_output({}) is None
+    assert Usage.from_input_output({"input_tokens": 4, "output_tokens": 1, "cache_creation_input_tokens": 2}) == Usage(6, 1)
+
+
+def test_a_responses_stream_is_charged_the_usage_of_its_completed_response():
+    shape = STREAM_SHAPES["responses"]
+    delta = 'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
+    completed = ('event: response.completed\ndata: {"type":"response.completed","response":'
+                 '{"id":"resp_1","usage":{"input_tokens":6,"output_tokens":4,"total_tokens":10}}}\n\n')
+    assert shape.usage(delta, keep=False) == (delta, None)
+    assert shape.usage(delta + completed, keep=False) == (delta + completed, Usage(6, 4))
+    assert shape.failed('event: response.failed\ndata: {"type":"response.failed"}\n\n') and not shape.failed(delta)

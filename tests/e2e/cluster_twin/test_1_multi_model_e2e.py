@@ -28,7 +28,7 @@ def greedy(client, model, **extra):
 def test_every_model_is_listed_with_what_it_serves(client):
     cards = {card.id: card.model_extra for card in client.models.list().data}
     assert list(cards) == [TINY, "chat-default", SMALL, PIRATE, EMBED, THINKING]
-    assert cards[SMALL]["capabilities"] == cards[TINY]["capabilities"] == ["chat", "completions", "messages"]
+    assert cards[SMALL]["capabilities"] == cards[TINY]["capabilities"] == ["chat", "completions", "messages", "responses"]
     assert cards[EMBED]["capabilities"] == ["embeddings", "rerank", "score"]
     assert cards[PIRATE]["parent"] == SMALL and cards["chat-default"]["alias_of"] == TINY
 

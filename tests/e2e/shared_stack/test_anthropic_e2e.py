@@ -120,3 +120,17 @@ def test_a_request_anthropic_would_refuse_is_a_400_in_its_shape(base_url, api_ke
         assert response.status_code == 400, response.text
         error = response.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+
+
+def test_a_stream_the_client_abandons_leaves_no_slot_and_no_record_running(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "anthropic-abandon", max_concurrent=1)
+    body = {"model": MODEL, "max_tokens": 1500, "messages": QUESTION, "stream": True, "temperature": 1.0}
+    with httpx.Client(base_url=base_url, timeout=60, headers={"x-api-key": secret}) as http:
+        with http.stream("POST", "/v1/messages", json=body) as response:
+            assert response.status_code == 200
+            assert next(response.iter_lines()).startswith("event: message_start")
+        # hung up after the first event; the one concurrency slot comes back
+        [record] = wait_until_settled(redis, key_id)
+        assert record["status"] in ("cancelled", "completed"), record  # completed: it fit the socket buffers
+        again = http.post("/v1/messages", json={**body, "stream": False, "max_tokens": 2})
+        assert again.status_code == 200, again.text

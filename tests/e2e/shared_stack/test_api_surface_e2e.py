@@ -43,7 +43,7 @@ def test_model_cards_carry_context_length_owner_and_capabilities(http):
     assert cards[CHAT_MODEL]["max_model_len"] == 2048
     assert cards[EMBEDDING_MODEL]["max_model_len"] == 256
     assert cards[CHAT_MODEL]["owned_by"] == "llm-cluster"
-    assert set(cards[CHAT_MODEL]["capabilities"]) == {"chat", "completions", "messages"}
+    assert set(cards[CHAT_MODEL]["capabilities"]) == {"chat", "completions", "messages", "responses"}
     assert cards[EMBEDDING_MODEL]["capabilities"] == ["embeddings", "rerank", "score"]
     one = http.get(f"/v1/models/{EMBEDDING_MODEL}").json()
     openai_spec.validate(one, "Model")

@@ -246,6 +246,8 @@ def forbidden_model_probes(base_url):
     probes[("POST", "/invocations")] = ("POST", "/invocations", {"inputs": "hi", "parameters": {}}, {})
     probes[("POST", "/serving-endpoints/{name}/invocations")] = (
         "POST", f"/serving-endpoints/{MODEL}/invocations", {"prompt": "hi", "max_tokens": 2}, {})
+    probes[("POST", "/v1/responses")] = (
+        "POST", "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False}, {})
     probes[("POST", "/v1/messages")] = (
         "POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, {})
     probes[("POST", "/v1/messages/count_tokens")] = (
@@ -263,7 +265,10 @@ def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server)
     key_routes = {route for route, kind in ROUTE_ACCESS.items() if kind == "key"}
     probes = forbidden_model_probes(base_url)
     listing = {("GET", "/v1/models"), ("GET", "/v3/models")}
-    assert set(probes) | listing == key_routes  # a new route needs its probe here
+    # A key's own stored responses: they name no model; another key's id is not found.
+    stored = {("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+              ("GET", "/v1/responses/{response_id}/input_items")}
+    assert set(probes) | listing | stored == key_routes  # a new route needs its probe here
 
     _, secret = create_key(redis_server.url, "other-models-only", models=["some-other-model"])
     _, allowed = create_key(redis_server.url, "this-model", models=[MODEL])
@@ -280,6 +285,16 @@ def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server)
         for path in sorted(p for _, p in listing):
             response = http.get(path, headers={"authorization": f"Bearer {secret}"})
             assert response.status_code == 200 and response.json()["data"] == [], response.text
+        kept = http.post("/v1/responses", json={"model": MODEL, "input": "canary 7f3e", "max_output_tokens": 2},
+                         headers={"authorization": f"Bearer {allowed}"})
+        assert kept.status_code == 200, kept.text
+        for method, route in sorted(stored):
+            path = route.replace("{response_id}", kept.json()["id"])
+            for key, expect in ((secret, 404), (None, 401)):
+                auth = {"authorization": f"Bearer {key}"} if key else {}
+                response = http.request(method, path, headers=auth)
+                assert response.status_code == expect, (route, response.status_code, response.text[:300])
+                assert "canary" not in response.text, response.text
 
 
 # -- probes ---------------------------------------------------------------------------------

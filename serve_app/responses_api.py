@@ -1,0 +1,142 @@
+"""OpenAI's Responses API: vLLM's Responses layer generates, the gateway keeps
+the state.
+
+vLLM stores responses in one process' memory (and only when told to), so a
+``previous_response_id`` would work only on the replica that answered it. Here
+the conversation is the gateway's: a follow-up's input is the stored
+conversation (every earlier input item and output item) plus its own input,
+sent to any replica with ``store: false``; the answer is stored in Redis under
+the key (``stored_responses.py``). The client sees ``store`` and
+``previous_response_id`` as it sent them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.responses import Response, StreamingResponse
+
+from serve_app.api_requests import OPERATIONS
+from serve_app.calls import Call, Reply
+from serve_app.errors import OpenAIError
+from serve_app.keys import KeyRecord
+from serve_app.sse import completed_response
+from serve_app.stored_responses import (
+    MAX_STORED_BYTES,
+    ResponseStore,
+    as_input,
+    input_items,
+    not_found,
+    with_ids,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) -> Call:
+    previous_id = body.pop("previous_response_id", None)
+    if previous_id is not None and (not isinstance(previous_id, str) or not previous_id):
+        raise OpenAIError(400, "'previous_response_id' must be a response id.", param="previous_response_id")
+    keep = body.pop("store", None)
+    keep = True if keep is None else keep
+    if not isinstance(keep, bool):
+        raise OpenAIError(400, "'store' must be a boolean.", param="store")
+    value = body.get("input")
+    if not isinstance(value, (str, list)) or not value:
+        raise OpenAIError(400, "'input' must be a non-empty string or list of items.", param="input",
+                          code="missing_required_parameter" if value is None else "invalid_value")
+    own = input_items(value)
+    history: list[Any] = []
+    if previous_id is not None:
+        stored = await _stored(store, key.id, previous_id)
+        if stored is None:
+            raise not_found(previous_id)
+        history = stored["context"] + as_input(stored["response"].get("output") or [])
+    context = history + own
+    if keep and len(json.dumps(context)) > MAX_STORED_BYTES:
+        raise OpenAIError(400, f"The conversation is too long to store (over {MAX_STORED_BYTES} bytes); "
+                               "start a new one or send it with 'store': false.", param="input",
+                          code="conversation_too_large")
+    body["input"] = context
+    body["store"] = False  # vLLM's own store, one process' memory, stays unused
+    stamp = _Stamp(keep, previous_id)
+
+    async def keep_answer(response: dict[str, Any]) -> bool:
+        if not keep:
+            return False
+        try:
+            await store.put(key.id, {**response, "store": True, "previous_response_id": previous_id},
+                            context, with_ids(own))
+            return True
+        except RedisError:
+            logger.exception("could not store response %s", response.get("id"))
+            return False
+
+    async def respond(reply: Reply) -> Response:
+        if reply.stream is not None:
+            return StreamingResponse(_stored_stream(reply.stream, stamp, keep_answer),
+                                     media_type="text/event-stream", headers=reply.headers)
+        response = json.loads(reply.body)
+        stored = await keep_answer(response)
+        response.update(store=stored, previous_response_id=previous_id)
+        return Response(json.dumps(response), media_type="application/json", headers=reply.headers)
+
+    return Call(OPERATIONS["responses"], body, respond)
+
+
+class _Stamp:
+    """The answer's ``store`` and ``previous_response_id`` as the client sent them
+    (vLLM answered a stateless request). A stream's response objects are edited as
+    text: in vLLM's compact JSON the two fields can only appear as these literals
+    (inside generated text their quotes would be escaped)."""
+
+    def __init__(self, keep: bool, previous_id: str | None):
+        self.edits = []
+        if keep:
+            self.edits.append(('"store":false', '"store":true'))
+        if previous_id is not None:
+            self.edits.append(('"previous_response_id":null', '"previous_response_id":' + json.dumps(previous_id)))
+
+    def __call__(self, item: str) -> str:
+        for old, new in self.edits:
+            item = item.replace(old, new)
+        return item
+
+
+async def _stored_stream(stream: AsyncIterator[str], stamp: _Stamp, keep_answer) -> AsyncIterator[str]:
+    async for item in stream:
+        if "event: response.completed" in item:
+            response = completed_response(item)
+            if response is not None:
+                await keep_answer(response)
+        yield stamp(item) if '"type":"response.' in item else item
+
+
+async def _stored(store: ResponseStore, key_id: str, response_id: str) -> dict[str, Any] | None:
+    try:
+        return await store.get(key_id, response_id)
+    except RedisError:
+        raise OpenAIError(503, "Stored responses cannot be read right now. Please retry shortly.",
+                          code="store_unavailable", headers={"retry-after": "1"}) from None
+
+
+async def retrieve(store: ResponseStore, key: KeyRecord, response_id: str) -> dict[str, Any]:
+    stored = await _stored(store, key.id, response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return stored
+
+
+async def delete(store: ResponseStore, key: KeyRecord, response_id: str) -> dict[str, Any]:
+    try:
+        deleted = await store.delete(key.id, response_id)
+    except RedisError:
+        raise OpenAIError(503, "Stored responses cannot be changed right now. Please retry shortly.",
+                          code="store_unavailable", headers={"retry-after": "1"}) from None
+    if not deleted:
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}

@@ -1,0 +1,81 @@
+"""Responses API state in Redis: what ``store`` keeps, so that a follow-up with
+``previous_response_id`` works on any ingress and any replica (vLLM keeps its
+own store in one process' memory, and it is off by default).
+
+One Redis string per stored response, named per key (``redis_names``): another
+key's id is simply not found. It holds the response as answered and the
+conversation it answered (every input item, the history first; its own input
+items apart, with ids, for ``input_items``), and expires
+after ``RETENTION_S`` (OpenAI keeps stored responses 30 days). A conversation
+too large to store (``MAX_STORED_BYTES``) is refused before it runs, so Redis
+never holds more than that per response.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from serve_app import redis_names
+from serve_app.errors import OpenAIError
+
+RETENTION_S = 30 * 24 * 3600
+MAX_STORED_BYTES = 8 * 1024 * 1024  # as a request body may be
+
+
+class ResponseStore:
+    def __init__(self, redis):
+        self.redis = redis
+
+    async def get(self, key_id: str, response_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.get(redis_names.stored_response(key_id, response_id))
+        return json.loads(raw) if raw else None
+
+    async def put(self, key_id: str, response: dict[str, Any], context: list[dict], own: list[dict]) -> None:
+        """Keep ``response``, the ``context`` it answered (history and its own input,
+        as sent to the engine) and its own input items with their listed ids."""
+        record = json.dumps({"response": response, "context": context, "input_items": own})
+        await self.redis.set(redis_names.stored_response(key_id, response["id"]), record, ex=RETENTION_S)
+
+    async def delete(self, key_id: str, response_id: str) -> bool:
+        return bool(await self.redis.delete(redis_names.stored_response(key_id, response_id)))
+
+
+def not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                       code="response_not_found")
+
+
+def input_items(value: Any) -> list[Any]:
+    """A request's ``input`` as a list of items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else list(value)
+
+
+def as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the next turn's input: messages and function
+    calls go back as they are (the Responses API takes its own output as input)."""
+    return [item for item in output if item.get("type") in ("message", "function_call", "reasoning")]
+
+
+def item_list(items: list[Any]) -> dict[str, Any]:
+    """OpenAI's ResponseItemList of a response's input items: each with an id
+    (its own, or one given when stored), message text as content parts."""
+    data = [_as_resource(item) for item in items]
+    return {"object": "list", "data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else ""}
+
+
+def with_ids(items: list[Any]) -> list[Any]:
+    return [{"id": f"msg_{uuid.uuid4().hex}", **item} if isinstance(item, dict) and "id" not in item else item
+            for item in items]
+
+
+def _as_resource(item: Any) -> Any:
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        return item
+    content = item.get("content")
+    if isinstance(content, str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = [{"type": kind, "text": content}]
+    return {**item, "type": "message", "content": content, "status": item.get("status", "completed")}

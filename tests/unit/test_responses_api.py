@@ -1,0 +1,155 @@
+"""The Responses API's state, with the Redis store faked by a dict (the real
+path, on Redis and two ingress replicas: tests/e2e/quota_stack/test_1_responses_e2e.py):
+what a follow-up sends the engine, what is stored and for whom, what the client
+is told."""
+
+import json
+
+import pytest
+
+from serve_app import responses_api, stored_responses
+from serve_app.calls import Reply
+from serve_app.errors import OpenAIError
+from serve_app.keys import KeyRecord
+
+KEY = KeyRecord(id="k1", name="a", created_at=0)
+OTHER = KeyRecord(id="k2", name="b", created_at=0)
+ANSWER = {"id": "resp_1", "object": "response", "store": False, "previous_response_id": None,
+          "output": [{"id": "msg_o", "type": "message", "role": "assistant", "status": "completed",
+                      "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]}],
+          "usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}}
+
+
+class FakeRedis:
+    def __init__(self):
+        self.values = {}
+
+    async def get(self, name):
+        return self.values.get(name)
+
+    async def set(self, name, value, ex):
+        assert ex == stored_responses.RETENTION_S
+        self.values[name] = value
+
+    async def delete(self, name):
+        return int(self.values.pop(name, None) is not None)
+
+
+@pytest.fixture
+def store():
+    return stored_responses.ResponseStore(FakeRedis())
+
+
+async def answered(store, body, key=KEY, answer=ANSWER):
+    call = await responses_api.translate(body, key, store)
+    response = await call.respond(Reply(body=json.dumps(answer).encode()))
+    return call, json.loads(response.body)
+
+
+async def test_a_first_turn_runs_stateless_and_is_stored_for_its_key(store):
+    call, reply = await answered(store, {"model": "m", "input": "Hi"})
+    assert call.operation.name == "responses"
+    assert call.body == {"model": "m", "input": [{"type": "message", "role": "user", "content": "Hi"}], "store": False}
+    assert reply["store"] is True and reply["previous_response_id"] is None  # as the client asked
+    stored = await store.get("k1", "resp_1")
+    assert stored["response"]["store"] is True and stored["response"]["output"] == ANSWER["output"]
+    assert [item["content"] for item in stored["input_items"]] == ["Hi"] and stored["input_items"][0]["id"]
+    assert await store.get("k2", "resp_1") is None  # another key never finds it
+
+
+async def test_a_follow_up_sends_the_whole_conversation_and_names_its_previous_response(store):
+    await answered(store, {"model": "m", "input": "Hi", "instructions": "Be brief."})
+    second = {**ANSWER, "id": "resp_2"}
+    call, reply = await answered(store, {"model": "m", "input": "And you?", "previous_response_id": "resp_1"},
+                                 answer=second)
+    assert call.body["input"] == [
+        {"type": "message", "role": "user", "content": "Hi"},
+        ANSWER["output"][0],  # the answer goes back as an input item
+        {"type": "message", "role": "user", "content": "And you?"},
+    ]
+    assert "instructions" not in call.body  # not carried over, as OpenAI does
+    assert reply["previous_response_id"] == "resp_1"
+    stored = await store.get("k1", "resp_2")
+    assert [item["content"] for item in stored["input_items"]] == ["And you?"]  # its own input only
+    assert len(stored["context"]) == 3
+
+
+async def test_another_keys_response_is_not_found(store):
+    await answered(store, {"model": "m", "input": "Hi"})
+    with pytest.raises(OpenAIError) as caught:
+        await responses_api.translate({"model": "m", "input": "x", "previous_response_id": "resp_1"}, OTHER, store)
+    assert caught.value.status == 404 and caught.value.code == "response_not_found"
+    with pytest.raises(OpenAIError) as caught:
+        await responses_api.retrieve(store, OTHER, "resp_1")
+    assert caught.value.status == 404
+    with pytest.raises(OpenAIError):
+        await responses_api.delete(store, OTHER, "resp_1")
+    assert (await responses_api.retrieve(store, KEY, "resp_1"))["response"]["id"] == "resp_1"
+
+
+async def test_store_false_keeps_nothing_and_says_so(store):
+    _, reply = await answered(store, {"model": "m", "input": "Hi", "store": False})
+    assert reply["store"] is False and await store.get("k1", "resp_1") is None
+
+
+async def test_delete_then_the_id_is_gone(store):
+    await answered(store, {"model": "m", "input": "Hi"})
+    assert await responses_api.delete(store, KEY, "resp_1") == {"id": "resp_1", "object": "response", "deleted": True}
+    with pytest.raises(OpenAIError) as caught:
+        await responses_api.delete(store, KEY, "resp_1")
+    assert caught.value.status == 404
+
+
+async def test_a_streamed_answer_is_stamped_and_its_completed_response_stored(store):
+    call = await responses_api.translate({"model": "m", "input": "Hi", "stream": True,
+                                          "previous_response_id": None}, KEY, store)
+
+    def event(kind, data):
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
+
+    created = event("response.created", {"response": {**ANSWER, "output": []}})
+    delta = event("response.output_text.delta", {"delta": '"store":false'})  # generated text is escaped
+    completed = event("response.completed", {"response": ANSWER})
+
+    async def stream():
+        for item in (created, delta, completed):
+            yield item
+
+    response = await call.respond(Reply(stream=stream()))
+    items = [item async for item in response.body_iterator]
+    assert '"store":true' in items[0] and '"store":true' in items[2]
+    assert items[1] == delta  # \"store\":false inside the text is left alone
+    assert (await store.get("k1", "resp_1"))["response"]["store"] is True
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "input": "x", "previous_response_id": 5}, "previous_response_id"),
+    ({"model": "m", "input": "x", "previous_response_id": ""}, "previous_response_id"),
+    ({"model": "m", "input": "x", "store": "yes"}, "store"),
+    ({"model": "m", "input": {}}, "input"),
+    ({"model": "m", "input": []}, "input"),
+    ({"model": "m"}, "input"),
+])
+async def test_mistakes_are_a_400_naming_the_field(store, body, param):
+    with pytest.raises(OpenAIError) as caught:
+        await responses_api.translate(body, KEY, store)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+async def test_a_conversation_too_large_to_store_is_refused_before_it_runs(store, monkeypatch):
+    monkeypatch.setattr(responses_api, "MAX_STORED_BYTES", 1000)
+    with pytest.raises(OpenAIError) as caught:
+        await responses_api.translate({"model": "m", "input": "x" * 2000}, KEY, store)
+    assert caught.value.status == 400 and caught.value.code == "conversation_too_large"
+    call = await responses_api.translate({"model": "m", "input": "x" * 2000, "store": False}, KEY, store)
+    assert call.body["store"] is False  # nothing to keep: no bound
+
+
+def test_input_items_list_as_openai_lists_them():
+    listed = stored_responses.item_list(stored_responses.with_ids(
+        [{"type": "message", "role": "user", "content": "Hi"},
+         {"role": "user", "content": [{"type": "input_text", "text": "Yo"}]}]))
+    assert listed["object"] == "list" and listed["has_more"] is False
+    assert [item["content"] for item in listed["data"]] == [[{"type": "input_text", "text": "Hi"}],
+                                                          [{"type": "input_text", "text": "Yo"}]]
+    assert listed["first_id"] == listed["data"][0]["id"] and listed["last_id"] == listed["data"][1]["id"]
