@@ -226,7 +226,7 @@ class Ingress:
     async def response_input_items(self, response_id: str, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
         stored = await responses_api.retrieve(self.responses, key, response_id)
-        return JSONResponse(item_list(stored["input_items"]))
+        return JSONResponse(item_list(stored["input_items"], **responses_api.page(request.query_params)))
 
     # -- Anthropic's Messages API (route label "anthropic") ------------------------
 

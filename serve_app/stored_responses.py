@@ -58,11 +58,19 @@ def as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [item for item in output if item.get("type") in ("message", "function_call", "reasoning")]
 
 
-def item_list(items: list[Any]) -> dict[str, Any]:
-    """OpenAI's ResponseItemList of a response's input items: each with an id
-    (its own, or one given when stored), message text as content parts."""
-    data = [_as_resource(item) for item in items]
-    return {"object": "list", "data": data, "has_more": False,
+def item_list(items: list[Any], limit: int = 20, order: str = "desc", after: str | None = None) -> dict[str, Any]:
+    """One page of OpenAI's ResponseItemList of a response's input items: each with
+    an id (its own, or one given when stored), message text as content parts;
+    ``order`` by position (OpenAI's default: newest first), ``after`` an item id."""
+    ordered = [_as_resource(item) for item in (items if order == "asc" else reversed(items))]
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise OpenAIError(400, f"No input item with id '{after}' in this response.", param="after")
+        start = ids.index(after) + 1
+    data = ordered[start:start + limit]
+    return {"object": "list", "data": data, "has_more": start + limit < len(ordered),
             "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else ""}
 
 

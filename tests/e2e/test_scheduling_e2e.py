@@ -152,9 +152,10 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(client, replica_id
     preferred = replica_ids[0]
     [system] = system_prompts_preferring(preferred, replica_ids, 1)
     streams = 12
-    # Long generations, so the first ones still run when the last ones are routed.
+    # Long generations, so the first ones still run when the last ones are routed
+    # (200 tokens each were done too soon on an idle box: 11 of 12 on one replica).
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        futures = [pool.submit(send, client, conversation(system, f"question {i}"), 200, min_tokens=200,
+        futures = [pool.submit(send, client, conversation(system, f"question {i}"), 600, min_tokens=600,
                                ignore_eos=True) for i in range(streams)]
         request_ids = [future.result() for future in futures]
     ran = replicas_that_ran(redis_server, key, request_ids)
@@ -295,10 +296,12 @@ def test_a_light_keys_request_overtakes_a_heavy_keys_backlog(base_url, tier_keys
     for _ in range(TIERED_ONGOING - 1 + 3):
         backlog.append(started(base_url, heavy, 20, wait_for_first_chunk=False))
         time.sleep(0.1)
-    time.sleep(1)
+    # Short waits: on an idle box the blocker's 2,000 tokens take only 3-4 s.
+    time.sleep(0.5)
     late = started(base_url, light, 20, wait_for_first_chunk=False)
-    time.sleep(1)
-    assert not any(stream.first_chunk.is_set() for stream in (*backlog, late))  # all still wait
+    time.sleep(0.5)
+    early = [(stream.status, stream.body[-200:]) for stream in (*backlog, late) if stream.first_chunk.is_set()]
+    assert not early, early  # all still wait
     blocker.stop()
     for stream in (*backlog, late):
         stream.join(300)

@@ -146,10 +146,32 @@ async def test_a_conversation_too_large_to_store_is_refused_before_it_runs(store
 
 
 def test_input_items_list_as_openai_lists_them():
-    listed = stored_responses.item_list(stored_responses.with_ids(
-        [{"type": "message", "role": "user", "content": "Hi"},
-         {"role": "user", "content": [{"type": "input_text", "text": "Yo"}]}]))
+    items = stored_responses.with_ids([{"type": "message", "role": "user", "content": "Hi"},
+                                       {"role": "user", "content": [{"type": "input_text", "text": "Yo"}]}])
+    listed = stored_responses.item_list(items, order="asc")
     assert listed["object"] == "list" and listed["has_more"] is False
     assert [item["content"] for item in listed["data"]] == [[{"type": "input_text", "text": "Hi"}],
                                                           [{"type": "input_text", "text": "Yo"}]]
     assert listed["first_id"] == listed["data"][0]["id"] and listed["last_id"] == listed["data"][1]["id"]
+    assert stored_responses.item_list(items)["data"] == listed["data"][::-1]  # newest first by default
+
+
+def test_input_items_page_by_limit_and_after():
+    items = stored_responses.with_ids([{"role": "user", "content": str(i)} for i in range(5)])
+    first = stored_responses.item_list(items, limit=2, order="asc")
+    assert [item["content"][0]["text"] for item in first["data"]] == ["0", "1"] and first["has_more"]
+    rest = stored_responses.item_list(items, limit=10, order="asc", after=first["last_id"])
+    assert [item["content"][0]["text"] for item in rest["data"]] == ["2", "3", "4"] and not rest["has_more"]
+    with pytest.raises(OpenAIError) as caught:
+        stored_responses.item_list(items, after="msg_unknown")
+    assert caught.value.param == "after"
+
+
+@pytest.mark.parametrize("params, param", [({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"),
+                                           ({"limit": "-1"}, "limit"), ({"limit": "x"}, "limit"),
+                                           ({"order": "up"}, "order")])
+def test_a_bad_page_is_a_400_naming_the_parameter(params, param):
+    with pytest.raises(OpenAIError) as caught:
+        responses_api.page(params)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert responses_api.page({}) == {"limit": 20, "order": "desc", "after": None}

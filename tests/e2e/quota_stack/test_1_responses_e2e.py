@@ -167,3 +167,18 @@ def test_text_format_json_schema_is_followed(base_url, redis_server):
     response, _ = create(sdk(base_url, secret), input="Is water wet?", max_output_tokens=30,
                          text={"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}})
     assert json.loads(response.output_text)["answer"] in ("yes", "no")
+
+
+def test_input_items_are_listed_newest_first_and_paged(base_url, redis_server):
+    _, secret = create_key(redis_server.url, "responses-items")
+    client = sdk(base_url, secret)
+    texts = ["one", "two", "three"]
+    response, _ = create(client, input=[{"role": "user", "content": text} for text in texts], max_output_tokens=2)
+    newest_first = client.responses.input_items.list(response.id)
+    assert [item.content[0].text for item in newest_first.data] == texts[::-1]
+    first = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.content[0].text for item in first.data] == texts[:2] and first.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=first.data[-1].id)
+    assert [item.content[0].text for item in rest.data] == texts[2:] and not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(response.id, limit=1000)
