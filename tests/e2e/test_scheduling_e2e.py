@@ -152,10 +152,9 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(client, replica_id
     preferred = replica_ids[0]
     [system] = system_prompts_preferring(preferred, replica_ids, 1)
     streams = 12
-    # Long generations, so the first ones still run when the last ones are routed
-    # (200 tokens each were done too soon on an idle box: 11 of 12 on one replica).
+    # Long generations, so the first ones still run when the last ones are routed.
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        futures = [pool.submit(send, client, conversation(system, f"question {i}"), 600, min_tokens=600,
+        futures = [pool.submit(send, client, conversation(system, f"question {i}"), 200, min_tokens=200,
                                ignore_eos=True) for i in range(streams)]
         request_ids = [future.result() for future in futures]
     ran = replicas_that_ran(redis_server, key, request_ids)
