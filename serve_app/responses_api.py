@@ -113,15 +113,14 @@ async def _stored_stream(stream: AsyncIterator[str], stamp: _Stamp, keep_answer)
             response = completed_response(item)
             if response is not None:
                 await keep_answer(response)
-        yield stamp(item) if '"type":"response.' in item else item
+        yield stamp(item) if '"response":{' in item else item  # only events carrying the response object
 
 
 async def _stored(store: ResponseStore, key_id: str, response_id: str) -> dict[str, Any] | None:
     try:
         return await store.get(key_id, response_id)
     except RedisError:
-        raise OpenAIError(503, "Stored responses cannot be read right now. Please retry shortly.",
-                          code="store_unavailable", headers={"retry-after": "1"}) from None
+        raise _store_unavailable("read") from None
 
 
 async def retrieve(store: ResponseStore, key: KeyRecord, response_id: str) -> dict[str, Any]:
@@ -135,8 +134,7 @@ async def delete(store: ResponseStore, key: KeyRecord, response_id: str) -> dict
     try:
         deleted = await store.delete(key.id, response_id)
     except RedisError:
-        raise OpenAIError(503, "Stored responses cannot be changed right now. Please retry shortly.",
-                          code="store_unavailable", headers={"retry-after": "1"}) from None
+        raise _store_unavailable("changed") from None
     if not deleted:
         raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
@@ -152,3 +150,8 @@ def page(params) -> dict[str, Any]:
     if order not in ("asc", "desc"):
         raise OpenAIError(400, f"Invalid 'order': {order!r}; 'asc' or 'desc'.", param="order")
     return {"limit": int(limit), "order": order, "after": params.get("after")}
+
+
+def _store_unavailable(what: str) -> OpenAIError:
+    return OpenAIError(503, f"Stored responses cannot be {what} right now. Please retry shortly.",
+                       code="store_unavailable", headers={"retry-after": "1"})
