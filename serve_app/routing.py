@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,6 +115,45 @@ def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], im
     return None
 
 
+class ChosenNotSent:
+    """Requests this router has chosen a replica for that Serve has not yet sent.
+
+    Serve counts a request in its queue-length cache only once it is sent; the
+    routing tasks of a burst choose concurrently before any is sent, and each
+    probe that finds the cache expired answers with the count from before the
+    burst. Without this count every request of a burst sees the preferred replica
+    idle and the load guard never trips. An entry ends when Serve sends a request
+    to that replica, or after ``ttl_s`` for a choice Serve dropped (a cancelled
+    request, a full replica passed over): a choice is sent within milliseconds.
+    """
+
+    def __init__(self, ttl_s: float = 2.0, clock=time.monotonic):
+        self._ttl_s, self._clock = ttl_s, clock
+        self._chosen: dict[str, deque[float]] = defaultdict(deque)
+
+    def add(self, replica_id: str) -> None:
+        self._chosen[replica_id].append(self._clock())
+
+    def sent(self, replica_id: str) -> None:
+        chosen = self._chosen.get(replica_id)
+        if chosen:
+            chosen.popleft()
+
+    def count(self, replica_id: str) -> int:
+        chosen = self._chosen.get(replica_id)
+        if not chosen:
+            return 0
+        oldest_live = self._clock() - self._ttl_s
+        while chosen and chosen[0] < oldest_live:
+            chosen.popleft()
+        return len(chosen)
+
+    def forget_others(self, replica_ids: set[str]) -> None:
+        """Drops the entries of replicas that are gone (bounded by the replica set)."""
+        for replica_id in [rid for rid in self._chosen if rid not in replica_ids]:
+            del self._chosen[replica_id]
+
+
 class PowerOfTwoRouter(PublishesPlaces, PowerOfTwoChoicesRequestRouter):
     """Serve's default router (``routing.policy: power_of_two``), publishing places."""
 
@@ -129,9 +170,21 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
     # for requests with no prompt and adapters no replica holds yet.
     _power_of_two = PowerOfTwoChoicesRequestRouter.choose_replicas
 
+    def __init__(self, *args, **kwargs):
+        self._chosen_not_sent = ChosenNotSent()
+        super().__init__(*args, **kwargs)
+
     def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4) -> None:
         self._prefix_chars = prefix_chars
         self._imbalance_threshold = imbalance_threshold
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._chosen_not_sent.forget_others({replica.replica_id.unique_id for replica in replicas})
+
+    def on_send_request(self, replica_id) -> None:
+        super().on_send_request(replica_id)  # Serve's cache counts it from now on
+        self._chosen_not_sent.sent(replica_id.unique_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -150,6 +203,7 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         queue_lens = await self._queue_lens(candidate_replicas)
         chosen = affine_choice(rendezvous_order(prefix, list(holders)), queue_lens, self._imbalance_threshold)
         if chosen is not None:
+            self._chosen_not_sent.add(chosen)
             # The preferred replica first; if its queue is full, the least busy of the rest.
             rest = [by_id[rid] for rid in by_id if rid != chosen]
             return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
@@ -163,7 +217,8 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Requests each replica runs, from Serve's queue-length cache, probing
-        the replicas it has no fresh entry for."""
+        the replicas it has no fresh entry for, plus the requests this router
+        chose it for that are not sent yet."""
         lens: dict[str, int | None] = {}
         unknown = []
         for replica in replicas:
@@ -174,4 +229,4 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         if unknown:
             for replica, queue_len in await self._probe_queue_lens(unknown, 0):
                 lens[replica.replica_id.unique_id] = queue_len
-        return lens
+        return {rid: (length or 0) + self._chosen_not_sent.count(rid) for rid, length in lens.items()}

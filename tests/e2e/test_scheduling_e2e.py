@@ -159,6 +159,7 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(client, replica_id
         request_ids = [future.result() for future in futures]
     ran = replicas_that_ran(redis_server, key, request_ids)
     on_preferred = ran.count(preferred)
+    print(f"flood of {streams}: {on_preferred} on the preferred replica")
     # The guard keeps the preferred replica at most GUARD requests ahead: it takes
     # about half of the flood plus the guard, the other replica the rest.
     assert streams - on_preferred >= (streams - GUARD) // 2 - 1, ran

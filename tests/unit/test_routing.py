@@ -194,3 +194,41 @@ async def test_either_router_publishes_the_deployments_places_where_the_gateway_
     router.update_replicas([b])
     assert fair_share.replica_places("model-p") == 16
     fair_share._PLACES.clear()
+
+
+async def test_a_burst_chosen_before_any_is_sent_still_trips_the_guard():
+    """The routing tasks of a burst choose before Serve sends any of them (so
+    before Serve's cache counts them): the guard counts the router's own choices,
+    and the sixth request of a burst on one prefix goes to the other replica."""
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = router_with(a, b)
+    queue(router, a, 0)
+    queue(router, b, 0)
+    body = chat(("system", SYSTEM), ("user", "hi"))
+    preferred, other = rendezvous_order(prompt_prefix(body, 512), ["a", "b"])
+    firsts = [ids(await router.choose_replicas([a, b], pending(body)))[0] for _ in range(6)]
+    assert firsts[:5] == [[preferred]] * 5  # at most the guard (4) ahead of the idle replica
+    assert firsts[5] == [other]  # past the guard: the next replica in the prefix's order
+    # Sent: Serve's cache now counts them and the router's own count ends.
+    replica = {"a": a, "b": b}[preferred]
+    for _ in range(5):
+        router.on_send_request(replica.replica_id)
+    assert router._replica_queue_len_cache.get(replica.replica_id) == 5
+    assert router._chosen_not_sent.count(preferred) == 0
+
+
+def test_a_choice_never_sent_stops_counting_after_its_time():
+    from serve_app.routing import ChosenNotSent
+
+    now = [0.0]
+    chosen = ChosenNotSent(ttl_s=2.0, clock=lambda: now[0])
+    chosen.add("a")
+    chosen.add("a")
+    chosen.sent("b")  # another replica's send takes nothing from a's
+    assert chosen.count("a") == 2
+    now[0] = 1.0
+    chosen.add("a")
+    now[0] = 2.5  # the first two were dropped by Serve (cancelled, passed over)
+    assert chosen.count("a") == 1
+    chosen.forget_others({"b"})  # a's replica is gone
+    assert chosen.count("a") == 0 and chosen._chosen == {}
