@@ -265,3 +265,15 @@ def _deeper_than(value: Any, limit: int) -> bool:
 def _too_deep() -> OpenAIError:
     return OpenAIError(400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.",
                        code="json_too_deep")
+
+
+def list_params(params, default_limit: int = 20, max_limit: int = 100) -> dict[str, Any]:
+    """``limit`` (1 to ``max_limit``), ``order`` (asc, or desc: the default) and
+    ``after`` of one of OpenAI's listings, or a 400 naming the one that is wrong."""
+    limit = params.get("limit", str(default_limit))
+    if not limit.isdigit() or not 1 <= int(limit) <= max_limit:
+        raise OpenAIError(400, f"Invalid 'limit': {limit!r}; an integer from 1 to {max_limit}.", param="limit")
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise OpenAIError(400, f"Invalid 'order': {order!r}; 'asc' or 'desc'.", param="order")
+    return {"limit": int(limit), "order": order, "after": params.get("after")}

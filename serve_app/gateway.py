@@ -64,6 +64,9 @@ def _engine_error(ticket: Ticket, refused: ReplicaError) -> OpenAIError:
 
 # Operations whose engine requests carry the key's tier as vLLM's `priority`.
 PRIORITIZED = frozenset({"chat", "completions", "responses"})
+# The rank of batch requests (``run(background=True)``): after every key's tier, in
+# the engine (vLLM's priority), the fair-share gate and the model's queue.
+BACKGROUND_RANK = len(VLLM_PRIORITY)
 
 
 class QueueTimeout(Exception):
@@ -279,12 +282,19 @@ class Gateway:
 
     # -- requests --------------------------------------------------------------
 
+    def waiting(self, model: str) -> int:
+        """Requests of ``model`` waiting for a replica at this ingress."""
+        return self._waiting.get(model, 0)
+
     async def run(
-        self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, record: RequestRecord
+        self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, record: RequestRecord,
+        background: bool = False,
     ) -> Reply:
         """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``.
         ``record`` learns what telemetry needs; a streamed reply finishes it
-        when the stream ends, anything else is finished by the caller."""
+        when the stream ends, anything else is finished by the caller.
+        ``background`` (batches): ranked after every tier, and refused when the
+        model's queue is as full as the low tier's share."""
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
         record.operation = op.name
         request = validate_request(op, body)
@@ -318,19 +328,22 @@ class Gateway:
         if op.carries_request_id:
             body["request_id"] = ticket.request_id
         config = self._configs[model]
+        rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
         if config.priority_scheduling and op.name in PRIORITIZED:
-            body["priority"] = VLLM_PRIORITY[key.priority]
-        queue_limit = config.priority.queue_limit(key.priority, config.max_queued_requests)
+            body["priority"] = rank
+        tier = "low" if background else key.priority
+        queue_limit = config.priority.queue_limit(tier, config.max_queued_requests)
         if 0 <= queue_limit <= self._waiting[model]:
             # This tier's share of the model's queue is full (the rest is kept for higher tiers).
             self.access.settle(ticket, "overloaded", Usage())
-            raise _unavailable(ticket, f"Model '{model}' is at capacity for {key.priority}-priority keys. "
+            raise _unavailable(ticket, f"Model '{model}' is at capacity for {tier}-priority requests. "
                                        "Please retry shortly.", "model_overloaded")
         queue_timeout_s = config.queue_timeout_s
         try:
             if getattr(request, "stream", False):
-                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation)
-            response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.replica_operation, body), queue_timeout_s)
+                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation, rank)
+            response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.replica_operation, body),
+                                           queue_timeout_s, rank)
             answer: ReplicaAnswer | ReplicaError = await response
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
@@ -369,6 +382,7 @@ class Gateway:
         queue_timeout_s: float,
         record: RequestRecord,
         reservation: Reservation,
+        rank: int,
     ) -> Reply:
         options = getattr(request, "stream_options", None)
         client_wants_usage = bool(options and options.include_usage)
@@ -377,7 +391,8 @@ class Gateway:
             # streams always carry it.)
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         chunks = await self._hand_on(
-            body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.replica_operation, body), queue_timeout_s)
+            body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.replica_operation, body), queue_timeout_s,
+            rank)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -397,7 +412,7 @@ class Gateway:
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
 
-    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float):
+    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int):
         """``send()`` the request to ``model``'s replicas once the fair-share gate gives
         it a place (at once while the model has room) and wait until a replica takes
         it. The model's queue timeout bounds both waits: past it the call is withdrawn
@@ -406,7 +421,7 @@ class Gateway:
         gate = self._gates.get(model)
 
         async def take_a_place() -> None:
-            place = await gate.enter(ticket.key.id, VLLM_PRIORITY[ticket.key.priority])
+            place = await gate.enter(ticket.key.id, rank)
             ticket.on_settle = place.leave
 
         self._waiting[model] += 1

@@ -15,18 +15,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
+from redis.exceptions import RedisError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from serve_app import admin
 from serve_app.access import Access
-from serve_app.api_requests import parse_json_object
+from serve_app.api_requests import list_params, parse_json_object
 from serve_app import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
+from serve_app.batch_runner import BatchRunner
+from serve_app.batches import BatchStore
 from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
+from serve_app.files_api import PURPOSES, FileStore
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.readiness import Readiness
@@ -75,6 +80,15 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/v1/responses/{response_id}"): "key",
     ("DELETE", "/v1/responses/{response_id}"): "key",
     ("GET", "/v1/responses/{response_id}/input_items"): "key",
+    ("POST", "/v1/files"): "key",
+    ("GET", "/v1/files"): "key",
+    ("GET", "/v1/files/{file_id}"): "key",
+    ("DELETE", "/v1/files/{file_id}"): "key",
+    ("GET", "/v1/files/{file_id}/content"): "key",
+    ("POST", "/v1/batches"): "key",
+    ("GET", "/v1/batches"): "key",
+    ("GET", "/v1/batches/{batch_id}"): "key",
+    ("POST", "/v1/batches/{batch_id}/cancel"): "key",
     ("POST", "/v1/messages"): "key",
     ("POST", "/v1/messages/count_tokens"): "key",
     ("POST", "/tokenize"): "key",
@@ -130,6 +144,11 @@ class Ingress:
         describers = {name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()}
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry, describers)
         self.responses = ResponseStore(self.access.redis)
+        batch = settings.batch
+        self.files = FileStore(self.access.redis, batch.files_dir, batch.max_file_bytes)
+        self.batches = BatchStore(self.access.redis, self.files, batch.max_requests)
+        self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.access, self.telemetry, batch)
+        self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
         self.readiness = Readiness(settings.models, deployments, self.gateway.described)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -226,7 +245,91 @@ class Ingress:
     async def response_input_items(self, response_id: str, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
         stored = await responses_api.retrieve(self.responses, key, response_id)
-        return JSONResponse(item_list(stored["input_items"], **responses_api.page(request.query_params)))
+        return JSONResponse(item_list(stored["input_items"], **list_params(request.query_params)))
+
+    # -- OpenAI's Files and Batch API (state in Redis and the files directory:
+    #    serve_app/files_api.py, batches.py; run by serve_app/batch_runner.py) ------
+
+    async def _stored(self, request: Request, work) -> Response:
+        """``work(key)`` for the caller's key; Redis unreachable is a 503."""
+        key = await self.access.authenticate(request.headers)
+        try:
+            answer = await work(key)
+        except RedisError:
+            raise OpenAIError(503, "Files and batches are unavailable right now. Please retry shortly.",
+                              code="store_unavailable", headers={"retry-after": "1"}) from None
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    @app.post("/v1/files")
+    async def create_file(self, request: Request) -> Response:
+        async def upload(key: KeyRecord) -> dict[str, Any]:
+            declared = request.headers.get("content-length", "")
+            if not declared.isdigit():
+                raise OpenAIError(411, "Send the upload with a Content-Length.", code="length_required")
+            if int(declared) > self.files.max_bytes + 64 * 1024:  # the file plus its form's few fields
+                raise OpenAIError(413, f"The file is larger than {self.files.max_bytes} bytes.", param="file",
+                                  code="file_too_large")
+            try:
+                form = await request.form(max_files=1, max_fields=4)
+            except Exception as exc:  # starlette's MultiPartException, or a body that is no form
+                raise OpenAIError(400, f"Send the file as multipart/form-data with 'file' and 'purpose' ({exc}).",
+                                  param="file") from None
+            try:
+                purpose, file = form.get("purpose"), form.get("file")
+                if purpose not in PURPOSES:
+                    raise OpenAIError(400, f"Invalid 'purpose': {purpose!r}; this server stores files for "
+                                           f"{', '.join(PURPOSES)}.", param="purpose", code="invalid_value")
+                if not isinstance(file, UploadFile):
+                    raise OpenAIError(400, "Missing required parameter: 'file'.", param="file",
+                                      code="missing_required_parameter")
+                return await self.files.upload(key.id, (file.filename or "upload.jsonl")[:256], purpose, file.file)
+            finally:
+                await form.close()
+
+        return await self._stored(request, upload)
+
+    @app.get("/v1/files")
+    async def list_files(self, request: Request) -> Response:
+        params = list_params(request.query_params, default_limit=10_000, max_limit=10_000)
+        return await self._stored(request, lambda key: self.files.page(
+            key.id, request.query_params.get("purpose"), **params))
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(self, file_id: str, request: Request) -> Response:
+        return await self._stored(request, lambda key: self.files.get(key.id, file_id))
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(self, file_id: str, request: Request) -> Response:
+        return await self._stored(request, lambda key: self.files.delete(key.id, file_id))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(self, file_id: str, request: Request) -> Response:
+        async def content(key: KeyRecord) -> Response:
+            record = await self.files.get(key.id, file_id)
+            return FileResponse(self.files.path(key.id, file_id), media_type="application/jsonl",
+                                filename=record["filename"])
+
+        return await self._stored(request, content)
+
+    @app.post("/v1/batches")
+    async def create_batch(self, request: Request) -> Response:
+        async def create(key: KeyRecord) -> dict[str, Any]:
+            return await self.batches.create(key.id, parse_json_object(await self._read_body(request)))
+
+        return await self._stored(request, create)
+
+    @app.get("/v1/batches")
+    async def list_batches(self, request: Request) -> Response:
+        params = list_params(request.query_params)
+        return await self._stored(request, lambda key: self.batches.page(key.id, params["limit"], params["after"]))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(self, batch_id: str, request: Request) -> Response:
+        return await self._stored(request, lambda key: self.batches.get(key.id, batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(self, batch_id: str, request: Request) -> Response:
+        return await self._stored(request, lambda key: self.batches.cancel(key.id, batch_id))
 
     # -- Anthropic's Messages API (route label "anthropic") ------------------------
 

@@ -86,3 +86,32 @@ def admission_keys(key_id: str, request_id: str) -> list[str]:
 def stored_response(key_id: str, response_id: str) -> str:
     """A Responses API response stored for its key (``store``), with its conversation."""
     return f"{PREFIX}:resp:{tag(key_id)}:{response_id}"
+
+
+def file_record(key_id: str, file_id: str) -> str:
+    """An uploaded file's (or a batch output's) metadata; its content is in the files directory."""
+    return f"{PREFIX}:file:{tag(key_id)}:{file_id}"
+
+
+def file_index(key_id: str) -> str:
+    """Sorted set of the key's file ids by creation time (listing)."""
+    return f"{PREFIX}:files:{tag(key_id)}"
+
+
+def batch_record(key_id: str, batch_id: str) -> str:
+    """Hash of one batch: its fixed fields as JSON, its status, times and counts as fields."""
+    return f"{PREFIX}:batch:{tag(key_id)}:{batch_id}"
+
+
+def batch_index(key_id: str) -> str:
+    """Sorted set of the key's batch ids by creation time (listing)."""
+    return f"{PREFIX}:batches:{tag(key_id)}"
+
+
+def batch_lease(key_id: str, batch_id: str) -> str:
+    """Which ingress replica runs the batch now (expires unless renewed)."""
+    return f"{PREFIX}:batchlease:{tag(key_id)}:{batch_id}"
+
+
+# Set of "<key id>/<batch id>" of the batches not finished yet: what runners look at.
+ACTIVE_BATCHES = f"{PREFIX}:batches:active"

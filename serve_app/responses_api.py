@@ -140,18 +140,6 @@ async def delete(store: ResponseStore, key: KeyRecord, response_id: str) -> dict
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def page(params) -> dict[str, Any]:
-    """``limit`` (1-100, default 20), ``order`` (asc, desc: the default) and ``after``
-    of an input-items listing, or a 400 naming the one that is wrong."""
-    limit = params.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise OpenAIError(400, f"Invalid 'limit': {limit!r}; an integer from 1 to 100.", param="limit")
-    order = params.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise OpenAIError(400, f"Invalid 'order': {order!r}; 'asc' or 'desc'.", param="order")
-    return {"limit": int(limit), "order": order, "after": params.get("after")}
-
-
 def _store_unavailable(what: str) -> OpenAIError:
     return OpenAIError(503, f"Stored responses cannot be {what} right now. Please retry shortly.",
                        code="store_unavailable", headers={"retry-after": "1"})

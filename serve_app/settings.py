@@ -82,6 +82,32 @@ class TelemetryConfig(BaseModel):
     access_log: bool = Field(True, description="One JSON line per request on the ingress's stdout.")
 
 
+class BatchConfig(BaseModel):
+    """OpenAI's Files and Batch API (README, "Batch API"; serve_app/batch_runner.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    files_dir: str = Field(
+        "~/.llm-cluster/files",
+        description="Where uploaded files and batch outputs are kept (their metadata is in Redis). Every "
+        "ingress node must see the same directory: on a cluster, a shared mount (NFS, EFS, Filestore, a "
+        "FUSE-mounted bucket). A batch's partial results are written here too, which is what lets another "
+        "ingress resume it.",
+    )
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Largest upload (OpenAI's: 200 MB).")
+    max_requests: int = Field(50_000, gt=0, description="Requests one batch file may hold (OpenAI's: 50,000).")
+    concurrency: int = Field(
+        4, ge=1, description="Requests of one batch an ingress replica runs at once. Each is sent only while "
+        "no interactive request of its model waits at that ingress, at an engine priority below every "
+        "key's tier: batches fill idle capacity and yield to interactive traffic.",
+    )
+    lease_s: float = Field(
+        15.0, gt=0, description="A batch is run by one ingress replica at a time, under a lease it renews; "
+        "if that replica dies, another resumes the batch this long after.",
+    )
+    poll_s: float = Field(1.0, gt=0, description="How often an idle ingress replica looks for a batch to run.")
+
+
 class AppSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
@@ -91,6 +117,7 @@ class AppSettings(BaseSettings):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
         description="One node, a Redis Cluster or a Sentinel's primary: serve_app/redis_client.py.",

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +54,8 @@ def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
     if only is not None:
         args["models"] = [model for model in args["models"] if model["name"] in only]
     eager_engines(args["models"])
+    # Batch files in a directory of this test run, batches resumed fast after a runner dies.
+    args["batch"] = {"files_dir": tempfile.mkdtemp(prefix="llm-files-"), "lease_s": 3.0, "poll_s": 0.2}
     return args
 
 

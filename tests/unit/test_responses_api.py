@@ -8,6 +8,7 @@ import json
 import pytest
 
 from serve_app import responses_api, stored_responses
+from serve_app.api_requests import list_params
 from serve_app.calls import Reply
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord
@@ -172,6 +173,7 @@ def test_input_items_page_by_limit_and_after():
                                            ({"order": "up"}, "order")])
 def test_a_bad_page_is_a_400_naming_the_parameter(params, param):
     with pytest.raises(OpenAIError) as caught:
-        responses_api.page(params)
+        list_params(params)
     assert caught.value.status == 400 and caught.value.param == param
-    assert responses_api.page({}) == {"limit": 20, "order": "desc", "after": None}
+    assert list_params({}) == {"limit": 20, "order": "desc", "after": None}
+    assert list_params({"limit": "10000"}, max_limit=10_000)["limit"] == 10_000  # the files listing's bound

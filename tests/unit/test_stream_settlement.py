@@ -81,7 +81,8 @@ def stream_once(gateway, chunks, ticket):
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=lambda *a: chunks)))
     request = SimpleNamespace(stream_options=None)
     body = {"model": "tiny-llama", "messages": []}
-    return gateway._stream(handle, OPERATIONS["chat"], body, request, ticket, 5, RequestRecord("openai", "x"), RESERVED)
+    return gateway._stream(handle, OPERATIONS["chat"], body, request, ticket, 5, RequestRecord("openai", "x"),
+                           RESERVED, rank=1)
 
 
 async def relay_all(gateway, chunks, ticket) -> str:
@@ -185,7 +186,7 @@ async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_mes
         remote=lambda *args: sent.append(args) or chunks)))
     body = {"model": "tiny-llama", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     reply = await gateway._stream(handle, OPERATIONS["messages"], body, SimpleNamespace(), ticket, 5,
-                                  RequestRecord("anthropic", "x"), RESERVED)
+                                  RequestRecord("anthropic", "x"), RESERVED, rank=1)
     relayed = "".join([item async for item in reply.stream])
     assert relayed.endswith(end)  # passed on whole: Anthropic's client reads the usage itself
     assert sent == [("messages", body)] and "stream_options" not in body  # vLLM's Anthropic request has none

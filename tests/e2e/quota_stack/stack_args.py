@@ -1,5 +1,5 @@
 """The application this package's stack runs: the demo chat model behind two
-ingress replicas, with a short key cache and an admin token, and a narrow copy of it for the backpressure tests
+ingress replicas, with a short key cache, an admin token and 1 MiB batch files, and a narrow copy of it for the backpressure tests
 (one request at a time per replica, a queue of one, its own alias)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ MODEL = "tiny-llama"
 NARROW, NARROW_ALIAS = "tiny-llama-narrow", "chat-narrow"
 ADMIN = "test-admin-token"
 CACHE_TTL_S = 1.0
+MAX_FILE_BYTES = 1 << 20  # a batch file larger is refused (413): small, so the test's upload is quick
 
 
 def app_args(redis_url: str) -> dict:
@@ -24,6 +25,7 @@ def app_args(redis_url: str) -> dict:
     args["quota"] = {"key_cache_ttl_s": CACHE_TTL_S, "fail_mode": "open", "redis_timeout_s": 1.0}
     args["redis_url"] = redis_url
     args["admin_token"] = ADMIN
+    args["batch"]["max_file_bytes"] = MAX_FILE_BYTES
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)
     narrow["deployment"] = {**narrow["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}

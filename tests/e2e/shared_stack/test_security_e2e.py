@@ -268,7 +268,11 @@ def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server)
     # A key's own stored responses: they name no model; another key's id is not found.
     stored = {("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
               ("GET", "/v1/responses/{response_id}/input_items")}
-    assert set(probes) | listing | stored == key_routes  # a new route needs its probe here
+    # Files and batches: a key's own too, named by no model (a batch's requests are
+    # authorized one by one as they run: tests/e2e/quota_stack/test_1_batches_e2e.py).
+    files_and_batches = {route for route in key_routes if route[1].startswith(("/v1/files", "/v1/batches"))}
+    assert len(files_and_batches) == 9
+    assert set(probes) | listing | stored | files_and_batches == key_routes  # a new route needs its probe here
 
     _, secret = create_key(redis_server.url, "other-models-only", models=["some-other-model"])
     _, allowed = create_key(redis_server.url, "this-model", models=[MODEL])
@@ -295,6 +299,31 @@ def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server)
                 response = http.request(method, path, headers=auth)
                 assert response.status_code == expect, (route, response.status_code, response.text[:300])
                 assert "canary" not in response.text, response.text
+        _files_and_batches_are_their_keys_own(http, files_and_batches, secret, allowed)
+
+
+def _files_and_batches_are_their_keys_own(http: httpx.Client, routes, other: str, owner: str) -> None:
+    """Each file and batch route, called by another key for the owner's file and
+    batch (404; nothing of the file, its name or content, in any answer: the 404
+    echoes only the id asked for) and with no key (401)."""
+    line = {"custom_id": "canary-91c4", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "canary 91c4"}], "max_tokens": 2}}
+    own = {"authorization": f"Bearer {owner}"}
+    file = http.post("/v1/files", headers=own, data={"purpose": "batch"},
+                     files={"file": ("canary.jsonl", json.dumps(line).encode() + b"\n")})
+    assert file.status_code == 200, file.text
+    batch = http.post("/v1/batches", headers=own, json={"input_file_id": file.json()["id"],
+                                                        "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    assert batch.status_code == 200, batch.text
+    for method, route in sorted(routes):
+        path = route.replace("{file_id}", file.json()["id"]).replace("{batch_id}", batch.json()["id"])
+        body = {"input_file_id": file.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        for key, expect in ((other, {404} if "{" in route or route == "/v1/batches" and method == "POST" else {200, 400}),
+                            (None, {401})):
+            auth = {"authorization": f"Bearer {key}"} if key else {}
+            response = http.request(method, path, headers=auth, json=body if method == "POST" else None)
+            assert response.status_code in expect, (method, route, response.status_code, response.text[:300])
+            assert "canary" not in response.text, response.text  # neither its name nor its content
 
 
 # -- probes ---------------------------------------------------------------------------------

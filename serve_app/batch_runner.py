@@ -1,0 +1,378 @@
+"""Runs batches (``batches.py``) in the ingress replicas, in idle capacity.
+
+Every ingress replica runs one ``BatchRunner``. It takes a batch from
+``ACTIVE_BATCHES`` under a Redis lease (one runner per batch at a time), and
+sends its requests through ``Gateway.run`` like any client's: the key's model
+list, quotas and budgets apply and every request is charged to the key as it
+runs. Batch requests are background requests: ranked after every key's tier
+(vLLM's priority where the model schedules by priority, the fair-share gate,
+the model's queue), at most ``concurrency`` at a time, and each sent only while
+no interactive request of its model waits at this ingress.
+
+Results are appended to the batch's partial output and error files in the
+files directory, under the lease. They are the batch's progress: a runner that
+takes a batch over (its runner's ingress restarted or died; the lease expired)
+reads them, skips every ``custom_id`` already answered and runs the rest. A
+request that was running when its runner died is run again (and charged again:
+its first run's answer was never written). A refusal that may pass (429 with a
+retry-after, 503) is retried until the batch's window ends; any other error is
+the request's line in the error file, with the status and body a client would
+have got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from serve_app import redis_names
+from serve_app.access import Access
+from serve_app.batches import ENDED, ENDPOINTS, BatchStore
+from serve_app.errors import OpenAIError
+from serve_app.files_api import FileStore, read_batch_requests
+from serve_app.gateway import Gateway
+from serve_app.keys import KeyNotFound, KeyRecord
+from serve_app.settings import BatchConfig
+from serve_app.telemetry import RequestRecord, Telemetry
+
+logger = logging.getLogger("ray.serve")
+
+MAX_RETRY_WAIT_S = 30.0
+SWEEP_EVERY_S = 600.0
+_STATUS_FRESH_S = 0.5  # how stale the batch's status may be when deciding to send one more request
+
+# KEYS[1] the lease; ARGV: owner, ms. Renews the lease only if it is still ours.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# KEYS[1] the lease; ARGV: owner. Gives it up only if it is ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def result_file_id(batch_id: str, kind: str) -> str:
+    """The id a batch's output or error file gets: fixed by the batch, so a runner
+    that resumes a batch's finalization makes the same file, never a second one."""
+    return "file-" + uuid.uuid5(uuid.NAMESPACE_URL, f"llm-cluster:{batch_id}:{kind}").hex
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, files: FileStore, gateway: Gateway, access: Access, telemetry: Telemetry,
+                 config: BatchConfig):
+        self.store, self.files, self.gateway, self.access = store, files, gateway, access
+        self.telemetry, self.config = telemetry, config
+        self.redis = access.redis
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._renew = self.redis.register_script(_RENEW)
+        self._release = self.redis.register_script(_RELEASE)
+        self._task: asyncio.Task | None = None
+        self._swept_at = 0.0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self.run_forever())
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                claimed = await self._claim()
+                if claimed is not None:
+                    await self._run_leased(*claimed)
+                elif time.monotonic() - self._swept_at > SWEEP_EVERY_S:
+                    self._swept_at = time.monotonic()
+                    await self.files.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("batch runner: error")
+            await asyncio.sleep(self.config.poll_s * random.uniform(0.5, 1.5))
+
+    async def _claim(self) -> tuple[str, str] | None:
+        members = [_text(m) for m in await self.redis.smembers(redis_names.ACTIVE_BATCHES)]
+        random.shuffle(members)
+        for member in members:
+            key_id, _, batch_id = member.partition("/")
+            if await self.redis.set(redis_names.batch_lease(key_id, batch_id), self.owner, nx=True,
+                                    px=int(self.config.lease_s * 1000)):
+                return key_id, batch_id
+        return None
+
+    async def _run_leased(self, key_id: str, batch_id: str) -> None:
+        lease = redis_names.batch_lease(key_id, batch_id)
+        job = BatchJob(self, key_id, batch_id)
+        renewer = asyncio.ensure_future(self._keep_lease(lease, job))
+        try:
+            await job.run()
+        finally:
+            renewer.cancel()
+            try:
+                await self._release(keys=[lease], args=[self.owner])
+            except Exception:  # it expires by itself
+                logger.warning("batch %s: could not release its lease", batch_id)
+
+    async def _keep_lease(self, lease: str, job: BatchJob) -> None:
+        every = self.config.lease_s / 3
+        while True:
+            await asyncio.sleep(every)
+            try:
+                renewed = await self._renew(keys=[lease], args=[self.owner, int(self.config.lease_s * 1000)])
+            except Exception:
+                logger.warning("batch %s: lease renewal failed", job.batch_id)
+                continue  # the next try may pass; past the lease, another runner takes it
+            if not renewed:
+                logger.warning("batch %s: lease lost; another runner resumes it", job.batch_id)
+                job.lost = True
+                return
+
+
+class BatchJob:
+    """One batch, run by the runner holding its lease."""
+
+    def __init__(self, runner: BatchRunner, key_id: str, batch_id: str):
+        self.runner, self.key_id, self.batch_id = runner, key_id, batch_id
+        self.store, self.files = runner.store, runner.files
+        self.lost = False
+        self.out = self.files.partial_path(key_id, batch_id + ".output")
+        self.err = self.files.partial_path(key_id, batch_id + ".errors")
+        self.counts = {"completed": 0, "failed": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
+                       "reasoning_tokens": 0}
+        self._status = ""
+        self._status_at = 0.0
+        self.ends = "completed"  # or expired: some requests never ran within the window
+
+    async def run(self) -> None:
+        fields = await self.store.fields(self.key_id, self.batch_id)
+        if fields is None or fields["status"] in ENDED:
+            await self.store.ended(self.key_id, self.batch_id)
+            return
+        fixed = json.loads(fields["fixed"])
+        self.expires_at = fixed["expires_at"]
+        if fields["status"] == "validating":
+            await self.store.transition(self.key_id, self.batch_id, "in_progress", ("validating",))
+        if fields["status"] != "finalizing":
+            requests = await self._requests(fixed)
+            if requests is None:
+                return
+            done = await asyncio.to_thread(self._answered)
+            await self.store.update(self.key_id, self.batch_id, **self.counts)
+            key = await self._key()
+            pending = [r for r in requests if r["custom_id"] not in done]
+            await self._send_all(key, ENDPOINTS[fixed["endpoint"]], pending)
+            if self.lost:
+                return
+            status = await self._fresh_status(force=True)
+            unanswered = [r for r in pending if r["custom_id"] not in await asyncio.to_thread(self._answered)]
+            if unanswered:  # cancelled or expired: each one not run is a line of the error file
+                if status == "cancelling":
+                    code = "batch_cancelled"
+                elif time.time() >= self.expires_at:
+                    code, self.ends = "batch_expired", "expired"
+                else:  # answers that could not be written (a full disk): the next claim runs them again
+                    logger.warning("batch %s: %d requests unanswered; it will be resumed", self.batch_id,
+                                   len(unanswered))
+                    return
+                for request in unanswered:
+                    self._write(self.err, self._error_line(request, code, f"The batch was {_past(code)} before "
+                                                                          "this request ran."))
+                self.counts["failed"] += len(unanswered)
+        await self._finalize()
+
+    async def _requests(self, fixed: dict[str, Any]) -> list[dict[str, Any]] | None:
+        try:
+            return await asyncio.to_thread(read_batch_requests, self.files.path(self.key_id, fixed["input_file_id"]),
+                                           self.runner.config.max_requests)
+        except (OSError, OpenAIError) as exc:  # the input file was deleted (or replaced) meanwhile
+            message = exc.message if isinstance(exc, OpenAIError) else "The input file is no longer available."
+            await self.store.update(self.key_id, self.batch_id, errors=json.dumps(
+                [{"code": "invalid_input_file", "message": message, "param": "input_file_id", "line": None}]))
+            await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress",
+                                                                               "cancelling"))
+            await self.store.ended(self.key_id, self.batch_id)
+            return None
+
+    async def _key(self) -> KeyRecord | None:
+        try:
+            key = await self.runner.access.keys.get(self.key_id)
+        except KeyNotFound:
+            return None
+        return key if key.enabled else None
+
+    def _answered(self) -> set[str]:
+        """custom_ids already answered (in either partial file), with the counts and
+        usage they add up to. A line cut short by a crash is removed."""
+        done: set[str] = set()
+        self.counts = dict.fromkeys(self.counts, 0)
+        for path, counter in ((self.out, "completed"), (self.err, "failed")):
+            if not path.exists():
+                continue
+            with open(path, "rb+") as lines:
+                good = 0
+                for raw in lines:
+                    if not raw.endswith(b"\n"):
+                        break
+                    line = json.loads(raw)
+                    if line["custom_id"] not in done:
+                        done.add(line["custom_id"])
+                        self.counts[counter] += 1
+                        self._add_usage(line)
+                    good += len(raw)
+                lines.truncate(good)
+        return done
+
+    def _add_usage(self, line: dict[str, Any]) -> None:
+        response = line.get("response") or {}
+        usage = (response.get("body") or {}).get("usage") if isinstance(response.get("body"), dict) else None
+        if not isinstance(usage, dict):
+            return
+        self.counts["input_tokens"] += usage.get("prompt_tokens") or 0
+        self.counts["output_tokens"] += usage.get("completion_tokens") or 0
+        self.counts["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self.counts["reasoning_tokens"] += (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+
+    async def _fresh_status(self, force: bool = False) -> str:
+        if force or time.monotonic() - self._status_at > _STATUS_FRESH_S:
+            fields = await self.store.fields(self.key_id, self.batch_id)
+            self._status = fields["status"] if fields else "cancelled"
+            self._status_at = time.monotonic()
+        return self._status
+
+    async def _stopping(self) -> bool:
+        return self.lost or time.time() >= self.expires_at or await self._fresh_status() != "in_progress"
+
+    async def _send_all(self, key: KeyRecord | None, operation: str, pending: list[dict[str, Any]]) -> None:
+        slots = asyncio.Semaphore(self.runner.config.concurrency)
+        running: set[asyncio.Task] = set()
+        for request in pending:
+            await slots.acquire()
+            if await self._stopping():
+                slots.release()
+                break
+            await self._yield_to_interactive(request["body"].get("model"))
+            task = asyncio.ensure_future(self._one(key, operation, request))
+            running.add(task)
+            task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _yield_to_interactive(self, model: Any) -> None:
+        """Wait while interactive requests of ``model`` wait for a replica here."""
+        try:
+            name = self.runner.gateway.resolve(model) if isinstance(model, str) else None
+        except OpenAIError:
+            return  # the request's own error says so
+        while name is not None and self.runner.gateway.waiting(name) > 0 and not self.lost:
+            await asyncio.sleep(0.05)
+
+    async def _one(self, key: KeyRecord | None, operation: str, request: dict[str, Any]) -> None:
+        line_id = "batch_req_" + uuid.uuid4().hex
+        if key is None:
+            error = OpenAIError(401, "The batch's API key was revoked.", code="invalid_api_key")
+            return self._answer(request, self._failed_line(request, line_id, error))
+        if request["body"].get("stream"):
+            error = OpenAIError(400, "Streaming is not supported in a batch.", param="stream", code="invalid_value")
+            return self._answer(request, self._failed_line(request, line_id, error))
+        while True:
+            body = json.loads(json.dumps(request["body"]))  # the gateway edits what it is given
+            record = RequestRecord("batch", line_id)
+            record.key_id, record.key_name = key.id, key.name
+            try:
+                reply = await self.runner.gateway.run(key, operation, body, len(json.dumps(body)), record,
+                                                      background=True)
+            except OpenAIError as exc:
+                record.refused(exc.status, exc.code, exc.type, exc.headers)
+                self.runner.telemetry.finish(record)
+                wait = _retry_after_s(exc)
+                if wait is not None and not await self._stopping():
+                    await asyncio.sleep(min(wait, MAX_RETRY_WAIT_S, max(0.0, self.expires_at - time.time())))
+                    continue
+                if wait is not None:
+                    return  # stopping: the request stays unanswered (cancelled or expired)
+                return self._answer(request, self._failed_line(request, line_id, exc))
+            except Exception:
+                logger.exception("batch %s: request %s failed", self.batch_id, request["custom_id"])
+                record.status = 500
+                self.runner.telemetry.finish(record)
+                error = OpenAIError(500, "The server had an error processing this request.")
+                return self._answer(request, self._failed_line(request, line_id, error))
+            record.status = 200
+            self.runner.telemetry.finish(record)
+            answer = json.loads(reply.body)
+            line = {"id": line_id, "custom_id": request["custom_id"],
+                    "response": {"status_code": 200, "request_id": line_id, "body": answer}, "error": None}
+            return self._answer(request, line, ok=True)
+
+    def _answer(self, request: dict[str, Any], line: dict[str, Any], ok: bool = False) -> None:
+        if self.lost:  # another runner has the batch now: it runs this request again
+            return
+        self._write(self.out if ok else self.err, line)
+        self.counts["completed" if ok else "failed"] += 1
+        self._add_usage(line)
+        asyncio.ensure_future(self._save_counts())
+
+    async def _save_counts(self) -> None:
+        try:
+            await self.store.update(self.key_id, self.batch_id, **self.counts)
+        except Exception:
+            logger.warning("batch %s: could not save its counts", self.batch_id)
+
+    @staticmethod
+    def _failed_line(request: dict[str, Any], line_id: str, exc: OpenAIError) -> dict[str, Any]:
+        return {"id": line_id, "custom_id": request["custom_id"],
+                "response": {"status_code": exc.status, "request_id": line_id, "body": exc.body()}, "error": None}
+
+    @staticmethod
+    def _error_line(request: dict[str, Any], code: str, message: str) -> dict[str, Any]:
+        return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": request["custom_id"], "response": None,
+                "error": {"code": code, "message": message}}
+
+    @staticmethod
+    def _write(path: Path, line: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    async def _finalize(self) -> None:
+        """The partial files become the batch's output and error files, then the
+        batch ends: completed, cancelled (it was cancelling) or expired. Safe to
+        run again after a crash: the files' ids are fixed by the batch."""
+        was = await self.store.transition(self.key_id, self.batch_id, "finalizing", ("in_progress",))
+        ends = {"cancelling": "cancelled"}.get(was, self.ends)
+        await asyncio.to_thread(self._answered)  # the counts as written
+        files = {}
+        for path, kind, field in ((self.out, "output", "output_file_id"), (self.err, "errors", "error_file_id")):
+            file_id = result_file_id(self.batch_id, kind)
+            if path.exists() or self.files.path(self.key_id, file_id).exists():
+                await self.files.adopt(self.key_id, path, f"{self.batch_id}_{kind}.jsonl", "batch_output", file_id)
+                files[field] = file_id
+        await self.store.update(self.key_id, self.batch_id, **files, **self.counts)
+        await self.store.transition(self.key_id, self.batch_id, ends, ("finalizing", "cancelling", "in_progress"))
+        await self.store.ended(self.key_id, self.batch_id)
+
+
+def _retry_after_s(exc: OpenAIError) -> float | None:
+    """How long to wait before the request may pass, if it may (a rate limit with
+    a retry-after, a busy model); None when retrying cannot help."""
+    if exc.status == 503:
+        return float(exc.headers.get("retry-after", 1))
+    if exc.status == 429 and "retry-after-ms" in exc.headers:
+        return int(exc.headers["retry-after-ms"]) / 1000
+    return None
+
+
+def _past(code: str) -> str:
+    return {"batch_cancelled": "cancelled", "batch_expired": "expired"}[code]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

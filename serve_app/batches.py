@@ -1,0 +1,199 @@
+"""OpenAI's Batch API: batch records in Redis, shared by every ingress replica.
+
+A batch is a Redis hash per key (``redis_names.batch_record``): its fixed fields
+as JSON, and its status, times, counts and usage as fields of their own, so the
+runner (``batch_runner.py``) and a cancel can change them without overwriting
+each other. Every status change goes through one script that changes it only
+from the statuses allowed (a cancel racing the end of a batch either wins or
+is told the batch already ended). A batch not yet ended is also in
+``ACTIVE_BATCHES``, where runners find it.
+
+Statuses as OpenAI's: validating → in_progress → finalizing → completed;
+failed (its file does not hold valid requests for the endpoint); cancelling →
+cancelled; expired (not done within its 24 h window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from serve_app import redis_names
+from serve_app.errors import OpenAIError
+from serve_app.files_api import FileStore, read_batch_requests
+
+ENDPOINTS = {  # batch endpoint -> the gateway's operation
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+RECORD_RETENTION_S = 30 * 24 * 3600  # an ended batch's record, as its files
+ENDED = ("completed", "failed", "expired", "cancelled")
+_COUNTS = ("total", "completed", "failed")
+_USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+_TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+          "cancelled_at")
+
+# KEYS[1] the batch; ARGV: new status, now, then the statuses it may change from.
+# Returns the status it had (unchanged unless that one is allowed), or false.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return false end
+for i = 3, #ARGV do
+  if ARGV[i] == current then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[1] .. '_at', ARGV[2])
+    return current
+  end
+end
+return current
+"""
+
+
+def not_found(batch_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
+
+
+class BatchStore:
+    def __init__(self, redis, files: FileStore, max_requests: int):
+        self.redis = redis
+        self.files = files
+        self.max_requests = max_requests
+        self._transition = redis.register_script(_TRANSITION)
+
+    # -- the API ----------------------------------------------------------------
+
+    async def create(self, key_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A new batch of ``body['input_file_id']``'s requests, or a 400 naming the
+        parameter that is wrong. A file whose requests do not fit the endpoint makes
+        a batch that failed, with one error per line, as OpenAI answers it."""
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise OpenAIError(400, f"Invalid 'endpoint': {endpoint!r}; one of {', '.join(ENDPOINTS)}.",
+                              param="endpoint", code="invalid_value")
+        window = body.get("completion_window")
+        if window not in COMPLETION_WINDOWS:
+            raise OpenAIError(400, f"Invalid 'completion_window': {window!r}; only '24h' is supported.",
+                              param="completion_window", code="invalid_value")
+        metadata = body.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                for k, v in metadata.items())):
+            raise OpenAIError(400, "'metadata' must be at most 16 string pairs (keys up to 64 characters, "
+                                   "values up to 512).", param="metadata", code="invalid_value")
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str):
+            raise OpenAIError(400, "'input_file_id' must be the id of a file uploaded with purpose 'batch'.",
+                              param="input_file_id", code="missing_required_parameter")
+        file = await self.files.get(key_id, file_id)
+        if file["purpose"] != "batch":
+            raise OpenAIError(400, f"File {file_id} has purpose {file['purpose']!r}; a batch needs one "
+                                   "uploaded with purpose 'batch'.", param="input_file_id", code="invalid_value")
+        requests = await asyncio.to_thread(read_batch_requests, self.files.path(key_id, file_id), self.max_requests)
+        now = int(time.time())
+        batch_id = "batch_" + uuid.uuid4().hex
+        fixed = {"id": batch_id, "object": "batch", "endpoint": endpoint, "input_file_id": file_id,
+                 "completion_window": window, "created_at": now, "expires_at": now + COMPLETION_WINDOWS[window],
+                 "metadata": metadata}
+        errors = [{"code": "invalid_url", "line": r["line"], "param": "url",
+                   "message": f"The request's url {r['url']!r} is not the batch's endpoint {endpoint!r}."}
+                  for r in requests if r["url"] != endpoint][:100]
+        fields = {"fixed": json.dumps(fixed), "status": "failed" if errors else "validating",
+                  "total": len(requests), "completed": 0, "failed": 0}
+        if errors:
+            fields.update(failed_at=now, errors=json.dumps(errors))
+        record = redis_names.batch_record(key_id, batch_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(record, mapping=fields)
+            if errors:
+                pipe.expire(record, RECORD_RETENTION_S)
+            pipe.zadd(redis_names.batch_index(key_id), {batch_id: time.time()})
+            pipe.zremrangebyscore(redis_names.batch_index(key_id), 0, time.time() - RECORD_RETENTION_S)
+            await pipe.execute()
+        if not errors:  # into the runners' set only once its record exists
+            await self.redis.sadd(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}")
+        return await self.get(key_id, batch_id)
+
+    async def get(self, key_id: str, batch_id: str) -> dict[str, Any]:
+        fields = await self.fields(key_id, batch_id)
+        if fields is None:
+            raise not_found(batch_id)
+        return as_batch(fields)
+
+    async def page(self, key_id: str, limit: int, after: str | None) -> dict[str, Any]:
+        """One page of OpenAI's ListBatchesResponse, newest first."""
+        index = redis_names.batch_index(key_id)
+        ids = [_text(i) for i in await self.redis.zrange(index, 0, -1, desc=True)]
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        batches = []
+        for batch_id in ids:
+            fields = await self.fields(key_id, batch_id)
+            if fields is None:
+                await self.redis.zrem(index, batch_id)
+                continue
+            batches.append(as_batch(fields))
+            if len(batches) > limit:
+                break
+        data = batches[:limit]
+        page = {"object": "list", "data": data, "has_more": len(batches) > limit}
+        if data:
+            page.update(first_id=data[0]["id"], last_id=data[-1]["id"])
+        return page
+
+    async def cancel(self, key_id: str, batch_id: str) -> dict[str, Any]:
+        """Ask the batch to stop: ``cancelling`` until its runner has written what
+        ran (at once ``cancelled`` when none has started it). 409 once it ended."""
+        was = await self.transition(key_id, batch_id, "cancelling", ("validating", "in_progress"))
+        if was is None:
+            raise not_found(batch_id)
+        if was not in ("validating", "in_progress", "cancelling"):
+            raise OpenAIError(409, f"Batch {batch_id} is {was} and can no longer be cancelled.",
+                              param="batch_id", code="batch_not_cancellable")
+        return await self.get(key_id, batch_id)
+
+    # -- what runners use ---------------------------------------------------------
+
+    async def fields(self, key_id: str, batch_id: str) -> dict[str, str] | None:
+        fields = await self.redis.hgetall(redis_names.batch_record(key_id, batch_id))
+        return {_text(k): _text(v) for k, v in fields.items()} if fields else None
+
+    async def transition(self, key_id: str, batch_id: str, status: str, allowed: tuple[str, ...]) -> str | None:
+        """Set ``status`` if the batch is in one of ``allowed``; the status it had (None: no such batch)."""
+        was = await self._transition(keys=[redis_names.batch_record(key_id, batch_id)],
+                                     args=[status, int(time.time()), *allowed])
+        return _text(was) if was else None
+
+    async def update(self, key_id: str, batch_id: str, **fields: Any) -> None:
+        await self.redis.hset(redis_names.batch_record(key_id, batch_id), mapping=fields)
+
+    async def ended(self, key_id: str, batch_id: str) -> None:
+        """Out of the runners' set; the record is kept as long as its files."""
+        await self.redis.expire(redis_names.batch_record(key_id, batch_id), RECORD_RETENTION_S)
+        await self.redis.srem(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}")
+
+
+def as_batch(fields: dict[str, str]) -> dict[str, Any]:
+    """OpenAI's Batch object from a batch's hash (fields never set are left out)."""
+    batch = {k: v for k, v in json.loads(fields["fixed"]).items() if v is not None}
+    batch["status"] = fields["status"]
+    for name in _TIMES + ("output_file_id", "error_file_id", "model"):
+        if name in fields:
+            batch[name] = int(fields[name]) if name.endswith("_at") else fields[name]
+    if "errors" in fields:
+        batch["errors"] = {"object": "list", "data": json.loads(fields["errors"])}
+    batch["request_counts"] = {name: int(fields.get(name, 0)) for name in _COUNTS}
+    tokens = {name: int(fields.get(name, 0)) for name in _USAGE}
+    batch["usage"] = {"input_tokens": tokens["input_tokens"],
+                      "input_tokens_details": {"cached_tokens": tokens["cached_tokens"]},
+                      "output_tokens": tokens["output_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": tokens["reasoning_tokens"]},
+                      "total_tokens": tokens["input_tokens"] + tokens["output_tokens"]}
+    return batch
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

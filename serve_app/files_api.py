@@ -1,0 +1,239 @@
+"""OpenAI's Files API, for batches: the content in a directory, the metadata in Redis.
+
+A file belongs to the key that uploaded it (or whose batch wrote it): its
+metadata is named per key (``redis_names``), so another key's file id is simply
+not found, and its content lies under ``<files_dir>/<key id>/<file id>``. Files
+expire after ``RETENTION_S`` (OpenAI's default for batch files); the metadata
+expires by its TTL and ``sweep`` removes content whose metadata is gone, so the
+directory does not grow without bound. Uploads are written to a temporary name
+and renamed when complete: a failed upload (full disk, client gone) leaves
+nothing behind and no file id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from serve_app import redis_names
+from serve_app.errors import OpenAIError
+
+RETENTION_S = 30 * 24 * 3600
+PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
+BATCH_METHODS = ("POST",)
+_PARTIAL_SUFFIX = ".partial"
+_SWEEP_MIN_AGE_S = 3600  # content younger than this may belong to an upload or batch being written
+
+
+class FileTooLarge(Exception):
+    pass
+
+
+def storage_full() -> OpenAIError:
+    return OpenAIError(507, "The file store is full. Please retry later or delete files you no longer need.",
+                       type="server_error", code="storage_full")
+
+
+def not_found(file_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
+
+
+class FileStore:
+    def __init__(self, redis, directory: str, max_bytes: int):
+        self.redis = redis
+        self.dir = Path(directory).expanduser()
+        self.max_bytes = max_bytes
+
+    def path(self, key_id: str, file_id: str) -> Path:
+        if not FILE_ID.fullmatch(file_id):  # never a path a client chose
+            raise not_found(file_id)
+        return self.dir / key_id / file_id
+
+    def partial_path(self, key_id: str, name: str) -> Path:
+        """Where a batch writes results before they become a file."""
+        return self.dir / key_id / (name + _PARTIAL_SUFFIX)
+
+    # -- writing -----------------------------------------------------------------
+
+    async def upload(self, key_id: str, filename: str, purpose: str, source: BinaryIO) -> dict[str, Any]:
+        """Copy ``source`` in as a new file (at most ``max_bytes``: 413 past it)."""
+        file_id = new_file_id()
+        target = self.path(key_id, file_id)
+        try:
+            size = await asyncio.to_thread(_copy_bounded, source, target, self.max_bytes)
+        except FileTooLarge:
+            raise OpenAIError(413, f"The file is larger than {self.max_bytes} bytes.", param="file",
+                              code="file_too_large") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise storage_full() from None
+            raise
+        try:
+            return await self._register(key_id, file_id, filename, purpose, size)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+
+    async def adopt(self, key_id: str, written: Path, filename: str, purpose: str, file_id: str) -> dict[str, Any]:
+        """Make ``file_id`` of content already written in this store (a batch's
+        results). Idempotent: a second call (a finalization resumed after a crash)
+        finds the content moved and registers it if it is not yet."""
+        target = self.path(key_id, file_id)
+        if written.exists():
+            os.replace(written, target)
+        raw = await self.redis.get(redis_names.file_record(key_id, file_id))
+        if raw is not None:
+            return json.loads(raw)
+        return await self._register(key_id, file_id, filename, purpose, target.stat().st_size)
+
+    async def _register(self, key_id: str, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
+        now = int(time.time())
+        record = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + RETENTION_S,
+                  "filename": filename, "purpose": purpose, "status": "processed"}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(redis_names.file_record(key_id, file_id), json.dumps(record), ex=RETENTION_S)
+            pipe.zadd(redis_names.file_index(key_id), {file_id: time.time()})
+            pipe.zremrangebyscore(redis_names.file_index(key_id), 0, time.time() - RETENTION_S)
+            await pipe.execute()
+        return record
+
+    # -- reading -----------------------------------------------------------------
+
+    async def get(self, key_id: str, file_id: str) -> dict[str, Any]:
+        self.path(key_id, file_id)  # a well-formed id, or 404
+        raw = await self.redis.get(redis_names.file_record(key_id, file_id))
+        if raw is None or not self.path(key_id, file_id).exists():
+            raise not_found(file_id)
+        return json.loads(raw)
+
+    async def page(self, key_id: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
+        """One page of OpenAI's ListFilesResponse (newest first by default)."""
+        index = redis_names.file_index(key_id)
+        ids = [_text(i) for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        records = []
+        for file_id in ids:
+            raw = await self.redis.get(redis_names.file_record(key_id, file_id))
+            if raw is None:  # expired or deleted: the index forgets it
+                await self.redis.zrem(index, file_id)
+                continue
+            record = json.loads(raw)
+            if purpose is None or record["purpose"] == purpose:
+                records.append(record)
+            if len(records) > limit:
+                break
+        data = records[:limit]
+        return {"object": "list", "data": data, "has_more": len(records) > limit,
+                "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else ""}
+
+    async def delete(self, key_id: str, file_id: str) -> dict[str, Any]:
+        path = self.path(key_id, file_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(redis_names.file_record(key_id, file_id))
+            pipe.zrem(redis_names.file_index(key_id), file_id)
+            deleted, _ = await pipe.execute()
+        if deleted:  # only a file this key has: another key's id never reaches the disk
+            path.unlink(missing_ok=True)
+        if not deleted:
+            raise not_found(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def sweep(self) -> int:
+        """Remove content whose metadata expired (and uploads that never finished)."""
+        removed = 0
+        cutoff = time.time() - _SWEEP_MIN_AGE_S
+        if not self.dir.exists():
+            return 0
+        for key_dir in self.dir.iterdir():
+            for path in key_dir.iterdir() if key_dir.is_dir() else ():
+                try:
+                    if path.stat().st_mtime > cutoff:
+                        continue
+                except FileNotFoundError:
+                    continue
+                if FILE_ID.fullmatch(path.name):
+                    if await self.redis.exists(redis_names.file_record(key_dir.name, path.name)):
+                        continue
+                elif path.name.endswith(_PARTIAL_SUFFIX):
+                    continue  # a batch's results: removed when the batch ends
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+
+FILE_ID = re.compile(r"file-[0-9a-f]{32}")
+
+
+def new_file_id() -> str:
+    return "file-" + uuid.uuid4().hex
+
+
+def _copy_bounded(source: BinaryIO, target: Path, max_bytes: int) -> int:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(target.name + ".uploading")
+    size = 0
+    try:
+        with open(temporary, "wb") as out:
+            while chunk := source.read(1 << 20):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise FileTooLarge
+                out.write(chunk)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def read_batch_requests(path: Path, max_requests: int) -> list[dict[str, Any]]:
+    """The requests of a batch input file (OpenAI's JSONL: one object per line with
+    ``custom_id``, ``method``, ``url`` and ``body``), or a 400 naming the first
+    line that is not one. ``custom_id``s must be unique: results are matched by them."""
+    requests: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                raise _bad_line(number, "is not valid JSON") from None
+            if not isinstance(line, dict):
+                raise _bad_line(number, "is not a JSON object")
+            custom_id = line.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+                raise _bad_line(number, "needs 'custom_id', a string of 1 to 512 characters")
+            if custom_id in seen:
+                raise _bad_line(number, f"repeats custom_id {custom_id!r}; each request needs its own")
+            if line.get("method") not in BATCH_METHODS:
+                raise _bad_line(number, "needs 'method': 'POST'")
+            if not isinstance(line.get("url"), str):
+                raise _bad_line(number, "needs 'url', the endpoint (e.g. '/v1/chat/completions')")
+            if not isinstance(line.get("body"), dict):
+                raise _bad_line(number, "needs 'body', the request as a JSON object")
+            if len(requests) == max_requests:
+                raise OpenAIError(400, f"The file has more than {max_requests} requests.", param="file",
+                                  code="too_many_requests")
+            seen.add(custom_id)
+            requests.append({"line": number, "custom_id": custom_id, "url": line["url"], "body": line["body"]})
+    if not requests:
+        raise OpenAIError(400, "The file has no requests.", param="file", code="invalid_file")
+    return requests
+
+
+def _bad_line(number: int, problem: str) -> OpenAIError:
+    return OpenAIError(400, f"Line {number} of the file {problem}.", param="file", code="invalid_jsonl")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,253 @@
+"""OpenAI's Files and Batch API with the official SDK, on the stack with two
+ingress replicas: a batch's requests run through the gateway (the key's models
+and quotas, charged as they run), its results are files in OpenAI's format, a
+cancel stops it, and a batch whose ingress replica is killed is finished by the
+other, each request answered once."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+import openai_spec
+from quota_stack.stack_args import MAX_FILE_BYTES, MODEL, NARROW, NARROW_ALIAS
+from serve_app import redis_names
+from settled import records, wait_until_settled
+from stack import create_key
+
+pytestmark = pytest.mark.e2e
+
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def sdk(base_url: str, secret: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def chat_line(custom_id: str, model: str = MODEL, max_tokens: int = 4, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": f"Say {custom_id}"}],
+                     "max_tokens": max_tokens, "temperature": 0, **extra}}
+
+
+def upload(client: openai.OpenAI, lines: list[dict]):
+    raw = client.files.with_raw_response.create(file=("requests.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    openai_spec.validate(raw.http_response.json(), "OpenAIFile")
+    return raw.parse()
+
+
+def start(client: openai.OpenAI, lines: list[dict]):
+    file = upload(client, lines)
+    raw = client.batches.with_raw_response.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h", metadata={"test": "batches"})
+    openai_spec.validate(raw.http_response.json(), "Batch")
+    return raw.parse()
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, until, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = client.batches.with_raw_response.retrieve(batch_id)
+        openai_spec.validate(raw.http_response.json(), "Batch")
+        batch = raw.parse()
+        if until(batch):
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+
+
+def ended(batch) -> bool:
+    return batch.status in ENDED
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_of_fifty_requests_on_two_models_is_answered_and_charged_what_it_used(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "batch-fifty")
+    client = sdk(base_url, secret)
+    lines = [chat_line(f"req-{i}", model=MODEL if i % 2 else NARROW_ALIAS, max_tokens=3 + i % 5) for i in range(50)]
+    batch = start(client, lines)
+    assert batch.status in ("validating", "in_progress") and batch.request_counts.total == 50
+    batch = wait_for(client, batch.id, ended)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (50, 0)
+    assert batch.error_file_id is None
+    output = lines_of(client, batch.output_file_id)
+    by_id = {line["custom_id"]: line for line in output}
+    assert sorted(by_id) == sorted(line["custom_id"] for line in lines) and len(output) == 50  # each once
+    for request in lines:
+        line = by_id[request["custom_id"]]
+        assert line["error"] is None and line["response"]["status_code"] == 200 and line["id"].startswith("batch_req_")
+        body = line["response"]["body"]
+        openai_spec.validate(body, "CreateChatCompletionResponse")
+        assert body["model"] == (MODEL if request["body"]["model"] == MODEL else NARROW)  # the model asked
+        assert body["usage"]["completion_tokens"] <= request["body"]["max_tokens"]
+    # The key was charged, request by request, exactly what the output file reports.
+    used = sum(line["response"]["body"]["usage"]["total_tokens"] for line in output)
+    # (The narrow model, one request at a time and a queue of one, refuses some with
+    # 503: refusals charge nothing and the runner sends them again.)
+    charged = wait_until_settled(redis, key_id)
+    assert sum(r["status"] == "completed" for r in charged) == 50, charged
+    assert {r["status"] for r in charged} <= {"completed", "overloaded"}, charged
+    assert sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in charged) == used
+    assert batch.usage.total_tokens == used
+    # Listed among the key's batches and files; the output file is OpenAI's.
+    assert batch.id in [b.id for b in client.batches.list(limit=5)]
+    listed = client.files.with_raw_response.list()
+    openai_spec.validate(listed.http_response.json(), "ListFilesResponse")
+    output_file = client.files.retrieve(batch.output_file_id)
+    assert output_file.purpose == "batch_output" and output_file.id in [f.id for f in listed.parse()]
+
+
+def test_each_bad_request_of_a_batch_is_a_line_of_its_error_file_with_what_a_client_would_get(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "batch-bad-lines", models=[MODEL])
+    client = sdk(base_url, secret)
+    lines = [chat_line("fine"),
+             chat_line("not-allowed", model=NARROW),  # a model this key may not use
+             chat_line("unknown", model="no-such-model"),
+             chat_line("streamed", stream=True),
+             chat_line("odd-type", max_tokens="lots"),
+             chat_line("huge", max_tokens=10**30)]
+    batch = wait_for(client, start(client, lines).id, ended)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 5)
+    [ok] = lines_of(client, batch.output_file_id)
+    assert ok["custom_id"] == "fine"
+    errors = {line["custom_id"]: line["response"] for line in lines_of(client, batch.error_file_id)}
+    assert {name: response["status_code"] for name, response in errors.items()} == {
+        "not-allowed": 403, "unknown": 404, "streamed": 400, "odd-type": 400, "huge": 400}
+    for response in errors.values():
+        assert set(response["body"]["error"]) >= {"message", "type", "param", "code"}
+    assert "max_tokens" in errors["odd-type"]["body"]["error"]["message"] + str(errors["odd-type"]["body"]["error"]["param"])
+    charged = wait_until_settled(redis, key_id)
+    assert [r for r in charged if r["status"] == "completed"] and len(charged) <= 2  # refused before admission
+
+
+def test_a_cancelled_batch_stops_running_and_reports_what_ran(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "batch-cancel")
+    client = sdk(base_url, secret)
+    lines = [chat_line(f"long-{i}", max_tokens=48, min_tokens=48, ignore_eos=True) for i in range(40)]
+    batch = start(client, lines)
+    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 2)
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    batch = wait_for(client, batch.id, ended, timeout_s=120)
+    assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
+    output, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    assert 2 <= len(output) < 40 and len(output) + len(errors) == 40
+    assert sorted(line["custom_id"] for line in output + errors) == sorted(line["custom_id"] for line in lines)
+    assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(output), len(errors))
+    # Nothing runs after it ended, no slot is left held, and only what ran was charged.
+    charged = wait_until_settled(redis, key_id)
+    time.sleep(2)
+    assert len(records(redis, key_id)) == len(charged) == len(output)
+    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    with pytest.raises(openai.ConflictError):  # it ended: no second cancel
+        client.batches.cancel(batch.id)
+
+
+def test_a_batch_survives_the_death_of_the_ingress_replica_running_it(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "batch-resumed")
+    client = sdk(base_url, secret)
+    lines = [chat_line(f"r-{i}", max_tokens=24, min_tokens=24, ignore_eos=True) for i in range(30)]
+    batch = start(client, lines)
+    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 3)
+    owner = redis.get(redis_names.batch_lease(key_id, batch.id)).decode()
+    pid = int(owner.split(":")[1])
+    os.kill(pid, signal.SIGKILL)  # the replica running it dies mid-batch, as on a crashed node
+    batch = wait_for(client, batch.id, ended, timeout_s=300)
+    assert batch.status == "completed", batch
+    output = lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(line["custom_id"] for line in lines)  # once each
+    assert batch.request_counts.completed == 30 and batch.error_file_id is None
+    resumed_by = redis.get(redis_names.batch_lease(key_id, batch.id))
+    assert resumed_by is None  # released once ended
+    assert redis.sismember(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch.id}") == 0
+
+
+def test_files_and_batches_belong_to_their_key(base_url, redis_server, redis):
+    _, secret = create_key(redis_server.url, "batch-owner")
+    _, other_secret = create_key(redis_server.url, "batch-other")
+    owner, other = sdk(base_url, secret), sdk(base_url, other_secret)
+    batch = start(owner, [chat_line("canary-5ab1")])
+    file_id = batch.input_file_id
+    for call in (lambda: other.files.retrieve(file_id), lambda: other.files.content(file_id),
+                 lambda: other.files.delete(file_id), lambda: other.batches.retrieve(batch.id),
+                 lambda: other.batches.cancel(batch.id),
+                 lambda: other.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert other.files.list().data == [] and other.batches.list().data == []
+    wait_for(owner, batch.id, ended)
+    assert owner.files.retrieve(file_id).id == file_id  # the other key's delete did nothing
+    deleted = owner.files.with_raw_response.delete(file_id)
+    openai_spec.validate(deleted.http_response.json(), "DeleteFileResponse")
+    with pytest.raises(openai.NotFoundError):
+        owner.files.content(file_id)
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        for method, path in (("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/batches"),
+                             ("POST", "/v1/batches"), ("GET", f"/v1/batches/{batch.id}")):
+            assert http.request(method, path).status_code == 401
+        auth = {"authorization": f"Bearer {secret}"}
+        for path in ("/v1/files/..%2F..%2Fetc%2Fpasswd", "/v1/files/file-..%2Fx/content", "/v1/files/%2Fetc%2Fpasswd"):
+            response = http.get(path, headers=auth)
+            assert response.status_code == 404 and "root:" not in response.text, (path, response.text)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n', "Line 2"),
+    (jsonl([chat_line("same"), chat_line("same")]), "repeats custom_id"),
+    (jsonl([{**chat_line("x"), "method": "GET"}]), "method"),
+    (jsonl([{**chat_line("x"), "body": "hi"}]), "body"),
+    (jsonl([{**chat_line("x"), "custom_id": 7}]), "custom_id"),
+    (b"", "no requests"),
+    (b"\xff\xfe\n", "Line 1"),
+])
+def test_a_file_that_is_no_batch_gets_a_400_naming_the_line(base_url, redis_server, redis, content, problem):
+    _, secret = create_key(redis_server.url, f"batch-bad-file-{abs(hash(content)) % 10**8}")
+    client = sdk(base_url, secret)
+    file = client.files.create(file=("bad.jsonl", io.BytesIO(content)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert problem in caught.value.message
+    assert client.batches.list().data == []  # no batch was made
+
+
+def test_bad_uploads_and_batch_parameters_are_4xx_and_leave_nothing(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "batch-bad-params")
+    client = sdk(base_url, secret)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch")
+    assert caught.value.status_code == 413
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("a.jsonl", io.BytesIO(jsonl([chat_line("a")]))), purpose="fine-tune")
+    assert client.files.list().data == [] and redis.zcard(redis_names.file_index(key_id)) == 0
+    file = upload(client, [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}])
+    for params, param in (({"completion_window": "1h"}, "completion_window"),
+                          ({"endpoint": "/v1/moderations"}, "endpoint"),
+                          ({"metadata": {"k": ["not", "a", "string"]}}, "metadata"),
+                          ({"input_file_id": 7}, "input_file_id")):
+        body = {"input_file_id": file.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **params}
+        response = httpx.post(base_url + "/v1/batches", json=body, headers={"authorization": f"Bearer {secret}"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    # A request for another endpoint: the batch fails at once, naming the line.
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed" and [(e.line, e.param) for e in batch.errors.data] == [(2, "url")]
+    time.sleep(1)
+    assert records(redis, key_id) == []  # nothing of it ran
