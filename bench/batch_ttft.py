@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--interactive", type=int, default=2, help="interactive streams at a time")
-    parser.add_argument("--batch-requests", type=int, default=500)
+    parser.add_argument("--batch-requests", type=int, default=2000, help="more than run in a phase")
     parser.add_argument("--concurrency", type=int, default=4, help="batch.concurrency (the default)")
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()

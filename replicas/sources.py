@@ -8,7 +8,7 @@ import importlib
 import re
 from pathlib import Path
 
-from contract.model_config import ADAPTER_NAME, DEMO_SOURCE, PACKAGE_PREFIX, ModelConfig
+from contract.model_config import ADAPTER_NAME, DEMO_RERANKER_SOURCE, DEMO_SOURCE, PACKAGE_PREFIX, ModelConfig
 
 
 def resolve_source(config: ModelConfig) -> str:
@@ -17,6 +17,10 @@ def resolve_source(config: ModelConfig) -> str:
         from replicas.demo_model import build_demo_model
 
         return str(build_demo_model(size=config.demo_size))
+    if config.source == DEMO_RERANKER_SOURCE:
+        from replicas.demo_reranker import build_demo_reranker
+
+        return str(build_demo_reranker())
     if config.source.startswith(PACKAGE_PREFIX):
         return str(packaged_model_path(config.source[len(PACKAGE_PREFIX):]))
     return config.source

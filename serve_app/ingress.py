@@ -31,7 +31,7 @@ from serve_app.batches import BatchStore
 from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
-from serve_app.files_api import PURPOSES, FileStore
+from serve_app.files_api import PURPOSES, FileStore, storage_full
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.readiness import Readiness
@@ -271,6 +271,8 @@ class Ingress:
                                   code="file_too_large")
             try:
                 form = await request.form(max_files=1, max_fields=4)
+            except OSError:  # the form's spool file (the temp directory) could not be written
+                raise storage_full() from None
             except Exception as exc:  # starlette's MultiPartException, or a body that is no form
                 raise OpenAIError(400, f"Send the file as multipart/form-data with 'file' and 'purpose' ({exc}).",
                                   param="file") from None

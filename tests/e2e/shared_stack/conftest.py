@@ -1,7 +1,7 @@
 """One stack for every module of this package (package scope: started once,
 stopped after the package's last test, before any other module starts its
-own): a real Redis Cluster, Ray Serve with configs/local.yaml's models and an admin
-token, an unlimited key, and clients. The modules here only add keys and send
+own): a real Redis Cluster, Ray Serve with configs/local.yaml's models (and the demo
+cross-encoder) and an admin token, an unlimited key, and clients. The modules here only add keys and send
 requests (a fault they cause, they wait out), so they can share it; a module
 that needs another shape belongs in tests/e2e/ with its own fixtures.
 
@@ -19,6 +19,7 @@ import pytest
 
 from http_checks import free_port
 from redis_server import running_redis_cluster, sync_client
+from shared_stack.stack_models import RERANKER
 from stack import create_key, local_app_args, serve_stack
 
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
@@ -50,6 +51,7 @@ def admin_token():
 @pytest.fixture(scope="package")
 def base_url(redis_server):
     args = {**local_app_args(), "redis_url": redis_server.url, "admin_token": ADMIN_TOKEN}
+    args["models"].append(RERANKER)
     with serve_stack(args, port=free_port()) as url:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while httpx.get(url + "/ready", timeout=10).status_code != 200:

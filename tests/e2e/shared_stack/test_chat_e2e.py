@@ -17,6 +17,7 @@ import pytest
 
 import openai_spec
 from http_checks import assert_error_envelope, free_port, serving_process, sse_events
+from shared_stack.stack_models import RERANKER
 from stack import call_replica, local_app_args
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +31,7 @@ HELLO = [{"role": "user", "content": "Tell me about the license."}]
 
 def test_models_lists_the_served_models(client, http):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL, "minilm"]
+    assert [m.id for m in models.data] == [MODEL, "minilm", RERANKER["name"]]
     openai_spec.validate(http.get("/v1/models").json(), "ListModelsResponse")
     card = http.get(f"/v1/models/{MODEL}")
     assert card.status_code == 200

@@ -2,7 +2,9 @@
 documents them: /score (and /v1/score) and /rerank (Jina's /rerank, /v1/rerank,
 Cohere's /v2/rerank) on the embedding model, where vLLM scores a pair by the
 cosine similarity of its embeddings: checked against the embeddings the same
-stack returns. A key, its model list and its token quotas apply: the texts are
+stack returns; and on a cross-encoder (replicas/demo_reranker.py), which reads
+each pair together: checked against Hugging Face's forward pass of the same
+weights. A key, its model list and its token quotas apply: the texts are
 charged as prompt tokens."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 from http_checks import assert_error_envelope
 from settled import wait_until_settled
+from shared_stack.stack_models import RERANKER
 from stack import create_key
 
 pytestmark = pytest.mark.e2e
@@ -57,6 +60,49 @@ def test_rerank_orders_the_documents_by_relevance(http, similarities, path):
     assert [result["document"]["text"] for result in results] == [DOCUMENTS[i] for i in ranked]
     assert [result["relevance_score"] for result in results] == pytest.approx(
         [similarities[i] for i in ranked], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_scores() -> list[float]:
+    """The demo cross-encoder's score of (QUERY, each document), by Hugging Face's
+    own forward pass of the weights the replica loads (sigmoid of the one logit,
+    as sentence-transformers' CrossEncoder and vLLM score a one-label model)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from replicas.demo_reranker import build_demo_reranker
+
+    path = build_demo_reranker()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    pairs = tokenizer([QUERY] * len(DOCUMENTS), DOCUMENTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return torch.sigmoid(model(**pairs).logits.squeeze(-1)).tolist()
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_a_cross_encoder_scores_each_pair_read_together(http, cross_encoder_scores, path):
+    response = http.post(path, json={"model": RERANKER["name"], "queries": QUERY, "documents": DOCUMENTS})
+    assert response.status_code == 200, response.text
+    assert [item["score"] for item in response.json()["data"]] == pytest.approx(cross_encoder_scores, abs=2e-3)
+    assert response.json()["usage"]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_a_cross_encoder_reranks_by_its_scores(http, cross_encoder_scores, path):
+    response = http.post(path, json={"model": RERANKER["name"], "query": QUERY, "documents": DOCUMENTS, "top_n": 3})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [result["index"] for result in results] == sorted(range(3), key=lambda i: -cross_encoder_scores[i])
+    assert [result["relevance_score"] for result in results] == pytest.approx(
+        sorted(cross_encoder_scores, reverse=True), abs=2e-3)
+
+
+def test_the_cross_encoders_card_says_it_scores_and_reranks(http):
+    card = http.get("/v1/models/" + RERANKER["name"])
+    assert card.status_code == 200, card.text
+    assert {"score", "rerank"} <= set(card.json()["capabilities"]), card.json()
+    assert "chat" not in card.json()["capabilities"]
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -333,7 +333,7 @@ def test_probes_answer_without_a_key_and_name_no_model(base_url):
     assert httpx.get(base_url + "/health").json() == {"status": "ok"}
     ready = httpx.get(base_url + "/ready")
     assert ready.status_code == 200, ready.text
-    assert ready.json() == {"status": "ready", "models_ready": 2, "models": 2}  # the local config's two
+    assert ready.json() == {"status": "ready", "models_ready": 3, "models": 3}  # the local config's two, the reranker
     assert httpx.get(base_url + "/ping").status_code == 200
     for hidden in ("/openapi.json", "/docs", "/redoc"):
         assert httpx.get(base_url + hidden).status_code == 404
