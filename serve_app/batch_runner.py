@@ -199,6 +199,8 @@ class BatchJob:
             await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress",
                                                                                "cancelling"))
             await self.store.ended(self.key_id, self.batch_id)
+            for partial in (self.out, self.err):  # results of a batch that failed: never a file
+                partial.unlink(missing_ok=True)
             return None
 
     async def _key(self) -> KeyRecord | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -131,3 +132,159 @@ def test_a_batch_record_is_openais_batch_object():
 ])
 def test_only_refusals_that_may_pass_are_retried(status, headers, wait):
     assert _retry_after_s(OpenAIError(status, "x", headers=headers)) == wait
+
+
+# -- a batch's run, on in-memory stand-ins for Redis and the gateway -----------------------
+# (The real stack runs completed, cancelled and resumed batches in
+# tests/e2e/quota_stack/test_1_batches_e2e.py; a 24 h window and a full disk are
+# what these cover.)
+
+
+class MemoryBatches:
+    """BatchStore's runner-facing calls on a dict, with its transition rule."""
+
+    def __init__(self, fields: dict[str, str]):
+        self.fields_ = fields
+        self.ended_calls = 0
+
+    async def fields(self, key_id, batch_id):
+        return dict(self.fields_)
+
+    async def transition(self, key_id, batch_id, status, allowed):
+        was = self.fields_["status"]
+        if was in allowed:
+            self.fields_["status"] = status
+        return was
+
+    async def update(self, key_id, batch_id, **fields):
+        self.fields_.update({k: str(v) for k, v in fields.items()})
+
+    async def ended(self, key_id, batch_id):
+        self.ended_calls += 1
+
+
+class LocalFiles(FileStore):
+    """The files directory as it is; file metadata in a dict instead of Redis."""
+
+    def __init__(self, directory):
+        super().__init__(None, str(directory), max_bytes=1 << 20)
+        self.adopted: dict[str, str] = {}
+
+    async def adopt(self, key_id, written, filename, purpose, file_id):
+        target = self.path(key_id, file_id)
+        if written.exists():
+            written.replace(target)
+        self.adopted[file_id] = target.read_text()
+
+
+class AnsweringGateway:
+    """Answers every request at once (or refuses it with ``refusal``)."""
+
+    def __init__(self, refusal: OpenAIError | None = None):
+        self.sent, self.refusal = [], refusal
+
+    def resolve(self, model):
+        return model
+
+    def waiting(self, model):
+        return 0
+
+    async def run(self, key, operation, body, size, record, background=False):
+        self.sent.append(body["messages"][0]["content"])
+        if self.refusal is not None:
+            raise self.refusal
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        return SimpleNamespace(body=json.dumps({"id": "x", "object": "chat.completion", "usage": usage}).encode())
+
+
+def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3):
+    from serve_app.keys import KeyRecord
+
+    files = LocalFiles(tmp_path)
+    input_id = "file-" + "1" * 32
+    files.path("k1", input_id).parent.mkdir(parents=True, exist_ok=True)
+    write_lines(files.path("k1", input_id), [
+        {**line(f"r{i}"), "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}]}}
+        for i in range(requests)])
+    fixed = {"id": "batch_1", "object": "batch", "endpoint": "/v1/chat/completions", "input_file_id": input_id,
+             "completion_window": "24h", "created_at": 0, "expires_at": expires_at}
+    store = MemoryBatches({"fixed": json.dumps(fixed), "status": status, "total": str(requests)})
+    key = KeyRecord(id="k1", name="k", created_at=0)
+    runner = SimpleNamespace(
+        store=store, files=files, gateway=gateway,
+        config=SimpleNamespace(max_requests=100, concurrency=2),
+        access=SimpleNamespace(keys=SimpleNamespace(get=lambda key_id: _returning(key))),
+        telemetry=SimpleNamespace(finish=lambda record: None))
+    return BatchJob(runner, "k1", "batch_1"), store, files
+
+
+async def _returning(value):
+    return value
+
+
+def result_lines(files, kind):
+    text = files.adopted.get(result_file_id("batch_1", kind), "")
+    return [json.loads(item) for item in text.splitlines()]
+
+
+async def test_a_batch_runs_every_request_once_and_ends_completed(tmp_path):
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "validating", time.time() + 3600, gateway)
+    await job.run()
+    assert sorted(gateway.sent) == ["r0", "r1", "r2"]
+    assert store.fields_["status"] == "completed" and store.ended_calls == 1
+    assert sorted(item["custom_id"] for item in result_lines(files, "output")) == ["r0", "r1", "r2"]
+    assert store.fields_["completed"] == "3" and store.fields_["input_tokens"] == "9"
+    assert not job.out.exists() and not job.err.exists()  # the partial files became the output file
+
+
+async def test_a_batch_past_its_window_ends_expired_with_each_request_not_run_in_its_error_file(tmp_path):
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() - 1, gateway)
+    await job.run()
+    assert gateway.sent == []  # nothing is sent once the window is over
+    assert store.fields_["status"] == "expired"
+    errors = result_lines(files, "errors")
+    assert sorted(item["custom_id"] for item in errors) == ["r0", "r1", "r2"]
+    assert {item["error"]["code"] for item in errors} == {"batch_expired"} and errors[0]["response"] is None
+
+
+async def test_a_batch_cancelled_before_it_ran_ends_cancelled_having_sent_nothing(tmp_path):
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "cancelling", time.time() + 3600, gateway)
+    await job.run()
+    assert gateway.sent == [] and store.fields_["status"] == "cancelled"
+    assert {item["error"]["code"] for item in result_lines(files, "errors")} == {"batch_cancelled"}
+
+
+async def test_a_batch_whose_answers_cannot_be_written_stays_in_progress_for_the_next_claim(tmp_path, monkeypatch):
+    import errno
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway)
+
+    def disk_full(path, line):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(BatchJob, "_write", staticmethod(disk_full))
+    await job.run()
+    assert store.fields_["status"] == "in_progress" and store.ended_calls == 0  # not finalized: resumed later
+    assert files.adopted == {}
+
+
+async def test_a_refusal_that_cannot_pass_is_the_requests_error_line(tmp_path):
+    refusal = OpenAIError(403, "This API key may not use model 'm'.", code="model_not_allowed")
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, AnsweringGateway(refusal))
+    await job.run()
+    assert store.fields_["status"] == "completed" and store.fields_["failed"] == "3"
+    errors = result_lines(files, "errors")
+    assert {item["response"]["status_code"] for item in errors} == {403}
+    assert errors[0]["response"]["body"]["error"]["code"] == "model_not_allowed" and errors[0]["error"] is None
+
+
+async def test_a_batch_whose_input_file_is_gone_fails_and_leaves_no_partial_results(tmp_path):
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, AnsweringGateway())
+    job.out.write_text('{"custom_id": "r0"}\n')  # what an earlier runner wrote
+    files.path("k1", "file-" + "1" * 32).unlink()
+    await job.run()
+    assert store.fields_["status"] == "failed" and "invalid_input_file" in store.fields_["errors"]
+    assert not job.out.exists() and store.ended_calls == 1
