@@ -79,6 +79,14 @@ class FairShareSettings(BaseModel):
         "key served the fewest (weighted) tokens, higher priority tiers first. Below that, requests pass at "
         "once. Off: first come, first served in Serve's queue.",
     )
+    newcomer_places: int = Field(
+        1,
+        ge=0,
+        description="Places (of the model's, per ingress replica) kept for keys with no request in flight: a "
+        "light key's request starts at once instead of waiting for a heavy key's to end, so its TTFT stays "
+        "near its idle one. The other keys fill the rest; the engine keeps running while anyone waits. "
+        "0: none kept. A model with one place keeps none.",
+    )
     prompt_weight: float = Field(1.0, ge=0, description="Counter cost of a prompt token (prefill).")
     completion_weight: float = Field(
         2.0,

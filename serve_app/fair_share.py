@@ -18,6 +18,13 @@ that has it (nothing waits in Serve's own queue, first come first served, and
 polled with backoff). A model with no replica (scale from zero) or whose places
 are not known yet lets requests through: Serve's queue wakes its autoscaler.
 
+One place (``newcomer_places``) is kept for keys with nothing in flight: the
+others fill every place but that one, so a light key's request reaches the
+engine at once and is batched with the heavy key's, instead of waiting for one
+of them to end (in the engine's batch is where the paper orders; a place freed
+comes only every stream-length / places). The engine keeps running while anyone
+waits, on one place less for the heavy key.
+
 Counters are charged what a request used when it ends (prompt and completion
 tokens as the engine counted them; a cancelled stream, what was relayed), not an
 estimate when it starts: with short requests an estimate's error outweighs what
@@ -116,24 +123,27 @@ class _Waiter:
 class Place:
     """A request's place among the model's in flight; ``leave`` (idempotent) frees it."""
 
-    __slots__ = ("_gate",)
+    __slots__ = ("_gate", "_key")
 
-    def __init__(self, gate: "FairGate"):
+    def __init__(self, gate: "FairGate", key: str):
         self._gate: FairGate | None = gate
+        self._key = key
 
     def leave(self) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
-            gate._left()
+            gate._left(self._key)
 
 
 class FairGate:
     """One model's requests in flight from this ingress, and those waiting for a place."""
 
-    def __init__(self, places: Callable[[], int | None], counter: VirtualTokenCounter):
+    def __init__(self, places: Callable[[], int | None], counter: VirtualTokenCounter, newcomer_places: int = 0):
         self.places = places
         self.vtc = counter
+        self.newcomer_places = newcomer_places
         self.in_flight = 0  # handed on and not finished
+        self._by_key: collections.Counter[str] = collections.Counter()  # in flight, per key
         self._queues: dict[str, collections.deque[_Waiter]] = {}
 
     @property
@@ -145,26 +155,35 @@ class FairGate:
         and nobody waits, else in fair order as places free."""
         if key not in self._queues:
             self.vtc.lift(key, list(self._queues))
-        if not self._queues and self._room():
+        if not self._queues and self._room(key):
             self._hand_on(key)
         else:
             await self._wait(key, tier)
-        return Place(self)
+        return Place(self, key)
 
     def served(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:
         """A request ended having used this: charged to its key's counter."""
         self.vtc.charge(key, prompt_tokens, completion_tokens)
 
-    def _room(self) -> bool:
+    def _room(self, key: str) -> bool:
+        """Whether a request of ``key`` may be handed on now. The last
+        ``newcomer_places`` places are kept for keys with nothing in flight."""
         places = self.places()
-        return not places or self.in_flight < places  # unknown or none (scale from zero): Serve queues
+        if not places:  # unknown or none (scale from zero): Serve queues
+            return True
+        kept = min(self.newcomer_places, places - 1) if self._by_key[key] else 0
+        return self.in_flight < places - kept
 
     def _hand_on(self, key: str) -> None:
         self.in_flight += 1
+        self._by_key[key] += 1
         self.vtc.took_turn(key)
 
-    def _left(self) -> None:
+    def _left(self, key: str) -> None:
         self.in_flight -= 1
+        self._by_key[key] -= 1
+        if not self._by_key[key]:
+            del self._by_key[key]  # bounded by the keys in flight
         self._release()
 
     async def _wait(self, key: str, tier: int) -> None:
@@ -175,7 +194,7 @@ class FairGate:
             await waiter.granted
         except BaseException:
             if waiter.granted.done() and not waiter.granted.cancelled():
-                self._left()  # granted as it was cancelled: the place goes to the next one
+                self._left(key)  # granted as it was cancelled: the place goes to the next one
             else:
                 self._remove(waiter)
             raise
@@ -188,8 +207,13 @@ class FairGate:
                 del self._queues[waiter.key]
 
     def _release(self) -> None:
-        while self._queues and self._room():
-            key = self.vtc.next_key({k: queue[0].tier for k, queue in self._queues.items()})
+        while self._queues:
+            # Of the waiting keys that may take a place now (a key with nothing in
+            # flight may take a kept one), the next in fair order.
+            eligible = {k: queue[0].tier for k, queue in self._queues.items() if self._room(k)}
+            if not eligible:
+                break
+            key = self.vtc.next_key(eligible)
             queue = self._queues[key]
             waiter = queue.popleft()
             if not queue:

@@ -39,9 +39,12 @@ from stack import APP_NAME, create_key, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e
 
-MODEL, TIERED = "tiny-llama", "tiny-llama-tiers"
+MODEL, TIERED, FAIR = "tiny-llama", "tiny-llama-tiers", "tiny-llama-fair"
 PREFIX_CHARS, GUARD = 512, 4  # RoutingSettings defaults
 TIERED_ONGOING, TIERED_QUEUE = 4, 4  # queue shares (defaults): low 2, normal 3, high 4
+# Tens of seconds of the engine's one sequence on an idle box (2,000 took 3-4 s): every
+# test stops its blockers itself, long before they could end on their own.
+BLOCKER_TOKENS = 16_000
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +52,26 @@ def base_url(redis_server):
     args = {**local_app_args(only=[MODEL]), "redis_url": redis_server.url}
     [chat] = args["models"]
     tiered = deepcopy(chat)
-    chat["cpus_per_replica"] = 0.5  # three engines and the ingress on two CPUs
+    chat["cpus_per_replica"] = 0.5  # four engines and the ingress on two CPUs
     chat["deployment"] = {**chat["deployment"], "num_replicas": 2}
     tiered.update(name=TIERED, cpus_per_replica=0.25)
-    tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
+    # One sequence at a time, and a context long enough for a blocker that runs until
+    # the test stops it (the demo model's rope works past its nominal 2,048 positions).
+    tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority",
+                               "max_model_len": BLOCKER_TOKENS + 384}
+    tiered["env"] = {**tiered.get("env", {}), "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
                             "max_queued_requests": TIERED_QUEUE}
-    tiered["fair_share"] = {"enabled": True}  # past the replica's four places, requests wait in fair order
-    args["models"].append(tiered)
+    # Past the replica's four places, requests wait in fair order; no place kept for
+    # newcomers (these tests pin the queue shares and the order of one backlog).
+    tiered["fair_share"] = {"enabled": True, "newcomer_places": 0}
+    # Two places, one kept for keys with nothing in flight (the default).
+    fair = deepcopy(tiered)
+    fair.update(name=FAIR)
+    fair["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 2}
+    fair["deployment"] = {**tiered["deployment"], "max_ongoing_requests": 2}
+    fair["fair_share"] = {"enabled": True}
+    args["models"] += [tiered, fair]
     with serve_stack(args, port=free_port()) as url:
         yield url
 
@@ -179,23 +194,20 @@ def tier_keys(base_url, redis_server, replica_ids) -> dict[str, tuple[str, str]]
     return keys
 
 
-def _chat(base_url: str, secret: str, max_tokens: int, **extra) -> httpx.Response:
-    body = {"model": TIERED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+def _chat(base_url: str, secret: str, max_tokens: int, model: str = TIERED, **extra) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
             "min_tokens": max_tokens, "ignore_eos": True, **extra}
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=300,
                       headers={"authorization": f"Bearer {secret}"})
-
-
-BLOCKER_TOKENS = 2000  # ~10 s or more of the engine's one sequence: stopped by the tests well before
 
 
 class Stream(threading.Thread):
     """One streamed request in the background: its status, when its first
     chunk came, when it ended; ``stop`` hangs up."""
 
-    def __init__(self, base_url: str, secret: str, max_tokens: int):
+    def __init__(self, base_url: str, secret: str, max_tokens: int, model: str = TIERED):
         super().__init__(daemon=True)
-        self.base_url, self.secret, self.max_tokens = base_url, secret, max_tokens
+        self.base_url, self.secret, self.max_tokens, self.model = base_url, secret, max_tokens, model
         self.status: int | None = None
         self.body = b""
         self.first_chunk = threading.Event()
@@ -203,7 +215,7 @@ class Stream(threading.Thread):
         self.ended_at: float | None = None
 
     def run(self) -> None:
-        body = {"model": TIERED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": self.max_tokens,
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": self.max_tokens,
                 "min_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", self.base_url + "/v1/chat/completions", json=body, timeout=300,
@@ -225,8 +237,9 @@ class Stream(threading.Thread):
         self.join(60)
 
 
-def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: bool = True) -> Stream:
-    stream = Stream(base_url, secret, max_tokens)
+def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: bool = True,
+            model: str = TIERED) -> Stream:
+    stream = Stream(base_url, secret, max_tokens, model)
     stream.start()
     if wait_for_first_chunk:
         assert stream.first_chunk.wait(300)
@@ -296,7 +309,6 @@ def test_a_light_keys_request_overtakes_a_heavy_keys_backlog(base_url, tier_keys
     for _ in range(TIERED_ONGOING - 1 + 3):
         backlog.append(started(base_url, heavy, 20, wait_for_first_chunk=False))
         time.sleep(0.1)
-    # Short waits: on an idle box the blocker's 2,000 tokens take only 3-4 s.
     time.sleep(0.5)
     late = started(base_url, light, 20, wait_for_first_chunk=False)
     time.sleep(0.5)
@@ -314,3 +326,29 @@ def test_a_light_keys_request_overtakes_a_heavy_keys_backlog(base_url, tier_keys
     # ahead of it for timing: the blocker is charged when the gateway's relay of it ends).
     order = [("light" if stream is late else "heavy") for stream in finished]
     assert finished.index(late) in (TIERED_ONGOING - 1, TIERED_ONGOING), order
+
+
+def test_a_key_with_nothing_in_flight_starts_at_once_on_the_kept_place(base_url, redis_server):
+    """The fair model has two places, one kept for keys with nothing in flight: a
+    heavy key's second request waits at the gateway while its first runs, and a
+    light key's request starts beside it at once (first come, first served, or a
+    gate without the kept place, would hand the second place to the heavy key and
+    make the light one wait for the blocker to end)."""
+    heavy = create_key(redis_server.url, "kept-heavy", priority="high")[1]
+    light = create_key(redis_server.url, "kept-light", priority="high")[1]
+    deadline = time.monotonic() + 600
+    while _chat(base_url, heavy, 1, model=FAIR).status_code != 200:  # the fair model is up
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    blocker = started(base_url, heavy, BLOCKER_TOKENS, model=FAIR)
+    queued = started(base_url, heavy, 20, wait_for_first_chunk=False, model=FAIR)
+    time.sleep(1.0)
+    assert not queued.first_chunk.is_set()  # the second place is kept: the heavy key waits
+    newcomer = started(base_url, light, 20, wait_for_first_chunk=False, model=FAIR)
+    assert newcomer.first_chunk.wait(60), newcomer.body[-300:]  # beside the blocker, in the engine's batch
+    newcomer.join(60)
+    assert newcomer.status == 200 and newcomer.body.endswith(b"data: [DONE]\n\n"), newcomer.body[-300:]
+    assert not queued.first_chunk.is_set() and blocker.is_alive()  # the heavy key's second still waits
+    blocker.stop()
+    queued.join(300)
+    assert queued.status == 200 and queued.body.endswith(b"data: [DONE]\n\n"), queued.body[-300:]

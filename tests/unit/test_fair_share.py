@@ -189,3 +189,38 @@ async def test_a_place_added_lets_a_waiting_request_through_on_the_next_arrival(
     arriving = asyncio.create_task(gate.enter("c", 1))
     await settle()
     assert waiting.done() and arriving.done() and gate.in_flight == 3
+
+
+async def test_a_kept_place_lets_a_key_with_nothing_in_flight_start_at_once():
+    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), newcomer_places=1)
+    heavy = [await gate.enter("heavy", 1) for _ in range(3)]
+    waiting = asyncio.ensure_future(gate.enter("heavy", 1))  # the fourth place is kept
+    await settle()
+    assert not waiting.done() and gate.in_flight == 3
+    light = await asyncio.wait_for(gate.enter("light", 1), 1)  # nothing in flight: takes the kept place
+    assert gate.in_flight == 4
+    second = asyncio.ensure_future(gate.enter("light", 1))  # one in flight now: waits like anyone
+    await settle()
+    assert not second.done()
+    light.leave()  # the freed place is the kept one again: light (nothing in flight) takes it
+    await settle()
+    assert second.done() and not waiting.done()
+    heavy[0].leave()  # one place stays free (kept) while heavy waits: 3 of 4 run
+    await settle()
+    assert not waiting.done() and gate.in_flight == 3
+    second.result().leave()  # now heavy runs 3 of 4 again
+    await settle()
+    assert waiting.done() and gate.in_flight == 3
+    for place in (*heavy[1:], waiting.result()):
+        place.leave()
+    assert gate.in_flight == 0 and not gate._by_key
+
+
+async def test_one_key_alone_leaves_only_the_kept_place_and_one_place_keeps_none():
+    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), newcomer_places=1)
+    places = [await gate.enter("only", 1) for _ in range(3)]
+    assert gate.in_flight == 3 and not asyncio.ensure_future(gate.enter("only", 1)).done()
+    single = FairGate(lambda: 1, VirtualTokenCounter(WEIGHTS), newcomer_places=1)
+    assert (await asyncio.wait_for(single.enter("only", 1), 1)) is not None  # a place of one is never kept
+    for place in places:
+        place.leave()

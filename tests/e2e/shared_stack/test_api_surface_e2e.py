@@ -16,6 +16,7 @@ import pytest
 
 import openai_spec
 from http_checks import assert_error_envelope, sse_events
+from shared_stack.stack_models import RERANKER
 from stack import demo_token_id
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +40,7 @@ def test_model_cards_carry_context_length_owner_and_capabilities(http):
     listed = http.get("/v1/models").json()
     openai_spec.validate(listed, "ListModelsResponse")
     cards = {card["id"]: card for card in listed["data"]}
-    assert list(cards) == [CHAT_MODEL, EMBEDDING_MODEL]
+    assert list(cards) == [CHAT_MODEL, EMBEDDING_MODEL, RERANKER["name"]]
     assert cards[CHAT_MODEL]["max_model_len"] == 2048
     assert cards[EMBEDDING_MODEL]["max_model_len"] == 256
     assert cards[CHAT_MODEL]["owned_by"] == "llm-cluster"

@@ -13,6 +13,7 @@ import pytest
 
 import openai_spec
 from http_checks import assert_error_envelope, sse_events
+from shared_stack.stack_models import RERANKER
 from settled import wait_until_settled
 from stack import create_key
 
@@ -387,7 +388,7 @@ def test_databricks_unknown_endpoint_is_404(http):
 
 def test_ovms_v3_prefix(base_url, api_key, http):
     client = openai.OpenAI(base_url=f"{base_url}/v3", api_key=api_key, max_retries=0)
-    assert [model.id for model in client.models.list().data] == [CHAT_MODEL, EMBEDDING_MODEL]
+    assert [model.id for model in client.models.list().data] == [CHAT_MODEL, EMBEDDING_MODEL, RERANKER["name"]]
     assert client.models.retrieve(EMBEDDING_MODEL).id == EMBEDDING_MODEL
     chat = client.chat.completions.create(
         model=CHAT_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0
