@@ -170,6 +170,13 @@ class FileStore:
 
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
+_UNSAFE_IN_NAMES = re.compile(r'[\x00-\x1f\x7f"\\/]')
+
+
+def safe_filename(name: str | None) -> str:
+    """A client's file name as it is kept and sent back (Content-Disposition): no
+    control characters, quotes, backslashes or slashes, at most 256 characters."""
+    return _UNSAFE_IN_NAMES.sub("_", name or "upload.jsonl")[:256] or "upload.jsonl"
 
 
 def new_file_id() -> str:

@@ -31,7 +31,7 @@ from serve_app.batches import BatchStore
 from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
-from serve_app.files_api import PURPOSES, FileStore, storage_full
+from serve_app.files_api import PURPOSES, FileStore, safe_filename, storage_full
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.readiness import Readiness
@@ -284,7 +284,7 @@ class Ingress:
                 if not isinstance(file, UploadFile):
                     raise OpenAIError(400, "Missing required parameter: 'file'.", param="file",
                                       code="missing_required_parameter")
-                return await self.files.upload(key.id, (file.filename or "upload.jsonl")[:256], purpose, file.file)
+                return await self.files.upload(key.id, safe_filename(file.filename), purpose, file.file)
             finally:
                 await form.close()
 

@@ -288,3 +288,11 @@ async def test_a_batch_whose_input_file_is_gone_fails_and_leaves_no_partial_resu
     await job.run()
     assert store.fields_["status"] == "failed" and "invalid_input_file" in store.fields_["errors"]
     assert not job.out.exists() and store.ended_calls == 1
+
+
+@pytest.mark.parametrize("name, kept", [("requests.jsonl", "requests.jsonl"), (None, "upload.jsonl"),
+                                        ('a"b\r\nx\\y/../z\x00', "a_b__x_y_.._z_"), ("n" * 300, "n" * 256)])
+def test_a_file_name_is_kept_without_what_could_break_a_header_or_a_path(name, kept):
+    from serve_app.files_api import safe_filename
+
+    assert safe_filename(name) == kept

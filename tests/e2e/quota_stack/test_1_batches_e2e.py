@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import openai_spec
+from quota_stack.ingresses import wait_until_both_ingresses_serve
 from quota_stack.stack_args import MAX_FILE_BYTES, MODEL, NARROW, NARROW_ALIAS
 from serve_app import redis_names
 from settled import records, wait_until_settled
@@ -183,6 +184,8 @@ def test_a_batch_survives_the_death_of_the_ingress_replica_running_it(base_url, 
            or redis.sismember(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch.id}")):
         assert time.monotonic() < deadline, "the ended batch is still leased or active"
         time.sleep(0.1)
+    # The stack as the next module expects it: two ingress replicas serving.
+    wait_until_both_ingresses_serve(base_url, secret, MODEL)
 
 
 def test_files_and_batches_belong_to_their_key(base_url, redis_server, redis):

@@ -8,34 +8,22 @@ chat counts it."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 import openai_spec
+from quota_stack.ingresses import ingress_pid
 from quota_stack.stack_args import MODEL
 from settled import wait_until_settled
 from stack import create_key
 
 pytestmark = pytest.mark.e2e
 
-SESSION_LOGS = Path("/tmp/ray/session_latest/logs")
-
-
 def sdk(base_url: str, secret: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
-
-
-def ingress_pid(request_id: str) -> int:
-    """The process of the ingress replica whose access log has ``request_id``."""
-    for path in SESSION_LOGS.glob("worker-*.out"):
-        if f'"request_id":"{request_id}"' in path.read_text(errors="replace"):
-            return int(re.search(r"-(\d+)\.out$", path.name)[1])
-    raise AssertionError(f"no access line for {request_id}")
 
 
 def create(client: openai.OpenAI, **body):
