@@ -42,9 +42,11 @@ pytestmark = pytest.mark.e2e
 MODEL, TIERED, FAIR = "tiny-llama", "tiny-llama-tiers", "tiny-llama-fair"
 PREFIX_CHARS, GUARD = 512, 4  # RoutingSettings defaults
 TIERED_ONGOING, TIERED_QUEUE = 4, 4  # queue shares (defaults): low 2, normal 3, high 4
-# Tens of seconds of the engine's one sequence on an idle box (2,000 took 3-4 s): every
-# test stops its blockers itself, long before they could end on their own.
-BLOCKER_TOKENS = 16_000
+# Seconds of the engine's one sequence (3-4 s on an idle box), within the demo model's
+# context. Not longer: a blocker still waiting in the engine cannot be hung up (its
+# client sees no chunk to stop at), and a 16,000-token one outlasted the queue timeout
+# of the requests behind it.
+BLOCKER_TOKENS = 2000
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,7 @@ def base_url(redis_server):
     chat["cpus_per_replica"] = 0.5  # four engines and the ingress on two CPUs
     chat["deployment"] = {**chat["deployment"], "num_replicas": 2}
     tiered.update(name=TIERED, cpus_per_replica=0.25)
-    # One sequence at a time, and a context long enough for a blocker that runs until
-    # the test stops it (the demo model's rope works past its nominal 2,048 positions).
-    tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority",
-                               "max_model_len": BLOCKER_TOKENS + 384}
-    tiered["env"] = {**tiered.get("env", {}), "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
                             "max_queued_requests": TIERED_QUEUE}
     # Past the replica's four places, requests wait in fair order; no place kept for
