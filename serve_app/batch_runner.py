@@ -40,6 +40,7 @@ from serve_app.errors import OpenAIError
 from serve_app.files_api import FileStore, read_batch_requests
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyNotFound, KeyRecord
+from serve_app.redis_client import as_text
 from serve_app.settings import BatchConfig
 from serve_app.telemetry import RequestRecord, Telemetry
 
@@ -99,7 +100,7 @@ class BatchRunner:
             await asyncio.sleep(self.config.poll_s * random.uniform(0.5, 1.5))
 
     async def _claim(self) -> tuple[str, str] | None:
-        members = [_text(m) for m in await self.redis.smembers(redis_names.ACTIVE_BATCHES)]
+        members = [as_text(m) for m in await self.redis.smembers(redis_names.ACTIVE_BATCHES)]
         random.shuffle(members)
         for member in members:
             key_id, _, batch_id = member.partition("/")
@@ -374,7 +375,3 @@ def _retry_after_s(exc: OpenAIError) -> float | None:
 
 def _past(code: str) -> str:
     return {"batch_cancelled": "cancelled", "batch_expired": "expired"}[code]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -24,6 +24,7 @@ from typing import Any
 from serve_app import redis_names
 from serve_app.errors import OpenAIError
 from serve_app.files_api import FileStore, read_batch_requests
+from serve_app.redis_client import as_text
 
 ENDPOINTS = {  # batch endpoint -> the gateway's operation
     "/v1/chat/completions": "chat",
@@ -126,7 +127,7 @@ class BatchStore:
     async def page(self, key_id: str, limit: int, after: str | None) -> dict[str, Any]:
         """One page of OpenAI's ListBatchesResponse, newest first."""
         index = redis_names.batch_index(key_id)
-        ids = [_text(i) for i in await self.redis.zrange(index, 0, -1, desc=True)]
+        ids = [as_text(i) for i in await self.redis.zrange(index, 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
         batches = []
@@ -159,13 +160,13 @@ class BatchStore:
 
     async def fields(self, key_id: str, batch_id: str) -> dict[str, str] | None:
         fields = await self.redis.hgetall(redis_names.batch_record(key_id, batch_id))
-        return {_text(k): _text(v) for k, v in fields.items()} if fields else None
+        return {as_text(k): as_text(v) for k, v in fields.items()} if fields else None
 
     async def transition(self, key_id: str, batch_id: str, status: str, allowed: tuple[str, ...]) -> str | None:
         """Set ``status`` if the batch is in one of ``allowed``; the status it had (None: no such batch)."""
         was = await self._transition(keys=[redis_names.batch_record(key_id, batch_id)],
                                      args=[status, int(time.time()), *allowed])
-        return _text(was) if was else None
+        return as_text(was) if was else None
 
     async def update(self, key_id: str, batch_id: str, **fields: Any) -> None:
         await self.redis.hset(redis_names.batch_record(key_id, batch_id), mapping=fields)
@@ -193,7 +194,3 @@ def as_batch(fields: dict[str, str]) -> dict[str, Any]:
                       "output_tokens_details": {"reasoning_tokens": tokens["reasoning_tokens"]},
                       "total_tokens": tokens["input_tokens"] + tokens["output_tokens"]}
     return batch
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 from serve_app import redis_names
 from serve_app.errors import OpenAIError
+from serve_app.redis_client import as_text
 
 RETENTION_S = 30 * 24 * 3600
 PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
@@ -116,7 +117,7 @@ class FileStore:
     async def page(self, key_id: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
         """One page of OpenAI's ListFilesResponse (newest first by default)."""
         index = redis_names.file_index(key_id)
-        ids = [_text(i) for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
+        ids = [as_text(i) for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
         records = []
@@ -240,7 +241,3 @@ def read_batch_requests(path: Path, max_requests: int) -> list[dict[str, Any]]:
 
 def _bad_line(number: int, problem: str) -> OpenAIError:
     return OpenAIError(400, f"Line {number} of the file {problem}.", param="file", code="invalid_jsonl")
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

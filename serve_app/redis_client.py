@@ -183,3 +183,8 @@ def _db(text: str) -> int:
     if not text.isdigit():
         raise ValueError(f"redis_url: database {text!r} is not a number")
     return int(text)
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text (clients without decode_responses answer bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
