@@ -79,13 +79,15 @@ class FairShareSettings(BaseModel):
         "key served the fewest (weighted) tokens, higher priority tiers first. Below that, requests pass at "
         "once. Off: first come, first served in Serve's queue.",
     )
-    newcomer_places: int = Field(
-        1,
+    light_key_places: int = Field(
+        2,
         ge=0,
-        description="Places (of the model's, per ingress replica) kept for keys with no request in flight: a "
-        "light key's request starts at once instead of waiting for a heavy key's to end, so its TTFT stays "
-        "near its idle one. The other keys fill the rest; the engine keeps running while anyone waits. "
-        "0: none kept. A model with one place keeps none.",
+        description="Places (of the model's, per ingress replica) kept for light keys: a key with fewer "
+        "requests than this in flight may take any place, so its request starts at once instead of waiting "
+        "for a heavy key's to end; a key with more fills the rest (the engine keeps running while anyone "
+        "waits, on this many places less for a key alone). 2: a key streaming up to two at a time never "
+        "waits behind another's backlog; 1: only keys with nothing in flight. 0: none kept. The model keeps "
+        "at least one place for anyone.",
     )
     prompt_weight: float = Field(1.0, ge=0, description="Counter cost of a prompt token (prefill).")
     completion_weight: float = Field(

@@ -18,12 +18,13 @@ that has it (nothing waits in Serve's own queue, first come first served, and
 polled with backoff). A model with no replica (scale from zero) or whose places
 are not known yet lets requests through: Serve's queue wakes its autoscaler.
 
-One place (``newcomer_places``) is kept for keys with nothing in flight: the
-others fill every place but that one, so a light key's request reaches the
-engine at once and is batched with the heavy key's, instead of waiting for one
-of them to end (in the engine's batch is where the paper orders; a place freed
-comes only every stream-length / places). The engine keeps running while anyone
-waits, on one place less for the heavy key.
+The last ``light_key_places`` places (2 by default) are kept for light keys:
+a key with fewer requests than that in flight may take any place, a key with
+more fills every place but those. So a light key's request (up to that many at a
+time) reaches the engine at once and is batched with the heavy key's, instead of
+waiting for one of them to end (in the engine's batch is where the paper orders;
+a place freed comes only every stream-length / places). The engine keeps running
+while anyone waits, on that many places less for the heavy key.
 
 Counters are charged what a request used when it ends (prompt and completion
 tokens as the engine counted them; a cancelled stream, what was relayed), not an
@@ -138,10 +139,10 @@ class Place:
 class FairGate:
     """One model's requests in flight from this ingress, and those waiting for a place."""
 
-    def __init__(self, places: Callable[[], int | None], counter: VirtualTokenCounter, newcomer_places: int = 0):
+    def __init__(self, places: Callable[[], int | None], counter: VirtualTokenCounter, light_key_places: int = 0):
         self.places = places
         self.vtc = counter
-        self.newcomer_places = newcomer_places
+        self.light_key_places = light_key_places
         self.in_flight = 0  # handed on and not finished
         self._by_key: collections.Counter[str] = collections.Counter()  # in flight, per key
         self._queues: dict[str, collections.deque[_Waiter]] = {}
@@ -167,11 +168,13 @@ class FairGate:
 
     def _room(self, key: str) -> bool:
         """Whether a request of ``key`` may be handed on now. The last
-        ``newcomer_places`` places are kept for keys with nothing in flight."""
+        ``light_key_places`` places are kept for keys with fewer requests than
+        that in flight."""
         places = self.places()
         if not places:  # unknown or none (scale from zero): Serve queues
             return True
-        kept = min(self.newcomer_places, places - 1) if self._by_key[key] else 0
+        light = self._by_key[key] < self.light_key_places
+        kept = 0 if light else min(self.light_key_places, places - 1)
         return self.in_flight < places - kept
 
     def _hand_on(self, key: str) -> None:
@@ -208,8 +211,8 @@ class FairGate:
 
     def _release(self) -> None:
         while self._queues:
-            # Of the waiting keys that may take a place now (a key with nothing in
-            # flight may take a kept one), the next in fair order.
+            # Of the waiting keys that may take a place now (a light key may take
+            # a kept one), the next in fair order.
             eligible = {k: queue[0].tier for k, queue in self._queues.items() if self._room(k)}
             if not eligible:
                 break

@@ -99,7 +99,7 @@ def _fair_gate(config: ModelConfig) -> FairGate:
     share = config.fair_share
     weights = TokenWeights(prompt=share.prompt_weight, completion=share.completion_weight)
     deployment = deployment_name(config.name)
-    return FairGate(lambda: replica_places(deployment), VirtualTokenCounter(weights), share.newcomer_places)
+    return FairGate(lambda: replica_places(deployment), VirtualTokenCounter(weights), share.light_key_places)
 
 
 class Gateway:

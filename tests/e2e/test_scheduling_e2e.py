@@ -61,14 +61,14 @@ def base_url(redis_server):
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
                             "max_queued_requests": TIERED_QUEUE}
     # Past the replica's four places, requests wait in fair order; no place kept for
-    # newcomers (these tests pin the queue shares and the order of one backlog).
-    tiered["fair_share"] = {"enabled": True, "newcomer_places": 0}
-    # Two places, one kept for keys with nothing in flight (the default).
+    # light keys (these tests pin the queue shares and the order of one backlog).
+    tiered["fair_share"] = {"enabled": True, "light_key_places": 0}
+    # Two places, one kept for keys with nothing in flight.
     fair = deepcopy(tiered)
     fair.update(name=FAIR)
     fair["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 2}
     fair["deployment"] = {**tiered["deployment"], "max_ongoing_requests": 2}
-    fair["fair_share"] = {"enabled": True}
+    fair["fair_share"] = {"enabled": True, "light_key_places": 1}
     args["models"] += [tiered, fair]
     with serve_stack(args, port=free_port()) as url:
         yield url

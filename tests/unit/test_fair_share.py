@@ -192,7 +192,7 @@ async def test_a_place_added_lets_a_waiting_request_through_on_the_next_arrival(
 
 
 async def test_a_kept_place_lets_a_key_with_nothing_in_flight_start_at_once():
-    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), newcomer_places=1)
+    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=1)
     heavy = [await gate.enter("heavy", 1) for _ in range(3)]
     waiting = asyncio.ensure_future(gate.enter("heavy", 1))  # the fourth place is kept
     await settle()
@@ -217,10 +217,54 @@ async def test_a_kept_place_lets_a_key_with_nothing_in_flight_start_at_once():
 
 
 async def test_one_key_alone_leaves_only_the_kept_place_and_one_place_keeps_none():
-    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), newcomer_places=1)
+    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=1)
     places = [await gate.enter("only", 1) for _ in range(3)]
     assert gate.in_flight == 3 and not asyncio.ensure_future(gate.enter("only", 1)).done()
-    single = FairGate(lambda: 1, VirtualTokenCounter(WEIGHTS), newcomer_places=1)
+    single = FairGate(lambda: 1, VirtualTokenCounter(WEIGHTS), light_key_places=1)
     assert (await asyncio.wait_for(single.enter("only", 1), 1)) is not None  # a place of one is never kept
     for place in places:
         place.leave()
+
+
+async def test_two_kept_places_let_a_key_streaming_two_at_a_time_start_each_at_once():
+    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=2)
+    heavy = [await gate.enter("heavy", 1) for _ in range(2)]
+    backlog = [asyncio.ensure_future(gate.enter("heavy", 1)) for _ in range(3)]  # two places are kept
+    await settle()
+    assert not any(w.done() for w in backlog) and gate.in_flight == 2
+    first = await asyncio.wait_for(gate.enter("light", 1), 1)  # nothing in flight
+    second = await asyncio.wait_for(gate.enter("light", 1), 1)  # one in flight: still a light key
+    assert gate.in_flight == 4
+    third = asyncio.ensure_future(gate.enter("light", 1))  # two in flight: waits like anyone
+    await settle()
+    assert not third.done()
+    first.leave()  # a closed loop's next request: the freed place is kept for it, not for the backlog
+    await settle()
+    assert third.done() and not any(w.done() for w in backlog)
+    heavy[0].leave()  # heavy gets back to its two places, never the kept ones while light runs two
+    await settle()
+    assert sum(w.done() for w in backlog) == 1 and gate.in_flight == 4
+    for place in (second, third.result()):
+        place.leave()
+    await settle()
+    # The light key gone, the heavy key runs on every place but the kept two.
+    assert sum(w.done() for w in backlog) == 1 and gate.in_flight == 2
+
+
+async def test_a_key_is_light_again_once_fewer_than_the_kept_places_are_in_flight():
+    gate = FairGate(lambda: 2, VirtualTokenCounter(WEIGHTS), light_key_places=2)
+    places = [await gate.enter("only", 1) for _ in range(2)]  # its first two are light: any place
+    assert gate.in_flight == 2
+    places[0].leave()
+    third = asyncio.ensure_future(gate.enter("only", 1))  # one in flight: still light, takes the freed place
+    await settle()
+    assert third.done()
+    places[1].leave()
+    third.result().leave()
+    heavy = [await gate.enter("many", 1) for _ in range(2)]
+    fourth = asyncio.ensure_future(gate.enter("many", 1))  # two in flight, two places: waits
+    await settle()
+    assert not fourth.done()
+    heavy[0].leave()  # one in flight again: a light key, the place is its
+    await settle()
+    assert fourth.done()
