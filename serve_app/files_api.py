@@ -8,17 +8,27 @@ expires by its TTL and ``sweep`` removes content whose metadata is gone, so the
 directory does not grow without bound. Uploads are written to a temporary name
 and renamed when complete: a failed upload (full disk, client gone) leaves
 nothing behind and no file id.
+
+A key's files are bounded (``batch.max_bytes_per_key``, ``max_files_per_key``):
+an upload reserves its declared size in Redis before a byte is written, and is
+refused (400 ``file_storage_limit_exceeded``) if the key would pass either
+bound, so concurrent uploads cannot fill the disk that every key shares. Its
+real size replaces the reservation once written; a delete, a failed upload or
+the file's expiry gives the room back. A batch's results count but are never
+refused: they are work the key already paid for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
 import re
 import time
 import uuid
+from importlib import resources
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -31,6 +41,9 @@ PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
 BATCH_METHODS = ("POST",)
 _PARTIAL_SUFFIX = ".partial"
 _SWEEP_MIN_AGE_S = 3600  # content younger than this may belong to an upload or batch being written
+# How long an upload's reservation holds if its ingress dies mid-upload.
+_RESERVATION_S = 6 * 3600
+_SCRIPTS = resources.files("serve_app") / "lua"
 
 
 class FileTooLarge(Exception):
@@ -46,11 +59,55 @@ def not_found(file_id: str) -> OpenAIError:
     return OpenAIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
 
 
+class FileSpace:
+    """Each key's file storage in Redis (``lua/file_space.lua``): reserve before
+    an upload is written, record what a file really holds, release it."""
+
+    def __init__(self, redis, max_bytes: int, max_files: int):
+        self.max_bytes = max_bytes
+        self.max_files = max_files
+        self._script = redis.register_script((_SCRIPTS / "file_space.lua").read_text()) if redis else None
+
+    async def _call(self, op: str, key_id: str, file_id: str, size: int = 0, expires_s: float = 0,
+                    now_s: float | None = None) -> tuple[bool, int, int]:
+        now_ms = int((time.time() if now_s is None else now_s) * 1000)
+        done, total, files = await self._script(
+            keys=[redis_names.file_space(key_id), redis_names.file_space_expiry(key_id)],
+            args=[op, file_id, size, int(expires_s * 1000), now_ms, self.max_bytes, self.max_files,
+                  (RETENTION_S + 24 * 3600) * 1000])
+        return bool(done), int(total), int(files)
+
+    async def reserve(self, key_id: str, file_id: str, size: int, now_s: float | None = None) -> None:
+        """Room for a new file of at most ``size`` bytes, or a 400 naming the bound."""
+        now = time.time() if now_s is None else now_s
+        done, total, files = await self._call("reserve", key_id, file_id, size, now + _RESERVATION_S, now)
+        if not done:
+            raise OpenAIError(
+                400, f"This key's files hold {total} bytes in {files} files; the limit is {self.max_bytes} bytes "
+                f"and {self.max_files} files per key, and this upload needs {size} bytes more. Delete files you "
+                "no longer need (DELETE /v1/files/{file_id}) to make room.",
+                param="file", code="file_storage_limit_exceeded")
+
+    async def record(self, key_id: str, file_id: str, size: int, expires_s: float,
+                     now_s: float | None = None) -> None:
+        await self._call("record", key_id, file_id, size, expires_s, now_s)
+
+    async def release(self, key_id: str, file_id: str, now_s: float | None = None) -> None:
+        await self._call("release", key_id, file_id, now_s=now_s)
+
+    async def used(self, key_id: str, now_s: float | None = None) -> tuple[int, int]:
+        """(bytes, files) the key holds now."""
+        _, total, files = await self._call("read", key_id, "", now_s=now_s)
+        return total, files
+
+
 class FileStore:
-    def __init__(self, redis, directory: str, max_bytes: int):
+    def __init__(self, redis, directory: str, max_bytes: int, max_key_bytes: int = 1 << 62,
+                 max_key_files: int = 1 << 62):
         self.redis = redis
         self.dir = Path(directory).expanduser()
         self.max_bytes = max_bytes
+        self.space = FileSpace(redis, max_key_bytes, max_key_files)
 
     def path(self, key_id: str, file_id: str) -> Path:
         if not FILE_ID.fullmatch(file_id):  # never a path a client chose
@@ -63,9 +120,22 @@ class FileStore:
 
     # -- writing -----------------------------------------------------------------
 
-    async def upload(self, key_id: str, filename: str, purpose: str, source: BinaryIO) -> dict[str, Any]:
-        """Copy ``source`` in as a new file (at most ``max_bytes``: 413 past it)."""
+    @contextlib.asynccontextmanager
+    async def reservation(self, key_id: str, declared_bytes: int):
+        """A new file id with room reserved for it: ``declared_bytes`` (the upload
+        request's length, which the file cannot pass), at most ``max_bytes``. Taken
+        before the request's body is read; given back if the block fails."""
         file_id = new_file_id()
+        await self.space.reserve(key_id, file_id, min(declared_bytes, self.max_bytes))
+        try:
+            yield file_id
+        except BaseException:
+            await asyncio.shield(self.space.release(key_id, file_id))  # a client gone gives its room back too
+            raise
+
+    async def upload(self, key_id: str, file_id: str, filename: str, purpose: str, source: BinaryIO) -> dict[str, Any]:
+        """Copy ``source`` in as the file ``file_id`` (reserved: ``reservation``), at
+        most ``max_bytes`` (413 past it)."""
         target = self.path(key_id, file_id)
         try:
             size = await asyncio.to_thread(_copy_bounded, source, target, self.max_bytes)
@@ -98,6 +168,7 @@ class FileStore:
         now = int(time.time())
         record = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + RETENTION_S,
                   "filename": filename, "purpose": purpose, "status": "processed"}
+        await self.space.record(key_id, file_id, size, now + RETENTION_S)  # before the file exists for the client
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(redis_names.file_record(key_id, file_id), json.dumps(record), ex=RETENTION_S)
             pipe.zadd(redis_names.file_index(key_id), {file_id: time.time()})
@@ -143,6 +214,7 @@ class FileStore:
             deleted, _ = await pipe.execute()
         if deleted:  # only a file this key has: another key's id never reaches the disk
             path.unlink(missing_ok=True)
+            await self.space.release(key_id, file_id)
         if not deleted:
             raise not_found(file_id)
         return {"id": file_id, "object": "file", "deleted": True}

@@ -145,7 +145,8 @@ class Ingress:
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry, describers)
         self.responses = ResponseStore(self.access.redis)
         batch = settings.batch
-        self.files = FileStore(self.access.redis, batch.files_dir, batch.max_file_bytes)
+        self.files = FileStore(self.access.redis, batch.files_dir, batch.max_file_bytes, batch.max_bytes_per_key,
+                               batch.max_files_per_key)
         self.batches = BatchStore(self.access.redis, self.files, batch.max_requests)
         self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.access, self.telemetry, batch)
         self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
@@ -269,24 +270,28 @@ class Ingress:
             if int(declared) > self.files.max_bytes + 64 * 1024:  # the file plus its form's few fields
                 raise OpenAIError(413, f"The file is larger than {self.files.max_bytes} bytes.", param="file",
                                   code="file_too_large")
-            try:
-                form = await request.form(max_files=1, max_fields=4)
-            except OSError:  # the form's spool file (the temp directory) could not be written
-                raise storage_full() from None
-            except Exception as exc:  # starlette's MultiPartException, or a body that is no form
-                raise OpenAIError(400, f"Send the file as multipart/form-data with 'file' and 'purpose' ({exc}).",
-                                  param="file") from None
-            try:
-                purpose, file = form.get("purpose"), form.get("file")
-                if purpose not in PURPOSES:
-                    raise OpenAIError(400, f"Invalid 'purpose': {purpose!r}; this server stores files for "
-                                           f"{', '.join(PURPOSES)}.", param="purpose", code="invalid_value")
-                if not isinstance(file, UploadFile):
-                    raise OpenAIError(400, "Missing required parameter: 'file'.", param="file",
-                                      code="missing_required_parameter")
-                return await self.files.upload(key.id, safe_filename(file.filename), purpose, file.file)
-            finally:
-                await form.close()
+            # The key's room first (no byte read, not even into the form's spool
+            # file, for a key whose files are at their bound), then the form.
+            async with self.files.reservation(key.id, int(declared)) as file_id:
+                try:
+                    form = await request.form(max_files=1, max_fields=4)
+                except OSError:  # the form's spool file (the temp directory) could not be written
+                    raise storage_full() from None
+                except Exception as exc:  # starlette's MultiPartException, or a body that is no form
+                    raise OpenAIError(400, f"Send the file as multipart/form-data with 'file' and 'purpose' ({exc}).",
+                                      param="file") from None
+                try:
+                    purpose, file = form.get("purpose"), form.get("file")
+                    if purpose not in PURPOSES:
+                        raise OpenAIError(400, f"Invalid 'purpose': {purpose!r}; this server stores files for "
+                                               f"{', '.join(PURPOSES)}.", param="purpose", code="invalid_value")
+                    if not isinstance(file, UploadFile):
+                        raise OpenAIError(400, "Missing required parameter: 'file'.", param="file",
+                                          code="missing_required_parameter")
+                    return await self.files.upload(key.id, file_id, safe_filename(file.filename), purpose,
+                                                   file.file)
+                finally:
+                    await form.close()
 
         return await self._stored(request, upload)
 

@@ -98,6 +98,16 @@ def file_index(key_id: str) -> str:
     return f"{PREFIX}:files:{tag(key_id)}"
 
 
+def file_space(key_id: str) -> str:
+    """Hash of the bytes of each of the key's files (and their ``total``): its storage quota."""
+    return f"{PREFIX}:filespace:{tag(key_id)}"
+
+
+def file_space_expiry(key_id: str) -> str:
+    """Sorted set of the key's file ids by when they stop counting (ms)."""
+    return f"{PREFIX}:filespacexp:{tag(key_id)}"
+
+
 def batch_record(key_id: str, batch_id: str) -> str:
     """Hash of one batch: its fixed fields as JSON, its status, times and counts as fields."""
     return f"{PREFIX}:batch:{tag(key_id)}:{batch_id}"

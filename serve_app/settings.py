@@ -95,6 +95,14 @@ class BatchConfig(BaseModel):
         "ingress resume it.",
     )
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Largest upload (OpenAI's: 200 MB).")
+    max_bytes_per_key: int = Field(
+        10 * 1024**3, gt=0, description="Bytes one key's files may hold at once (uploads and batch results; "
+        "OpenAI's: 2.5 TB per project). Every key shares files_dir's disk: an upload that would pass this is a "
+        "400 before a byte is written, so no key can fill the disk for the others. Size the disk for the keys "
+        "that run batches, or lower this.",
+    )
+    max_files_per_key: int = Field(
+        10_000, gt=0, description="Files one key may hold at once (bounds its metadata in Redis).")
     max_requests: int = Field(50_000, gt=0, description="Requests one batch file may hold (OpenAI's: 50,000).")
     concurrency: int = Field(
         4, ge=1, description="Requests of one batch an ingress replica runs at once. Each is sent only while "

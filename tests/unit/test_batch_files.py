@@ -52,12 +52,37 @@ def test_a_file_that_is_no_batch_names_its_first_bad_line(tmp_path, lines, probl
     assert caught.value.status == 400 and problem in caught.value.message
 
 
+class SpaceLedger:
+    """Stands in for the key's file space in Redis (tests/integration/test_file_space.py
+    runs the real one): what is reserved or recorded now."""
+
+    def __init__(self):
+        self.held: dict[str, int] = {}
+
+    async def reserve(self, key_id, file_id, size, now_s=None):
+        self.held[file_id] = size
+
+    async def record(self, key_id, file_id, size, expires_s, now_s=None):
+        self.held[file_id] = size
+
+    async def release(self, key_id, file_id, now_s=None):
+        self.held.pop(file_id, None)
+
+
+def unbounded_store(directory, max_bytes: int) -> FileStore:
+    store = FileStore(None, str(directory), max_bytes=max_bytes)
+    store.space = SpaceLedger()
+    return store
+
+
 async def test_an_upload_past_the_bound_leaves_no_file_behind(tmp_path):
-    store = FileStore(None, str(tmp_path), max_bytes=1000)  # refused before Redis is asked
+    store = unbounded_store(tmp_path, max_bytes=1000)  # refused before its metadata is written
     with pytest.raises(OpenAIError) as caught:
-        await store.upload("k1", "big.jsonl", "batch", io.BytesIO(b"x" * 1001))
+        async with store.reservation("k1", declared_bytes=1400) as file_id:
+            await store.upload("k1", file_id, "big.jsonl", "batch", io.BytesIO(b"x" * 1001))
     assert caught.value.status == 413
     assert list((tmp_path / "k1").iterdir()) == []
+    assert store.space.held == {}  # its reservation is given back
 
 
 @pytest.fixture
@@ -73,11 +98,13 @@ def tiny_disk(tmp_path):
 
 
 async def test_an_upload_to_a_full_disk_is_a_507_and_leaves_nothing_behind(tiny_disk):
-    store = FileStore(None, str(tiny_disk), max_bytes=10 << 20)
+    store = unbounded_store(tiny_disk, max_bytes=10 << 20)
     with pytest.raises(OpenAIError) as caught:
-        await store.upload("k1", "big.jsonl", "batch", io.BytesIO(b"x" * (200 << 10)))
+        async with store.reservation("k1", declared_bytes=210 << 10) as file_id:
+            await store.upload("k1", file_id, "big.jsonl", "batch", io.BytesIO(b"x" * (200 << 10)))
     assert caught.value.status == 507 and caught.value.code == "storage_full"
     assert list((tiny_disk / "k1").iterdir()) == []  # the partial upload is gone: the disk is free again
+    assert store.space.held == {}  # and the key's room with it
 
 
 @pytest.mark.parametrize("file_id", ["../k2/file-" + "0" * 32, "/etc/passwd", "file-" + "0" * 31 + "/", "..",

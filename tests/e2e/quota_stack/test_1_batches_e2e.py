@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,7 +20,7 @@ import pytest
 
 import openai_spec
 from quota_stack.ingresses import wait_until_both_ingresses_serve
-from quota_stack.stack_args import MAX_FILE_BYTES, MODEL, NARROW, NARROW_ALIAS
+from quota_stack.stack_args import FILES_DIR, KEY_FILE_BYTES, MAX_FILE_BYTES, MODEL, NARROW, NARROW_ALIAS
 from serve_app import redis_names
 from settled import records, wait_until_settled
 from stack import create_key
@@ -259,3 +261,40 @@ def test_bad_uploads_and_batch_parameters_are_4xx_and_leave_nothing(base_url, re
     assert batch.status == "failed" and [(e.line, e.param) for e in batch.errors.data] == [(2, "url")]
     time.sleep(1)
     assert records(redis, key_id) == []  # nothing of it ran
+
+
+def test_a_flood_of_uploads_never_puts_more_than_the_keys_bound_on_the_disk(base_url, redis_server, redis):
+    """A hostile key uploads 8 files of nearly the largest size at once: each reserves
+    its room before a byte is written, so 4 fit the key's 4 MiB and the rest are
+    refused; the disk holds what was admitted and nothing else, a delete makes room,
+    and another key is not affected."""
+    key_id, secret = create_key(redis_server.url, "files-flood")
+    client = sdk(base_url, secret)
+    content = b"z" * (MAX_FILE_BYTES - 16 * 1024)  # a multipart form adds a few hundred bytes
+
+    def attempt(i: int):
+        try:
+            return client.files.create(file=(f"f{i}.jsonl", io.BytesIO(content)), purpose="batch")
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(attempt, range(8)))
+    stored = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(stored) == KEY_FILE_BYTES // MAX_FILE_BYTES == 4, outcomes
+    for exc in refused:
+        error = exc.response.json()["error"]
+        assert exc.status_code == 400 and error["code"] == "file_storage_limit_exceeded" and error["param"] == "file"
+    # What is on the disk is what was admitted; Redis counts exactly that.
+    on_disk = sorted(Path(FILES_DIR, key_id).iterdir())
+    assert sorted(p.name for p in on_disk) == sorted(f.id for f in stored)
+    assert all(p.stat().st_size == len(content) for p in on_disk)
+    assert int(redis.hget(redis_names.file_space(key_id), "total")) == 4 * len(content)
+    # Another key has its own room; a delete gives this one room for one more.
+    _, other_secret = create_key(redis_server.url, "files-flood-other")
+    assert sdk(base_url, other_secret).files.create(file=("o.jsonl", io.BytesIO(content)), purpose="batch").id
+    assert isinstance(attempt(8), openai.BadRequestError)
+    client.files.delete(stored[0].id)
+    assert client.files.create(file=("again.jsonl", io.BytesIO(content)), purpose="batch").id
+    assert len(list(Path(FILES_DIR, key_id).iterdir())) == 4
