@@ -33,6 +33,18 @@ ENDPOINTS = {  # batch endpoint -> the gateway's operation
 }
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 RECORD_RETENTION_S = 30 * 24 * 3600  # an ended batch's record, as its files
+# A batch counts as active past its window for this long at most (its runner
+# ends it; an entry whose ending was lost is forgotten after this).
+_ACTIVE_HORIZON_S = 48 * 3600
+# KEYS[1] the key's active batches; ARGV: batch id, now (s), bound, horizon (s).
+# Takes a place among them for a new batch if the key has fewer than the bound.
+_TAKE_ACTIVE_PLACE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[4]))
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
 ENDED = ("completed", "failed", "expired", "cancelled")
 _COUNTS = ("total", "completed", "failed")
 _USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
@@ -59,11 +71,13 @@ def not_found(batch_id: str) -> OpenAIError:
 
 
 class BatchStore:
-    def __init__(self, redis, files: FileStore, max_requests: int):
+    def __init__(self, redis, files: FileStore, max_requests: int, max_active_per_key: int = 100):
         self.redis = redis
         self.files = files
         self.max_requests = max_requests
+        self.max_active_per_key = max_active_per_key
         self._transition = redis.register_script(_TRANSITION)
+        self._take_active_place = redis.register_script(_TAKE_ACTIVE_PLACE)
 
     # -- the API ----------------------------------------------------------------
 
@@ -93,9 +107,23 @@ class BatchStore:
         if file["purpose"] != "batch":
             raise OpenAIError(400, f"File {file_id} has purpose {file['purpose']!r}; a batch needs one "
                                    "uploaded with purpose 'batch'.", param="input_file_id", code="invalid_value")
+        batch_id = "batch_" + uuid.uuid4().hex
+        # A place among the key's active batches before its file is read (up to
+        # 200 MB parsed here): a key cannot queue batches, or this work, without bound.
+        active = redis_names.active_batches_of(key_id)
+        if not await self._take_active_place(keys=[active], args=[batch_id, time.time(), self.max_active_per_key,
+                                                                   _ACTIVE_HORIZON_S]):
+            raise OpenAIError(429, f"This key has {self.max_active_per_key} batches not yet ended, its limit. "
+                                   "Wait for one to end, or cancel one.", code="too_many_active_batches")
+        try:
+            return await self._create(key_id, batch_id, endpoint, window, metadata, file_id)
+        except BaseException:
+            await asyncio.shield(self.redis.zrem(active, batch_id))
+            raise
+
+    async def _create(self, key_id: str, batch_id: str, endpoint: str, window: str, metadata, file_id: str):
         requests = await asyncio.to_thread(read_batch_requests, self.files.path(key_id, file_id), self.max_requests)
         now = int(time.time())
-        batch_id = "batch_" + uuid.uuid4().hex
         fixed = {"id": batch_id, "object": "batch", "endpoint": endpoint, "input_file_id": file_id,
                  "completion_window": window, "created_at": now, "expires_at": now + COMPLETION_WINDOWS[window],
                  "metadata": metadata}
@@ -114,7 +142,9 @@ class BatchStore:
             pipe.zadd(redis_names.batch_index(key_id), {batch_id: time.time()})
             pipe.zremrangebyscore(redis_names.batch_index(key_id), 0, time.time() - RECORD_RETENTION_S)
             await pipe.execute()
-        if not errors:  # into the runners' set only once its record exists
+        if errors:  # ended at once
+            await self.redis.zrem(redis_names.active_batches_of(key_id), batch_id)
+        else:  # into the runners' set only once its record exists
             await self.redis.sadd(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}")
         return await self.get(key_id, batch_id)
 
@@ -175,6 +205,7 @@ class BatchStore:
         """Out of the runners' set; the record is kept as long as its files."""
         await self.redis.expire(redis_names.batch_record(key_id, batch_id), RECORD_RETENTION_S)
         await self.redis.srem(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}")
+        await self.redis.zrem(redis_names.active_batches_of(key_id), batch_id)
 
 
 def as_batch(fields: dict[str, str]) -> dict[str, Any]:

@@ -118,6 +118,11 @@ def batch_index(key_id: str) -> str:
     return f"{PREFIX}:batches:{tag(key_id)}"
 
 
+def active_batches_of(key_id: str) -> str:
+    """Sorted set of the key's batches not ended yet, by creation time: its bound."""
+    return f"{PREFIX}:batchesactive:{tag(key_id)}"
+
+
 def batch_lease(key_id: str, batch_id: str) -> str:
     """Which ingress replica runs the batch now (expires unless renewed)."""
     return f"{PREFIX}:batchlease:{tag(key_id)}:{batch_id}"

@@ -104,6 +104,10 @@ class BatchConfig(BaseModel):
     max_files_per_key: int = Field(
         10_000, gt=0, description="Files one key may hold at once (bounds its metadata in Redis).")
     max_requests: int = Field(50_000, gt=0, description="Requests one batch file may hold (OpenAI's: 50,000).")
+    max_active_per_key: int = Field(
+        100, gt=0, description="Batches of one key not ended yet (validating, in progress, cancelling); one more "
+        "is a 429 too_many_active_batches before its file is read.",
+    )
     concurrency: int = Field(
         4, ge=1, description="Requests of one batch an ingress replica runs at once. Each is sent only while "
         "no interactive request of its model waits at that ingress, at an engine priority below every "

@@ -20,7 +20,8 @@ import pytest
 
 import openai_spec
 from quota_stack.ingresses import wait_until_both_ingresses_serve
-from quota_stack.stack_args import FILES_DIR, KEY_FILE_BYTES, MAX_FILE_BYTES, MODEL, NARROW, NARROW_ALIAS
+from quota_stack.stack_args import (FILES_DIR, KEY_FILE_BYTES, MAX_ACTIVE_BATCHES, MAX_FILE_BYTES, MODEL, NARROW,
+                                    NARROW_ALIAS)
 from serve_app import redis_names
 from settled import records, wait_until_settled
 from stack import create_key
@@ -298,3 +299,29 @@ def test_a_flood_of_uploads_never_puts_more_than_the_keys_bound_on_the_disk(base
     client.files.delete(stored[0].id)
     assert client.files.create(file=("again.jsonl", io.BytesIO(content)), purpose="batch").id
     assert len(list(Path(FILES_DIR, key_id).iterdir())) == 4
+
+
+def test_a_key_with_its_bound_of_batches_not_ended_gets_a_429_until_one_ends(base_url, redis_server, redis):
+    """Batches held in progress (a key of 1 request/min: their requests wait for the
+    limit) up to the bound; one more is refused before its file is read and nothing
+    is made of it; a cancelled one ending makes room."""
+    key_id, secret = create_key(redis_server.url, "batch-bound", requests_per_minute=1)
+    client = sdk(base_url, secret)
+    file = upload(client, [chat_line("a"), chat_line("b")])
+
+    def create():
+        return client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    made = [create() for _ in range(MAX_ACTIVE_BATCHES)]
+    with pytest.raises(openai.RateLimitError) as refused:
+        create()
+    assert refused.value.response.json()["error"]["code"] == "too_many_active_batches"
+    assert len(client.batches.list(limit=10).data) == MAX_ACTIVE_BATCHES  # nothing was made of it
+    client.batches.cancel(made[0].id)
+    assert wait_for(client, made[0].id, ended, timeout_s=120).status == "cancelled"
+    made.append(create())  # the place the cancelled one left
+    for batch in made[1:]:  # the stack as the next test expects it: nothing running
+        client.batches.cancel(batch.id)
+    for batch in made[1:]:
+        wait_for(client, batch.id, ended, timeout_s=120)
+    assert redis.zcard(redis_names.active_batches_of(key_id)) == 0
