@@ -57,6 +57,11 @@ MODES = {
 # then is the cost of sharing the engine and the box, not of the queue.
 
 
+def no_wait_heavy_streams(args) -> int:
+    """The heavy key's streams in "no_wait": the places the light key leaves."""
+    return max(1, args.ongoing - args.light)
+
+
 def stack_config(fair_share: dict, ongoing: int) -> dict:
     serve_config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
     app = serve_config["applications"][0]["args"]
@@ -147,7 +152,7 @@ def main() -> None:
             keys = {"heavy": bench_api_key(), "light": bench_api_key()}
             try:
                 with serve_stack(stack_config(MODES[mode], args.ongoing), MODEL, log, MAKEFILE_ENV) as url:
-                    heavy_streams = max(1, args.ongoing - args.light) if mode == "no_wait" else args.heavy
+                    heavy_streams = no_wait_heavy_streams(args) if mode == "no_wait" else args.heavy
                     rows[mode] = asyncio.run(run_mode(url, keys, args, heavy_streams))
             except Exception:
                 print(f"{mode} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
@@ -158,7 +163,7 @@ def main() -> None:
                   f"errors {result['heavy'].errors + result['light'].errors}", file=sys.stderr, flush=True)
 
     print(f"\ndemo model, 1 replica taking {args.ongoing} requests at a time; heavy key {args.heavy} streams at a "
-          f"time (no_wait: {max(1, args.ongoing - args.light)}), light key {args.light}; {args.output_len} output tokens each; "
+          f"time (no_wait: {no_wait_heavy_streams(args)}), light key {args.light}; {args.output_len} output tokens each; "
           f"{args.seconds:g} s per mode\n")
     columns = list(rows)
     print(f"{'metric':<34}" + "".join(f"{mode:>18}" for mode in columns))

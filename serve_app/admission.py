@@ -31,7 +31,8 @@ from redis.asyncio.cluster import RedisCluster
 from serve_app import redis_names
 from serve_app.keys import KeyRecord
 
-_SCRIPTS = resources.files("serve_app") / "lua"
+# The Lua scripts' folder (this module's four; files_api's file space).
+SCRIPTS = resources.files("serve_app") / "lua"
 # Script calls in flight at once when a batch (settlements, renewals) runs on a cluster.
 CLUSTER_BATCH_CONCURRENCY = 32
 
@@ -112,10 +113,10 @@ class Admission:
         # Called straight by EVALSHA (one round trip; redis-py loads the script
         # on NOSCRIPT and retries). Never inside a pipeline on the request path:
         # a pipeline sends SCRIPT EXISTS first.
-        self._admit = redis.register_script((_SCRIPTS / "admit.lua").read_text())
-        self._running = redis.register_script((_SCRIPTS / "running.lua").read_text())
-        self._settle = redis.register_script((_SCRIPTS / "settle.lua").read_text())
-        self._renew = redis.register_script((_SCRIPTS / "renew.lua").read_text())
+        self._admit = redis.register_script((SCRIPTS / "admit.lua").read_text())
+        self._running = redis.register_script((SCRIPTS / "running.lua").read_text())
+        self._settle = redis.register_script((SCRIPTS / "settle.lua").read_text())
+        self._renew = redis.register_script((SCRIPTS / "renew.lua").read_text())
 
     async def admit(
         self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = ""

@@ -28,11 +28,11 @@ import os
 import re
 import time
 import uuid
-from importlib import resources
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from serve_app import redis_names
+from serve_app.admission import SCRIPTS
 from serve_app.errors import OpenAIError
 from serve_app.redis_client import as_text
 
@@ -43,7 +43,6 @@ _PARTIAL_SUFFIX = ".partial"
 _SWEEP_MIN_AGE_S = 3600  # content younger than this may belong to an upload or batch being written
 # How long an upload's reservation holds if its ingress dies mid-upload.
 _RESERVATION_S = 6 * 3600
-_SCRIPTS = resources.files("serve_app") / "lua"
 
 
 class FileTooLarge(Exception):
@@ -66,7 +65,7 @@ class FileSpace:
     def __init__(self, redis, max_bytes: int, max_files: int):
         self.max_bytes = max_bytes
         self.max_files = max_files
-        self._script = redis.register_script((_SCRIPTS / "file_space.lua").read_text()) if redis else None
+        self._script = redis.register_script((SCRIPTS / "file_space.lua").read_text()) if redis else None
 
     async def _call(self, op: str, key_id: str, file_id: str, size: int = 0, expires_s: float = 0,
                     now_s: float | None = None) -> tuple[bool, int, int]:
