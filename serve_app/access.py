@@ -159,6 +159,12 @@ class Access:
         started = time.perf_counter()
         try:
             decision = await self.admission.admit(key, request_id, model, reserve_tokens, http_request_id)
+        except asyncio.CancelledError:
+            # The client left while its admission was on the wire: the call still
+            # runs in Redis (auto_pipeline), so the id is settled, which frees a
+            # lease it took or makes a later admit of it change nothing.
+            self._settle_later(key, request_id, model, "cancelled", 0, 0)
+            raise
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
             try:

@@ -1,7 +1,8 @@
 """Admission and accounting of requests against a key's quotas, in Redis.
 
-Four scripts (``lua/``), each loaded once and called by SHA, each one round
-trip touching only the key's own hash-tagged keys:
+Four scripts (``lua/``), each loaded once and called by SHA, each touching only
+the key's own hash-tagged keys; the calls of one event-loop turn share a round
+trip (serve_app/auto_pipeline.py):
 
 - ``admit``: concurrency lease, requests/min, tokens/min reservation, daily and
   monthly token budgets, and the request record — all decided and written
@@ -26,15 +27,12 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from redis.asyncio.cluster import RedisCluster
-
 from serve_app import redis_names
+from serve_app.auto_pipeline import AutoPipeline
 from serve_app.keys import KeyRecord
 
 # The Lua scripts' folder (this module's four; files_api's file space).
 SCRIPTS = resources.files("serve_app") / "lua"
-# Script calls in flight at once when a batch (settlements, renewals) runs on a cluster.
-CLUSTER_BATCH_CONCURRENCY = 32
 
 # What 429 bodies say, by refusal kind: (OpenAI `type`, `code`).
 REFUSALS = {
@@ -110,9 +108,9 @@ class Admission:
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retention_s = retention_s
-        # Called straight by EVALSHA (one round trip; redis-py loads the script
-        # on NOSCRIPT and retries). Never inside a pipeline on the request path:
-        # a pipeline sends SCRIPT EXISTS first.
+        # Called by EVALSHA, through the auto-pipeline (its module says how a
+        # missing script is loaded).
+        self.pipeline = AutoPipeline(redis)
         self._admit = redis.register_script((SCRIPTS / "admit.lua").read_text())
         self._running = redis.register_script((SCRIPTS / "running.lua").read_text())
         self._settle = redis.register_script((SCRIPTS / "settle.lua").read_text())
@@ -130,7 +128,7 @@ class Admission:
             reserve_tokens, self.lease_ms, self.retention_s, key.id, indexable_http_id(http_request_id),
             redis_names.request_record_prefix(key.id),
         ]
-        reply = await self._admit(keys=keys, args=args)
+        reply = await self.pipeline.call(self._admit, keys, args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply
         return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail))
 
@@ -141,7 +139,7 @@ class Admission:
             await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s)
 
     async def running(self, key_id: str, request_id: str, replica: str = "") -> None:
-        await self._running(keys=redis_names.admission_keys(key_id, request_id), args=[replica])
+        await self.pipeline.call(self._running, redis_names.admission_keys(key_id, request_id), [replica])
 
     async def settle(
         self,
@@ -155,9 +153,9 @@ class Admission:
     ) -> int | None:
         """Final accounting; returns tokens charged beyond the reservation (or None
         if the request was already settled). Idempotent: safe to retry."""
-        return await self._settle(keys=redis_names.admission_keys(key.id, request_id),
-                                  args=self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
-                                                         replica, model))
+        return await self.pipeline.call(self._settle, redis_names.admission_keys(key.id, request_id),
+                                        self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
+                                                          replica, model))
 
     def _settle_args(self, key, request_id, status, prompt_tokens, completion_tokens, replica, model) -> list:
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -190,23 +188,13 @@ class Admission:
         return sum(int(reply) for reply in replies)
 
     async def _script_batch(self, calls: list[tuple]) -> list:
-        """Run ``(script, keys, args)`` calls; per call, its reply or its exception.
-        One pipeline on one node. A cluster client refuses scripts in pipelines
-        (each call may live on another node): there, concurrent calls, at most
-        CLUSTER_BATCH_CONCURRENCY in flight."""
-        if isinstance(self.redis, RedisCluster):
-            limit = asyncio.Semaphore(CLUSTER_BATCH_CONCURRENCY)
-
-            async def one(script, keys, args):
-                async with limit:
-                    return await script(keys=keys, args=args)
-
-            return await asyncio.gather(*(one(*call) for call in calls), return_exceptions=True)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for script, keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
-            return await pipe.execute(raise_on_error=False)
-
+        """Run ``(script, keys, args)`` calls now, in one pipeline (one per node on
+        a cluster); per call, its reply or the error Redis answered it with.
+        Raises what failed them all (Redis unreachable)."""
+        replies = []
+        for start in range(0, len(calls), self.pipeline.max_pipeline):
+            replies += await self.pipeline.run(calls[start:start + self.pipeline.max_pipeline])
+        return replies
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,9 +1,12 @@
 """Which client a redis_url makes, and what a bad one is told."""
 
 import pytest
+import redis.asyncio.connection
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.connection import PythonRespSerializer
+from redis.exceptions import DataError
 
 from serve_app import redis_client
 from serve_app.settings import AppSettings
@@ -64,3 +67,33 @@ def test_pooled_connections_are_checked_before_use():
     pooled connection would fail one command."""
     for url in ("redis://127.0.0.1:6379/0", "unix:///run/redis.sock", "redis+sentinel://s1:26379/llm-primary"):
         assert not redis_client.connect(url).connection_pool.maint_notifications_enabled(), url
+
+
+def _python_packer(connection, *args):
+    """redis-py's own Python packer (its synchronous module's; the asyncio one
+    is the method serve_app.redis_client replaced)."""
+    return PythonRespSerializer(connection._buffer_cutoff, connection.encoder.encode).pack(*args)
+
+
+@pytest.mark.parametrize("args", [
+    ("SET", "k", "v"),
+    ("CONFIG GET", "maxmemory"),
+    (b"CONFIG GET", "maxmemory"),
+    ("EVALSHA", "ab12", 2, "llm:rpm:{k:a}", b"raw\x00bytes", 1.5, 0.1, 10**20, -3, "é ü 漢", ""),
+    ("SET", "k", bytearray(b"xy")),
+    ("SET", "k", memoryview(b"xy")),
+    ("SET", "k", "x" * 100_000),
+])
+def test_commands_are_packed_in_c_into_the_same_bytes_as_redis_py_packs_them(args):
+    connection = redis.asyncio.connection.Connection()
+    assert b"".join(connection.pack_command(*args)) == b"".join(_python_packer(connection, *args))
+    assert redis.asyncio.connection.AbstractConnection.pack_command is redis_client._pack_in_c
+
+
+@pytest.mark.parametrize("bad", [None, True, [1], {"a": 1}])
+def test_what_redis_cannot_take_is_refused_as_redis_py_refuses_it(bad):
+    connection = redis.asyncio.connection.Connection()
+    with pytest.raises(DataError):
+        _python_packer(connection, "SET", "k", bad)
+    with pytest.raises(DataError):
+        connection.pack_command("SET", "k", bad)

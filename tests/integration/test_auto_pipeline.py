@@ -1,0 +1,117 @@
+"""Script calls of one event-loop turn sent as one pipeline (serve_app/auto_pipeline.py),
+on one node, a Redis Cluster and Sentinel: each call keeps its own reply and
+error, a flushed script is loaded again, an unreachable Redis fails every call
+of its pipeline, and a caller that leaves mid-call leaks nothing."""
+
+import asyncio
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from redis_server import every_node
+from serve_app import redis_client, redis_names
+from serve_app.access import Access
+from serve_app.admission import Admission
+from serve_app.keys import KeyRecord
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+from test_admission import commandstats
+
+_ids = iter(range(10**9))
+
+
+def keys(count: int, prefix: str = "kpipe", **limits) -> list[KeyRecord]:
+    return [KeyRecord(id=f"{prefix}{n}", name=f"{prefix}{n}", created_at=0, **limits) for n in range(count)]
+
+
+def admit(adm: Admission, key: KeyRecord):
+    return adm.admit(key, f"{key.id}-{next(_ids):012x}", "m", 1)
+
+
+async def test_calls_of_one_turn_share_one_pipeline_and_each_keeps_its_own_reply(redis):
+    adm = Admission(redis, lease_s=600, retention_s=3600)
+    tenants = keys(50, requests_per_minute=3)
+    await admit(adm, keys(1, prefix="kwarm")[0])  # connections open, scripts loaded
+    await redis.config_resetstat(**every_node(redis))
+    sent = adm.pipeline.pipelines
+    decisions = await asyncio.gather(*(admit(adm, key) for key in tenants for _ in range(4)))
+    # 200 calls over 50 keys (every node of a cluster), one pipeline.
+    assert adm.pipeline.pipelines == sent + 1
+    assert (await commandstats(redis))["cmdstat_evalsha"] == 200
+    for n, key in enumerate(tenants):
+        mine = decisions[4 * n:4 * n + 4]
+        assert sorted(d.admitted for d in mine) == [False, True, True, True], key.id
+        assert [d.kind for d in mine if not d.admitted] == ["requests"]
+        assert await redis.zcard(redis_names.concurrency(key.id)) == 3
+
+
+async def test_a_call_redis_fails_fails_alone(redis):
+    adm = Admission(redis, lease_s=600, retention_s=3600)
+    broken, *healthy = keys(6)
+    await redis.set(redis_names.concurrency(broken.id), "not a sorted set")  # the script's ZRANGEBYSCORE fails
+    replies = await asyncio.gather(*(admit(adm, key) for key in [broken, *healthy]), return_exceptions=True)
+    assert isinstance(replies[0], ResponseError) and "WRONGTYPE" in str(replies[0])
+    assert all(decision.admitted for decision in replies[1:])
+
+
+async def test_scripts_flushed_from_redis_are_loaded_again(redis):
+    adm = Admission(redis, lease_s=600, retention_s=3600)
+    tenants = keys(20, max_concurrent=5)
+    await admit(adm, tenants[0])
+    await redis.script_flush()  # as after a restart or a failover (a cluster: every primary)
+    assert await redis.script_exists(adm._admit.sha) == [False]
+    request_ids = [f"{key.id}-{next(_ids):012x}" for key in tenants]
+    decisions = await asyncio.gather(*(adm.admit(key, rid, "m", 1) for key, rid in zip(tenants, request_ids)))
+    assert all(decision.admitted for decision in decisions)
+    await redis.script_flush()
+    settled = await adm.settle_many([(key, rid, "completed", 1, 1, "", "m") for key, rid in zip(tenants, request_ids)])
+    assert settled == [True] * len(tenants)
+    for key, rid in zip(tenants, request_ids):
+        assert (await redis.hget(redis_names.request_record(key.id, rid), "status")) == b"completed"
+    assert sum([await redis.zcard(redis_names.concurrency(key.id)) for key in tenants]) == 1  # the first one's
+
+
+async def test_an_unreachable_redis_fails_every_call_of_the_pipeline(redis_server):
+    nowhere = redis_server.url.rsplit(":", 1)[0] + ":1/0"  # nothing listens on port 1
+    client = redis_client.connect(nowhere, timeout_s=0.5)
+    adm = Admission(client, lease_s=600, retention_s=3600)
+    replies = await asyncio.gather(*(admit(adm, key) for key in keys(8)), return_exceptions=True)
+    assert all(isinstance(reply, RedisConnectionError) for reply in replies), replies
+    await client.aclose()
+
+
+async def test_a_pipeline_has_at_most_max_pipeline_calls(redis):
+    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm.pipeline.max_pipeline = 16
+    await admit(adm, keys(1)[0])
+    sent = adm.pipeline.pipelines
+    decisions = await asyncio.gather(*(admit(adm, key) for key in keys(40)))
+    assert all(decision.admitted for decision in decisions)
+    assert adm.pipeline.pipelines == sent + 3  # 16 + 16 + 8
+
+
+async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, redis):
+    access = Access(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2}), Telemetry(False, False))
+    key = keys(1, max_concurrent=1)[0]
+    access.settle(await access.admit(key, "m", 10), "completed")  # connections open
+    while access._background:  # the settlement is sent off the request's path
+        await asyncio.sleep(0.01)
+    leases = redis_names.concurrency(key.id)
+    assert await redis.zcard(leases) == 0
+    request = asyncio.get_running_loop().create_task(access.admit(key, "m", 10))
+    await asyncio.sleep(0)  # the admit call is queued for this turn's pipeline
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    for _ in range(100):  # the call still runs in Redis and takes the key's one place...
+        if await redis.zcard(leases):
+            break
+        await asyncio.sleep(0.01)
+    assert await redis.zcard(leases) == 1
+    [(request_id, settlement)] = access._unsettled.items()
+    await access.flush_unsettled()  # ...and its settlement frees it
+    assert await redis.zcard(leases) == 0
+    assert await redis.hget(redis_names.request_record(key.id, request_id), "status") == b"cancelled"
+    assert (await access.admit(key, "m", 10)).request_id
+    await access.redis.aclose()
