@@ -186,7 +186,10 @@ def _pack_in_c(self, *args) -> list[bytes]:
         args = tuple(args[0].encode().split()) + args[1:]
     elif b" " in args[0]:
         args = tuple(args[0].split()) + args[1:]
-    args = tuple(bytes(arg) if isinstance(arg, (bytearray, memoryview)) else arg for arg in args)
+    try:
+        return [hiredis.pack_command(args)]
+    except TypeError:  # hiredis takes str, bytes, int and float: buffers are copied to bytes
+        args = tuple(bytes(arg) if isinstance(arg, (bytearray, memoryview)) else arg for arg in args)
     try:
         return [hiredis.pack_command(args)]
     except TypeError as exc:

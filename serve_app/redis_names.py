@@ -6,6 +6,8 @@ script touching them runs on one slot of a Redis Cluster (docs/architecture.md, 
 
 from __future__ import annotations
 
+import functools
+
 PREFIX = "llm"
 
 
@@ -73,14 +75,15 @@ def http_request(http_request_id: str) -> str:
 def admission_keys(key_id: str, request_id: str) -> list[str]:
     """KEYS of the admission, running and settle scripts, in their order
     (all under the key's hash tag: one slot)."""
-    return [
-        requests_rate(key_id),
-        tokens_rate(key_id),
-        concurrency(key_id),
-        usage(key_id),
-        request_record(key_id, request_id),
-        refusals(key_id),
-    ]
+    rate, tokens, leases, counters, record_prefix, refused = _key_names(key_id)
+    return [rate, tokens, leases, counters, record_prefix + request_id, refused]
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_names(key_id: str) -> tuple[str, ...]:
+    """One key's admission names, made once per key (twice per request otherwise)."""
+    return (requests_rate(key_id), tokens_rate(key_id), concurrency(key_id), usage(key_id),
+            request_record_prefix(key_id), refusals(key_id))
 
 
 def stored_response(key_id: str, response_id: str) -> str:
