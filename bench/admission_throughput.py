@@ -30,18 +30,19 @@ from redis_server import running_redis, running_redis_cluster  # noqa: E402
 KEYS = 1000
 
 
-def run_process(url: str, duration_s: float, concurrency: int, seed: int, results) -> None:
-    asyncio.run(_drive(url, duration_s, concurrency, seed, results))
+def run_process(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int = 0) -> None:
+    asyncio.run(_drive(url, duration_s, concurrency, seed, results, acknowledge))
 
 
-async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results) -> None:
+async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int) -> None:
     from contract.replica_wire import Usage
     from serve_app.access import Access
     from serve_app.keys import KeyRecord
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 
-    gate = Access(AppSettings(redis_url=url, quota={"redis_timeout_s": 2}), Telemetry(False, False))
+    quota = {"redis_timeout_s": 2, "replicas_to_acknowledge": acknowledge, "replica_ack_timeout_ms": 1000}
+    gate = Access(AppSettings(redis_url=url, quota=quota), Telemetry(False, False))
     keys = [KeyRecord(id=f"kb{seed}x{i}", name=f"bench-{seed}-{i}", created_at=0, requests_per_minute=10**7,
                       tokens_per_minute=10**9, max_concurrent=10**4) for i in range(KEYS)]
     usage = Usage(prompt_tokens=20, completion_tokens=40)
@@ -86,11 +87,12 @@ def redis_cpu_s(ports: list[int]) -> float:
     return total
 
 
-def measure(url: str, ports: list[int], processes: int, duration_s: float, concurrency: int) -> dict:
+def measure(url: str, ports: list[int], processes: int, duration_s: float, concurrency: int,
+            acknowledge: int = 0) -> dict:
     redis_before = redis_cpu_s(ports)
     results = multiprocessing.get_context("spawn").Queue()
     workers = [multiprocessing.get_context("spawn").Process(
-        target=run_process, args=(url, duration_s, concurrency, n, results)) for n in range(processes)]
+        target=run_process, args=(url, duration_s, concurrency, n, results, acknowledge)) for n in range(processes)]
     for worker in workers:
         worker.start()
     parts = [results.get(timeout=duration_s + 120) for _ in workers]
@@ -115,11 +117,14 @@ def main() -> None:
     points = [tuple(int(n) for n in point.split("x")) for point in args.points]
     rows = []
     with running_redis() as node, running_redis_cluster() as cluster:
-        targets = (("one node", node.url, [node.port]),
-                   ("cluster, 3 primaries", cluster.url, [n.port for n in cluster.nodes]))
-        for name, url, ports in targets:
+        cluster_ports = [n.port for n in cluster.nodes]
+        targets = (("one node", node.url, [node.port], 0),
+                   ("cluster, 3 primaries", cluster.url, cluster_ports, 0),
+                   ("cluster, 3 primaries, WAIT 1 replica", cluster.url, cluster_ports, 1))
+        for name, url, ports, acknowledge in targets:
             for processes, in_flight in points:
-                rows.append((name, processes, in_flight, measure(url, ports, processes, args.duration, in_flight)))
+                rows.append((name, processes, in_flight,
+                             measure(url, ports, processes, args.duration, in_flight, acknowledge)))
     print(f"\nadmit (one EVALSHA) + settle per request, {args.duration:.0f} s per point, {KEYS} keys; "
           f"CPU per admitted request: the gateway processes' and every redis-server's (replicas included)\n")
     print("| Redis | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms "

@@ -84,7 +84,8 @@ class Access:
         self.redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
         self.keys = KeyStore(self.redis)
         self.admission = Admission(
-            self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s
+            self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
+            replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
         )
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens

@@ -104,13 +104,15 @@ def indexable_http_id(http_request_id: str) -> str:
 
 
 class Admission:
-    def __init__(self, redis, *, lease_s: float, retention_s: int):
+    def __init__(self, redis, *, lease_s: float, retention_s: int, replicas_to_acknowledge: int = 0,
+                 acknowledge_timeout_ms: int = 100):
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retention_s = retention_s
         # Called by EVALSHA, through the auto-pipeline (its module says how a
-        # missing script is loaded).
-        self.pipeline = AutoPipeline(redis)
+        # missing script is loaded, and how replicas acknowledge).
+        self.pipeline = AutoPipeline(redis, replicas_to_acknowledge=replicas_to_acknowledge,
+                                     acknowledge_timeout_ms=acknowledge_timeout_ms)
         self._admit = redis.register_script((SCRIPTS / "admit.lua").read_text())
         self._running = redis.register_script((SCRIPTS / "running.lua").read_text())
         self._settle = redis.register_script((SCRIPTS / "settle.lua").read_text())

@@ -15,6 +15,14 @@ idempotent). A cluster client sends one pipeline per node (redis-py's
 ClusterPipeline groups the calls by slot and follows MOVED/ASK per call).
 Scripts are called by SHA; a node that lacks one (a restart, a promoted
 replica) answers NOSCRIPT and those calls alone are sent again after it is loaded.
+
+With ``replicas_to_acknowledge`` (quota settings), each pipeline ends in
+``WAIT replicas timeout`` on the connection that sent it (one per node on a
+cluster): a call counts as done only once that many replicas have its writes,
+so a failover cannot lose it. Calls WAIT does not vouch for in time (a replica
+down or slow; a call a cluster redirected to another node meanwhile) fail as
+``NotReplicated``, which the gateway treats as Redis unreachable (fail_mode);
+their request ids are settled later, which undoes what they wrote.
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from serve_app.redis_client import clear_error
@@ -32,10 +42,18 @@ from serve_app.redis_client import clear_error
 MAX_PIPELINE = 512
 
 
+class NotReplicated(RedisConnectionError):
+    """Redis ran the call, but fewer replicas than asked acknowledged it in time:
+    a failover could still lose it, so it counts as Redis unreachable."""
+
+
 class AutoPipeline:
-    def __init__(self, redis, max_pipeline: int = MAX_PIPELINE):
+    def __init__(self, redis, max_pipeline: int = MAX_PIPELINE, replicas_to_acknowledge: int = 0,
+                 acknowledge_timeout_ms: int = 100):
         self.redis = redis
         self.max_pipeline = max_pipeline
+        self.replicas_to_acknowledge = replicas_to_acknowledge
+        self.acknowledge_timeout_ms = acknowledge_timeout_ms
         self._pending: list[tuple[AsyncScript, Sequence, Sequence, asyncio.Future]] = []
         self._tasks: set[asyncio.Task] = set()
         # Figures for tests and the benchmark: pipelines sent, calls sent.
@@ -77,7 +95,7 @@ class AutoPipeline:
         its reply or its exception. Raises what fails them all (unreachable)."""
         self.pipelines += 1
         self.calls += len(calls)
-        if len(calls) == 1:  # nothing to gain from a pipeline
+        if len(calls) == 1 and not self.replicas_to_acknowledge:  # nothing to gain from a pipeline
             script, keys, args = calls[0][:3]
             try:
                 return [await script(keys=keys, args=args)]
@@ -93,18 +111,43 @@ class AutoPipeline:
         return replies
 
     async def _pipeline(self, calls: Sequence[tuple]) -> list:
+        waits = self.replicas_to_acknowledge
+        cluster = isinstance(self.redis, RedisCluster)
+        if waits and cluster:
+            await self.redis.initialize()  # the slot map (a no-op once known)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
+                nodes = []
                 for script, keys, args, *_ in calls:
                     # Not pipe.evalsha: a cluster pipeline blocks that method by name
                     # (an old concern over finding its slot), yet routes the command
                     # by its keys like any other.
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                    if waits and cluster:
+                        nodes.append(self.redis.get_node_from_key(keys[0]))
+                # A cluster pipeline keeps each node's commands in order on one
+                # connection, so a node's WAIT comes after its calls.
+                targets = list({node.name: node for node in nodes}.values()) if cluster else [None]
+                for node in targets if waits else []:
+                    pipe.execute_command("WAIT", waits, self.acknowledge_timeout_ms,
+                                         **({"target_nodes": node} if node else {}))
                 replies = await pipe.execute(raise_on_error=False)
         except BaseException as exc:
             cleared = clear_error(exc)
             if cleared is exc:
                 raise
             raise cleared from exc
-        return [clear_error(reply) if isinstance(reply, BaseException) else reply for reply in replies]
-
+        replies = [clear_error(reply) if isinstance(reply, BaseException) else reply for reply in replies]
+        if not waits:
+            return replies
+        acknowledged = replies[len(calls):]
+        replies = replies[:len(calls)]
+        vouched = {target.name if target else None for target, count in zip(targets, acknowledged)
+                   if not isinstance(count, BaseException) and count >= waits}
+        for n, (script, keys, *_) in enumerate(calls):
+            # A call a cluster redirected ran on another node than the one WAIT asked.
+            node = self.redis.get_node_from_key(keys[0]).name if cluster else None
+            if not isinstance(replies[n], BaseException) and (node not in vouched or (cluster and node != nodes[n].name)):
+                replies[n] = NotReplicated(
+                    f"fewer than {waits} replica(s) acknowledged the write within {self.acknowledge_timeout_ms} ms")
+        return replies

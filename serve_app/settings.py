@@ -61,6 +61,15 @@ class QuotaConfig(BaseModel):
     redis_timeout_s: float = Field(
         0.5, gt=0, description="Per-command Redis timeout; past it Redis counts as unreachable (fail_mode)."
     )
+    replicas_to_acknowledge: int = Field(
+        0, ge=0, le=16, description="Admissions, settlements and lease renewals count as written only once "
+        "this many replicas of their primary acknowledge them (Redis WAIT, once per pipeline): a failover then "
+        "loses none. Past replica_ack_timeout_ms, Redis counts as unreachable (fail_mode). 0: Redis' "
+        "asynchronous replication (README, \"When a primary dies\").",
+    )
+    replica_ack_timeout_ms: int = Field(
+        100, gt=0, description="How long an admission waits for replicas_to_acknowledge replicas.",
+    )
 
 
 class TelemetryConfig(BaseModel):

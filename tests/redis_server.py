@@ -169,9 +169,16 @@ class RedisSentinelSetup:
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 30
         while not (all(self._sees_replica(port) for port in self.sentinel_ports)
-                   and "master_link_status:up" in _cli(self.replica.port, "info", "replication")):
+                   and "master_link_status:up" in _cli(self.replica.port, "info", "replication")
+                   and self._replica_acknowledges()):
             assert time.monotonic() < deadline, "the sentinels did not find the primary and its replica"
             time.sleep(0.2)
+
+    def _replica_acknowledges(self) -> bool:
+        """A write on the primary is acknowledged by the replica (WAIT): right
+        after the first sync, a replica can still be reconnecting."""
+        _cli(self.primary.port, "set", "harness:ready", "1")
+        return _cli(self.primary.port, "wait", "1", "200").strip() == "1"
 
     def _sees_replica(self, port: int) -> bool:
         return str(self.replica.port) in _cli(port, "sentinel", "replicas", self.service)
