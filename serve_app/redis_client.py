@@ -28,7 +28,7 @@ import redis.asyncio
 import redis.asyncio.connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import AuthenticationError, AuthorizationError, DataError, ResponseError
+from redis.exceptions import AuthenticationError, AuthorizationError, ClusterError, DataError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.maint_notifications import MaintNotificationsConfig
 
@@ -98,6 +98,12 @@ class CredentialsRefused(ResponseError):
     error, not an outage, so never a reason to fail open."""
 
 
+class ClusterKeptRedirecting(RedisConnectionError):
+    """A cluster call used up the client's redirections (ASK, MOVED, TRYAGAIN)
+    while its slot was being moved: the slot is not servable right now, an
+    outage of that slot (fail_mode), not a refusal."""
+
+
 class _ClearErrors:
     """Two of redis-py's errors say something else than what happened; the
     gateway decides on the error's kind (serve_app/access.py), so they are said
@@ -114,12 +120,19 @@ class _ClearErrors:
       Cluster primary was killed under 16 clients
       (tests/integration/test_redis_failover.py); upstream redis/redis-py#4287,
       fix in PR #4217, not released in 8.1.0. It becomes the ConnectionError it is.
+    - A cluster call that ran out of redirections raises ClusterError ("TTL
+      exhausted"), which reads as Redis refusing the call (503
+      quota_backend_error, even in fail_mode open). It happens while a slot is
+      moved (tests/integration/test_redis_resharding.py): redis-py sends ASKING on
+      one pooled connection and the command on maybe another, which the target
+      answers MOVED, back to the source, until the redirections run out. It
+      becomes ClusterKeptRedirecting, an outage of that slot.
     """
 
     async def execute_command(self, *args, **options):
         try:
             return await super().execute_command(*args, **options)
-        except (AuthenticationError, AuthorizationError, AttributeError, TypeError) as exc:
+        except (AuthenticationError, AuthorizationError, ClusterError, AttributeError, TypeError) as exc:
             cleared = clear_error(exc)
             if cleared is exc:
                 raise
@@ -131,6 +144,8 @@ def clear_error(exc: BaseException) -> BaseException:
     ``_ClearErrors``); anything else is ``exc`` itself."""
     if isinstance(exc, (AuthenticationError, AuthorizationError)):
         return CredentialsRefused(f"Redis refused the credentials of redis_url: {exc}")
+    if isinstance(exc, ClusterError):
+        return ClusterKeptRedirecting(f"the cluster kept redirecting the call (a slot being moved): {exc}")
     if isinstance(exc, (AttributeError, TypeError)) and _raised_in_transport(exc):
         return RedisConnectionError(f"connection closed while in use ({exc})")
     return exc

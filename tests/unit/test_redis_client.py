@@ -97,3 +97,16 @@ def test_what_redis_cannot_take_is_refused_as_redis_py_refuses_it(bad):
         _python_packer(connection, "SET", "k", bad)
     with pytest.raises(DataError):
         connection.pack_command("SET", "k", bad)
+
+
+def test_a_cluster_call_out_of_redirections_is_an_outage_not_a_refusal():
+    from redis.exceptions import ClusterError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from serve_app.access import UNREACHABLE
+
+    cleared = redis_client.clear_error(ClusterError("TTL exhausted."))
+    assert isinstance(cleared, redis_client.ClusterKeptRedirecting)
+    assert isinstance(cleared, RedisConnectionError) and isinstance(cleared, UNREACHABLE)
+    other = ValueError("not Redis'")
+    assert redis_client.clear_error(other) is other
