@@ -10,9 +10,10 @@ primary, with TLS and AUTH/ACL users (docs/architecture.md, State).
                                                   ``service``, re-resolved after a failover
 
 ``rediss+cluster://`` and ``rediss+sentinel://`` use TLS to the data nodes (query
-``ssl_cert_reqs``, ``ssl_ca_certs`` pass through). Sentinels themselves are reached
-without credentials unless ``sentinel_password`` (and ``sentinel_username``) is
-given in the query. Every key one call touches shares one hash tag
+``ssl_cert_reqs``, ``ssl_ca_certs`` pass through) and, for Sentinel, to the
+sentinels too, unless the query says ``sentinel_tls=no`` (sentinels listening in
+plain text). Sentinels themselves are reached without credentials unless
+``sentinel_password`` (and ``sentinel_username``) is given in the query. Every key one call touches shares one hash tag
 (serve_app/redis_names.py), so every script and call runs on one slot.
 """
 
@@ -182,7 +183,8 @@ def connect(url: str, timeout_s: float | None = None):
         return SafeRedisCluster(startup_nodes=nodes, **auth, **tls, **timeouts)
     sentinel_auth = {"username": target.query.get("sentinel_username"),
                      "password": target.query.get("sentinel_password")}
-    sentinel = Sentinel(target.hosts, sentinel_kwargs={**sentinel_auth, **timeouts}, **timeouts)
+    sentinel_tls = tls if target.query.get("sentinel_tls", "yes").lower() not in ("no", "false", "0") else {}
+    sentinel = Sentinel(target.hosts, sentinel_kwargs={**sentinel_auth, **sentinel_tls, **timeouts}, **timeouts)
     return sentinel.master_for(target.service, redis_class=SafeRedis, db=target.db, **auth, **tls,
                                maint_notifications_config=_POOL_CHECKS_CONNECTIONS)
 

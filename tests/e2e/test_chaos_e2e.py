@@ -199,8 +199,9 @@ def confirm_key_on_every_ingress(stack: CliStack, secret: str) -> None:
     """Authenticated calls until, by any fair routing, every ingress replica has
     confirmed the key with Redis: during a Redis outage an ingress can vouch only
     for keys it has seen (fail_mode open), never for one it has not."""
-    with httpx.Client(base_url=stack.base_url, timeout=30) as http:
-        for _ in range(16):
+    # A connection each: HAProxy may keep a connection's requests on one ingress.
+    for _ in range(16):
+        with httpx.Client(base_url=stack.base_url, timeout=30) as http:
             assert http.get("/v1/models", headers={"authorization": f"Bearer {secret}"}).status_code == 200
 
 
