@@ -174,6 +174,14 @@ def tls_sentinel(certs, tmp_path_factory):
     try:
         primary.start([*tls_only_to_app(certs, primary_tls), *auth, "--repl-diskless-sync-delay", "0"])
         replica.start([*tls_only_to_app(certs, replica_tls), *auth, "--replicaof", "127.0.0.1", str(primary_tls)])
+        cli = [shutil.which("redis-cli"), "--tls", "--cacert", str(certs / "ca.crt")]
+        # Synced before the sentinels look: they read the primary's replicas every 10 s.
+        deadline = time.monotonic() + 30
+        while "master_link_status:up" not in subprocess.run(
+                [*cli, "--user", "app", "--pass", PASSWORD, "--no-auth-warning", "-p", str(replica_tls),
+                 "info", "replication"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the TLS replica did not sync"
+            time.sleep(0.1)
         for port in sentinel_ports:
             conf = folder / f"sentinel-{port}.conf"
             conf.write_text(
@@ -185,8 +193,7 @@ def tls_sentinel(certs, tmp_path_factory):
                 f"sentinel down-after-milliseconds tls-primary 2000\n")
             sentinels.append(subprocess.Popen([shutil.which("redis-server"), str(conf), "--sentinel"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        cli = [shutil.which("redis-cli"), "--tls", "--cacert", str(certs / "ca.crt")]
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not all(str(replica_tls) in subprocess.run([*cli, "-p", str(port), "sentinel", "replicas", "tls-primary"],
                                                          capture_output=True, text=True).stdout
                       for port in sentinel_ports):
