@@ -18,14 +18,17 @@ def records(redis, key_id: str) -> list[dict[str, str]]:
     return found
 
 
-def wait_until_settled(redis, key_id: str, timeout_s: float = 15) -> list[dict[str, str]]:
-    """Every record final and no lease left; returns the records."""
+def wait_until_settled(redis, key_id: str, timeout_s: float = 15, records_expected: int = 0) -> list[dict[str, str]]:
+    """Every record final and no lease left; returns the records. With
+    ``records_expected``, also wait until that many exist: a request admitted
+    on local limits during an outage has no record until the ingress replays
+    its settlement (once a second)."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = records(redis, key_id)
         open_ = [r for r in found if r["status"] in ("admitted", "running")]
         leases = redis.zcard(redis_names.concurrency(key_id))
-        if not open_ and not leases:
+        if not open_ and not leases and len(found) >= records_expected:
             return found
-        assert time.monotonic() < deadline, (open_, leases)
+        assert time.monotonic() < deadline, (open_, leases, len(found), records_expected)
         time.sleep(0.1)

@@ -262,7 +262,7 @@ def test_a_stalled_redis_leaves_no_lease_and_no_double_charge(base_url, redis_se
         time.sleep(1)
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     assert [r.status_code for r in during] == [200, 200, 200], [r.text for r in during]
-    found = wait_until_settled(redis, key_id, timeout_s=20)
+    found = wait_until_settled(redis, key_id, timeout_s=20, records_expected=4)
     used = [first.json()["usage"]["total_tokens"]] + [r.json()["usage"]["total_tokens"] for r in during]
     ids = {first.json()["id"].removeprefix("chatcmpl-")} | {r.json()["id"].removeprefix("chatcmpl-") for r in during}
     settled = [r for r in found if r.get("total_tokens")]
