@@ -7,6 +7,9 @@ Targets (``--targets``, all by default):
   HAProxy ingress, throughput mode).
 - ``stack-ray-proxy``: the same with Ray's Python proxy instead of HAProxy
   (``RAY_SERVE_ENABLE_HA_PROXY=0``, the default before HAProxy).
+- ``stack-direct``: ``stack`` with the model's ``direct_route`` on, driven at
+  ``/direct/<model>``: HAProxy straight to the model's replicas, which run the
+  gateway (keys, quotas, accounting) in-process (``serve_app/direct.py``).
 - ``rsllm``: Ray Serve LLM (``ray.serve.llm.build_openai_app``), same model and
   engine options, Ray Serve's defaults: what users would run instead of us.
 - ``rsllm-fast``: Ray Serve LLM in the high-throughput mode Ray documents
@@ -26,6 +29,7 @@ and each target's ratio to bare vLLM.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -85,7 +89,7 @@ def wait_ready(url: str, proc: subprocess.Popen, model: str, timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             headers = {"authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
@@ -122,7 +126,29 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
 
 from serve_env import MAKEFILE_ENV, RAY_DEFAULT_ENV, RAY_PROXY_ENV, RSLLM_FAST_ENV  # noqa: E402
 
-TARGETS = ["vllm", "stack", "stack-ray-proxy", "rsllm", "rsllm-fast"]
+TARGETS = ["vllm", "stack", "stack-direct", "stack-ray-proxy", "rsllm", "rsllm-fast"]
+
+
+def with_direct_route(serve_config: dict) -> dict:
+    """``serve_config`` with its (first) model's direct route on, and its application."""
+    from serve_app.app import direct_apps
+
+    serve_config = copy.deepcopy(serve_config)
+    main = serve_config["applications"][0]
+    main["args"]["models"][0]["direct_route"] = True
+    serve_config["applications"] += direct_apps(main["args"])
+    return serve_config
+
+
+@contextmanager
+def direct_stack(serve_config: dict, config: ModelConfig, log: Path, env: dict[str, str]):
+    """The stack with the model's direct route; yields the route's base URL."""
+    from contract.model_config import direct_route_prefix
+
+    with serve_stack(with_direct_route(serve_config), config.name, log, env) as url:
+        direct = url + direct_route_prefix(config.name)
+        wait_ready(direct, None, config.name)
+        yield direct
 
 
 def ray_serve_llm_config(config: ModelConfig, source: str, ingress_cpus: float | None) -> dict:
@@ -187,6 +213,8 @@ def profile_target(url: str, config: ModelConfig, source: str, target: str, args
     if target.startswith("rsllm"):  # Ray Serve LLM's own deployments in the "rsllm" application
         groups = {**GROUPS, "ingress": ("ServeReplica:rsllm:OpenAiIngress",),
                   "replica": ("ServeReplica:rsllm:LLMServer",)}
+    if target == "stack-direct":  # the model's replicas answer HTTP in their own application
+        groups = {**GROUPS, "replica": ("ServeReplica:llm:model-", "ServeReplica:direct-")}
     with profiled(args.profile / target, groups) as hops:
         result = run_load(url, config, source, max(args.concurrency), args, out_dir)
     return report(hops, result["completed"], result["total_output_tokens"])
@@ -236,7 +264,7 @@ def main() -> None:
     stack_env = dict(item.split("=", 1) for item in args.stack_env)
     # vllm bench (and wait_ready) send it as a Bearer token; bare vLLM and Ray Serve LLM ignore it,
     # so Redis (REDIS_URL) is needed only when this stack is among the targets.
-    stack_targets = {"stack", "stack-ray-proxy"} & set(args.targets)
+    stack_targets = {"stack", "stack-direct", "stack-ray-proxy"} & set(args.targets)
     os.environ["OPENAI_API_KEY"] = bench_api_key() if stack_targets else "unused"
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
     ingress_cpus = serve_config["applications"][0]["args"]["ingress"]["deployment"]["ray_actor_options"]["num_cpus"]
@@ -248,6 +276,8 @@ def main() -> None:
         starts = {
             "vllm": lambda: bare_vllm(config, source, out_dir / "vllm.log"),
             "stack": lambda: serve_stack(serve_config, config.name, out_dir / "stack.log", {**MAKEFILE_ENV, **stack_env}),
+            "stack-direct": lambda: direct_stack(serve_config, config, out_dir / "stack-direct.log",
+                                                 {**MAKEFILE_ENV, **stack_env}),
             "stack-ray-proxy": lambda: serve_stack(serve_config, config.name, out_dir / "stack-ray-proxy.log",
                                                    {**RAY_PROXY_ENV, **stack_env}),
             "rsllm": lambda: serve_stack(ray_serve_llm_config(config, source, ingress_cpus), config.name,

@@ -254,6 +254,14 @@ class ModelConfig(BaseModel):
         "sending them to the ingress (Ray Serve LLM's default is also 50 ms). Each hop "
         "costs CPU the engine needs; 0 sends at once, joining only what piled up.",
     )
+    direct_route: bool = Field(
+        False,
+        description="Also serve this model's chat, completions and embeddings on its own route "
+        "(`/direct/<name>/v1/...`), answered by the model's replicas themselves with the gateway "
+        "(keys, quotas, accounting) in-process: a token crosses one process boundary instead of "
+        "two. Deploy `serve_app.app:build_direct_app` beside the main application (README, "
+        "Performance). Every other route still reaches the model through the ingress.",
+    )
 
     @model_validator(mode="after")
     def _one_served_name(self):
@@ -339,3 +347,13 @@ class ModelConfig(BaseModel):
 def deployment_name(model_name: str) -> str:
     """Serve deployment name for a model (Serve names may not contain '/')."""
     return "model-" + model_name.replace("/", "--")
+
+
+def direct_app_name(model_name: str) -> str:
+    """The Serve application of a model with ``direct_route`` (its deployment lives there)."""
+    return "direct-" + model_name.replace("/", "--")
+
+
+def direct_route_prefix(model_name: str) -> str:
+    """Where a model with ``direct_route`` answers: OpenAI's routes under it."""
+    return "/direct/" + model_name.replace("/", "--")

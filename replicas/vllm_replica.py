@@ -154,9 +154,9 @@ class VLLMReplica:
     def _refusal(self, status: int, error: dict[str, Any]) -> ReplicaError:
         return ReplicaError(status, error, self.replica)
 
-    async def _start(self, operation: str, body: dict[str, Any]):
+    async def _start(self, operation: str, body: dict[str, Any], adapter: str | None):
         """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``."""
-        result = await self._answer(operation, body)
+        result = await self._answer(operation, body, adapter)
         if _is_error(result):
             result = self._refusal(result.error.code, result.error.model_dump())
         if self.engine.errored and isinstance(result, ReplicaError):
@@ -166,8 +166,9 @@ class VLLMReplica:
             })
         return result
 
-    async def _answer(self, operation: str, body: dict[str, Any]):
-        adapter = serve.get_multiplexed_model_id()
+    async def _answer(self, operation: str, body: dict[str, Any], adapter: str | None):
+        if adapter is None:  # a call through a handle names it as Serve's multiplexed model id
+            adapter = serve.get_multiplexed_model_id()
         if adapter:
             try:
                 if self.config.lora is None:
@@ -198,8 +199,8 @@ class VLLMReplica:
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
-    async def call(self, operation: str, body: dict[str, Any]) -> ReplicaAnswer | ReplicaError:
-        result = await self._start(operation, body)
+    async def call(self, operation: str, body: dict[str, Any], adapter: str | None = None) -> ReplicaAnswer | ReplicaError:
+        result = await self._start(operation, body, adapter)
         if isinstance(result, ReplicaError):
             return result
         if isinstance(result, AsyncIterator):  # stream asked on the unary path
@@ -223,8 +224,10 @@ class VLLMReplica:
                 reasoning.add_to_response(response)
         return ReplicaAnswer(openai_json(response), Usage.from_openai(response.get("usage")), self.replica)
 
-    async def stream(self, operation: str, body: dict[str, Any]) -> AsyncIterator[StreamStart | str | ReplicaError]:
-        result = await self._start(operation, body)
+    async def stream(
+        self, operation: str, body: dict[str, Any], adapter: str | None = None
+    ) -> AsyncIterator[StreamStart | str | ReplicaError]:
+        result = await self._start(operation, body, adapter)
         if isinstance(result, ReplicaError):
             yield result
             return

@@ -78,7 +78,10 @@ class Ticket:
 
 
 class Access:
-    def __init__(self, settings: AppSettings, telemetry: Telemetry):
+    def __init__(self, settings: AppSettings, telemetry: Telemetry, deployment: dict | None = None):
+        """``deployment``: the Serve options of the deployment this runs in, whose
+        replicas share a key's limits during a Redis outage (the ingress' unless
+        given: a model's direct route passes its own)."""
         self.telemetry = telemetry
         quota = settings.quota
         self.redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
@@ -90,7 +93,7 @@ class Access:
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens
         self.renew_every_s = quota.concurrency_lease_s / 3
-        self.ingress_replicas = IngressReplicas(settings.ingress.deployment)
+        self.ingress_replicas = IngressReplicas(settings.ingress.deployment if deployment is None else deployment)
         self.local = LocalLimiter(self.ingress_replicas.count)
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
         self._cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)

@@ -20,7 +20,6 @@ admitted at most L + L*s/60.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import math
 import re

@@ -1,5 +1,7 @@
-"""Application builder: ``serve run serve_app.app:build_app`` or a Serve config's
-``import_path``. One replica deployment per configured model, one ingress."""
+"""Application builders: ``serve run serve_app.app:build_app`` or a Serve config's
+``import_path``. One replica deployment per configured model, one ingress; a
+model with ``direct_route`` has its deployment in an application of its own
+(``build_direct_app``), which the ingress reaches by name."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from contract.model_config import direct_app_name, direct_route_prefix
 from replicas.vllm_replica import VLLMReplica
 from serve_app.ingress import Ingress
 from serve_app.settings import AppSettings
@@ -24,6 +27,57 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     models = {
         model.name: VLLMReplica.options(**model.serve_options()).bind(model)
         for model in settings.models
+        if not model.direct_route  # in its own application (build_direct_app)
     }
     return Ingress.options(**{**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment}).bind(settings, models)
 
+
+def build_direct_app(args: dict[str, Any]) -> Application:
+    """The application of a model with ``direct_route``: the main application's
+    ``args`` plus ``direct_model`` (its name; optional when one model has
+    ``direct_route``). Deploy it as ``direct_apps(args)`` names it."""
+    args = dict(args)
+    name = args.pop("direct_model", None)
+    settings = AppSettings(**args)
+    direct = [model for model in settings.models if model.direct_route]
+    chosen = [model for model in direct if model.name == name] if name else direct
+    if len(chosen) != 1:
+        raise ValueError(f"direct_model must name one of the models with direct_route: {[m.name for m in direct]}")
+    from serve_app.direct import DirectModel
+
+    model = chosen[0]
+    options = model.serve_options()
+    # HAProxy picks the replica of an application's ingress (Serve refuses a custom
+    # router there); the ingress' handle calls to it use Serve's default router.
+    options.pop("request_router_config", None)
+    return DirectModel.options(**options).bind(model, settings)
+
+
+def direct_apps(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Serve config entries (name, route_prefix, import_path, args) of the
+    direct routes ``args`` (the main application's) asks for."""
+    settings = AppSettings(**args)
+    return [
+        {
+            "name": direct_app_name(model.name),
+            "route_prefix": direct_route_prefix(model.name),
+            "import_path": "serve_app.app:build_direct_app",
+            "args": {**args, "direct_model": model.name},
+        }
+        for model in settings.models
+        if model.direct_route
+    ]
+
+
+def with_direct_apps(serve_config: dict[str, Any]) -> dict[str, Any]:
+    """``serve_config`` plus the application of each direct route its
+    ``build_app`` applications ask for and it does not declare yet (`llmctl run`)."""
+    declared = {app.get("name") for app in serve_config.get("applications", [])}
+    added = [
+        direct
+        for app in serve_config.get("applications", [])
+        if app.get("import_path") == "serve_app.app:build_app"
+        for direct in direct_apps(app.get("args") or {})
+        if direct["name"] not in declared
+    ]
+    return {**serve_config, "applications": [*serve_config.get("applications", []), *added]} if added else serve_config

@@ -8,19 +8,17 @@ chunk. It holds no model state.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from ray import serve
 from redis.exceptions import RedisError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import UploadFile
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 
+from contract.model_config import deployment_name, direct_app_name
 from serve_app import admin
 from serve_app.access import Access
 from serve_app.api_requests import list_params, parse_json_object
@@ -29,39 +27,19 @@ from serve_app.dialects import anthropic, azure, databricks, sagemaker
 from serve_app.batch_runner import BatchRunner
 from serve_app.batches import BatchStore
 from serve_app.calls import Call
-from serve_app.edge import RefuseServeControlHeaders
-from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
+from serve_app.errors import OpenAIError
 from serve_app.files_api import PURPOSES, FileStore, safe_filename, storage_full
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.readiness import Readiness
+from serve_app.request_handling import HandlesRequests, as_call, openai_app
 from serve_app.settings import AppSettings
 from serve_app.stored_responses import ResponseStore, item_list
-from serve_app.telemetry import RequestRecord, Telemetry
+from serve_app.telemetry import Telemetry
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="llm-cluster", docs_url=None, redoc_url=None, openapi_url=None)  # no unauthenticated schema
-app.add_middleware(RefuseServeControlHeaders)
-
-
-@app.exception_handler(OpenAIError)
-async def _openai_error(_: Request, exc: OpenAIError) -> Response:
-    return exc.response()
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-    # Unknown routes and wrong methods, in the same envelope as everything else.
-    code = "unknown_url" if exc.status_code == 404 else None
-    body = envelope(str(exc.detail), error_type_for(exc.status_code), code=code)
-    return error_response(exc.status_code, body, getattr(exc, "headers", None))
-
-
-@app.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error in ingress")
-    return error_response(500, envelope("The server had an error processing your request.", "server_error"))
+app = openai_app("llm-cluster")
 
 
 # Who may call each route. "probe": anyone (liveness/readiness; names no model);
@@ -110,23 +88,10 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
 }
 
 
-def _as_call(operation: str):
-    """The translation of a route whose body is already the canonical request."""
-    async def as_is(body: dict[str, Any], key: KeyRecord) -> Call:
-        return Call(operation, body)
-
-    return as_is
-
-
-def _serve_request_id(request: Request) -> str:
-    """Ray Serve's id for this HTTP request: its proxy answers with it as x-request-id."""
-    return request.headers.get("x-request-id", "")
-
-
 # (Helpers above the class: @serve.deployment pickles the class when it is defined.)
 @serve.deployment
 @serve.ingress(app)
-class Ingress:
+class Ingress(HandlesRequests):
     """The route table. Each route authenticates, reads the body and hands a
     canonical OpenAI request to the ``Gateway``; dialect routes translate on
     the way in and out (``serve_app/dialects/``)."""
@@ -136,6 +101,11 @@ class Ingress:
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
                                    settings.telemetry.per_key_max_keys)
+        # A model with direct_route lives in its own application (serve_app/direct.py).
+        models = {**models, **{
+            model.name: DeploymentHandle(deployment_name(model.name), direct_app_name(model.name))
+            for model in settings.models if model.direct_route
+        }}
         deployments = {name: handle.deployment_name for name, handle in models.items()}
         self.telemetry.models_served(deployments)
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
@@ -150,59 +120,9 @@ class Ingress:
         self.batches = BatchStore(self.access.redis, self.files, batch.max_requests, batch.max_active_per_key)
         self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.access, self.telemetry, batch)
         self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
-        self.readiness = Readiness(settings.models, deployments, self.gateway.described)
-
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, read as it arrives and refused (413) as soon as it passes the
-        limit: a chunked upload declares no length, so counting is the only check."""
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large()
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _too_large(self) -> OpenAIError:
-        return OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
-
-    async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
-        """The caller's key (checked first: no key, no parsing) and the JSON body."""
-        key = await self.access.authenticate(request.headers)
-        record.key_id, record.key_name = key.id, key.name
-        raw = await self._read_body(request)
-        return key, parse_json_object(raw), len(raw)
-
-    async def _handle(self, route: str, request: Request, translate, on_error=None) -> Response:
-        """One inference request by any route: read it, let ``translate`` turn
-        the body into a ``Call`` of this route's dialect, run it, answer; every
-        outcome is recorded once (access log + metrics, ``serve_app/telemetry.py``).
-        ``on_error`` renders errors in the dialect's shape."""
-        record = RequestRecord(route, _serve_request_id(request))
-        try:
-            key, body, size = await self._read(request, record)
-            call = await translate(body, key)
-            reply = await self.gateway.run(key, call.operation, call.body, size, record)
-            response = call.respond(reply)
-            if inspect.isawaitable(response):  # a respond that keeps state (Responses API)
-                response = await response
-        except OpenAIError as exc:
-            record.refused(exc.status, exc.code, exc.type, exc.headers)
-            response = on_error(exc) if on_error else exc.response()
-        except BaseException as exc:
-            record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500  # 499: client closed
-            self.telemetry.finish(record)
-            raise
-        if not (record.stream and isinstance(response, StreamingResponse)):  # a stream finishes at its end
-            record.status = response.status_code
-            self.telemetry.finish(record)
-        return response
-
-    async def _openai(self, operation: str, request: Request) -> Response:
-        return await self._handle("openai", request, _as_call(operation))
+        self.readiness = Readiness(settings.models, deployments, self.gateway.described,
+                                   {model.name: direct_app_name(model.name) for model in settings.models
+                                    if model.direct_route})
 
     # -- OpenAI API (also under OpenVINO Model Server's /v3 and Databricks'
     #    /serving-endpoints, where the OpenAI client is pointed at them) ---------
@@ -342,11 +262,11 @@ class Ingress:
 
     @app.post("/v1/messages")
     async def anthropic_messages(self, request: Request) -> Response:
-        return await self._handle("anthropic", request, _as_call("messages"), anthropic.error_response)
+        return await self._handle("anthropic", request, as_call("messages"), anthropic.error_response)
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(self, request: Request) -> Response:
-        return await self._handle("anthropic", request, _as_call("count_tokens"), anthropic.error_response)
+        return await self._handle("anthropic", request, as_call("count_tokens"), anthropic.error_response)
 
     # -- vLLM's own endpoints (route label "vllm"): scoring, reranking (Jina's and
     #    Cohere's v2 shape), the tokenizer ----------------------------------------
@@ -354,21 +274,21 @@ class Ingress:
     @app.post("/score")
     @app.post("/v1/score")
     async def score(self, request: Request) -> Response:
-        return await self._handle("vllm", request, _as_call("score"))
+        return await self._handle("vllm", request, as_call("score"))
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(self, request: Request) -> Response:
-        return await self._handle("vllm", request, _as_call("rerank"))
+        return await self._handle("vllm", request, as_call("rerank"))
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
-        return await self._handle("vllm", request, _as_call("tokenize"))
+        return await self._handle("vllm", request, as_call("tokenize"))
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
-        return await self._handle("vllm", request, _as_call("detokenize"))
+        return await self._handle("vllm", request, as_call("detokenize"))
 
     @app.get("/v1/models")
     @app.get("/v3/models")

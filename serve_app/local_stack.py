@@ -48,6 +48,23 @@ def default_log() -> Path:
     return pid_file().parent / "logs" / "run.log"
 
 
+def _with_direct_apps(config: Path) -> Path:
+    """``config``, or a copy beside the pid file that also declares the
+    application of each model with ``direct_route`` (serve_app/app.py)."""
+    import yaml
+
+    from serve_app.app import with_direct_apps
+
+    serve_config = yaml.safe_load(Path(config).read_text())
+    expanded = with_direct_apps(serve_config)
+    if expanded is serve_config:
+        return config
+    path = pid_file().parent / "serve-config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(expanded))
+    return path
+
+
 def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None, verbose: bool = False) -> int:
     """Serve ``config`` until the stack ends or is told to stop; return an exit code.
     Ray's and vLLM's output go to ``log`` (default: the data dir's logs/run.log),
@@ -65,7 +82,8 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
         log.parent.mkdir(parents=True, exist_ok=True)
         output = open(log, "w")
     serve = Path(sys.executable).parent / "serve"
-    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(config)], start_new_session=True,
+    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(_with_direct_apps(config))],
+                             start_new_session=True,
                              stdout=output, stderr=subprocess.STDOUT if output else None)
     if output is not None:
         output.close()  # the child holds it

@@ -27,11 +27,15 @@ STATUS_TTL_S = 1.0
 
 
 class Readiness:
-    def __init__(self, configs: list[ModelConfig], deployments: dict[str, str], describe: Callable[[str], bool]):
+    def __init__(self, configs: list[ModelConfig], deployments: dict[str, str], describe: Callable[[str], bool],
+                 apps: dict[str, str] | None = None):
         """``deployments``: model name → its Serve deployment; ``describe(name)``:
-        whether a replica of it has answered, starting a description if not."""
+        whether a replica of it has answered, starting a description if not;
+        ``apps``: model name → the application its deployment is in, where not
+        this one (a model with a direct route)."""
         self._kept_up = [c.name for c in configs if not c.scales_to_zero]
         self._deployments = deployments
+        self._apps = apps or {}
         self._describe = describe
         self._running: dict[str, int] = {}
         self._read_at = float("-inf")
@@ -63,10 +67,11 @@ class Readiness:
     def _read_status(self) -> dict[str, int]:
         from ray import serve
 
-        app = serve.get_replica_context().app_name
-        deployments = serve.status().applications[app].deployments
-        return {
-            name: int(deployments[deployment].replica_states.get("RUNNING", 0))
-            for name, deployment in self._deployments.items()
-            if deployment in deployments
-        }
+        own = serve.get_replica_context().app_name
+        applications = serve.status().applications
+        running = {}
+        for name, deployment in self._deployments.items():
+            app = applications.get(self._apps.get(name, own))
+            if app is not None and deployment in app.deployments:
+                running[name] = int(app.deployments[deployment].replica_states.get("RUNNING", 0))
+        return running

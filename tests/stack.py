@@ -129,7 +129,7 @@ def serve_stack(
     import ray
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import build_app, build_direct_app, direct_apps
 
     # The previous module's Ray may still be exiting (a CI run's ray.init timed out
     # waiting for its raylet 2 s after the chaos module's `ray stop --force`).
@@ -139,6 +139,9 @@ def serve_stack(
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        for direct in direct_apps(args):  # models with direct_route: an application each
+            serve.run(build_direct_app(direct["args"]), name=direct["name"], route_prefix=direct["route_prefix"],
+                      blocking=False)
         yield f"http://127.0.0.1:{port}"
     finally:
         try:
@@ -262,7 +265,7 @@ def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
     return asyncio.run(create())
 
 
-def call_replica(model_name: str, method: str, *args):
+def call_replica(model_name: str, method: str, *args, app_name: str = APP_NAME):
     """Call a model replica's method from (synchronous) test code.
 
     Handles are made and awaited on one long-lived event loop: with Ray
@@ -274,7 +277,7 @@ def call_replica(model_name: str, method: str, *args):
     from contract.model_config import deployment_name
 
     async def call():
-        handle = serve.get_deployment_handle(deployment_name(model_name), app_name=APP_NAME)
+        handle = serve.get_deployment_handle(deployment_name(model_name), app_name=app_name)
         return await getattr(handle, method).remote(*args)
 
     return asyncio.run_coroutine_threadsafe(call(), _driver_loop()).result(timeout=60)

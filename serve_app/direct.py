@@ -1,0 +1,155 @@
+"""A model's direct route: its replicas answer HTTP themselves, the gateway in-process.
+
+Through the ingress, a streamed token crosses two process boundaries after the
+engine (model replica -> ingress replica -> HTTP), each a Serve item through
+Ray's core worker; the profile in README ("Performance") puts that hop at most
+of the gateway's CPU. A model with ``direct_route`` also runs as its own Serve
+application at ``/direct/<model>``: HAProxy forwards each request straight to
+one of its replicas, which authenticates, admits, runs and settles it with the
+same ``Access`` and ``Gateway`` as the ingress (a library, not a copy), calling
+its own engine in-process. The ingress reaches the same deployment through a
+handle for every other route (dialects, Responses, batches, scoring).
+
+What the direct route does not do: Serve's request router (prefix affinity,
+adapter affinity) does not choose the replica, HAProxy balances by connections;
+the fair-share gate and the priority tiers' queue shares see only this
+replica's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from ray import serve
+from starlette.responses import JSONResponse, Response
+
+from contract.model_config import ModelConfig, deployment_name
+from replicas.vllm_replica import VLLMReplica
+from serve_app.access import Access
+from serve_app.gateway import Gateway
+from serve_app.request_handling import HandlesRequests, openai_app
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+
+
+class _Answer:
+    """A unary call on this process' replica, awaited like a ``DeploymentResponse``."""
+
+    def __init__(self, coroutine):
+        self._coroutine = coroutine
+
+    async def _fetch_future_result_async(self) -> None:
+        """In-process the replica takes the call at once (``gateway.reach_replica``)."""
+
+    def cancel(self) -> None:
+        self._coroutine.close()
+
+    def __await__(self):
+        return self._coroutine.__await__()
+
+
+class _Stream:
+    """A streaming call on this process' replica, iterated like a
+    ``DeploymentResponseGenerator``."""
+
+    def __init__(self, items):
+        self._items = items
+
+    async def _fetch_future_result_async(self) -> None:
+        """In-process the replica takes the call at once."""
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._items.__anext__()
+
+    def cancel(self) -> None:
+        """End the replica's generator (vLLM aborts the request), as Serve's cancel does."""
+        try:
+            asyncio.ensure_future(self._items.aclose())
+        except RuntimeError:  # no running loop: the process is ending
+            pass
+
+
+class _Method:
+    def __init__(self, remote):
+        self.remote = remote
+
+
+class InProcessReplica:
+    """What ``Gateway`` uses of a ``DeploymentHandle`` (``options``, and
+    ``call``/``stream``/``model_info`` ``.remote``), calling the replica object of
+    this process: no Serve item, no serialisation, no hop."""
+
+    def __init__(self, replica, adapter: str | None = None):
+        self._replica = replica
+        self._adapter = adapter
+        self.deployment_name = deployment_name(replica.config.name)
+
+    def options(self, *, stream: bool | None = None, multiplexed_model_id: str | None = None) -> "InProcessReplica":
+        return InProcessReplica(self._replica, multiplexed_model_id or self._adapter)
+
+    @property
+    def call(self) -> _Method:
+        return _Method(lambda operation, body: _Answer(self._replica.call(operation, body, self._adapter)))
+
+    @property
+    def stream(self) -> _Method:
+        return _Method(lambda operation, body: _Stream(self._replica.stream(operation, body, self._adapter)))
+
+    @property
+    def model_info(self) -> _Method:
+        async def info() -> dict[str, Any]:
+            return self._replica.model_info()
+
+        return _Method(lambda: _Answer(info()))
+
+
+direct_app = openai_app("llm-cluster direct route")
+
+# The routes a direct route answers (tests/unit/test_route_access.py checks each needs a key).
+DIRECT_ROUTES = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/embeddings"),
+    ("GET", "/v1/models"),
+}
+
+
+@serve.deployment
+@serve.ingress(direct_app)
+class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
+    """The model's replica (``VLLMReplica``: the ingress' handle calls work as
+    before) that also answers its model's OpenAI routes over HTTP."""
+
+    async def __init__(self, config: ModelConfig, settings: AppSettings):
+        await VLLMReplica.func_or_class.__init__(self, config)
+        self.max_body_bytes = settings.ingress.max_body_bytes
+        self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
+                                   settings.telemetry.per_key_max_keys)
+        self.telemetry.models_served({config.name: deployment_name(config.name)})
+        self.telemetry.keep_gauges_fresh()
+        # Its replicas share a key's limits during a Redis outage (fail_mode open).
+        self.access = Access(settings, self.telemetry, config.serve_options())
+        self.access.start_maintenance()
+        self.gateway = Gateway(self.access, {config.name: InProcessReplica(self)}, [config], self.telemetry)
+
+    @direct_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai("chat", request)
+
+    @direct_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._openai("completions", request)
+
+    @direct_app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._openai("embeddings", request)
+
+    @direct_app.get("/v1/models")
+    async def list_models(self, request: Request) -> JSONResponse:
+        key = await self.access.authenticate(request.headers)
+        return JSONResponse({"object": "list", "data": await self.gateway.model_cards(key)})

@@ -1,0 +1,122 @@
+"""What every HTTP front of the gateway shares: the FastAPI app with OpenAI's
+error envelope, and reading, admitting and answering one inference request.
+
+Two deployments serve HTTP with it: the ingress (every route, every model) and,
+for a model with ``direct_route``, the model's own replicas (its inference
+routes only, the gateway in-process: ``serve_app/direct.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from serve_app.api_requests import parse_json_object
+from serve_app.calls import Call
+from serve_app.edge import RefuseServeControlHeaders
+from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
+from serve_app.keys import KeyRecord
+from serve_app.telemetry import RequestRecord
+
+logger = logging.getLogger("ray.serve")
+
+
+def openai_app(title: str) -> FastAPI:
+    """A FastAPI app answering every error in OpenAI's envelope, with no
+    unauthenticated schema and the serving layer's control headers refused."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RefuseServeControlHeaders)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and wrong methods, in the same envelope as everything else.
+        code = "unknown_url" if exc.status_code == 404 else None
+        body = envelope(str(exc.detail), error_type_for(exc.status_code), code=code)
+        return error_response(exc.status_code, body, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s", title)
+        return error_response(500, envelope("The server had an error processing your request.", "server_error"))
+
+    return app
+
+
+def as_call(operation: str):
+    """The translation of a route whose body is already the canonical request."""
+    async def as_is(body: dict[str, Any], key: KeyRecord) -> Call:
+        return Call(operation, body)
+
+    return as_is
+
+
+def serve_request_id(request: Request) -> str:
+    """Ray Serve's id for this HTTP request: its proxy answers with it as x-request-id."""
+    return request.headers.get("x-request-id", "")
+
+
+class HandlesRequests:
+    """Reading and answering inference requests; the class using it sets
+    ``access``, ``gateway``, ``telemetry`` and ``max_body_bytes``."""
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, read as it arrives and refused (413) as soon as it passes the
+        limit: a chunked upload declares no length, so counting is the only check."""
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
+
+    async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
+        """The caller's key (checked first: no key, no parsing) and the JSON body."""
+        key = await self.access.authenticate(request.headers)
+        record.key_id, record.key_name = key.id, key.name
+        raw = await self._read_body(request)
+        return key, parse_json_object(raw), len(raw)
+
+    async def _handle(self, route: str, request: Request, translate, on_error=None) -> Response:
+        """One inference request by any route: read it, let ``translate`` turn
+        the body into a ``Call`` of this route's dialect, run it, answer; every
+        outcome is recorded once (access log + metrics, ``serve_app/telemetry.py``).
+        ``on_error`` renders errors in the dialect's shape."""
+        record = RequestRecord(route, serve_request_id(request))
+        try:
+            key, body, size = await self._read(request, record)
+            call = await translate(body, key)
+            reply = await self.gateway.run(key, call.operation, call.body, size, record)
+            response = call.respond(reply)
+            if inspect.isawaitable(response):  # a respond that keeps state (Responses API)
+                response = await response
+        except OpenAIError as exc:
+            record.refused(exc.status, exc.code, exc.type, exc.headers)
+            response = on_error(exc) if on_error else exc.response()
+        except BaseException as exc:
+            record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500  # 499: client closed
+            self.telemetry.finish(record)
+            raise
+        if not (record.stream and isinstance(response, StreamingResponse)):  # a stream finishes at its end
+            record.status = response.status_code
+            self.telemetry.finish(record)
+        return response
+
+    async def _openai(self, operation: str, request: Request) -> Response:
+        return await self._handle("openai", request, as_call(operation))

@@ -1,0 +1,141 @@
+"""The direct route's pure parts: the in-process handle the gateway calls the
+replica through, and the application builders. (The route itself, with Redis,
+Serve, HAProxy and vLLM: tests/e2e/test_direct_route_e2e.py.)"""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from contract.replica_wire import ReplicaAnswer, StreamStart
+from serve_app.app import build_app, build_direct_app, direct_apps
+from serve_app.direct import DIRECT_ROUTES, InProcessReplica, direct_app
+from serve_app.gateway import QueueTimeout, reach_replica
+
+LOCAL = yaml.safe_load(open("configs/local.yaml"))["applications"][0]["args"]
+
+
+class Replica:
+    """Records what it was asked; streams until told to stop."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(name="tiny-llama")
+        self.calls, self.stream_ended = [], None
+
+    async def call(self, operation, body, adapter=None):
+        self.calls.append((operation, body, adapter))
+        return ReplicaAnswer(b"{}", None, "r1")
+
+    async def stream(self, operation, body, adapter=None):
+        self.calls.append((operation, body, adapter))
+        try:
+            yield StreamStart("r1", "data: 0\n\n")
+            for i in range(1, 1000):
+                await asyncio.sleep(0)
+                yield f"data: {i}\n\n"
+            self.stream_ended = "drained"
+        except GeneratorExit:
+            self.stream_ended = "closed"  # where vLLM aborts the request
+            raise
+
+    def model_info(self):
+        return {"max_model_len": 2048, "operations": ["chat"]}
+
+
+def test_a_unary_call_reaches_the_replica_with_its_adapter():
+    replica = Replica()
+    handle = InProcessReplica(replica)
+
+    async def run():
+        response = await reach_replica(lambda: handle.options(multiplexed_model_id="a1").call.remote("chat", {}), 1)
+        return await response
+
+    assert asyncio.run(run()).replica == "r1"
+    assert replica.calls == [("chat", {}, "a1")]
+    assert handle.deployment_name == "model-tiny-llama"
+
+
+def test_a_stream_is_relayed_item_by_item_and_cancel_ends_the_replicas_generator():
+    replica = Replica()
+
+    async def run():
+        chunks = InProcessReplica(replica).options(stream=True).stream.remote("chat", {})
+        await chunks._fetch_future_result_async()
+        first = await chunks.__anext__()
+        second = await chunks.__anext__()
+        chunks.cancel()  # the client left
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert isinstance(first, StreamStart) and second == "data: 1\n\n"
+    assert replica.stream_ended == "closed"
+
+
+def test_a_call_withdrawn_before_it_ran_never_runs():
+    replica = Replica()
+
+    async def run():
+        gate = asyncio.Event()  # the fair-share gate never opens: the call is never sent
+        with pytest.raises(QueueTimeout):
+            await reach_replica(lambda: InProcessReplica(replica).call.remote("chat", {}), 0.05, gate.wait)
+        response = InProcessReplica(replica).call.remote("chat", {})
+        response.cancel()  # sent, then withdrawn before awaited: closed, not left pending
+        return response
+
+    response = asyncio.run(run())
+    assert replica.calls == []
+    assert response._coroutine.cr_frame is None  # closed (an unstarted one still has its frame)
+
+
+def test_model_info_is_the_replicas():
+    async def run():
+        return await InProcessReplica(Replica()).model_info.remote()
+
+    assert asyncio.run(run())["max_model_len"] == 2048
+
+
+def direct_args():
+    args = yaml.safe_load(yaml.safe_dump(LOCAL))
+    args["models"][0]["direct_route"] = True
+    return args
+
+
+def test_a_direct_model_is_not_bound_in_the_main_application_but_in_its_own():
+    args = direct_args()
+    assert set(build_app(args)._bound_deployment.init_args[1]) == {"minilm"}
+    [entry] = direct_apps(args)
+    assert (entry["name"], entry["route_prefix"]) == ("direct-tiny-llama", "/direct/tiny-llama")
+    assert entry["import_path"] == "serve_app.app:build_direct_app"
+    deployment = build_direct_app(entry["args"])._bound_deployment
+    assert deployment.name == "model-tiny-llama"  # the name the ingress' handle asks for
+    # HAProxy picks the replica; Serve refuses a custom router on an application's ingress.
+    assert deployment._deployment_config.request_router_config.request_router_class.endswith(
+        "PowerOfTwoChoicesRequestRouter")
+    assert direct_apps(LOCAL) == []
+
+
+def test_build_direct_app_names_the_model_or_refuses():
+    with pytest.raises(ValueError, match="direct_route"):
+        build_direct_app({**LOCAL, "direct_model": "tiny-llama"})  # no model has direct_route
+    with pytest.raises(ValueError, match="direct_route"):
+        build_direct_app({**direct_args(), "direct_model": "minilm"})
+
+
+def test_the_direct_app_serves_exactly_its_declared_routes_and_no_schema():
+    served = {(method, route.path) for route in direct_app.routes for method in route.methods}
+    assert served == DIRECT_ROUTES
+    assert direct_app.openapi_url is None and direct_app.docs_url is None
+
+
+def test_llmctl_run_declares_the_direct_applications_a_config_asks_for():
+    from serve_app.app import with_direct_apps
+
+    config = yaml.safe_load(open("configs/local.yaml"))
+    assert with_direct_apps(config) is config  # nothing asked: the operator's file as it is
+    config["applications"][0]["args"]["models"][0]["direct_route"] = True
+    expanded = with_direct_apps(config)
+    assert [app["name"] for app in expanded["applications"]] == ["llm", "direct-tiny-llama"]
+    assert with_direct_apps(expanded) is expanded  # declared already: not twice
