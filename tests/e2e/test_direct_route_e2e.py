@@ -27,7 +27,7 @@ from stack import call_replica, create_key, local_app_args, serve_stack
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
-LEASE_S = 2.0  # short: a stream outliving it holds its place only if the replica renews it
+LEASE_S = 1.0  # short: a stream outliving it holds its place only if the replica renews it
 HELLO = [{"role": "user", "content": "Tell me about the license."}]
 
 
@@ -65,7 +65,7 @@ def engine_unfinished() -> int:
 
 def test_the_direct_route_answers_as_the_ingress_does_and_charges_once(base_url, direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-same", requests_per_minute=100)
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
     direct = openai.OpenAI(base_url=direct_url + "/v1", api_key=secret, max_retries=0, timeout=120)
     ingress = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
 
@@ -98,7 +98,7 @@ def test_models_lists_what_the_key_may_use(direct_url, redis_server):
     listed = httpx.get(direct_url + "/v1/models", headers={"authorization": f"Bearer {secret}"}, timeout=60)
     openai_spec.validate(listed.json(), "ListModelsResponse")
     assert [m["id"] for m in listed.json()["data"]] == [MODEL]
-    _, other = create_key(redis_server.url, "direct-other-model", allowed_models=["minilm"])
+    _, other = create_key(redis_server.url, "direct-other-model", models=["minilm"])
     assert httpx.get(direct_url + "/v1/models", headers={"authorization": f"Bearer {other}"},
                      timeout=60).json()["data"] == []
 
@@ -107,7 +107,7 @@ def test_no_key_a_wrong_key_or_a_model_not_allowed_never_reach_the_engine(direct
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 4}
     assert_error_envelope(httpx.post(direct_url + "/v1/chat/completions", json=request, timeout=60), 401)
     assert_error_envelope(post(direct_url, "sk-not-a-key", "/v1/chat/completions", request), 401)
-    key_id, secret = create_key(redis_server.url, "direct-not-allowed", allowed_models=["minilm"])
+    key_id, secret = create_key(redis_server.url, "direct-not-allowed", models=["minilm"])
     error = assert_error_envelope(post(direct_url, secret, "/v1/chat/completions", request), 403)
     assert error["code"] == "model_not_allowed"
     # Another model by name on this model's route: not served here, whatever the key.
@@ -158,13 +158,15 @@ def test_a_key_limit_is_one_limit_across_the_direct_route_and_the_ingress(base_u
 
 def test_a_stream_outliving_its_lease_holds_the_keys_only_place(direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-long", max_concurrent=1)
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    # 1,900 tokens: about 3 s on an idle 2-core box, longer under load.
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True, "stream": True}
     headers = {"authorization": f"Bearer {secret}"}
     with httpx.stream("POST", direct_url + "/v1/chat/completions", json=request, headers=headers, timeout=120) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
         next(lines)
-        time.sleep(LEASE_S * 2)  # the replica renews the lease, or the key's place would be free again
+        time.sleep(LEASE_S * 1.6)  # the replica renews the lease, or the key's place would be free again
+        assert call_replica(MODEL, "engine_load", app_name=direct_app_name(MODEL))["unfinished"] == 1  # still on
         second = post(direct_url, secret, "/v1/chat/completions", {**request, "stream": False, "max_tokens": 2})
         assert assert_error_envelope(second, 429)["type"] == "concurrency"
         for _ in lines:
