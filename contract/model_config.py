@@ -278,6 +278,9 @@ class ModelConfig(BaseModel):
                 raise ValueError("set `lora`, not engine_kwargs.enable_lora/max_loras/max_lora_rank/lora_modules")
             if "demo" in self.lora.adapters.values() and not self.source.startswith(DEMO_SOURCE):
                 raise ValueError("a 'demo' adapter fits only a demo base model")
+        if self.direct_route and self.lora is not None:
+            # Adapter affinity is a Serve request router, which an application's ingress cannot have.
+            raise ValueError("direct_route serves base models only: a model with `lora` goes through the ingress")
         if self.autoscaling is not None and {"num_replicas", "autoscaling_config"} & self.deployment.keys():
             raise ValueError("set either `autoscaling` or deployment.num_replicas/autoscaling_config, not both")
         return self

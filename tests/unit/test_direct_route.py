@@ -139,3 +139,10 @@ def test_llmctl_run_declares_the_direct_applications_a_config_asks_for():
     expanded = with_direct_apps(config)
     assert [app["name"] for app in expanded["applications"]] == ["llm", "direct-tiny-llama"]
     assert with_direct_apps(expanded) is expanded  # declared already: not twice
+
+
+def test_a_model_with_adapters_has_no_direct_route():
+    from contract.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match="direct_route"):
+        ModelConfig(name="m", direct_route=True, lora={"adapters": {"a": "demo"}})
