@@ -59,6 +59,16 @@ def charged(redis, key_id) -> int:
     return int(redis.hget(redis_names.usage(key_id), f"d:{day}:tokens") or 0)
 
 
+def long_stream(url: str, secret: str):
+    """A streamed chat of 1,900 tokens (about 3 s on an idle 2-core box, longer under load)."""
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    return httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120,
+                        headers={"authorization": f"Bearer {secret}"})
+
+
+SHORT = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+
+
 def engine_unfinished() -> int:
     return call_replica(MODEL, "engine_load", app_name=direct_app_name(MODEL))["unfinished"]
 
@@ -158,16 +168,13 @@ def test_a_key_limit_is_one_limit_across_the_direct_route_and_the_ingress(base_u
 
 def test_a_stream_outliving_its_lease_holds_the_keys_only_place(direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-long", max_concurrent=1)
-    # 1,900 tokens: about 3 s on an idle 2-core box, longer under load.
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    headers = {"authorization": f"Bearer {secret}"}
-    with httpx.stream("POST", direct_url + "/v1/chat/completions", json=request, headers=headers, timeout=120) as first:
+    with long_stream(direct_url, secret) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
         next(lines)
         time.sleep(LEASE_S * 1.6)  # the replica renews the lease, or the key's place would be free again
-        assert call_replica(MODEL, "engine_load", app_name=direct_app_name(MODEL))["unfinished"] == 1  # still on
-        second = post(direct_url, secret, "/v1/chat/completions", {**request, "stream": False, "max_tokens": 2})
+        assert engine_unfinished() == 1  # still generating
+        second = post(direct_url, secret, "/v1/chat/completions", SHORT)
         assert assert_error_envelope(second, 429)["type"] == "concurrency"
         for _ in lines:
             pass
@@ -176,9 +183,7 @@ def test_a_stream_outliving_its_lease_holds_the_keys_only_place(direct_url, redi
 
 def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-gone", max_concurrent=1)
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    headers = {"authorization": f"Bearer {secret}"}
-    with httpx.stream("POST", direct_url + "/v1/chat/completions", json=request, headers=headers, timeout=120) as gone:
+    with long_stream(direct_url, secret) as gone:
         assert gone.status_code == 200
         received = 0
         for line in gone.iter_lines():
@@ -193,5 +198,5 @@ def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_ur
     assert [r["status"] for r in found] == ["cancelled"], found
     # A cancelled stream keeps its reservation charged (its tokens were made, never counted).
     assert charged(redis, key_id) >= 1900
-    again = post(direct_url, secret, "/v1/chat/completions", {**request, "stream": False, "max_tokens": 2})
+    again = post(direct_url, secret, "/v1/chat/completions", SHORT)
     assert again.status_code == 200  # its only place came back
