@@ -22,7 +22,8 @@ async def coalesce(source: AsyncIterator[str], interval_s: float = 0.0) -> Async
 
     ``interval_s`` > 0 additionally waits that long after each item (except the
     first) so more events join it: fewer, larger items at the cost of latency
-    between tokens.
+    between tokens. The wait ends early when the source does, so a stream's end
+    is never held back.
     """
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -43,7 +44,9 @@ async def coalesce(source: AsyncIterator[str], interval_s: float = 0.0) -> Async
         while True:
             item = await queue.get()
             if not first and interval_s > 0 and item is not _END:
-                await asyncio.sleep(interval_s)
+                # Wait for more to join, but not past the source's end: the last
+                # tokens, the usage and [DONE] go out as soon as they exist.
+                await asyncio.wait((task,), timeout=interval_s)
             first = False
             parts = []
             while True:

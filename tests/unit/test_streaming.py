@@ -74,3 +74,13 @@ async def test_closing_the_stream_cancels_the_source():
     await stream.__anext__()
     await stream.aclose()
     assert cancelled.is_set()
+
+
+async def test_the_end_of_a_stream_is_not_held_for_the_interval():
+    # An hour's interval: the stream's last items (vLLM's usage and [DONE]) still
+    # come out as soon as the source ends, joined into one item.
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    out = await asyncio.wait_for(collect(produce(["a", "b", "c", "[DONE]"], delay=0.01), interval_s=3600), timeout=30)
+    assert out == ["a", "bc[DONE]"]
+    assert loop.time() - started < 30
