@@ -251,8 +251,9 @@ class ModelConfig(BaseModel):
         50.0,
         ge=0,
         description="After the first chunk, coalesce streamed chunks for this long before "
-        "sending them to the ingress (Ray Serve LLM's default is also 50 ms). Each hop "
-        "costs CPU the engine needs; 0 sends at once, joining only what piled up.",
+        "sending them on (Ray Serve LLM's default is also 50 ms), never past the stream's "
+        "end. Each item sent costs CPU the engine needs; 0 sends at once, joining only what "
+        "piled up.",
     )
     direct_route: bool = Field(
         False,
