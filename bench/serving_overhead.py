@@ -71,6 +71,7 @@ def bench_api_key() -> str:
     import asyncio
 
     import redis.asyncio
+    import redis.exceptions
 
     from serve_app.keys import KeyStore
 
@@ -81,7 +82,11 @@ def bench_api_key() -> str:
         finally:
             await client.aclose()
 
-    return asyncio.run(create())
+    try:
+        return asyncio.run(create())
+    except redis.exceptions.ConnectionError as exc:
+        # `make bench` starts it (scripts/ensure_redis.sh); a direct run needs it up.
+        raise SystemExit(f"the stack's Redis is not reachable ({exc}): run `make redis` first") from None
 
 
 def wait_ready(url: str, proc: subprocess.Popen, model: str, timeout_s: float = 600) -> None:
