@@ -42,6 +42,7 @@ from serve_app.errors import OpenAIError
 from serve_app.key_cache import KeyCache
 from serve_app.keys import KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
+from serve_app.overlap import OverlapGuard
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from serve_app.usage import new_request_id
@@ -92,6 +93,8 @@ class Access:
         )
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens
+        # Which keys' streams may start before their admission returns (overlap.py).
+        self.overlap = OverlapGuard() if quota.overlap_admission else None
         self.renew_every_s = quota.concurrency_lease_s / 3
         self.ingress_replicas = IngressReplicas(settings.ingress.deployment if deployment is None else deployment)
         self.local = LocalLimiter(self.ingress_replicas.count)
@@ -158,8 +161,16 @@ class Access:
 
     # -- admission -------------------------------------------------------------
 
-    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "") -> Ticket:
-        request_id = new_request_id(key.id)
+    def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool:
+        """Whether a stream of ``key`` may go to the engine while its admission is
+        in Redis (serve_app/overlap.py); if so, the room it assumes is spent."""
+        return self.overlap is not None and self.overlap.try_spend(key, reserve_tokens)
+
+    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",
+                    request_id: str | None = None) -> Ticket:
+        """``request_id``: the id the request was already sent to the engine under
+        (an overlapped admission); a new one otherwise."""
+        request_id = request_id or new_request_id(key.id)
         started = time.perf_counter()
         try:
             decision = await self.admission.admit(key, request_id, model, reserve_tokens, http_request_id)
@@ -171,6 +182,7 @@ class Access:
             raise
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
+            self._no_overlap(key)  # no guesses while Redis cannot answer
             try:
                 return self._admit_locally(key, request_id, model, reserve_tokens, exc)
             except OpenAIError:
@@ -178,6 +190,7 @@ class Access:
                 raise
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("admit")
+            self._no_overlap(key)
             logger.error("Redis refused the admission script: %s", exc)
             self._settle_later(key, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
             raise _backend_error(exc) from None
@@ -187,12 +200,19 @@ class Access:
         if decision.kind == "duplicate":  # a 64-bit random id seen before: never in practice
             raise _backend_error(RuntimeError("request id collision"))
         if not decision.admitted:
+            self._no_overlap(key)
             raise _refusal(key, decision, reserve_tokens, headers)
+        if self.overlap is not None:
+            self.overlap.admitted(key, decision)
         ticket = Ticket(key, request_id, model, headers)
         self._leased[request_id] = ticket
         if http_request_id:
             self._spawn(self.admission.index_http_id(http_request_id, request_id))
         return ticket
+
+    def _no_overlap(self, key: KeyRecord) -> None:
+        if self.overlap is not None:
+            self.overlap.refused(key)
 
     def _record_budget_use(self, key: KeyRecord, decision: Decision) -> None:
         budgets = {"daily": key.daily_token_budget, "monthly": key.monthly_token_budget}
@@ -241,7 +261,8 @@ class Access:
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.
             self._settle_later(ticket.key, ticket.request_id, ticket.model, status, prompt, completion, replica)
             return
-        self._leased.pop(ticket.request_id, None)
+        if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
+            self.overlap.ended(ticket.key.id)
         self._spawn(self._settle_now(
             (ticket.key, ticket.request_id, status, prompt, completion, replica, ticket.model)
         ))

@@ -69,8 +69,16 @@ class _Stream:
     def cancel(self) -> None:
         """End the replica's generator (vLLM aborts the request), as Serve's cancel does."""
         try:
-            asyncio.ensure_future(self._items.aclose())
+            asyncio.ensure_future(self._close())
         except RuntimeError:  # no running loop: the process is ending
+            pass
+
+    async def _close(self) -> None:
+        try:
+            await self._items.aclose()
+        except RuntimeError:
+            # A pull of its first item is in flight (a stream started before its
+            # admission): cancelling that pull ends the generator instead.
             pass
 
 
@@ -148,6 +156,11 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
     @direct_app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
+
+    def early_starts(self) -> dict[str, int]:
+        """Streams this replica's gateway sent to the engine before their admission
+        returned, by outcome (also the ``llm_gateway_early_starts`` metric)."""
+        return dict(self.telemetry.early_counts)
 
     @direct_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:

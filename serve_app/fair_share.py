@@ -154,12 +154,19 @@ class FairGate:
     async def enter(self, key: str, tier: int) -> Place:
         """Returns once the request may be handed on: at once while a place is free
         and nobody waits, else in fair order as places free."""
+        place = self.enter_now(key)
+        if place is None:
+            await self._wait(key, tier)
+            place = Place(self, key)
+        return place
+
+    def enter_now(self, key: str) -> Place | None:
+        """A place at once, if one is free and nobody waits; else None (and no place taken)."""
         if key not in self._queues:
             self.vtc.lift(key, list(self._queues))
-        if not self._queues and self._room(key):
-            self._hand_on(key)
-        else:
-            await self._wait(key, tier)
+        if self._queues or not self._room(key):
+            return None
+        self._hand_on(key)
         return Place(self, key)
 
     def served(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:

@@ -34,6 +34,7 @@ from serve_app.parameters import apply_parameter_policy
 from serve_app.reservation import Reservation, reserve
 from serve_app.sse import STREAM_SHAPES, StreamShape
 from serve_app.telemetry import RequestRecord, Telemetry
+from serve_app.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -317,31 +318,47 @@ class Gateway:
             default_max_tokens=self.access.default_max_tokens,
             context_length=self.context_length(model),
         )
-        ticket = await self.access.admit(
-            key,
-            model,
-            reservation.tokens,
-            # Ray Serve's id for this HTTP request: it answers it as x-request-id.
-            record.request_id,
-        )
-        self.telemetry.admitted(record)
-        if op.carries_request_id:
-            body["request_id"] = ticket.request_id
         config = self._configs[model]
         rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
         if config.priority_scheduling and op.name in PRIORITIZED:
             body["priority"] = rank
         tier = "low" if background else key.priority
         queue_limit = config.priority.queue_limit(tier, config.max_queued_requests)
-        if 0 <= queue_limit <= self._waiting[model]:
+        queue_full = 0 <= queue_limit <= self._waiting[model]
+        streaming = bool(getattr(request, "stream", False))
+        # A stream of a key with room to spare starts in the engine now, its
+        # admission beside the prefill (serve_app/overlap.py); nothing is relayed
+        # before Redis admits it.
+        early = None if queue_full or not streaming else self._start_early(handle, op, body, key, model, reservation)
+        try:
+            ticket = await self.access.admit(
+                key,
+                model,
+                reservation.tokens,
+                # Ray Serve's id for this HTTP request: it answers it as x-request-id.
+                record.request_id,
+                request_id=early.request_id if early else None,
+            )
+        except BaseException:
+            if early is not None:
+                early.withdraw()  # refused, or the client left: the engine aborts it
+                self.telemetry.started_early(model, "withdrawn")
+            raise
+        if early is not None:
+            self.telemetry.started_early(model, "admitted")
+        self.telemetry.admitted(record)
+        if op.carries_request_id:
+            body["request_id"] = ticket.request_id
+        if queue_full:
             # This tier's share of the model's queue is full (the rest is kept for higher tiers).
             self.access.settle(ticket, "overloaded", Usage())
             raise _unavailable(ticket, f"Model '{model}' is at capacity for {tier}-priority requests. "
                                        "Please retry shortly.", "model_overloaded")
         queue_timeout_s = config.queue_timeout_s
         try:
-            if getattr(request, "stream", False):
-                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation, rank)
+            if streaming:
+                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation, rank,
+                                          early)
             response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.replica_operation, body),
                                            queue_timeout_s, rank)
             answer: ReplicaAnswer | ReplicaError = await response
@@ -383,18 +400,26 @@ class Gateway:
         record: RequestRecord,
         reservation: Reservation,
         rank: int,
+        early: "_EarlyStart | None" = None,
     ) -> Reply:
         options = getattr(request, "stream_options", None)
         client_wants_usage = bool(options and options.include_usage)
-        if op.streams_as == "openai":
-            # Usage is always asked for: it settles the token reservation. (Anthropic's
-            # streams always carry it.)
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        chunks = await self._hand_on(
-            body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.replica_operation, body), queue_timeout_s,
-            rank)
+        if early is None:
+            _ask_for_usage(op, body)
+            chunks = await self._hand_on(
+                body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.replica_operation, body),
+                queue_timeout_s, rank)
+            next_item = chunks.__anext__()
+        else:
+            try:
+                chunks = await self._hand_on(body["model"], ticket, lambda: early.chunks, queue_timeout_s, rank,
+                                             early.place)
+            except BaseException:
+                early.withdraw()
+                raise
+            next_item = early.first
         try:
-            first = await chunks.__anext__()
+            first = await next_item
         except StopAsyncIteration:
             self.access.settle(ticket, "failed")
             raise OpenAIError(500, "The model returned an empty stream.") from None
@@ -412,13 +437,47 @@ class Gateway:
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
 
-    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int):
+    def _start_early(self, handle, op: Operation, body: dict, key: KeyRecord, model: str,
+                     reservation: Reservation) -> "_EarlyStart | None":
+        """Send a stream to ``model``'s replicas before its admission, if the model is
+        busy, its key may (``Access.may_start_before_admission``) and the fair-share
+        gate has a place at once; else None, and the request takes the ordinary path.
+
+        Only while this gateway has other requests of the model in flight: then the
+        admission's round trip waits behind their work (measured on the 2-core box:
+        300 ms at worst while a stream ran beside it) and the new request would queue
+        for the engine's next step anyway. On an idle model admission is one quick
+        round trip, and an engine started beside it only takes CPU from it."""
+        if not self.telemetry.in_flight_count(model):
+            return None
+        if not self.access.may_start_before_admission(key, reservation.tokens):
+            return None
+        place = None
+        gate = self._gates.get(model)
+        if gate is not None:
+            place = gate.enter_now(key.id)
+            if place is None:
+                return None
+        request_id = new_request_id(key.id)
+        if op.carries_request_id:
+            body["request_id"] = request_id
+        _ask_for_usage(op, body)
+        chunks = handle.options(stream=True).stream.remote(op.replica_operation, body)
+        # Pulling the first item is what starts an in-process replica's engine
+        # request (a handle's call is already on its way to a replica).
+        return _EarlyStart(request_id, chunks, asyncio.ensure_future(chunks.__anext__()), place)
+
+    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int, place=None):
         """``send()`` the request to ``model``'s replicas once the fair-share gate gives
         it a place (at once while the model has room) and wait until a replica takes
         it. The model's queue timeout bounds both waits: past it the call is withdrawn
         and ``QueueTimeout`` raised. Meanwhile the request counts as waiting. Its
-        place is freed when its ticket is settled, whatever way the request ends."""
+        place (``place`` when it already has one) is freed when its ticket is
+        settled, whatever way the request ends."""
         gate = self._gates.get(model)
+        if place is not None:
+            ticket.on_settle = place.leave
+            gate = None
 
         async def take_a_place() -> None:
             place = await gate.enter(ticket.key.id, rank)
@@ -516,6 +575,35 @@ class Gateway:
                 record.error_code = "stream_failed"
             record.used(usage)
             self.telemetry.finish(record)
+
+
+def _ask_for_usage(op: Operation, body: dict) -> None:
+    """Usage is always asked for: it settles the token reservation. (Anthropic's
+    streams always carry it.)"""
+    if op.streams_as == "openai":
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+
+
+class _EarlyStart:
+    """A stream sent before its admission: its request id, the call, the task
+    pulling its first item, and its fair-share place (None without a gate)."""
+
+    __slots__ = ("request_id", "chunks", "first", "place")
+
+    def __init__(self, request_id: str, chunks, first: asyncio.Future, place):
+        self.request_id, self.chunks, self.first, self.place = request_id, chunks, first, place
+
+    def withdraw(self) -> None:
+        """Not admitted (or the client left): end the call, whose engine request
+        vLLM aborts, and give its place back."""
+        if self.first.done():
+            if not self.first.cancelled():
+                self.first.exception()  # retrieved: it is not an error of anyone's
+        else:
+            self.first.cancel()  # an in-process replica's generator ends where it waits
+        self.chunks.cancel()
+        if self.place is not None:
+            self.place.leave()
 
 
 def _delivered(events: int, reservation: Reservation, chat: bool) -> Usage:

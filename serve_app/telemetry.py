@@ -143,6 +143,12 @@ class Telemetry:
         self.disconnects = Counter(
             "llm_gateway_client_disconnects", "Streams the client cancelled before the end.", ("model",)
         )
+        self.early_starts = Counter(
+            "llm_gateway_early_starts", "Streams sent to the engine before their admission returned "
+            "(quota.overlap_admission), by outcome: admitted, or withdrawn (refused, or the client left).",
+            ("model", "outcome"),
+        )
+        self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
         # An info metric: joins Serve's per-deployment metrics (replicas, autoscaling
         # target) to model names in PromQL (`* on(deployment) group_left(model)`).
         self.model_info = Gauge(
@@ -250,6 +256,15 @@ class Telemetry:
                     self.key_tokens.inc(count, tags={"key_name": key_name, "kind": kind})
         if self.access_log is not None:
             self.access_log.info(access_line(record, now))
+
+    def started_early(self, model: str, outcome: str) -> None:
+        """A stream sent before its admission was ``admitted`` or ``withdrawn``."""
+        self.early_starts.inc(tags={"model": model, "outcome": outcome})
+        self.early_counts[outcome] += 1
+
+    def in_flight_count(self, model: str) -> int:
+        """Requests of ``model`` admitted here and not finished."""
+        return self._in_flight.get(model, 0)
 
     def _move_in_flight(self, model: str, delta: int) -> None:
         count = self._in_flight.get(model, 0) + delta

@@ -10,7 +10,10 @@ runs, which leases are held, across both routes of one key."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import datetime
+import json
 import time
 
 import httpx
@@ -200,3 +203,120 @@ def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_ur
     assert charged(redis, key_id) >= 1900
     again = post(direct_url, secret, "/v1/chat/completions", SHORT)
     assert again.status_code == 200  # its only place came back
+
+
+# -- streams started before their admission (serve_app/overlap.py) ---------------
+# Only while the model is busy (another request of it in flight on the replica):
+# each test below holds a long stream of another key open meanwhile.
+
+STREAMED = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def stream_chat(url: str, secret: str) -> tuple[int, dict | None]:
+    """(status, the stream's usage) of one streamed chat, read to its end."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=STREAMED, timeout=120,
+                      headers={"authorization": f"Bearer {secret}"}) as response:
+        usage = None
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[len("data: "):]).get("usage") or usage
+        return response.status_code, usage
+
+
+@contextlib.contextmanager
+def model_busy(direct_url: str, redis_server):
+    """A long stream of another key in flight on the replica (hung up on at the end)."""
+    _, other = create_key(redis_server.url, f"direct-busy-{free_port()}")
+    with long_stream(direct_url, other) as busy:
+        assert busy.status_code == 200
+        lines = busy.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        yield
+
+
+def early_starts() -> dict[str, int]:
+    """Streams the replica sent to its engine before their admission returned, by outcome."""
+    return call_replica(MODEL, "early_starts", app_name=direct_app_name(MODEL))
+
+
+def engine_prompt_tokens() -> int:
+    """Prompt tokens the engine has scheduled since it started (its prefix-cache lookups)."""
+    return call_replica(MODEL, "engine_load", app_name=direct_app_name(MODEL))["prefix_cache_queries"]
+
+
+def wait_engine_idle() -> None:
+    deadline = time.monotonic() + 30
+    while engine_unfinished():
+        assert time.monotonic() < deadline, "the engine still runs requests nobody is waiting for"
+        time.sleep(0.2)
+
+
+def test_a_flood_past_a_limit_spent_elsewhere_starts_no_more_than_the_room_redis_reported(
+        base_url, direct_url, redis_server, redis):
+    # The direct replica learns the key's room from its own admissions; the rest of
+    # the limit is then spent through the ingress, so what the replica believes is stale.
+    key_id, secret = create_key(redis_server.url, "direct-flood", requests_per_minute=4)
+    streamed = [stream_chat(direct_url, secret) for _ in range(2)]  # Redis reports 2 left
+    assert [status for status, _ in streamed] == [200, 200]
+    prompt = streamed[0][1]["prompt_tokens"]
+    unary = [post(base_url, secret, "/v1/chat/completions", SHORT) for _ in range(2)]
+    assert [r.status_code for r in unary] == [200, 200]  # the limit is spent
+    wait_engine_idle()
+    with model_busy(direct_url, redis_server):
+        seen, before = engine_prompt_tokens(), early_starts()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            flood = list(pool.map(lambda _: stream_chat(direct_url, secret), range(8)))
+        assert [status for status, _ in flood] == [429] * 8
+        withdrawn = early_starts()["withdrawn"] - before["withdrawn"]
+        assert 1 <= withdrawn <= 2, f"{withdrawn} of the flood started ahead of Redis' answer (it reported room for 2)"
+        assert early_starts()["admitted"] == before["admitted"]
+        time.sleep(1)  # the engine's stats of the steps that took any of them
+        started = engine_prompt_tokens() - seen
+        assert started <= 2 * prompt, f"the engine took {started} prompt tokens of a refused flood"
+        # Refused: no stream of this key starts ahead of its admission any more.
+        seen, before = engine_prompt_tokens(), early_starts()
+        assert [stream_chat(direct_url, secret)[0] for _ in range(4)] == [429] * 4
+        assert early_starts() == before
+        time.sleep(1)
+        assert engine_prompt_tokens() == seen
+    wait_engine_idle()  # the two it may have started ahead of Redis' answer were aborted
+    found = wait_until_settled(redis, key_id, records_expected=4)
+    assert sorted(r["status"] for r in found) == ["completed"] * 4  # refused requests leave no record
+    used = sum(usage["total_tokens"] for _, usage in streamed) + sum(r.json()["usage"]["total_tokens"] for r in unary)
+    assert charged(redis, key_id) == used  # charged what the four admitted used, nothing for the flood
+
+
+def test_streams_started_before_admission_are_charged_once_under_one_id(direct_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "direct-early")  # no limit: room for every guess
+    results = [stream_chat(direct_url, secret)]  # Redis has admitted the key on this replica
+    before = early_starts()
+    with model_busy(direct_url, redis_server):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results += pool.map(lambda _: stream_chat(direct_url, secret), range(8))
+    assert [status for status, _ in results] == [200] * 9
+    assert early_starts()["admitted"] - before["admitted"] == 8  # every one of them started early
+    assert all(usage["completion_tokens"] == 4 for _, usage in results)
+    found = wait_until_settled(redis, key_id, records_expected=9)
+    assert sorted(r["status"] for r in found) == ["completed"] * 9  # one record each: one id per request
+    # Each charged once, what its stream reported.
+    assert charged(redis, key_id) == sum(usage["total_tokens"] for _, usage in results)
+    assert redis.zcard(redis_names.concurrency(key_id)) == 0  # no lease left behind
+
+
+def test_a_client_gone_from_a_stream_started_before_admission_stops_the_engine(direct_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "direct-early-gone")
+    assert stream_chat(direct_url, secret)[0] == 200  # Redis has admitted the key here: the next starts early
+    before = early_starts()
+    with model_busy(direct_url, redis_server):
+        with long_stream(direct_url, secret) as gone:
+            assert gone.status_code == 200
+            received = 0
+            for line in gone.iter_lines():
+                received += line.startswith("data: {")
+                if received >= 5:
+                    break
+    assert early_starts()["admitted"] == before["admitted"] + 1
+    wait_engine_idle()  # both hung up on: vLLM aborted both
+    found = wait_until_settled(redis, key_id, records_expected=2)
+    assert sorted(r["status"] for r in found) == ["cancelled", "completed"], found

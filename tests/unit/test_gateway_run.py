@@ -36,8 +36,8 @@ class Access:
         if not key.allows_model(model):
             raise OpenAIError(403, "no", param="model")
 
-    async def admit(self, key, model, tokens, request_id):
-        return Ticket(key, "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
+    async def admit(self, key, model, tokens, http_request_id, request_id=None):
+        return Ticket(key, request_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
 
     def settle(self, ticket, status, usage=None, replica=""):
         assert not ticket.settled, "settled twice"

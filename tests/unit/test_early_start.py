@@ -1,0 +1,175 @@
+"""A stream started before its admission (``Gateway._start_early``), the replica
+and Redis faked: on a busy model it reaches the replica before Redis answers,
+under the id Redis admits; nothing is relayed before the admission; a refusal
+or a client gone while Redis decides ends the call and frees its fair-share
+place; on an idle model, for a key without room, or with no free place, the
+request waits for its admission first.
+(The real path, engine and Redis: tests/e2e/test_direct_route_e2e.py.)"""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from contract.model_config import ModelConfig
+from contract.replica_wire import StreamStart
+from serve_app.access import Ticket
+from serve_app.errors import OpenAIError
+from serve_app import fair_share
+from serve_app.gateway import Gateway
+from serve_app.keys import KeyRecord
+from serve_app.telemetry import RequestRecord, Telemetry
+
+KEY = KeyRecord(id="k1", name="n", created_at=0)
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+USAGE = 'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}\n\n'
+
+
+class Access:
+    """Redis' answer is a future the test resolves; records what happened when."""
+
+    default_max_tokens = 16
+
+    def __init__(self, may_start_early=True):
+        self.may_start_early = may_start_early
+        self.decision = asyncio.get_running_loop().create_future()
+        self.events, self.settled = [], []
+
+    def authorize(self, key, model):
+        pass
+
+    def may_start_before_admission(self, key, tokens):
+        return self.may_start_early
+
+    async def admit(self, key, model, tokens, http_request_id, request_id=None):
+        self.events.append("admission asked")
+        refusal = await self.decision
+        if refusal is not None:
+            raise refusal
+        self.events.append("admitted")
+        return Ticket(key, request_id or "k1-late", model, headers={"x-ratelimit-limit-requests": "10"})
+
+    def settle(self, ticket, status, usage=None, replica=""):
+        if not ticket.settled:
+            ticket.settled = True
+            if ticket.on_settle is not None:
+                ticket.on_settle()
+            self.settled.append(status)
+
+    def running(self, ticket, replica=""):
+        pass
+
+
+class Chunks:
+    """The replica's stream; records when the engine was asked and whether the call was cancelled."""
+
+    def __init__(self, access, body):
+        self.access, self.body = access, body
+        self.cancelled = False
+        access.events.append("engine started")
+
+    async def _fetch_future_result_async(self):
+        return None
+
+    async def __anext__(self):
+        return StreamStart("r1", 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n')
+
+    def __aiter__(self):
+        return self._rest()
+
+    async def _rest(self):
+        yield USAGE + "data: [DONE]\n\n"
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def gateway(access, fair_share=False, busy=True):
+    """A gateway in front of the faked replica; ``busy``: another request of the model is in flight."""
+    sent = []
+
+    def remote(operation, body):
+        sent.append(Chunks(access, body))
+        return sent[-1]
+
+    handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=remote)))
+    config = ModelConfig(name="tiny-llama", fair_share={"enabled": fair_share})
+    telemetry = Telemetry(False, False)
+    if busy:
+        telemetry.admitted(RequestRecord("openai", "other", model="tiny-llama"))
+    return Gateway(access, {"tiny-llama": handle}, [config], telemetry), sent
+
+
+async def start(gw):
+    return asyncio.ensure_future(gw.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x")))
+
+
+async def test_a_stream_reaches_the_replica_before_redis_answers_and_under_the_id_redis_admits():
+    access = Access()
+    gw, sent = gateway(access)
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["engine started", "admission asked"] and not run.done()  # nothing relayed yet
+    access.decision.set_result(None)
+    reply = await run
+    assert reply.headers["x-ratelimit-limit-requests"] == "10"
+    relayed = "".join([item async for item in reply.stream])
+    assert relayed.endswith("data: [DONE]\n\n") and '"usage"' not in relayed  # usage asked for, not shown
+    body = sent[0].body
+    assert body["request_id"].startswith("k1-") and body["stream_options"] == {"include_usage": True}
+    assert access.settled == ["completed"] and not sent[0].cancelled
+
+
+@pytest.mark.parametrize("ending", ["refused", "client gone"])
+async def test_a_refusal_or_a_client_gone_during_admission_ends_the_call_and_frees_its_place(ending, monkeypatch):
+    monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)  # one place in all: a leaked one would block the next request
+    access = Access()
+    gw, sent = gateway(access, fair_share=True)
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["engine started", "admission asked"]
+    gate = gw._gates["tiny-llama"]
+    assert gate.in_flight == 1
+    if ending == "refused":
+        access.decision.set_result(OpenAIError(429, "Rate limit reached", type="requests"))
+        with pytest.raises(OpenAIError) as refused:
+            await run
+        assert refused.value.status == 429
+    else:
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    await asyncio.sleep(0)
+    assert sent[0].cancelled  # the replica's generator is cancelled: vLLM aborts the engine request
+    assert gate.in_flight == 0 and access.settled == []  # never admitted: nothing to settle
+
+
+@pytest.mark.parametrize("idle_model, key_has_room", [(False, False), (True, True)])
+async def test_a_key_without_room_or_an_idle_model_waits_for_its_admission_before_the_engine_starts(
+        idle_model, key_has_room):
+    access = Access(may_start_early=key_has_room)
+    gw, sent = gateway(access, busy=not idle_model)
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked"] and not sent
+    access.decision.set_result(None)
+    reply = await run
+    assert access.events == ["admission asked", "admitted", "engine started"]
+    assert sent[0].body["request_id"] == "k1-late"
+    assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+
+
+async def test_a_model_with_no_free_place_waits_for_admission_first(monkeypatch):
+    monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)
+    access = Access()
+    gw, sent = gateway(access, fair_share=True)
+    taken = gw._gates["tiny-llama"].enter_now("another-key")  # the only place is busy
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked"] and not sent  # not sent ahead of its fair turn
+    access.decision.set_result(None)
+    await asyncio.sleep(0.05)
+    assert not sent  # admitted, waiting for the place
+    taken.leave()
+    reply = await run
+    assert sent and "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
