@@ -143,7 +143,8 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         # Its replicas share a key's limits during a Redis outage (fail_mode open).
         self.access = Access(settings, self.telemetry, config.serve_options())
         self.access.start_maintenance()
-        self.gateway = Gateway(self.access, {config.name: InProcessReplica(self)}, [config], self.telemetry)
+        self.gateway = Gateway(self.access, {config.name: InProcessReplica(self)}, [config], self.telemetry,
+                               start_early=True)
 
     @direct_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

@@ -111,8 +111,14 @@ class Gateway:
         configs: list[ModelConfig],
         telemetry: Telemetry,
         describers: dict[str, DeploymentHandle] | None = None,
+        start_early: bool = False,
     ):
         self.access = access
+        # Whether a stream may start before its admission (``_start_early``): a model's
+        # direct route only, whose replica is in-process. Through the ingress an early
+        # call would sit in Serve's queue uncounted by the tiers' queue shares and the
+        # fair-share gate while its admission runs (tests/e2e/test_scheduling_e2e.py).
+        self.start_early = start_early
         self.telemetry = telemetry
         self.models = models
         # Handles for the gateway's own calls to a model (its description). The
@@ -329,7 +335,8 @@ class Gateway:
         # A stream of a key with room to spare starts in the engine now, its
         # admission beside the prefill (serve_app/overlap.py); nothing is relayed
         # before Redis admits it.
-        early = None if queue_full or not streaming else self._start_early(handle, op, body, key, model, reservation)
+        early = (self._start_early(handle, op, body, key, model, reservation)
+                 if self.start_early and streaming and not queue_full else None)
         try:
             ticket = await self.access.admit(
                 key,

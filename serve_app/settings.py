@@ -71,7 +71,8 @@ class QuotaConfig(BaseModel):
         100, gt=0, description="How long an admission waits for replicas_to_acknowledge replicas.",
     )
     overlap_admission: bool = Field(
-        True, description="While a model is busy, a stream of a key Redis last admitted with room to spare "
+        True, description="On a model's direct route, while the model is busy, a stream of a key Redis last "
+        "admitted with room to spare "
         "starts in the engine while its admission is in Redis (nothing is sent before Redis admits it; a "
         "refusal aborts it): the Redis round trip leaves the time to first token. Bounded per key by the room "
         "Redis last reported (serve_app/overlap.py). false: every request waits for its admission first.",

@@ -1,5 +1,5 @@
-"""A stream started before its admission (``Gateway._start_early``), the replica
-and Redis faked: on a busy model it reaches the replica before Redis answers,
+"""A stream started before its admission (``Gateway._start_early``, a direct
+route's gateway), the replica and Redis faked: on a busy model it reaches the replica before Redis answers,
 under the id Redis admits; nothing is relayed before the admission; a refusal
 or a client gone while Redis decides ends the call and frees its fair-share
 place; on an idle model, for a key without room, or with no free place, the
@@ -97,7 +97,7 @@ def gateway(access, fair_share=False, busy=True):
     telemetry = Telemetry(False, False)
     if busy:
         telemetry.admitted(RequestRecord("openai", "other", model="tiny-llama"))
-    return Gateway(access, {"tiny-llama": handle}, [config], telemetry), sent
+    return Gateway(access, {"tiny-llama": handle}, [config], telemetry, start_early=True), sent
 
 
 async def start(gw):
@@ -173,3 +173,15 @@ async def test_a_model_with_no_free_place_waits_for_admission_first(monkeypatch)
     taken.leave()
     reply = await run
     assert sent and "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+
+
+async def test_the_ingress_gateway_never_starts_a_stream_before_its_admission():
+    access = Access()
+    gw, sent = gateway(access)
+    gw.start_early = False  # as the ingress builds it
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked"] and not sent
+    access.decision.set_result(None)
+    await run
+    assert access.events == ["admission asked", "admitted", "engine started"]
