@@ -69,6 +69,17 @@ def long_stream(url: str, secret: str):
                         headers={"authorization": f"Bearer {secret}"})
 
 
+def hang_up_mid_stream(url: str, secret: str) -> None:
+    """Open a long stream and hang up 5 events into its 1,900 tokens."""
+    with long_stream(url, secret) as gone:
+        assert gone.status_code == 200
+        received = 0
+        for line in gone.iter_lines():
+            received += line.startswith("data: {")
+            if received >= 5:
+                break
+
+
 SHORT = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
 
 
@@ -186,13 +197,7 @@ def test_a_stream_outliving_its_lease_holds_the_keys_only_place(direct_url, redi
 
 def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-gone", max_concurrent=1)
-    with long_stream(direct_url, secret) as gone:
-        assert gone.status_code == 200
-        received = 0
-        for line in gone.iter_lines():
-            received += line.startswith("data: {")
-            if received >= 5:
-                break  # and hang up, 5 events into 1,900 tokens
+    hang_up_mid_stream(direct_url, secret)
     deadline = time.monotonic() + 20
     while engine_unfinished():  # vLLM aborted it: the engine does not go on generating for nobody
         assert time.monotonic() < deadline, "the engine still runs the request of a client that left"
@@ -309,13 +314,7 @@ def test_a_client_gone_from_a_stream_started_before_admission_stops_the_engine(d
     assert stream_chat(direct_url, secret)[0] == 200  # Redis has admitted the key here: the next starts early
     before = early_starts()
     with model_busy(direct_url, redis_server):
-        with long_stream(direct_url, secret) as gone:
-            assert gone.status_code == 200
-            received = 0
-            for line in gone.iter_lines():
-                received += line.startswith("data: {")
-                if received >= 5:
-                    break
+        hang_up_mid_stream(direct_url, secret)
     assert early_starts()["admitted"] == before["admitted"] + 1
     wait_engine_idle()  # both hung up on: vLLM aborted both
     found = wait_until_settled(redis, key_id, records_expected=2)
