@@ -233,7 +233,7 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
         "--base-url", url, "--model", source, "--served-model-name", config.name,
         "--tokenizer", source, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--num-prompts", str(max(args.num_prompts, concurrency * 2)),
+        "--num-prompts", str(max(args.num_prompts, concurrency * args.min_rounds)),
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         "--seed", "0", "--disable-tqdm",
@@ -249,6 +249,9 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=TARGETS)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-rounds", type=int, default=2,
+                        help="at least this many requests per concurrent client: more samples where the "
+                             "concurrency is high (a c=32 point's first round is a burst on an idle engine)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
@@ -312,7 +315,7 @@ def main() -> None:
         return statistics.median(r[key] for r in results[(target, concurrency)])
 
     print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok, "
-          f"{args.num_prompts}+ prompts per point, median of {args.repeats} repeat(s); "
+          f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
           f"(x) = ratio to bare vllm\n")
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
     raw = []
