@@ -233,6 +233,7 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
         "--base-url", url, "--model", source, "--served-model-name", config.name,
         "--tokenizer", source, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", str(args.range_ratio),
         "--num-prompts", str(max(args.num_prompts, concurrency * args.min_rounds)),
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
@@ -254,6 +255,10 @@ def main() -> None:
                              "concurrency is high (a c=32 point's first round is a burst on an idle engine)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="input and output lengths drawn from len x [1-r, 1+r] (same seed, same draws for "
+                             "every target): with 0, every request ends on the same step and a c=32 point is "
+                             "rounds of 32 arriving at once, whose split into prefill steps sets its TTFT")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--stack-env", nargs="*", default=[], metavar="KEY=VALUE",
@@ -314,7 +319,8 @@ def main() -> None:
     def median(target: str, concurrency: int, key: str) -> float:
         return statistics.median(r[key] for r in results[(target, concurrency)])
 
-    print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok, "
+    spread = f" (x [{1 - args.range_ratio:g}, {1 + args.range_ratio:g}])" if args.range_ratio else ""
+    print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok{spread}, "
           f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
           f"(x) = ratio to bare vllm\n")
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
