@@ -250,10 +250,10 @@ class ModelConfig(BaseModel):
     stream_batch_interval_ms: float = Field(
         50.0,
         ge=0,
-        description="After the first chunk, coalesce streamed chunks for this long before "
-        "sending them on (Ray Serve LLM's default is also 50 ms), never past the stream's "
-        "end. Each item sent costs CPU the engine needs; 0 sends at once, joining only what "
-        "piled up.",
+        description="After the first chunk, while other streams relay on the same replica, "
+        "coalesce streamed chunks for this long before sending them on (Ray Serve LLM's default "
+        "is also 50 ms), never past the stream's end. Each item sent costs CPU the engine needs; "
+        "0 sends at once, joining only what piled up (as a lone stream always does).",
     )
     direct_route: bool = Field(
         False,

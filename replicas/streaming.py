@@ -12,18 +12,21 @@ joins everything that has arrived since: no delay when the consumer keeps up
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 _END = object()
 
 
-async def coalesce(source: AsyncIterator[str], interval_s: float = 0.0) -> AsyncIterator[str]:
+async def coalesce(
+    source: AsyncIterator[str], interval_s: float = 0.0, busy: Callable[[], bool] | None = None
+) -> AsyncIterator[str]:
     """Yield ``source``'s strings, joining those that arrive while the last was sent.
 
     ``interval_s`` > 0 additionally waits that long after each item (except the
     first) so more events join it: fewer, larger items at the cost of latency
     between tokens. The wait ends early when the source does, so a stream's end
-    is never held back.
+    is never held back. With ``busy``, it waits only while ``busy()`` says other
+    streams compete for the CPU: a lone stream's items go out as they come.
     """
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -43,7 +46,7 @@ async def coalesce(source: AsyncIterator[str], interval_s: float = 0.0) -> Async
     try:
         while True:
             item = await queue.get()
-            if not first and interval_s > 0 and item is not _END:
+            if not first and interval_s > 0 and item is not _END and (busy is None or busy()):
                 # Wait for more to join, but not past the source's end: the last
                 # tokens, the usage and [DONE] go out as soon as they exist.
                 await asyncio.wait((task,), timeout=interval_s)

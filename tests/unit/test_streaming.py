@@ -84,3 +84,11 @@ async def test_the_end_of_a_stream_is_not_held_for_the_interval():
     out = await asyncio.wait_for(collect(produce(["a", "b", "c", "[DONE]"], delay=0.01), interval_s=3600), timeout=30)
     assert out == ["a", "bc[DONE]"]
     assert loop.time() - started < 30
+
+
+async def test_the_interval_is_waited_only_while_busy_says_so():
+    items = ["a", "b", "c", "d"]
+    alone = await asyncio.wait_for(collect(produce(items, delay=0.01), interval_s=3600, busy=lambda: False), 5)
+    assert alone == items  # each as it came: nothing waited for company
+    beside = await collect(produce(items, delay=0.01), interval_s=0.1, busy=lambda: True)
+    assert beside == ["a", "bcd"]
