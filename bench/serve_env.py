@@ -10,8 +10,8 @@ from pathlib import Path
 # HAProxy ingress (through the guard, when installed) and throughput mode.
 HAPROXY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 _GUARD = Path(sys.executable).with_name("llm-haproxy")
-MAKEFILE_ENV = {**HAPROXY_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                **({"RAY_SERVE_HAPROXY_BINARY_PATH": str(_GUARD)} if _GUARD.exists() else {})}
+GUARD_ENV = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(_GUARD)} if _GUARD.exists() else {}
+MAKEFILE_ENV = {**HAPROXY_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", **GUARD_ENV}
 # The previous default: Ray's Python proxy in place of HAProxy.
 RAY_PROXY_ENV = {**MAKEFILE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
 # Ray Serve LLM's defaults: nothing of ours may leak into its run.
@@ -20,5 +20,4 @@ RAY_DEFAULT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_HA_P
 # Its HAProxy through the guard too: Ray's own, once reloaded, can outlive a polite
 # `serve run` stop and keep ports 8404/9101, so the next target's HAProxy cannot start
 # (seen in a 3-repeat run). The guard only exits it with its parent; it is not in the path.
-RSLLM_FAST_ENV = {**HAPROXY_ENV, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
-                  **({"RAY_SERVE_HAPROXY_BINARY_PATH": str(_GUARD)} if _GUARD.exists() else {})}
+RSLLM_FAST_ENV = {**HAPROXY_ENV, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", **GUARD_ENV}
