@@ -147,7 +147,14 @@ class RedisSentinelSetup:
     def __init__(self, service: str = "llm-primary"):
         self.service = service
         self.primary, self.replica = RedisServer(), RedisServer()
-        self.sentinel_ports = [_free_port() for _ in range(3)]
+        # Distinct from each other and from the two servers' (a port freed a moment
+        # ago can be handed out again).
+        taken = {self.primary.port, self.replica.port}
+        self.sentinel_ports: list[int] = []
+        while len(self.sentinel_ports) < 3:
+            if (port := _free_port()) not in taken:
+                taken.add(port)
+                self.sentinel_ports.append(port)
         self.sentinels: list[subprocess.Popen] = []
         self.dir = tempfile.mkdtemp(prefix="redis-sentinel-")
 
@@ -165,14 +172,33 @@ class RedisSentinelSetup:
                           f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} 2\n"
                           f"sentinel down-after-milliseconds {self.service} 2000\n"
                           f"sentinel failover-timeout {self.service} 10000\n")
-            self.sentinels.append(subprocess.Popen([shutil.which("redis-server"), conf, "--sentinel"],
-                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        deadline = time.monotonic() + 30
-        while not (all(self._sees_replica(port) for port in self.sentinel_ports)
-                   and "master_link_status:up" in _cli(self.replica.port, "info", "replication")
-                   and self._replica_acknowledges()):
-            assert time.monotonic() < deadline, "the sentinels did not find the primary and its replica"
+            with open(f"{self.dir}/sentinel-{port}.log", "w") as log:
+                self.sentinels.append(subprocess.Popen([shutil.which("redis-server"), conf, "--sentinel"],
+                                                       stdout=log, stderr=subprocess.STDOUT))
+        # A sentinel learns of replicas from the primary's INFO, which it reads every
+        # 10 s: a replica that connects just after the first read waits for the next.
+        deadline = time.monotonic() + 60
+        while missing := self._not_ready():
+            assert time.monotonic() < deadline, f"the sentinel setup is not ready: {missing}\n{self._logs()}"
             time.sleep(0.2)
+
+    def _not_ready(self) -> str:
+        """What the setup still lacks, or ''."""
+        blind = [port for port in self.sentinel_ports if not self._sees_replica(port)]
+        if blind:
+            return f"sentinels on {blind} do not list the replica on {self.replica.port}"
+        if "master_link_status:up" not in _cli(self.replica.port, "info", "replication"):
+            return "the replica's link to the primary is not up"
+        if not self._replica_acknowledges():
+            return "the replica does not acknowledge a write (WAIT)"
+        return ""
+
+    def _logs(self) -> str:
+        tails = []
+        for port in self.sentinel_ports:
+            with open(f"{self.dir}/sentinel-{port}.log") as log:
+                tails.append(f"--- sentinel {port} ---\n" + "".join(log.readlines()[-15:]))
+        return "\n".join(tails)
 
     def _replica_acknowledges(self) -> bool:
         """A write on the primary is acknowledged by the replica (WAIT): right

@@ -23,6 +23,8 @@ to start while another Ray instance is up."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -195,12 +197,32 @@ class Load:
 # -- one fault, and what must hold after it ------------------------------------------
 
 
+def wait_for_both_ingresses(stack: CliStack) -> None:
+    """Until Serve runs both ingress replicas: after the ingress fault the new one
+    can still be starting when the next fault's key is confirmed, and it would then
+    meet that key for the first time during the Redis outage (CI, stop 29: 32 of
+    99 requests refused so)."""
+    deadline = time.monotonic() + RECOVERY_BOUND_S["ingress"]
+    while True:
+        shown = subprocess.run([str(BIN / "llmctl"), "status", "--json"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "REDIS_URL": stack.redis_url})
+        if shown.returncode == 0:
+            replicas = json.loads(shown.stdout)["serve"]["deployments"]["Ingress"]["replicas"]
+            if replicas == {"RUNNING": 2}:
+                return
+        assert time.monotonic() < deadline, f"the ingress is not back to 2 replicas: {shown.stdout[-2000:]}"
+        time.sleep(1)
+
+
 def confirm_key_on_every_ingress(stack: CliStack, secret: str) -> None:
     """Authenticated calls until, by any fair routing, every ingress replica has
     confirmed the key with Redis: during a Redis outage an ingress can vouch only
     for keys it has seen (fail_mode open), never for one it has not."""
+    wait_for_both_ingresses(stack)
     # A connection each: HAProxy may keep a connection's requests on one ingress.
-    for _ in range(16):
+    # Serve's router picks the less busy of two random replicas: one of two is
+    # missed by 32 calls with odds of 2 in 2**32.
+    for _ in range(32):
         with httpx.Client(base_url=stack.base_url, timeout=30) as http:
             assert http.get("/v1/models", headers={"authorization": f"Bearer {secret}"}).status_code == 200
 
