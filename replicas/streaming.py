@@ -13,8 +13,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 _END = object()
+
+# The operations whose vLLM request takes ``stream_interval``.
+TOKEN_BATCHED = frozenset({"chat", "completions"})
+
+
+def batch_tokens(operation: str, body: dict[str, Any], tokens: int, others: bool) -> dict[str, Any]:
+    """``body``, asking vLLM to send ``tokens`` tokens per chunk when ``others``
+    (other streams on this replica): fewer chunks to build and relay, before any
+    coalescing. A client's own larger ``stream_interval`` stands; one that is not
+    a whole number is left for vLLM to refuse (a 400), as it would be alone."""
+    if tokens <= 1 or not others or operation not in TOKEN_BATCHED:
+        return body
+    asked = body.get("stream_interval")
+    if asked is None:
+        return {**body, "stream_interval": tokens}
+    if type(asked) is int and 1 <= asked < tokens:
+        return {**body, "stream_interval": tokens}
+    return body
 
 
 async def coalesce(

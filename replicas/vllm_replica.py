@@ -27,7 +27,7 @@ from replicas import reasoning
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage, as_replica_stream
 from replicas.sources import resolve_source
-from replicas.streaming import coalesce
+from replicas.streaming import batch_tokens, coalesce
 
 logger = logging.getLogger("ray.serve")
 
@@ -120,7 +120,7 @@ class VLLMReplica:
         )
         self.max_model_len = vllm_config.model_config.max_model_len
         self.batch_interval_s = config.stream_batch_interval_ms / 1000
-        self._streams = 0  # streams relaying now: the batch interval applies only beside another
+        self._streams = 0  # streams started and not ended: batching applies only beside another
         self._endpoints = _endpoints(state)
         self._serving_models = state.openai_serving_models
         if config.lora is not None:
@@ -228,18 +228,24 @@ class VLLMReplica:
     async def stream(
         self, operation: str, body: dict[str, Any], adapter: str | None = None
     ) -> AsyncIterator[StreamStart | str | ReplicaError]:
-        result = await self._start(operation, body, adapter)
-        if isinstance(result, ReplicaError):
-            yield result
-            return
-        if not isinstance(result, AsyncIterator):  # a full response: send it as one event
-            yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
-            return
-        if operation == "responses":  # typed events: SSE as vLLM's own router writes them
-            result = _responses_sse(result)
-        named_tool = operation == "chat" and _names_a_tool(body)
-        async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
-            yield item
+        # Counted from its start: a round of requests arriving together sees itself.
+        self._streams += 1
+        try:
+            body = batch_tokens(operation, body, self.config.stream_batch_tokens, others=self._streams > 1)
+            result = await self._start(operation, body, adapter)
+            if isinstance(result, ReplicaError):
+                yield result
+                return
+            if not isinstance(result, AsyncIterator):  # a full response: send it as one event
+                yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
+                return
+            if operation == "responses":  # typed events: SSE as vLLM's own router writes them
+                result = _responses_sse(result)
+            named_tool = operation == "chat" and _names_a_tool(body)
+            async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
+                yield item
+        finally:
+            self._streams -= 1
 
     async def _relayed(self, events: AsyncIterator[str], named_tool: bool) -> AsyncIterator[str]:
         """vLLM's SSE events, coalesced for the hop, with this model's fix-ups.
@@ -248,16 +254,12 @@ class VLLMReplica:
         per token at c=1 on the direct route (2.9 against 2.3 ms TPOT,
         bench/serving_overhead.py --batch-ms 0) and saved nothing; beside other
         streams, fewer items are what leaves the engine its CPU."""
-        self._streams += 1
-        try:
-            async for text in coalesce(events, self.batch_interval_s, busy=lambda: self._streams > 1):
-                if named_tool:
-                    text = text.replace(_FINISH_STOP, _FINISH_TOOL_CALLS)
-                if self.reasons:
-                    text = reasoning.add_to_stream(text)
-                yield text
-        finally:
-            self._streams -= 1
+        async for text in coalesce(events, self.batch_interval_s, busy=lambda: self._streams > 1):
+            if named_tool:
+                text = text.replace(_FINISH_STOP, _FINISH_TOOL_CALLS)
+            if self.reasons:
+                text = reasoning.add_to_stream(text)
+            yield text
 
     # -- LoRA adapters -----------------------------------------------------
 

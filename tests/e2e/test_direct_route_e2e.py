@@ -319,3 +319,37 @@ def test_a_client_gone_from_a_stream_started_before_admission_stops_the_engine(d
     wait_engine_idle()  # both hung up on: vLLM aborted both
     found = wait_until_settled(redis, key_id, records_expected=2)
     assert sorted(r["status"] for r in found) == ["cancelled", "completed"], found
+
+
+def tokens_per_chunk(url: str, secret: str, tokens: int) -> tuple[list[int], dict]:
+    """How many tokens each chunk of a streamed chat carried (by its logprobs, one
+    per token), and the stream's usage."""
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+               "logprobs": True, "stream_options": {"include_usage": True}}
+    counts, usage = [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120,
+                      headers={"authorization": f"Bearer {secret}"}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: "):])
+                usage = event.get("usage") or usage
+                counts += [len(c["logprobs"]["content"]) for c in event["choices"] if (c.get("logprobs") or {}).get("content")]
+    return counts, usage
+
+
+def test_beside_other_streams_a_chunk_carries_several_tokens_and_none_is_lost(direct_url, redis_server, redis):
+    """stream_batch_tokens (4): vLLM builds one chunk per 4 tokens of a stream that
+    shares its replica, never holding the first; a lone stream gets its tokens one by one."""
+    key_id, secret = create_key(redis_server.url, "direct-batched")
+    alone, alone_usage = tokens_per_chunk(direct_url, secret, 24)
+    assert sum(alone) == alone_usage["completion_tokens"] == 24
+    assert alone.count(1) > len(alone) / 2, alone  # vLLM joins only what its reader left behind
+    with model_busy(direct_url, redis_server):
+        beside, usage = tokens_per_chunk(direct_url, secret, 24)
+    assert sum(beside) == usage["completion_tokens"] == 24, beside
+    assert beside[0] == 1, beside  # the first token is never held
+    assert all(count >= 4 for count in beside[1:-1]), beside
+    found = wait_until_settled(redis, key_id, records_expected=2)
+    assert [r["status"] for r in found] == ["completed"] * 2
+    assert charged(redis, key_id) == alone_usage["total_tokens"] + usage["total_tokens"]

@@ -1,10 +1,11 @@
-"""Pure logic: coalescing a stream never loses, reorders or holds back events."""
+"""Pure logic: coalescing a stream never loses, reorders or holds back events;
+asking vLLM for several tokens per chunk only beside other streams."""
 
 import asyncio
 
 import pytest
 
-from replicas.streaming import coalesce
+from replicas.streaming import batch_tokens, coalesce
 
 
 async def produce(items, delay=0.0):
@@ -92,3 +93,32 @@ async def test_the_interval_is_waited_only_while_busy_says_so():
     assert alone == items  # each as it came: nothing waited for company
     beside = await collect(produce(items, delay=0.01), interval_s=0.1, busy=lambda: True)
     assert beside == ["a", "bcd"]
+
+
+CHAT = {"model": "m", "messages": [], "stream": True}
+
+
+def test_tokens_are_batched_only_beside_other_streams():
+    assert batch_tokens("chat", CHAT, 4, others=False) is CHAT  # a lone stream: every token as it comes
+    batched = batch_tokens("chat", CHAT, 4, others=True)
+    assert batched["stream_interval"] == 4 and "stream_interval" not in CHAT  # the caller's body is not touched
+    assert batch_tokens("completions", {"prompt": "x"}, 4, others=True)["stream_interval"] == 4
+    assert batch_tokens("chat", CHAT, 1, others=True) is CHAT  # 1 turns it off
+
+
+@pytest.mark.parametrize("operation", ["embeddings", "messages", "responses", "score"])
+def test_operations_without_a_stream_interval_are_left_alone(operation):
+    body = {"model": "m"}
+    assert batch_tokens(operation, body, 4, others=True) is body  # vLLM would refuse the unknown field
+
+
+@pytest.mark.parametrize("asked, sent", [(1, 4), (3, 4), (4, 4), (16, 16), (10**12, 10**12)])
+def test_a_clients_larger_interval_stands_and_a_smaller_one_is_raised(asked, sent):
+    assert batch_tokens("chat", {**CHAT, "stream_interval": asked}, 4, others=True)["stream_interval"] == sent
+
+
+@pytest.mark.parametrize("asked", ["4", 2.5, True, [4], {"n": 4}, 0, -3])
+def test_an_interval_that_is_not_a_valid_whole_number_is_left_for_vllm_to_refuse(asked):
+    body = {**CHAT, "stream_interval": asked}
+    # Replaced only when busy, a bad value would be a 400 alone and accepted beside others.
+    assert batch_tokens("chat", body, 4, others=True)["stream_interval"] is asked
