@@ -532,8 +532,9 @@ class Gateway:
         A stream that fails (its replica or engine died: an exception here, or
         vLLM's own error event) is charged what it delivered, never its whole
         reservation: the prompt estimate plus one token per content event relayed
-        (an event carries at least one token; chat's first event per choice is
-        the role alone)."""
+        (an event carries at least one token, up to ``stream_batch_tokens`` beside
+        other streams, so this errs in the client's favour; chat's first event per
+        choice is the role alone)."""
         status, usage, drained = "cancelled", None, False
         replica, first = start.replica, start.text
         events, last = 0, first

@@ -142,7 +142,7 @@ class Outcome:
     started: float
     ended: float
     kind: str  # completed | error | truncated (ended without a finish reason or an error)
-    received: int = 0  # content events the client got
+    received: int = 0  # tokens the client got (by logprobs: a chunk may carry several, stream_batch_tokens)
     completion_tokens: int | None = None
     finish: str | None = None
     error: str = ""
@@ -176,13 +176,14 @@ class Load:
             try:
                 stream = client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], stream=True,
-                    max_tokens=MAX_TOKENS, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                    max_tokens=MAX_TOKENS, stream_options={"include_usage": True}, logprobs=True,
+                    extra_body={"ignore_eos": True})
                 for chunk in stream:
                     if chunk.usage is not None:
                         outcome.completion_tokens = chunk.usage.completion_tokens
                     for choice in chunk.choices:
-                        if choice.delta.content:
-                            outcome.received += 1
+                        if choice.logprobs and choice.logprobs.content:
+                            outcome.received += len(choice.logprobs.content)
                         outcome.finish = choice.finish_reason or outcome.finish
                 if outcome.finish is not None:
                     outcome.kind = "completed"
