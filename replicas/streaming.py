@@ -29,9 +29,7 @@ def batch_tokens(operation: str, body: dict[str, Any], tokens: int, others: bool
     if tokens <= 1 or not others or operation not in TOKEN_BATCHED:
         return body
     asked = body.get("stream_interval")
-    if asked is None:
-        return {**body, "stream_interval": tokens}
-    if type(asked) is int and 1 <= asked < tokens:
+    if asked is None or (type(asked) is int and 1 <= asked < tokens):
         return {**body, "stream_interval": tokens}
     return body
 
