@@ -130,6 +130,10 @@ class Gateway:
         # Requests of each model waiting for a replica at this ingress (Serve's
         # queue for it here): the priority tiers' queue shares are measured on it.
         self._waiting = {config.name: 0 for config in configs}
+        # Requests of each model whose admission is in Redis now: with the admitted
+        # ones in flight, what makes the model busy for ``_start_early``. In a burst
+        # on an idle model, all but the first then start beside their admission.
+        self._admitting = {config.name: 0 for config in configs}
         # Fair share between keys while a model's replicas are all busy (fair_share.py).
         self._gates = {config.name: _fair_gate(config) for config in configs if config.fair_share.enabled}
         self._created = int(time.time())
@@ -337,6 +341,7 @@ class Gateway:
         # before Redis admits it.
         early = (self._start_early(handle, op, body, key, model, reservation)
                  if self.start_early and streaming and not queue_full else None)
+        self._admitting[model] += 1
         try:
             ticket = await self.access.admit(
                 key,
@@ -351,6 +356,8 @@ class Gateway:
                 early.withdraw()  # refused, or the client left: the engine aborts it
                 self.telemetry.started_early(model, "withdrawn")
             raise
+        finally:
+            self._admitting[model] -= 1
         if early is not None:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)
@@ -450,12 +457,15 @@ class Gateway:
         busy, its key may (``Access.may_start_before_admission``) and the fair-share
         gate has a place at once; else None, and the request takes the ordinary path.
 
-        Only while this gateway has other requests of the model in flight: then the
-        admission's round trip waits behind their work (measured on the 2-core box:
-        300 ms at worst while a stream ran beside it) and the new request would queue
-        for the engine's next step anyway. On an idle model admission is one quick
-        round trip, and an engine started beside it only takes CPU from it."""
-        if not self.telemetry.in_flight_count(model):
+        Only while this gateway has other requests of the model in flight or in
+        admission: then the admission's round trip waits behind their work (measured
+        on the 2-core box: 300 ms at worst while a stream ran beside it) and the new
+        request would queue for the engine's next step anyway. On an idle model
+        admission is one quick round trip, and an engine started beside it only takes
+        CPU from it. Admissions under way count for a burst on an idle model (a round
+        of clients whose streams ended together): its first request is admitted
+        first, the others start at once rather than each waiting for Redis."""
+        if not (self.telemetry.in_flight_count(model) or self._admitting[model]):
             return None
         if not self.access.may_start_before_admission(key, reservation.tokens):
             return None

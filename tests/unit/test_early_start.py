@@ -3,8 +3,8 @@ route's gateway), the replica and Redis faked: on a busy model it reaches the re
 under the id Redis admits; nothing is relayed before the admission; a refusal
 or a client gone while Redis decides ends the call and frees its fair-share
 place; on an idle model, for a key without room, or with no free place, the
-request waits for its admission first.
-(The real path, engine and Redis: tests/e2e/test_direct_route_e2e.py.)"""
+request waits for its admission first; in a burst on an idle model only the
+first one does. (The real path, engine and Redis: tests/e2e/test_direct_route_e2e.py.)"""
 
 import asyncio
 from types import SimpleNamespace
@@ -142,6 +142,7 @@ async def test_a_refusal_or_a_client_gone_during_admission_ends_the_call_and_fre
     await asyncio.sleep(0)
     assert sent[0].cancelled  # the replica's generator is cancelled: vLLM aborts the engine request
     assert gate.in_flight == 0 and access.settled == []  # never admitted: nothing to settle
+    assert gw._admitting == {"tiny-llama": 0}  # the next request on an idle model is not taken for a burst
 
 
 @pytest.mark.parametrize("idle_model, key_has_room", [(False, False), (True, True)])
@@ -157,6 +158,26 @@ async def test_a_key_without_room_or_an_idle_model_waits_for_its_admission_befor
     assert access.events == ["admission asked", "admitted", "engine started"]
     assert sent[0].body["request_id"] == "k1-late"
     assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+
+
+async def test_in_a_burst_on_an_idle_model_only_the_first_request_waits_for_its_admission():
+    access = Access()
+    gw, sent = gateway(access, busy=False)
+    first = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked"] and not sent  # idle: admission first
+    second = await start(gw)  # arrives while the first one's admission is in Redis
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked", "engine started", "admission asked"]
+    access.decision.set_result(None)
+    for run in (first, second):
+        reply = await run
+        assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+    assert len(sent) == 2 and access.settled == ["completed", "completed"]
+    assert gw._admitting == {"tiny-llama": 0}
+    third = await start(gw)  # the burst is over: idle again, admission first
+    await third
+    assert access.events[-3:] == ["admission asked", "admitted", "engine started"]
 
 
 async def test_a_model_with_no_free_place_waits_for_admission_first(monkeypatch):
