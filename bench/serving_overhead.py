@@ -21,7 +21,7 @@ of tokens) at each concurrency, stop it. Targets run one after the other,
 never side by side: on a 2-core box they would steal each other's CPU. With
 --repeats N the whole sequence repeats and every figure is the median over
 repeats. Prints one table: TTFT p50/p99, TPOT p50, output tokens/s per target
-and each target's ratio to bare vLLM.
+and each target's ratio to bare vLLM; with repeats, each repeat's figures too.
 
     python bench/serving_overhead.py [--targets vllm stack rsllm] [--concurrency 1 32] [--repeats 1]
 """
@@ -244,6 +244,20 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
     return json.loads((out_dir / name).read_text())
 
 
+def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[str], concurrencies: list[int],
+                     repeats: int) -> None:
+    """Each repeat's figures side by side: the box's speed drifts between repeats
+    (1.5x within one run here), so which target leads within a repeat, where all
+    ran at one speed, says more than medians across repeats."""
+    print(f"\nper repeat (r1 / r2 / ...), targets in the order they ran within each repeat\n")
+    print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>28}" for t in targets))
+    for concurrency in concurrencies:
+        for key, label in METRICS:
+            cells = "".join(f"{' / '.join(f'{r[key]:.2f}' for r in results[(t, concurrency)][:repeats]):>28}"
+                            for t in targets)
+            print(f"{concurrency:>4}  {label:<14}{cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "local.yaml")
@@ -334,8 +348,13 @@ def main() -> None:
                 f"{value:>13.2f}" + (f" ({value / base:5.2f}x)" if base else " " * 9) for value in row.values()
             )
             print(f"{concurrency:>4}  {label:<14}{cells}")
+    if args.repeats > 1:
+        print_per_repeat(results, args.targets, args.concurrency, args.repeats)
     if args.json:
-        args.json.write_text(json.dumps(raw, indent=2))
+        per_repeat = [{"target": target, "concurrency": concurrency, "repeat": index + 1,
+                       **{key: result[key] for key, _ in METRICS}}
+                      for (target, concurrency), runs in results.items() for index, result in enumerate(runs)]
+        args.json.write_text(json.dumps({"medians": raw, "repeats": per_repeat}, indent=2))
     for target, text in profiles.items():
         print(f"\n## {target}: CPU by process at c={max(args.concurrency)} (py-spy, {args.profile / target})\n\n{text}")
 
