@@ -309,6 +309,29 @@ def test_streams_started_before_admission_are_charged_once_under_one_id(direct_u
     assert redis.zcard(redis_names.concurrency(key_id)) == 0  # no lease left behind
 
 
+def test_in_a_burst_on_an_idle_model_all_but_the_first_start_beside_their_admission(direct_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "direct-burst")  # no limit: room for every guess
+    results = [stream_chat(direct_url, secret)]  # Redis has admitted the key on this replica
+    wait_engine_idle()
+    before = early_starts()
+    # Redis holds the burst's admissions (within the gateway's Redis timeout): the first
+    # request is still in admission when the others arrive. Counting only admitted
+    # requests as "busy", none of them would start before its admission.
+    redis.execute_command("CLIENT", "PAUSE", 200, "ALL")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results += pool.map(lambda _: stream_chat(direct_url, secret), range(8))
+    assert [status for status, _ in results] == [200] * 9
+    started = early_starts()["admitted"] - before["admitted"]
+    # The first waits for Redis; two may read their bodies side by side before either asks it.
+    assert 6 <= started <= 7, f"{started} of a burst of 8 on an idle model started beside their admission"
+    assert early_starts()["withdrawn"] == before["withdrawn"]
+    assert all(usage["completion_tokens"] == 4 for _, usage in results)
+    found = wait_until_settled(redis, key_id, records_expected=9)
+    assert sorted(r["status"] for r in found) == ["completed"] * 9
+    assert charged(redis, key_id) == sum(usage["total_tokens"] for _, usage in results)
+    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+
+
 def test_a_client_gone_from_a_stream_started_before_admission_stops_the_engine(direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-early-gone")
     assert stream_chat(direct_url, secret)[0] == 200  # Redis has admitted the key here: the next starts early
