@@ -65,6 +65,7 @@ class RequestRecord:
     retry_after: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    admitted_at: float | None = None  # when the quota decision came back
     first_token_at: float | None = None
     cancelled: bool = False  # the client went away mid-stream
     in_flight: bool = False  # counted in the in-flight gauge
@@ -206,6 +207,7 @@ class Telemetry:
     # -- events ------------------------------------------------------------------
 
     def admitted(self, record: RequestRecord) -> None:
+        record.admitted_at = time.monotonic()
         self._move_in_flight(record.model, +1)
         record.in_flight = True
 
@@ -297,6 +299,8 @@ def access_line(record: RequestRecord, now: float) -> str:
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
     }
+    if record.admitted_at is not None:  # reading, checking and admitting it (Redis' round trip)
+        line["admitted_ms"] = round((record.admitted_at - record.started) * 1000, 1)
     if record.first_token_at is not None:
         line["ttft_ms"] = round((record.first_token_at - record.started) * 1000, 1)
     if record.error_code:

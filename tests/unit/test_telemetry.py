@@ -10,7 +10,7 @@ from serve_app.telemetry import OTHER_KEYS, KeyLabels, RequestRecord, access_lin
 def test_access_line_is_one_json_object_with_the_request_outcome():
     record = RequestRecord("openai", request_id="req-1", started=100.0)
     record.key_id, record.key_name, record.model, record.operation = "k1", "team-a", "tiny-llama", "chat"
-    record.stream, record.status, record.first_token_at = True, 200, 100.05
+    record.stream, record.status, record.admitted_at, record.first_token_at = True, 200, 100.002, 100.05
     record.used(Usage(prompt_tokens=12, completion_tokens=30))
     line = access_line(record, now=100.5)
     assert "\n" not in line
@@ -18,6 +18,7 @@ def test_access_line_is_one_json_object_with_the_request_outcome():
     assert entry["request_id"] == "req-1" and entry["key_id"] == "k1" and entry["model"] == "tiny-llama"
     assert (entry["status"], entry["prompt_tokens"], entry["completion_tokens"]) == (200, 12, 30)
     assert entry["latency_ms"] == 500.0 and entry["ttft_ms"] == 50.0 and entry["stream"] is True
+    assert entry["admitted_ms"] == 2.0  # the quota decision's part of the time to first token
     assert "key_name" not in entry and "retry_after" not in entry  # key names stay out of logs by default
 
 
