@@ -249,7 +249,7 @@ def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[s
     """Each repeat's figures side by side: the box's speed drifts between repeats
     (1.5x within one run here), so which target leads within a repeat, where all
     ran at one speed, says more than medians across repeats."""
-    print(f"\nper repeat (r1 / r2 / ...), targets in the order they ran within each repeat\n")
+    print("\nper repeat (r1 / r2 / ...), targets in the order they ran within each repeat\n")
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>28}" for t in targets))
     for concurrency in concurrencies:
         for key, label in METRICS:
