@@ -244,8 +244,7 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
     return json.loads((out_dir / name).read_text())
 
 
-def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[str], concurrencies: list[int],
-                     repeats: int) -> None:
+def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[str], concurrencies: list[int]) -> None:
     """Each repeat's figures side by side: the box's speed drifts between repeats
     (1.5x within one run here), so which target leads within a repeat, where all
     ran at one speed, says more than medians across repeats."""
@@ -253,7 +252,7 @@ def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[s
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>28}" for t in targets))
     for concurrency in concurrencies:
         for key, label in METRICS:
-            cells = "".join(f"{' / '.join(f'{r[key]:.2f}' for r in results[(t, concurrency)][:repeats]):>28}"
+            cells = "".join(f"{' / '.join(f'{r[key]:.2f}' for r in results[(t, concurrency)]):>28}"
                             for t in targets)
             print(f"{concurrency:>4}  {label:<14}{cells}")
 
@@ -349,7 +348,7 @@ def main() -> None:
             )
             print(f"{concurrency:>4}  {label:<14}{cells}")
     if args.repeats > 1:
-        print_per_repeat(results, args.targets, args.concurrency, args.repeats)
+        print_per_repeat(results, args.targets, args.concurrency)
     if args.json:
         per_repeat = [{"target": target, "concurrency": concurrency, "repeat": index + 1,
                        **{key: result[key] for key, _ in METRICS}}

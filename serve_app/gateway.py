@@ -130,9 +130,7 @@ class Gateway:
         # Requests of each model waiting for a replica at this ingress (Serve's
         # queue for it here): the priority tiers' queue shares are measured on it.
         self._waiting = {config.name: 0 for config in configs}
-        # Requests of each model whose admission is in Redis now: with the admitted
-        # ones in flight, what makes the model busy for ``_start_early``. In a burst
-        # on an idle model, all but the first then start beside their admission.
+        # Requests of each model whose admission is in Redis now (busy, for ``_start_early``).
         self._admitting = {config.name: 0 for config in configs}
         # Fair share between keys while a model's replicas are all busy (fair_share.py).
         self._gates = {config.name: _fair_gate(config) for config in configs if config.fair_share.enabled}

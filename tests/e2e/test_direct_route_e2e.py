@@ -292,6 +292,16 @@ def test_a_flood_past_a_limit_spent_elsewhere_starts_no_more_than_the_room_redis
     assert charged(redis, key_id) == used  # charged what the four admitted used, nothing for the flood
 
 
+def assert_each_charged_once(redis, key_id: str, results: list[tuple[int, dict]]) -> None:
+    """Every stream of ``results`` made its 4 tokens and was charged once, what it
+    reported: one completed record each (one id per request), no lease left behind."""
+    assert all(usage["completion_tokens"] == 4 for _, usage in results)
+    found = wait_until_settled(redis, key_id, records_expected=len(results))
+    assert sorted(r["status"] for r in found) == ["completed"] * len(results)
+    assert charged(redis, key_id) == sum(usage["total_tokens"] for _, usage in results)
+    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+
+
 def test_streams_started_before_admission_are_charged_once_under_one_id(direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-early")  # no limit: room for every guess
     results = [stream_chat(direct_url, secret)]  # Redis has admitted the key on this replica
@@ -301,12 +311,7 @@ def test_streams_started_before_admission_are_charged_once_under_one_id(direct_u
             results += pool.map(lambda _: stream_chat(direct_url, secret), range(8))
     assert [status for status, _ in results] == [200] * 9
     assert early_starts()["admitted"] - before["admitted"] == 8  # every one of them started early
-    assert all(usage["completion_tokens"] == 4 for _, usage in results)
-    found = wait_until_settled(redis, key_id, records_expected=9)
-    assert sorted(r["status"] for r in found) == ["completed"] * 9  # one record each: one id per request
-    # Each charged once, what its stream reported.
-    assert charged(redis, key_id) == sum(usage["total_tokens"] for _, usage in results)
-    assert redis.zcard(redis_names.concurrency(key_id)) == 0  # no lease left behind
+    assert_each_charged_once(redis, key_id, results)
 
 
 def test_in_a_burst_on_an_idle_model_all_but_the_first_start_beside_their_admission(direct_url, redis_server, redis):
@@ -325,11 +330,7 @@ def test_in_a_burst_on_an_idle_model_all_but_the_first_start_beside_their_admiss
     # The first waits for Redis; two may read their bodies side by side before either asks it.
     assert 6 <= started <= 7, f"{started} of a burst of 8 on an idle model started beside their admission"
     assert early_starts()["withdrawn"] == before["withdrawn"]
-    assert all(usage["completion_tokens"] == 4 for _, usage in results)
-    found = wait_until_settled(redis, key_id, records_expected=9)
-    assert sorted(r["status"] for r in found) == ["completed"] * 9
-    assert charged(redis, key_id) == sum(usage["total_tokens"] for _, usage in results)
-    assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    assert_each_charged_once(redis, key_id, results)
 
 
 def test_a_client_gone_from_a_stream_started_before_admission_stops_the_engine(direct_url, redis_server, redis):
