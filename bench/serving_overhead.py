@@ -262,7 +262,9 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "local.yaml")
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=TARGETS)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=1000,
+                        help="requests per point (at least): a p99 over n requests is about the n/100-th "
+                             "slowest, so over 128 it is the second slowest and flips with one stall of the box")
     parser.add_argument("--min-rounds", type=int, default=2,
                         help="at least this many requests per concurrent client: more samples where the "
                              "concurrency is high (a c=32 point's first round is a burst on an idle engine)")
