@@ -134,8 +134,8 @@ def serve_stack(
     # The previous module's Ray may still be exiting (a CI run's ray.init timed out
     # waiting for its raylet 2 s after the chaos module's `ray stop --force`).
     wait_for_no_ray()
-    ray.init(include_dashboard=dashboard, log_to_driver=False, logging_level="WARNING",
-             _system_config=ray_system_config or {})
+    start_ray(include_dashboard=dashboard, log_to_driver=False, logging_level="WARNING",
+              _system_config=ray_system_config or {})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
@@ -154,6 +154,27 @@ def serve_stack(
 # `make stop` ends the stack within this (serve_app/local_stack.py STOP_BOUND_S).
 STACK_STOP_S = 30
 BIN = Path(sys.executable).parent
+
+
+def start_ray(**options) -> None:
+    """``ray.init(**options)``, once more if its start fails. A raylet that timed out
+    starting (a CI run, a second after the previous module's Ray had ended) left the
+    GCS and the other head processes of that start behind, and every later module
+    failed on "another Ray instance"; so a failed start is stopped before the retry
+    (and before raising). Only this start's processes run then: wait_for_no_ray()
+    came first."""
+    import ray
+
+    for attempt in (1, 2):
+        try:
+            ray.init(**options)
+            return
+        except Exception:
+            ray.shutdown()
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+            wait_for_no_ray()
+            if attempt == 2:
+                raise
 
 
 def ray_processes() -> list[psutil.Process]:
