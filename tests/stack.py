@@ -171,10 +171,15 @@ def start_ray(**options) -> None:
             return
         except Exception:
             ray.shutdown()
-            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+            stop_every_ray()
             wait_for_no_ray()
             if attempt == 2:
                 raise
+
+
+def stop_every_ray() -> None:
+    """`ray stop --force`: every Ray process on this machine ends."""
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
 
 
 def ray_processes() -> list[psutil.Process]:
@@ -265,7 +270,7 @@ class CliStack:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
         if ray_processes():
-            subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+            stop_every_ray()
         for leftover in engine_processes() + haproxy_processes():
             leftover.kill()
 
