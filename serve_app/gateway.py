@@ -361,6 +361,11 @@ class Gateway:
         self.telemetry.admitted(record)
         if op.carries_request_id:
             body["request_id"] = ticket.request_id
+        if early is None:
+            # Again: requests that arrived together all passed the first look while Redis
+            # admitted them. Nothing yields from here until _hand_on counts this one as
+            # waiting, so no more than the bound queue (an early start is already sent).
+            queue_full = 0 <= queue_limit <= self._waiting[model]
         if queue_full:
             # This tier's share of the model's queue is full (the rest is kept for higher tiers).
             self.access.settle(ticket, "overloaded", Usage())

@@ -203,6 +203,35 @@ async def test_lower_tiers_are_refused_first_as_the_queue_fills():
     assert not isinstance(await send(tier("low")), OpenAIError)
 
 
+async def test_requests_admitted_together_queue_no_more_than_the_bound():
+    """A burst all passes the queue's first look while Redis admits it: the queue
+    is looked at again after admission (the e2e backpressure test saw two queue per
+    ingress replica where the bound was one)."""
+    gateway, access, sent, release = tiered_gateway(max_queued=4)
+    admit = access.admit
+
+    async def slow_admit(*args, **kwargs):
+        await asyncio.sleep(0.01)  # a Redis round trip: every request of the burst is in it together
+        return await admit(*args, **kwargs)
+
+    access.admit = slow_admit
+
+    async def send():
+        try:
+            return await gateway.run(tier("high"), "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+        except OpenAIError as exc:
+            return exc
+
+    calls = [asyncio.create_task(send()) for _ in range(10)]
+    while len(sent) + len(access.settled) < 10:
+        await asyncio.sleep(0.01)
+    assert len(sent) == 4 and [status for status, _ in access.settled] == ["overloaded"] * 6
+    release.set()
+    replies = await asyncio.gather(*calls)
+    assert sum(isinstance(reply, OpenAIError) and reply.code == "model_overloaded" for reply in replies) == 6
+    assert gateway._waiting["tiny-llama"] == 0
+
+
 async def test_the_key_tier_is_the_engine_priority_and_a_client_cannot_set_its_own():
     gateway, _, sent, release = tiered_gateway(engine_kwargs={"scheduling_policy": "priority"})
     release.set()

@@ -4,11 +4,15 @@ request costs the key nothing and holds no concurrency slot. Also model aliases.
 
 The package's stack (stack_args.py) has a narrow copy of the demo chat model for
 this (alias "chat-narrow"): one request at a time per replica and a queue of
-one, so a handful of concurrent requests fill it.
+one, so a handful of concurrent requests fill it. A long stream holds the
+replica first, so the flood meets a busy model whatever the box's pace (a CI run
+saw six unheld 300-token requests arrive spread out enough for all to be served).
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,13 +48,45 @@ def _post(base_url, secret, stream):
             return response
 
 
+HOLD_TOKENS = 1500  # the holder's stream: seconds of decoding on this box (the model's context is 2048)
+
+
+def _hold(base_url, secret, started: threading.Event) -> tuple[int, int]:
+    """Stream HOLD_TOKENS tokens, setting ``started`` at the first content event
+    (the replica's one slot is then taken). Returns (status, content events)."""
+    body = {**LONG, "max_tokens": HOLD_TOKENS, "min_tokens": HOLD_TOKENS, "stream": True}
+    events = 0
+    try:
+        with httpx.Client(base_url=base_url, timeout=120, headers={"authorization": f"Bearer {secret}"}) as client:
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if any(choice["delta"].get("content") for choice in json.loads(line[6:])["choices"]):
+                        events += 1
+                        started.set()
+                return response.status_code, events
+    finally:
+        started.set()  # never leave the test waiting on a holder that failed
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_full_queue_is_503_with_retry_after_never_429(base_url, redis_server, key, stream):
     key_id, secret = key
-    with ThreadPoolExecutor(6) as pool:
+    started = threading.Event()
+    with ThreadPoolExecutor(7) as pool:
+        holder = pool.submit(_hold, base_url, secret, started)
+        assert started.wait(60), "the holding stream never started"
+        assert not holder.done(), holder.result()  # still holding the replica when the flood comes
         responses = list(pool.map(lambda _: _post(base_url, secret, stream), range(6)))
+        held_status, held_events = holder.result()
+    assert held_status == 200 and held_events > 0, (held_status, held_events)
     statuses = sorted(response.status_code for response in responses)
-    assert 200 in statuses and 503 in statuses and 429 not in statuses, statuses
+    # The replica's one place is the holder's and each of the two ingress replicas
+    # queues one, however many arrive together: the rest are refused, the queued
+    # ones served once the holder ends. (Before the gateway looked at its queue again
+    # after admission, requests admitted together all queued: four of six here.)
+    assert 1 <= statuses.count(200) <= 2 and 429 not in statuses, statuses
     assert set(statuses) <= {200, 503}, statuses
     for response in responses:
         if response.status_code != 503:
