@@ -332,7 +332,7 @@ class Gateway:
             body["priority"] = rank
         tier = "low" if background else key.priority
         queue_limit = config.priority.queue_limit(tier, config.max_queued_requests)
-        queue_full = 0 <= queue_limit <= self._waiting[model]
+        queue_full = self._queue_full(model, queue_limit)
         streaming = bool(getattr(request, "stream", False))
         # A stream of a key with room to spare starts in the engine now, its
         # admission beside the prefill (serve_app/overlap.py); nothing is relayed
@@ -365,7 +365,7 @@ class Gateway:
             # Again: requests that arrived together all passed the first look while Redis
             # admitted them. Nothing yields from here until _hand_on counts this one as
             # waiting, so no more than the bound queue (an early start is already sent).
-            queue_full = 0 <= queue_limit <= self._waiting[model]
+            queue_full = self._queue_full(model, queue_limit)
         if queue_full:
             # This tier's share of the model's queue is full (the rest is kept for higher tiers).
             self.access.settle(ticket, "overloaded", Usage())
@@ -486,6 +486,10 @@ class Gateway:
         # Pulling the first item is what starts an in-process replica's engine
         # request (a handle's call is already on its way to a replica).
         return _EarlyStart(request_id, chunks, asyncio.ensure_future(chunks.__anext__()), place)
+
+    def _queue_full(self, model: str, limit: int) -> bool:
+        """Whether ``model``'s queue holds ``limit`` waiting requests (a negative limit: unbounded)."""
+        return 0 <= limit <= self._waiting[model]
 
     async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int, place=None):
         """``send()`` the request to ``model``'s replicas once the fair-share gate gives

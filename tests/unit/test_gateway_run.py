@@ -169,29 +169,31 @@ def tier(name: str) -> KeyRecord:
     return KeyRecord(id=f"k-{name}", name=name, created_at=0, priority=name)
 
 
+async def answer_or_error(gateway: Gateway, key: KeyRecord):
+    """One chat request through ``gateway``: its reply, or the OpenAIError it raised."""
+    try:
+        return await gateway.run(key, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+    except OpenAIError as exc:
+        return exc
+
+
 async def test_lower_tiers_are_refused_first_as_the_queue_fills():
     gateway, access, sent, release = tiered_gateway(max_queued=4)  # shares: low 2, normal 3, high 4
     calls = []
 
-    async def send(key):
-        try:
-            return await gateway.run(key, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
-        except OpenAIError as exc:
-            return exc
-
     for key in (tier("low"), tier("low")):  # two waiting: the low share is full
-        calls.append(asyncio.create_task(send(key)))
+        calls.append(asyncio.create_task(answer_or_error(gateway, key)))
     await asyncio.sleep(0)
-    low = await send(tier("low"))
+    low = await answer_or_error(gateway, tier("low"))
     assert isinstance(low, OpenAIError) and (low.status, low.code) == (503, "model_overloaded")
     assert "low-priority" in low.message and low.headers["retry-after"] == "1"
-    calls.append(asyncio.create_task(send(tier("normal"))))  # three waiting
+    calls.append(asyncio.create_task(answer_or_error(gateway, tier("normal"))))  # three waiting
     await asyncio.sleep(0)
-    normal = await send(tier("normal"))
+    normal = await answer_or_error(gateway, tier("normal"))
     assert isinstance(normal, OpenAIError) and normal.code == "model_overloaded"
-    calls.append(asyncio.create_task(send(tier("high"))))  # the last place is a high key's
+    calls.append(asyncio.create_task(answer_or_error(gateway, tier("high"))))  # the last place is a high key's
     await asyncio.sleep(0)
-    high = await send(tier("high"))
+    high = await answer_or_error(gateway, tier("high"))
     assert isinstance(high, OpenAIError) and high.code == "model_overloaded"
     assert len(sent) == 4  # refused requests never reached Serve
     release.set()
@@ -200,7 +202,7 @@ async def test_lower_tiers_are_refused_first_as_the_queue_fills():
     assert sorted(status for status, _ in access.settled) == ["completed"] * 4 + ["overloaded"] * 3
     assert gateway._waiting["tiny-llama"] == 0  # nothing counted as waiting once answered
     # The queue drained: a low key is served again.
-    assert not isinstance(await send(tier("low")), OpenAIError)
+    assert not isinstance(await answer_or_error(gateway, tier("low")), OpenAIError)
 
 
 async def test_requests_admitted_together_queue_no_more_than_the_bound():
@@ -216,13 +218,7 @@ async def test_requests_admitted_together_queue_no_more_than_the_bound():
 
     access.admit = slow_admit
 
-    async def send():
-        try:
-            return await gateway.run(tier("high"), "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
-        except OpenAIError as exc:
-            return exc
-
-    calls = [asyncio.create_task(send()) for _ in range(10)]
+    calls = [asyncio.create_task(answer_or_error(gateway, tier("high"))) for _ in range(10)]
     while len(sent) + len(access.settled) < 10:
         await asyncio.sleep(0.01)
     assert len(sent) == 4 and [status for status, _ in access.settled] == ["overloaded"] * 6
@@ -271,15 +267,9 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
     config = ModelConfig(name="tiny-llama", queue_timeout_s=1.5)
     gateway = Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False))
 
-    async def send(key):
-        try:
-            return await gateway.run(key, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
-        except OpenAIError as exc:
-            return exc
-
-    first = asyncio.create_task(send(tier("normal")))
+    first = asyncio.create_task(answer_or_error(gateway, tier("normal")))
     await asyncio.sleep(0.75)  # the second's queue timeout ends this much after the first's
-    second = asyncio.create_task(send(KeyRecord(id="k2", name="other", created_at=0)))
+    second = asyncio.create_task(answer_or_error(gateway, KeyRecord(id="k2", name="other", created_at=0)))
     await asyncio.sleep(0.1)
     assert len(sent) == 1 and gateway._waiting["tiny-llama"] == 2  # the second waits at the gate
     release.set()

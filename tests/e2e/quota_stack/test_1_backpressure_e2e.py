@@ -11,7 +11,6 @@ saw six unheld 300-token requests arrive spread out enough for all to be served)
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,21 +50,22 @@ def _post(base_url, secret, stream):
 HOLD_TOKENS = 1500  # the holder's stream: seconds of decoding on this box (the model's context is 2048)
 
 
-def _hold(base_url, secret, started: threading.Event) -> tuple[int, int]:
-    """Stream HOLD_TOKENS tokens, setting ``started`` at the first content event
-    (the replica's one slot is then taken). Returns (status, content events)."""
-    body = {**LONG, "max_tokens": HOLD_TOKENS, "min_tokens": HOLD_TOKENS, "stream": True}
-    events = 0
+def _hold(base_url, secret, started: threading.Event) -> tuple[int, str | None]:
+    """Stream HOLD_TOKENS tokens, setting ``started`` at the first content chunk
+    (the replica's one slot is then taken). Returns (content chunks, finish_reason)."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    chunks, finish = 0, None
     try:
-        with httpx.Client(base_url=base_url, timeout=120, headers={"authorization": f"Bearer {secret}"}) as client:
-            with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    if any(choice["delta"].get("content") for choice in json.loads(line[6:])["choices"]):
-                        events += 1
-                        started.set()
-                return response.status_code, events
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=LONG["messages"], max_tokens=HOLD_TOKENS, temperature=0, stream=True,
+            extra_body={"min_tokens": HOLD_TOKENS, "ignore_eos": True},
+        ):
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    chunks += 1
+                    started.set()
+                finish = choice.finish_reason or finish
+        return chunks, finish
     finally:
         started.set()  # never leave the test waiting on a holder that failed
 
@@ -79,8 +79,8 @@ def test_full_queue_is_503_with_retry_after_never_429(base_url, redis_server, ke
         assert started.wait(60), "the holding stream never started"
         assert not holder.done(), holder.result()  # still holding the replica when the flood comes
         responses = list(pool.map(lambda _: _post(base_url, secret, stream), range(6)))
-        held_status, held_events = holder.result()
-    assert held_status == 200 and held_events > 0, (held_status, held_events)
+        held_chunks, held_finish = holder.result()
+    assert held_chunks > 0 and held_finish == "length", (held_chunks, held_finish)
     statuses = sorted(response.status_code for response in responses)
     # The replica's one place is the holder's and each of the two ingress replicas
     # queues one, however many arrive together: the rest are refused, the queued
