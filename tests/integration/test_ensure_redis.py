@@ -28,6 +28,11 @@ def may_use_realtime() -> bool:
     return True
 
 
+def run_script(port: int, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "REDIS_URL": f"redis://127.0.0.1:{port}/0", **env})
+
+
 @pytest.fixture
 def start_redis(tmp_path):
     """Run the script for a free port; yield (its output, the server's pid, a client)."""
@@ -35,11 +40,7 @@ def start_redis(tmp_path):
 
     def start(**env):
         port = free_port()
-        done = subprocess.run(
-            ["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
-            env={**os.environ, "REDIS_URL": f"redis://127.0.0.1:{port}/0", "LLM_CLUSTER_DATA_DIR": str(tmp_path),
-                 **env},
-        )
+        done = run_script(port, LLM_CLUSTER_DATA_DIR=str(tmp_path), **env)
         assert done.returncode == 0, done.stderr
         client = redis.Redis(port=port)
         started.append(client)
@@ -93,8 +94,7 @@ def test_a_running_redis_is_left_as_it_is(start_redis):
     """A Redis already listening (the operator's) is neither restarted nor reprioritised."""
     _, pid, client = start_redis(REDIS_REALTIME="0")
     port = client.connection_pool.connection_kwargs["port"]
-    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+    done = run_script(port)
     assert done.returncode == 0 and done.stdout == ""
     assert os.sched_getscheduler(pid) == os.SCHED_OTHER
     assert client.info("server")["process_id"] == pid
