@@ -144,7 +144,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         self.access = Access(settings, self.telemetry, config.serve_options())
         self.access.start_maintenance()
         self.gateway = Gateway(self.access, {config.name: InProcessReplica(self)}, [config], self.telemetry,
-                               start_early=True)
+                               start_early=True, start_early_when_idle=settings.quota.overlap_admission_when_idle)
 
     @direct_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

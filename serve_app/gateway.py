@@ -112,6 +112,7 @@ class Gateway:
         telemetry: Telemetry,
         describers: dict[str, DeploymentHandle] | None = None,
         start_early: bool = False,
+        start_early_when_idle: bool = False,
     ):
         self.access = access
         # Whether a stream may start before its admission (``_start_early``): a model's
@@ -119,6 +120,8 @@ class Gateway:
         # call would sit in Serve's queue uncounted by the tiers' queue shares and the
         # fair-share gate while its admission runs (tests/e2e/test_scheduling_e2e.py).
         self.start_early = start_early
+        # And on an idle model too (``quota.overlap_admission_when_idle``), not only while it is busy.
+        self.start_early_when_idle = start_early_when_idle
         self.telemetry = telemetry
         self.models = models
         # Handles for the gateway's own calls to a model (its description). The
@@ -456,22 +459,24 @@ class Gateway:
 
     def _start_early(self, handle, op: Operation, body: dict, key: KeyRecord, model: str,
                      reservation: Reservation) -> "_EarlyStart | None":
-        """Send a stream to ``model``'s replicas before its admission, if the model is
-        busy, its key may (``Access.may_start_before_admission``) and the fair-share
-        gate has a place at once; else None, and the request takes the ordinary path.
+        """Send a stream to ``model``'s replicas before its admission, if its key may
+        (``Access.may_start_before_admission``), the fair-share gate has a place at
+        once and the model is busy or ``start_early_when_idle``; else None, and the
+        request takes the ordinary path.
 
-        Only while this gateway has other requests of the model in flight or in
-        admission: then the admission's round trip waits behind their work (measured
-        on the 2-core box: 300 ms at worst while a stream ran beside it) and the new
-        request would queue for the engine's next step anyway. On an idle model
-        admission is one quick round trip, so starting early gains little there, and
-        where Redis shares the engine's cores in the normal scheduling class the
-        engine's compute holds Redis' wake-up until the stream has generated (measured:
-        admissions of ~100 ms, README Performance). Admissions under way count for a
-        burst on an idle model (a round of clients whose streams ended together): its
-        first request is admitted first, the others start at once rather than each
-        waiting for Redis."""
-        if not (self.telemetry.in_flight_count(model) or self._admitting[model]):
+        On a busy model the admission's round trip waits behind the other requests'
+        work (measured on the 2-core box: 300 ms at worst while a stream ran beside
+        it) and the new request would queue for the engine's next step anyway. On an
+        idle model it is one round trip (p50 0.8 ms at c=1 here) that an early start
+        takes out of the time to first token (c=1 TTFT p50 about 1 ms lower, README
+        Performance), as long as Redis gets a core while the engine computes: a Redis
+        in the normal class on the engine's cores answered in ~100 ms (measured), so
+        ``quota.overlap_admission_when_idle`` can turn it off. Without it, admissions
+        under way count as busy for a burst on an idle model (a round of clients whose
+        streams ended together): its first request is admitted first, the others
+        start at once rather than each waiting for Redis."""
+        busy = self.telemetry.in_flight_count(model) or self._admitting[model]
+        if not (busy or self.start_early_when_idle):
             return None
         if not self.access.may_start_before_admission(key, reservation.tokens):
             return None

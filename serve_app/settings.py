@@ -77,6 +77,13 @@ class QuotaConfig(BaseModel):
         "refusal aborts it): the Redis round trip leaves the time to first token. Bounded per key by the room "
         "Redis last reported (serve_app/overlap.py). false: every request waits for its admission first.",
     )
+    overlap_admission_when_idle: bool = Field(
+        True, description="overlap_admission on an idle model too (its first request, not only those arriving "
+        "while others run): the round trip leaves the time to first token of a lone stream as well. It wants a "
+        "Redis that gets a core while the engine computes: on its own host, or on the engine's in the real-time "
+        "class (scripts/ensure_redis.sh starts it so); a Redis in the normal class on the engine's cores answered "
+        "in ~100 ms there (README, Performance). false: on an idle model admission goes first.",
+    )
 
 
 class TelemetryConfig(BaseModel):

@@ -314,21 +314,24 @@ def test_streams_started_before_admission_are_charged_once_under_one_id(direct_u
     assert_each_charged_once(redis, key_id, results)
 
 
-def test_in_a_burst_on_an_idle_model_all_but_the_first_start_beside_their_admission(direct_url, redis_server, redis):
-    key_id, secret = create_key(redis_server.url, "direct-burst")  # no limit: room for every guess
+def test_on_an_idle_model_streams_start_beside_their_admission(direct_url, redis_server, redis):
+    """quota.overlap_admission_when_idle (on by default): a lone stream on an idle
+    engine, and each of a burst, goes to the engine while Redis decides."""
+    key_id, secret = create_key(redis_server.url, "direct-idle")  # no limit: room for every guess
     results = [stream_chat(direct_url, secret)]  # Redis has admitted the key on this replica
     wait_engine_idle()
     before = early_starts()
-    # Redis holds the burst's admissions (within the gateway's Redis timeout): the first
-    # request is still in admission when the others arrive. Counting only admitted
-    # requests as "busy", none of them would start before its admission.
+    results.append(stream_chat(direct_url, secret))
+    assert early_starts()["admitted"] - before["admitted"] == 1  # alone on an idle engine, started early
+    wait_engine_idle()
+    before = early_starts()
+    # Redis holds the burst's admissions (within the gateway's Redis timeout): each
+    # one is in the engine meanwhile, none waits for another's admission.
     redis.execute_command("CLIENT", "PAUSE", 200, "ALL")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results += pool.map(lambda _: stream_chat(direct_url, secret), range(8))
-    assert [status for status, _ in results] == [200] * 9
-    started = early_starts()["admitted"] - before["admitted"]
-    # The first waits for Redis; two may read their bodies side by side before either asks it.
-    assert 6 <= started <= 7, f"{started} of a burst of 8 on an idle model started beside their admission"
+    assert [status for status, _ in results] == [200] * 10
+    assert early_starts()["admitted"] - before["admitted"] == 8
     assert early_starts()["withdrawn"] == before["withdrawn"]
     assert_each_charged_once(redis, key_id, results)
 

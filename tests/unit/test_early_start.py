@@ -2,9 +2,10 @@
 route's gateway), the replica and Redis faked: on a busy model it reaches the replica before Redis answers,
 under the id Redis admits; nothing is relayed before the admission; a refusal
 or a client gone while Redis decides ends the call and frees its fair-share
-place; on an idle model, for a key without room, or with no free place, the
-request waits for its admission first; in a burst on an idle model only the
-first one does. (The real path, engine and Redis: tests/e2e/test_direct_route_e2e.py.)"""
+place; for a key without room, or with no free place, the request waits for
+its admission first; on an idle model it starts early only with
+``start_early_when_idle`` (the default setting), and without it, in a burst on
+an idle model only the first request waits. (The real path, engine and Redis: tests/e2e/test_direct_route_e2e.py.)"""
 
 import asyncio
 from types import SimpleNamespace
@@ -84,8 +85,9 @@ class Chunks:
         self.cancelled = True
 
 
-def gateway(access, fair_share=False, busy=True):
-    """A gateway in front of the faked replica; ``busy``: another request of the model is in flight."""
+def gateway(access, fair_share=False, busy=True, when_idle=False):
+    """A gateway in front of the faked replica; ``busy``: another request of the model
+    is in flight; ``when_idle``: streams start early on an idle model too."""
     sent = []
 
     def remote(operation, body):
@@ -97,7 +99,8 @@ def gateway(access, fair_share=False, busy=True):
     telemetry = Telemetry(False, False)
     if busy:
         telemetry.admitted(RequestRecord("openai", "other", model="tiny-llama"))
-    return Gateway(access, {"tiny-llama": handle}, [config], telemetry, start_early=True), sent
+    return Gateway(access, {"tiny-llama": handle}, [config], telemetry, start_early=True,
+                   start_early_when_idle=when_idle), sent
 
 
 async def start(gw):
@@ -158,6 +161,30 @@ async def test_a_key_without_room_or_an_idle_model_waits_for_its_admission_befor
     assert access.events == ["admission asked", "admitted", "engine started"]
     assert sent[0].body["request_id"] == "k1-late"
     assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+
+
+async def test_on_an_idle_model_a_stream_starts_beside_its_admission_when_the_setting_says_so():
+    access = Access()
+    gw, sent = gateway(access, busy=False, when_idle=True)
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["engine started", "admission asked"] and not run.done()  # nothing relayed yet
+    access.decision.set_result(None)
+    reply = await run
+    assert sent[0].body["request_id"].startswith("k1-") and sent[0].body["request_id"] != "k1-late"  # admitted under it
+    assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+    assert access.settled == ["completed"] and gw._admitting == {"tiny-llama": 0}
+
+
+async def test_a_key_without_room_waits_for_its_admission_on_an_idle_model_too():
+    access = Access(may_start_early=False)
+    gw, sent = gateway(access, busy=False, when_idle=True)
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked"] and not sent
+    access.decision.set_result(None)
+    await run
+    assert access.events == ["admission asked", "admitted", "engine started"]
 
 
 async def test_in_a_burst_on_an_idle_model_only_the_first_request_waits_for_its_admission():
