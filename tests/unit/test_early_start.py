@@ -107,6 +107,18 @@ async def start(gw):
     return asyncio.ensure_future(gw.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x")))
 
 
+async def admitted_before_the_engine_starts(gw, access, sent):
+    """Run a stream that must wait for its admission: nothing reaches the replica
+    before Redis answers, the engine starts after it. Its reply."""
+    run = await start(gw)
+    await asyncio.sleep(0.05)
+    assert access.events == ["admission asked"] and not sent
+    access.decision.set_result(None)
+    reply = await run
+    assert access.events == ["admission asked", "admitted", "engine started"]
+    return reply
+
+
 async def test_a_stream_reaches_the_replica_before_redis_answers_and_under_the_id_redis_admits():
     access = Access()
     gw, sent = gateway(access)
@@ -153,12 +165,7 @@ async def test_a_key_without_room_or_an_idle_model_waits_for_its_admission_befor
         idle_model, key_has_room):
     access = Access(may_start_early=key_has_room)
     gw, sent = gateway(access, busy=not idle_model)
-    run = await start(gw)
-    await asyncio.sleep(0.05)
-    assert access.events == ["admission asked"] and not sent
-    access.decision.set_result(None)
-    reply = await run
-    assert access.events == ["admission asked", "admitted", "engine started"]
+    reply = await admitted_before_the_engine_starts(gw, access, sent)
     assert sent[0].body["request_id"] == "k1-late"
     assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
 
@@ -179,12 +186,7 @@ async def test_on_an_idle_model_a_stream_starts_beside_its_admission_when_the_se
 async def test_a_key_without_room_waits_for_its_admission_on_an_idle_model_too():
     access = Access(may_start_early=False)
     gw, sent = gateway(access, busy=False, when_idle=True)
-    run = await start(gw)
-    await asyncio.sleep(0.05)
-    assert access.events == ["admission asked"] and not sent
-    access.decision.set_result(None)
-    await run
-    assert access.events == ["admission asked", "admitted", "engine started"]
+    await admitted_before_the_engine_starts(gw, access, sent)
 
 
 async def test_in_a_burst_on_an_idle_model_only_the_first_request_waits_for_its_admission():
@@ -227,9 +229,4 @@ async def test_the_ingress_gateway_never_starts_a_stream_before_its_admission():
     access = Access()
     gw, sent = gateway(access)
     gw.start_early = False  # as the ingress builds it
-    run = await start(gw)
-    await asyncio.sleep(0.05)
-    assert access.events == ["admission asked"] and not sent
-    access.decision.set_result(None)
-    await run
-    assert access.events == ["admission asked", "admitted", "engine started"]
+    await admitted_before_the_engine_starts(gw, access, sent)
