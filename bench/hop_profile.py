@@ -1,7 +1,9 @@
 """Where the gateway's CPU goes, by measurement: `py-spy record` on each Python
 process a request crosses (Ray's proxy when it is the ingress, our ingress
 replica, the model replica with vLLM's front end) while a load runs, and the
-CPU time each process spent over the requests and tokens it relayed.
+CPU time each process spent over the requests and tokens it relayed; counted
+beside them, not sampled: vLLM's engine and Ray's daemons, so that the table
+shows what else takes the box's CPU while tokens stream.
 
 Used by serving_overhead.py (``--profile DIR``) and gateway_capacity.py
 (``--profile DIR``): they drive the load; this module samples and summarises.
@@ -31,8 +33,13 @@ GROUPS = {
     "ingress": ("ServeReplica:llm:Ingress",),
     "replica": ("ServeReplica:llm:model-",),
     "engine": ("VLLM::EngineCore", "VLLM::Worker"),  # for scale; the engine is vLLM's, not sampled
+    # Counted, not sampled: Ray's daemons and Serve's control actors, off the request
+    # path but on the engine's cores on a small node (bare vLLM has none).
+    "ray daemons": ("gcs_server", "raylet/raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent",
+                    "ray/dashboard/dashboard.py", "ray-dashboard-", "_private/log_monitor.py",
+                    "autoscaler/_private/monitor.py", "ray::ServeController", "ray::HAProxyManager"),
 }
-NOT_SAMPLED = {"engine"}
+NOT_SAMPLED = {"engine", "ray daemons"}
 SAMPLE_RATE_HZ = 200
 # A frame as py-spy's raw format writes it: "function (path/to/file.py:123)".
 FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*?)(?::\d+)?\)$")

@@ -220,6 +220,8 @@ def profile_target(url: str, config: ModelConfig, source: str, target: str, args
                   "replica": ("ServeReplica:rsllm:LLMServer",)}
     if target == "stack-direct":  # the model's replicas answer HTTP in their own application
         groups = {**GROUPS, "replica": ("ServeReplica:llm:model-", "ServeReplica:direct-")}
+    if target == "vllm":  # `vllm serve`'s API server process is what a model replica is here
+        groups = {**GROUPS, "replica": ("vllm_cli serve",)}
     with profiled(args.profile / target, groups) as hops:
         result = run_load(url, config, source, max(args.concurrency), args, out_dir)
     return report(hops, result["completed"], result["total_output_tokens"])
@@ -323,7 +325,7 @@ def main() -> None:
                             results.setdefault((target, concurrency), []).append(result)
                             print(f"{target} c={concurrency}: " + ", ".join(
                                 f"{label} {result[key]:.2f}" for key, label in METRICS), file=sys.stderr, flush=True)
-                        if args.profile and target != "vllm":
+                        if args.profile:
                             profiles[target] = profile_target(url, config, source, target, args, out_dir)
                 except Exception:
                     log = out_dir / f"{target}.log"
