@@ -9,6 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 
 
 class RedisServer:
@@ -17,6 +18,8 @@ class RedisServer:
         self.persistent = persistent
         self.port = _free_port()
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
+        # Its directory goes with it (or at exit): a full suite creates hundreds.
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -157,6 +160,7 @@ class RedisSentinelSetup:
                 self.sentinel_ports.append(port)
         self.sentinels: list[subprocess.Popen] = []
         self.dir = tempfile.mkdtemp(prefix="redis-sentinel-")
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
 
     @property
     def url(self) -> str:
