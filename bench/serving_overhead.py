@@ -21,7 +21,10 @@ of tokens) at each concurrency, stop it. Targets run one after the other,
 never side by side: on a 2-core box they would steal each other's CPU. With
 --repeats N the whole sequence repeats and every figure is the median over
 repeats. Prints one table: TTFT p50/p99, TPOT p50, output tokens/s per target
-and each target's ratio to bare vLLM; with repeats, each repeat's figures too.
+and each target's ratio to bare vLLM; with repeats, each repeat's figures too,
+and TTFT p50/p99 over every request of every repeat, with each of this stack's
+targets against each of Ray Serve LLM's as a difference and its 95% bootstrap
+interval (``bench/tail_stats.py``): a one-load p99 flips with one stall.
 
     python bench/serving_overhead.py [--targets vllm stack rsllm] [--concurrency 1 32] [--repeats 1]
 """
@@ -240,10 +243,14 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         "--seed", "0", "--disable-tqdm",
-        "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
+        "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", name,
     ]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return json.loads((out_dir / name).read_text())
+    result = json.loads((out_dir / name).read_text())
+    # Each answered request's TTFT (s) for the pooled tails (a failed one's is 0);
+    # not the texts and inter-token latencies.
+    result["ttfts"] = [ttft for ttft, error in zip(result["ttfts"], result["errors"]) if not error]
+    return {key: value for key, value in result.items() if key not in ("itls", "generated_texts", "errors")}
 
 
 def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[str], concurrencies: list[int]) -> None:
@@ -251,12 +258,49 @@ def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[s
     (1.5x within one run here), so which target leads within a repeat, where all
     ran at one speed, says more than medians across repeats."""
     print("\nper repeat (r1 / r2 / ...), targets in the order they ran within each repeat\n")
-    print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>28}" for t in targets))
+    cells = {(t, concurrency, key): " / ".join(f"{r[key]:.2f}" for r in results[(t, concurrency)])
+             for t in targets for concurrency in concurrencies for key, _ in METRICS}
+    width = max(len(cell) for cell in [*cells.values(), *targets]) + 3  # never run into each other
+    print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>{width}}" for t in targets))
     for concurrency in concurrencies:
         for key, label in METRICS:
-            cells = "".join(f"{' / '.join(f'{r[key]:.2f}' for r in results[(t, concurrency)]):>28}"
-                            for t in targets)
-            print(f"{concurrency:>4}  {label:<14}{cells}")
+            print(f"{concurrency:>4}  {label:<14}" + "".join(f"{cells[(t, concurrency, key)]:>{width}}" for t in targets))
+
+
+def print_pooled_tails(results: dict[tuple[str, int], list[dict]], targets: list[str],
+                       concurrencies: list[int]) -> list[dict]:
+    """TTFT p50/p99 over every request of every repeat per target, then each of
+    this stack's targets against each of Ray Serve LLM's: the difference (ms,
+    negative = this stack ahead) and its 95% bootstrap interval."""
+    from tail_stats import bootstrap_difference, percentile_ms, verdict
+
+    def pooled(target: str, concurrency: int) -> list[float]:
+        return [ttft for result in results[(target, concurrency)] for ttft in result["ttfts"]]
+
+    print("\nTTFT over every request of every repeat (ms)\n")
+    print(f"{'conc':>4}  {'target':<16}{'requests':>9}{'p50':>9}{'p99':>9}")
+    for concurrency in concurrencies:
+        for target in targets:
+            samples = pooled(target, concurrency)
+            print(f"{concurrency:>4}  {target:<16}{len(samples):>9}{percentile_ms(samples, 50):>9.2f}"
+                  f"{percentile_ms(samples, 99):>9.2f}")
+    ours = [t for t in targets if t.startswith("stack")]
+    theirs = [t for t in targets if t.startswith("rsllm")]
+    comparisons = []
+    if ours and theirs:
+        print("\nfirst - second, TTFT ms [95% bootstrap interval]; negative: the first is ahead\n")
+        for concurrency in concurrencies:
+            for first in ours:
+                for second in theirs:
+                    for q in (50, 99):
+                        difference, low, high = bootstrap_difference(
+                            pooled(first, concurrency), pooled(second, concurrency), q)
+                        comparisons.append({"concurrency": concurrency, "first": first, "second": second,
+                                            "percentile": q, "difference_ms": difference,
+                                            "low_ms": low, "high_ms": high})
+                        print(f"{concurrency:>4}  {first} - {second} p{q}: {difference:+.2f} "
+                              f"[{low:+.2f}, {high:+.2f}]  {verdict(low, high)}")
+    return comparisons
 
 
 def main() -> None:
@@ -353,11 +397,13 @@ def main() -> None:
             print(f"{concurrency:>4}  {label:<14}{cells}")
     if args.repeats > 1:
         print_per_repeat(results, args.targets, args.concurrency)
+    comparisons = print_pooled_tails(results, args.targets, args.concurrency)
     if args.json:
         per_repeat = [{"target": target, "concurrency": concurrency, "repeat": index + 1,
                        **{key: result[key] for key, _ in METRICS}}
                       for (target, concurrency), runs in results.items() for index, result in enumerate(runs)]
-        args.json.write_text(json.dumps({"medians": raw, "repeats": per_repeat}, indent=2))
+        args.json.write_text(json.dumps({"medians": raw, "repeats": per_repeat,
+                                         "pooled_ttft_differences": comparisons}, indent=2))
     for target, text in profiles.items():
         print(f"\n## {target}: CPU by process at c={max(args.concurrency)} (py-spy, {args.profile / target})\n\n{text}")
 
