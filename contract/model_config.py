@@ -255,6 +255,13 @@ class ModelConfig(BaseModel):
         "is also 50 ms), never past the stream's end. Each item sent costs CPU the engine needs; "
         "0 sends at once, joining only what piled up (as a lone stream always does).",
     )
+    inter_token_latency_histogram: bool = Field(
+        False,
+        description="Export vLLM's inter-token-latency histogram (`ray_vllm_inter_token_latency_seconds`), "
+        "observed once per generated token. Ray's metrics agent re-records each observation one by one at "
+        "every export, so its CPU grows with the node's token rate (replicas/engine_metrics.py); the "
+        "per-request time per output token (vLLM's and the gateway's) is exported either way.",
+    )
     stream_batch_tokens: int = Field(
         4,
         ge=1,

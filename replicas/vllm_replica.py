@@ -89,8 +89,7 @@ class VLLMReplica:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
-
+        from replicas.engine_metrics import ray_stat_logger
         from replicas.engine_stats import EngineLoad, recorder_factory
 
         os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
@@ -109,8 +108,9 @@ class VLLMReplica:
             usage_context=UsageContext.OPENAI_API_SERVER,
             # vLLM's own metrics (queue, KV cache, prefix cache, tokens, latencies)
             # through Ray's metrics system, as Ray Serve LLM does: every node's Ray
-            # metrics endpoint serves them, labelled per replica.
-            stat_loggers=[recorder_factory(self.load), RayPrometheusStatLogger],
+            # metrics endpoint serves them, labelled per replica; by default
+            # without the one histogram observed per token (engine_metrics.py).
+            stat_loggers=[recorder_factory(self.load), ray_stat_logger(config.inter_token_latency_histogram)],
             enable_log_requests=engine_args.enable_log_requests,
             disable_log_stats=engine_args.disable_log_stats,
         )

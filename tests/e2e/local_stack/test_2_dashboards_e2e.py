@@ -391,6 +391,15 @@ def test_vllm_engine_metrics_are_on_the_same_endpoint(load):
         assert any(name.startswith("ray_vllm") and wanted in name for name in names), wanted
 
 
+def test_vllm_latencies_are_exported_per_request_not_per_token(load):
+    """vLLM's per-request time per output token is on the endpoint; its inter-token
+    histogram, observed once per generated token, observes nothing by default
+    (replicas/engine_metrics.py: Ray's metrics agent re-records each observation)."""
+    assert delta(load, "ray_vllm_request_time_per_output_token_seconds_count") >= load.streams - load.cancelled
+    assert delta(load, "ray_vllm_time_to_first_token_seconds_count") >= load.streams - load.cancelled
+    assert total(load.samples, "ray_vllm_inter_token_latency_seconds_count") == 0
+
+
 def test_access_log_has_one_json_line_per_request_without_text(load):
     lines = []
     for path in Path("/tmp/ray/session_latest/logs").glob("worker-*.out"):
