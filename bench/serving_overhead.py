@@ -274,14 +274,13 @@ def print_pooled_tails(results: dict[tuple[str, int], list[dict]], targets: list
     negative = this stack ahead) and its 95% bootstrap interval."""
     from tail_stats import bootstrap_difference, percentile_ms, verdict
 
-    def pooled(target: str, concurrency: int) -> list[float]:
-        return [ttft for result in results[(target, concurrency)] for ttft in result["ttfts"]]
+    pooled = {point: [ttft for result in runs for ttft in result["ttfts"]] for point, runs in results.items()}
 
     print("\nTTFT over every request of every repeat (ms)\n")
     print(f"{'conc':>4}  {'target':<16}{'requests':>9}{'p50':>9}{'p99':>9}")
     for concurrency in concurrencies:
         for target in targets:
-            samples = pooled(target, concurrency)
+            samples = pooled[(target, concurrency)]
             print(f"{concurrency:>4}  {target:<16}{len(samples):>9}{percentile_ms(samples, 50):>9.2f}"
                   f"{percentile_ms(samples, 99):>9.2f}")
     ours = [t for t in targets if t.startswith("stack")]
@@ -294,7 +293,7 @@ def print_pooled_tails(results: dict[tuple[str, int], list[dict]], targets: list
                 for second in theirs:
                     for q in (50, 99):
                         difference, low, high = bootstrap_difference(
-                            pooled(first, concurrency), pooled(second, concurrency), q)
+                            pooled[(first, concurrency)], pooled[(second, concurrency)], q)
                         comparisons.append({"concurrency": concurrency, "first": first, "second": second,
                                             "percentile": q, "difference_ms": difference,
                                             "low_ms": low, "high_ms": high})
