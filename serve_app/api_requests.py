@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from serve_app.errors import OpenAIError, invalid_request
+from serve_app.errors import OpenAIError, invalid_request, shown
 
 
 class StreamOptions(BaseModel):
@@ -61,12 +61,25 @@ class CompletionEnvelope(BaseModel):
     stream_options: StreamOptions | None = None
 
 
+# Inputs one embeddings request may hold (OpenAI's bound): an answer is ~8 kB per
+# input at 1,024 dimensions, so this bounds what one answer carries back.
+MAX_EMBEDDING_INPUTS = 2048
+
+
 class EmbeddingEnvelope(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1)
     input: Prompt
     stream: Literal[False] | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _bounded_inputs(cls, value: Prompt) -> Prompt:
+        # A list of token ids is one input; a list of texts or of token lists is many.
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(value)}")
+        return value
 
 
 class AnthropicMessage(BaseModel):
@@ -267,13 +280,33 @@ def _too_deep() -> OpenAIError:
                        code="json_too_deep")
 
 
+# An integer as a query string may spell it: ASCII digits only (str.isdigit takes
+# '²', which int() refuses, and '１', which int() reads as 1).
+_QUERY_INT = re.compile(r"[0-9]{1,9}")
+
+
 def list_params(params, default_limit: int = 20, max_limit: int = 100) -> dict[str, Any]:
     """``limit`` (1 to ``max_limit``), ``order`` (asc, or desc: the default) and
     ``after`` of one of OpenAI's listings, or a 400 naming the one that is wrong."""
     limit = params.get("limit", str(default_limit))
-    if not limit.isdigit() or not 1 <= int(limit) <= max_limit:
-        raise OpenAIError(400, f"Invalid 'limit': {limit!r}; an integer from 1 to {max_limit}.", param="limit")
+    if not _QUERY_INT.fullmatch(limit) or not 1 <= int(limit) <= max_limit:
+        raise OpenAIError(400, f"Invalid 'limit': {shown(limit)}; an integer from 1 to {max_limit}.", param="limit")
     order = params.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise OpenAIError(400, f"Invalid 'order': {order!r}; 'asc' or 'desc'.", param="order")
+        raise OpenAIError(400, f"Invalid 'order': {shown(order)}; 'asc' or 'desc'.", param="order")
     return {"limit": int(limit), "order": order, "after": params.get("after")}
+
+
+# OpenAI's bounds on an object's ``metadata`` (batches, responses).
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(metadata: Any) -> None:
+    """A 400 unless ``metadata`` is None or at most 16 string pairs within OpenAI's lengths."""
+    if metadata is None or (isinstance(metadata, dict) and len(metadata) <= METADATA_PAIRS and all(
+            isinstance(k, str) and len(k) <= METADATA_KEY_CHARS and isinstance(v, str)
+            and len(v) <= METADATA_VALUE_CHARS for k, v in metadata.items())):
+        return
+    raise OpenAIError(400, f"'metadata' must be at most {METADATA_PAIRS} string pairs (keys up to "
+                           f"{METADATA_KEY_CHARS} characters, values up to {METADATA_VALUE_CHARS}).",
+                      param="metadata", code="invalid_value")

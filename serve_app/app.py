@@ -21,15 +21,33 @@ from serve_app.settings import AppSettings
 # rollout waits forever; configs give it where the cluster has room.
 INGRESS_ROLLOUT_DEFAULTS = {"graceful_shutdown_timeout_s": 300}
 
+# Ray Serve's gRPC between replicas (throughput mode) refuses a message over 4 MiB by
+# default, below the request body limit (8 MiB) and below what one answer can be (an
+# embeddings answer is ~8 kB per input); a refused message was a 500 charged the whole
+# reservation. Every deployment of the gateway (ingress, models, direct routes) takes
+# gRPC's own maximum, the one Serve gives its other gRPC servers: what crosses is
+# bounded by the body limit (requests) and the input bounds (answers) instead.
+TRANSPORT_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
+
+
+def with_transport_env(options: dict[str, Any]) -> dict[str, Any]:
+    """Serve ``options`` whose replicas run with ``TRANSPORT_ENV`` (beside any env vars they set)."""
+    actor = dict(options.get("ray_actor_options") or {})
+    runtime_env = dict(actor.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**TRANSPORT_ENV, **(runtime_env.get("env_vars") or {})}
+    actor["runtime_env"] = runtime_env
+    return {**options, "ray_actor_options": actor}
+
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     settings = AppSettings(**(args or {}))
     models = {
-        model.name: VLLMReplica.options(**model.serve_options()).bind(model)
+        model.name: VLLMReplica.options(**with_transport_env(model.serve_options())).bind(model)
         for model in settings.models
         if not model.direct_route  # in its own application (build_direct_app)
     }
-    return Ingress.options(**{**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment}).bind(settings, models)
+    ingress = with_transport_env({**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment})
+    return Ingress.options(**ingress).bind(settings, models)
 
 
 def build_direct_app(args: dict[str, Any]) -> Application:
@@ -46,7 +64,7 @@ def build_direct_app(args: dict[str, Any]) -> Application:
     from serve_app.direct import DirectModel
 
     model = chosen[0]
-    options = model.serve_options()
+    options = with_transport_env(model.serve_options())
     # HAProxy picks the replica of an application's ingress (Serve refuses a custom
     # router there); the ingress' handle calls to it use Serve's default router.
     options.pop("request_router_config", None)

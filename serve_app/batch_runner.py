@@ -37,7 +37,7 @@ from serve_app import redis_names
 from serve_app.access import Access
 from serve_app.batches import ENDED, ENDPOINTS, BatchStore
 from serve_app.errors import OpenAIError
-from serve_app.files_api import FileStore, read_batch_requests
+from serve_app.files_api import FileStore
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyNotFound, KeyRecord
 from serve_app.redis_client import as_text
@@ -191,8 +191,7 @@ class BatchJob:
 
     async def _requests(self, fixed: dict[str, Any]) -> list[dict[str, Any]] | None:
         try:
-            return await asyncio.to_thread(read_batch_requests, self.files.path(self.key_id, fixed["input_file_id"]),
-                                           self.runner.config.max_requests)
+            return await self.store.requests(self.key_id, fixed["input_file_id"])
         except (OSError, OpenAIError) as exc:  # the input file was deleted (or replaced) meanwhile
             message = exc.message if isinstance(exc, OpenAIError) else "The input file is no longer available."
             await self.store.update(self.key_id, self.batch_id, errors=json.dumps(

@@ -22,8 +22,10 @@ import uuid
 from typing import Any
 
 from serve_app import redis_names
-from serve_app.errors import OpenAIError
+from serve_app.api_requests import check_metadata
+from serve_app.errors import OpenAIError, shown
 from serve_app.files_api import FileStore, read_batch_requests
+from serve_app.listings import index_page
 from serve_app.redis_client import as_text
 
 ENDPOINTS = {  # batch endpoint -> the gateway's operation
@@ -71,10 +73,12 @@ def not_found(batch_id: str) -> OpenAIError:
 
 
 class BatchStore:
-    def __init__(self, redis, files: FileStore, max_requests: int, max_active_per_key: int = 100):
+    def __init__(self, redis, files: FileStore, max_requests: int, max_active_per_key: int = 100,
+                 max_line_bytes: int = 8 * 1024 * 1024):
         self.redis = redis
         self.files = files
         self.max_requests = max_requests
+        self.max_line_bytes = max_line_bytes  # a line is a request: the request body limit
         self.max_active_per_key = max_active_per_key
         self._transition = redis.register_script(_TRANSITION)
         self._take_active_place = redis.register_script(_TAKE_ACTIVE_PLACE)
@@ -87,18 +91,14 @@ class BatchStore:
         a batch that failed, with one error per line, as OpenAI answers it."""
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
-            raise OpenAIError(400, f"Invalid 'endpoint': {endpoint!r}; one of {', '.join(ENDPOINTS)}.",
+            raise OpenAIError(400, f"Invalid 'endpoint': {shown(endpoint)}; one of {', '.join(ENDPOINTS)}.",
                               param="endpoint", code="invalid_value")
         window = body.get("completion_window")
         if window not in COMPLETION_WINDOWS:
-            raise OpenAIError(400, f"Invalid 'completion_window': {window!r}; only '24h' is supported.",
+            raise OpenAIError(400, f"Invalid 'completion_window': {shown(window)}; only '24h' is supported.",
                               param="completion_window", code="invalid_value")
         metadata = body.get("metadata")
-        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                for k, v in metadata.items())):
-            raise OpenAIError(400, "'metadata' must be at most 16 string pairs (keys up to 64 characters, "
-                                   "values up to 512).", param="metadata", code="invalid_value")
+        check_metadata(metadata)
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise OpenAIError(400, "'input_file_id' must be the id of a file uploaded with purpose 'batch'.",
@@ -122,13 +122,13 @@ class BatchStore:
             raise
 
     async def _create(self, key_id: str, batch_id: str, endpoint: str, window: str, metadata, file_id: str):
-        requests = await asyncio.to_thread(read_batch_requests, self.files.path(key_id, file_id), self.max_requests)
+        requests = await self.requests(key_id, file_id)
         now = int(time.time())
         fixed = {"id": batch_id, "object": "batch", "endpoint": endpoint, "input_file_id": file_id,
                  "completion_window": window, "created_at": now, "expires_at": now + COMPLETION_WINDOWS[window],
                  "metadata": metadata}
         errors = [{"code": "invalid_url", "line": r["line"], "param": "url",
-                   "message": f"The request's url {r['url']!r} is not the batch's endpoint {endpoint!r}."}
+                   "message": f"The request's url {shown(r['url'])} is not the batch's endpoint {endpoint!r}."}
                   for r in requests if r["url"] != endpoint][:100]
         fields = {"fixed": json.dumps(fixed), "status": "failed" if errors else "validating",
                   "total": len(requests), "completed": 0, "failed": 0}
@@ -141,6 +141,8 @@ class BatchStore:
                 pipe.expire(record, RECORD_RETENTION_S)
             pipe.zadd(redis_names.batch_index(key_id), {batch_id: time.time()})
             pipe.zremrangebyscore(redis_names.batch_index(key_id), 0, time.time() - RECORD_RETENTION_S)
+            # Outlives every record it lists (ended within the horizon, kept the retention), no longer.
+            pipe.expire(redis_names.batch_index(key_id), RECORD_RETENTION_S + _ACTIVE_HORIZON_S)
             await pipe.execute()
         if errors:  # ended at once
             await self.redis.zrem(redis_names.active_batches_of(key_id), batch_id)
@@ -156,21 +158,15 @@ class BatchStore:
 
     async def page(self, key_id: str, limit: int, after: str | None) -> dict[str, Any]:
         """One page of OpenAI's ListBatchesResponse, newest first."""
-        index = redis_names.batch_index(key_id)
-        ids = [as_text(i) for i in await self.redis.zrange(index, 0, -1, desc=True)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
-        batches = []
-        for batch_id in ids:
-            fields = await self.fields(key_id, batch_id)
-            if fields is None:
-                await self.redis.zrem(index, batch_id)
-                continue
-            batches.append(as_batch(fields))
-            if len(batches) > limit:
-                break
-        data = batches[:limit]
-        page = {"object": "list", "data": data, "has_more": len(batches) > limit}
+        async def load(batch_ids: list[str]) -> list[dict | None]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for batch_id in batch_ids:
+                    pipe.hgetall(redis_names.batch_record(key_id, batch_id))
+                return [as_batch({as_text(k): as_text(v) for k, v in fields.items()}) if fields else None
+                        for fields in await pipe.execute()]
+
+        data, has_more = await index_page(self.redis, redis_names.batch_index(key_id), load, limit, after=after)
+        page = {"object": "list", "data": data, "has_more": has_more}
         if data:
             page.update(first_id=data[0]["id"], last_id=data[-1]["id"])
         return page
@@ -187,6 +183,11 @@ class BatchStore:
         return await self.get(key_id, batch_id)
 
     # -- what runners use ---------------------------------------------------------
+
+    async def requests(self, key_id: str, file_id: str) -> list[dict[str, Any]]:
+        """The requests of ``file_id`` (``read_batch_requests``), read off the event loop."""
+        return await asyncio.to_thread(read_batch_requests, self.files.path(key_id, file_id), self.max_requests,
+                                       self.max_line_bytes)
 
     async def fields(self, key_id: str, batch_id: str) -> dict[str, str] | None:
         fields = await self.redis.hgetall(redis_names.batch_record(key_id, batch_id))

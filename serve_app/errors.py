@@ -75,6 +75,19 @@ def invalid_request(exc: ValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
 
 
+# How much of a client's value an error message echoes: enough to recognise it,
+# never the value itself (an error is stored with a batch, logged, sent back).
+SHOWN_CHARS = 64
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters, saying how long it was when cut."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def error_type_for(status: int) -> str:
     if status in _TYPE_BY_STATUS:
         return _TYPE_BY_STATUS[status]

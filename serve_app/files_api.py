@@ -33,8 +33,9 @@ from typing import Any, BinaryIO
 
 from serve_app import redis_names
 from serve_app.admission import SCRIPTS
-from serve_app.errors import OpenAIError
-from serve_app.redis_client import as_text
+from serve_app.api_requests import parse_json_object
+from serve_app.errors import OpenAIError, shown
+from serve_app.listings import index_page
 
 RETENTION_S = 30 * 24 * 3600
 PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
@@ -172,6 +173,7 @@ class FileStore:
             pipe.set(redis_names.file_record(key_id, file_id), json.dumps(record), ex=RETENTION_S)
             pipe.zadd(redis_names.file_index(key_id), {file_id: time.time()})
             pipe.zremrangebyscore(redis_names.file_index(key_id), 0, time.time() - RETENTION_S)
+            pipe.expire(redis_names.file_index(key_id), RETENTION_S)  # outlives every file it lists, no longer
             await pipe.execute()
         return record
 
@@ -186,23 +188,16 @@ class FileStore:
 
     async def page(self, key_id: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
         """One page of OpenAI's ListFilesResponse (newest first by default)."""
-        index = redis_names.file_index(key_id)
-        ids = [as_text(i) for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
-        if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
-        records = []
-        for file_id in ids:
-            raw = await self.redis.get(redis_names.file_record(key_id, file_id))
-            if raw is None:  # expired or deleted: the index forgets it
-                await self.redis.zrem(index, file_id)
-                continue
-            record = json.loads(raw)
-            if purpose is None or record["purpose"] == purpose:
-                records.append(record)
-            if len(records) > limit:
-                break
-        data = records[:limit]
-        return {"object": "list", "data": data, "has_more": len(records) > limit,
+        async def load(file_ids: list[str]) -> list[dict | None]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for file_id in file_ids:
+                    pipe.get(redis_names.file_record(key_id, file_id))
+                return [json.loads(raw) if raw else None for raw in await pipe.execute()]
+
+        data, has_more = await index_page(self.redis, redis_names.file_index(key_id), load, limit,
+                                          desc=order == "desc", after=after,
+                                          keep=lambda record: purpose is None or record["purpose"] == purpose)
+        return {"object": "list", "data": data, "has_more": has_more,
                 "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else ""}
 
     async def delete(self, key_id: str, file_id: str) -> dict[str, Any]:
@@ -273,27 +268,33 @@ def _copy_bounded(source: BinaryIO, target: Path, max_bytes: int) -> int:
     return size
 
 
-def read_batch_requests(path: Path, max_requests: int) -> list[dict[str, Any]]:
+def read_batch_requests(path: Path, max_requests: int, max_line_bytes: int) -> list[dict[str, Any]]:
     """The requests of a batch input file (OpenAI's JSONL: one object per line with
     ``custom_id``, ``method``, ``url`` and ``body``), or a 400 naming the first
-    line that is not one. ``custom_id``s must be unique: results are matched by them."""
+    line that is not one. Each line passes the checks a request body does
+    (``parse_json_object``: depth, NaN and Infinity, lone surrogates) and is at
+    most ``max_line_bytes`` (the request body limit: a line is a request).
+    ``custom_id``s must be unique: results are matched by them."""
     requests: list[dict[str, Any]] = []
     seen: set[str] = set()
     with open(path, "rb") as lines:
-        for number, raw in enumerate(lines, 1):
+        number = 0
+        # readline(n): a line longer than the bound is never read whole.
+        while raw := lines.readline(max_line_bytes + 1):
+            number += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise _bad_line(number, f"is longer than {max_line_bytes} bytes, the request body limit")
             if not raw.strip():
                 continue
             try:
-                line = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                raise _bad_line(number, "is not valid JSON") from None
-            if not isinstance(line, dict):
-                raise _bad_line(number, "is not a JSON object")
+                line = parse_json_object(raw)
+            except OpenAIError as exc:
+                raise _bad_line(number, f"is not a valid request ({exc.message})") from None
             custom_id = line.get("custom_id")
             if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
                 raise _bad_line(number, "needs 'custom_id', a string of 1 to 512 characters")
             if custom_id in seen:
-                raise _bad_line(number, f"repeats custom_id {custom_id!r}; each request needs its own")
+                raise _bad_line(number, f"repeats custom_id {shown(custom_id)}; each request needs its own")
             if line.get("method") not in BATCH_METHODS:
                 raise _bad_line(number, "needs 'method': 'POST'")
             if not isinstance(line.get("url"), str):

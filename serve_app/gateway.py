@@ -397,7 +397,14 @@ class Gateway:
         except (RayActorError, ActorUnavailableError):
             self.access.settle(ticket, "failed", Usage())
             raise _unavailable(ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable") from None
-        except BaseException:
+        except Exception:
+            # The call failed between ingress and replica (the transport refused a
+            # message, the replica raised): nothing reached the client, nothing is charged.
+            logger.exception("model %s: the call to its replica failed", model)
+            self.access.settle(ticket, "failed", Usage())
+            raise OpenAIError(502, f"The call to a replica of model '{model}' failed. Please retry.",
+                              code="replica_call_failed", headers={**ticket.headers, **RETRY_HEADERS}) from None
+        except BaseException:  # cancelled (the client left): the engine may have generated, the reservation holds
             self.access.settle(ticket, "failed")
             raise
         self._describe_while_up(model)

@@ -117,7 +117,8 @@ class Ingress(HandlesRequests):
         batch = settings.batch
         self.files = FileStore(self.access.redis, batch.files_dir, batch.max_file_bytes, batch.max_bytes_per_key,
                                batch.max_files_per_key)
-        self.batches = BatchStore(self.access.redis, self.files, batch.max_requests, batch.max_active_per_key)
+        self.batches = BatchStore(self.access.redis, self.files, batch.max_requests, batch.max_active_per_key,
+                                  max_line_bytes=self.max_body_bytes)
         self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.access, self.telemetry, batch)
         self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
         self.readiness = Readiness(settings.models, deployments, self.gateway.described,

@@ -20,7 +20,7 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.api_requests import OPERATIONS
+from serve_app.api_requests import OPERATIONS, check_metadata
 from serve_app.calls import Call, Reply
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord
@@ -45,6 +45,7 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
     keep = True if keep is None else keep
     if not isinstance(keep, bool):
         raise OpenAIError(400, "'store' must be a boolean.", param="store")
+    check_metadata(body.get("metadata"))  # stored with the response: OpenAI's bounds
     value = body.get("input")
     if not isinstance(value, (str, list)) or not value:
         raise OpenAIError(400, "'input' must be a non-empty string or list of items.", param="input",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serve_app.api_requests import OPERATIONS, parse_json_object, validate_request
+from serve_app.api_requests import OPERATIONS, check_metadata, list_params, parse_json_object, validate_request
 from serve_app.errors import OpenAIError, from_engine_error
 
 
@@ -179,3 +179,30 @@ def test_anthropic_messages_envelope(body, param):
     assert caught.value.status == 400 and caught.value.param == param
     ok = {"model": "m", "max_tokens": 9, "system": "be brief", "messages": [{"role": "user", "content": "hi"}]}
     assert parse(ok, "messages")[1].max_tokens == 9
+
+
+@pytest.mark.parametrize("limit", ["\u00b2", "\uff11", "1" * 40, "-1", "0", "101", " 5", "5.0", "x" * 10_000])
+def test_a_listing_limit_is_ascii_digits_in_range_or_a_400_that_does_not_echo_it_whole(limit):
+    with pytest.raises(OpenAIError) as caught:
+        list_params({"limit": limit})
+    assert caught.value.status == 400 and caught.value.param == "limit"
+    assert len(caught.value.message) < 200
+
+
+def test_a_listing_limit_in_range_is_read():
+    assert list_params({"limit": "100", "order": "asc", "after": "x"}) == {"limit": 100, "order": "asc", "after": "x"}
+    assert list_params({})["limit"] == 20
+
+
+@pytest.mark.parametrize("metadata", [
+    {str(i): "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, ["k", "v"], "k=v",
+])
+def test_metadata_beyond_openais_bounds_is_a_400(metadata):
+    with pytest.raises(OpenAIError) as caught:
+        check_metadata(metadata)
+    assert caught.value.status == 400 and caught.value.param == "metadata"
+
+
+def test_metadata_within_openais_bounds_passes():
+    check_metadata(None)
+    check_metadata({str(i): "v" * 512 for i in range(16)})

@@ -32,7 +32,7 @@ def write_lines(path, lines) -> None:
 def test_a_batch_file_is_read_request_by_request_skipping_blank_lines(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps(line("a")) + "\n\n" + json.dumps(line("b")))  # no final newline
-    assert [(r["line"], r["custom_id"]) for r in read_batch_requests(path, 10)] == [(1, "a"), (3, "b")]
+    assert [(r["line"], r["custom_id"]) for r in read_batch_requests(path, 10, 1 << 20)] == [(1, "a"), (3, "b")]
 
 
 @pytest.mark.parametrize("lines, problem", [
@@ -41,15 +41,47 @@ def test_a_batch_file_is_read_request_by_request_skipping_blank_lines(tmp_path):
     ([line("a", url=None)], "needs 'url'"),
     ([line("a", body=[1])], "needs 'body'"),
     ([line("x" * 513)], "needs 'custom_id'"),
-    ([[1, 2]], "is not a JSON object"),
+    ([[1, 2]], "must be a JSON object"),
     ([line(str(i)) for i in range(4)], "more than 3 requests"),
 ])
 def test_a_file_that_is_no_batch_names_its_first_bad_line(tmp_path, lines, problem):
     path = tmp_path / "in.jsonl"
     write_lines(path, lines)
     with pytest.raises(OpenAIError) as caught:
-        read_batch_requests(path, 3)
+        read_batch_requests(path, 3, 1 << 20)
     assert caught.value.status == 400 and problem in caught.value.message
+
+
+# What a request body may not be, a batch line may not be either (a line is a request):
+# the interactive path's JSON checks, and its size bound.
+@pytest.mark.parametrize("raw, problem", [
+    (b'{"custom_id": "a", "body": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nested more than"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"temperature": NaN}}',
+     "NaN is not a JSON number"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"top_p": Infinity}}',
+     "Infinity is not a JSON number"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"user": "\\ud800"}}',
+     "unpaired"),
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"user": "' + b"x" * 5000
+     + b'"}}', "longer than 4096 bytes"),
+    (b'{"custom_id": "a", "body": ' + b"[" * 200_000, "longer than 4096 bytes"),  # never parsed
+])
+def test_a_batch_line_passes_the_checks_a_request_body_does(tmp_path, raw, problem):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(json.dumps(line("ok")).encode() + b"\n" + raw + b"\n")
+    with pytest.raises(OpenAIError) as caught:
+        read_batch_requests(path, 10, 4096)
+    assert caught.value.status == 400 and caught.value.message.startswith("Line 2 of the file")
+    assert problem in caught.value.message and len(caught.value.message) < 300
+
+
+def test_a_line_exactly_at_the_bound_is_read(tmp_path):
+    raw = json.dumps(line("a")).encode()
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(raw + b"\n")
+    assert read_batch_requests(path, 10, len(raw) + 1)[0]["custom_id"] == "a"  # the newline counts
+    with pytest.raises(OpenAIError):
+        read_batch_requests(path, 10, len(raw) - 1)
 
 
 class SpaceLedger:
@@ -170,8 +202,9 @@ def test_only_refusals_that_may_pass_are_retried(status, headers, wait):
 class MemoryBatches:
     """BatchStore's runner-facing calls on a dict, with its transition rule."""
 
-    def __init__(self, fields: dict[str, str]):
+    def __init__(self, fields: dict[str, str], files: FileStore):
         self.fields_ = fields
+        self.files = files
         self.ended_calls = 0
 
     async def fields(self, key_id, batch_id):
@@ -188,6 +221,9 @@ class MemoryBatches:
 
     async def ended(self, key_id, batch_id):
         self.ended_calls += 1
+
+    async def requests(self, key_id, file_id):
+        return read_batch_requests(self.files.path(key_id, file_id), 50_000, 1 << 20)
 
 
 class LocalFiles(FileStore):
@@ -235,7 +271,7 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
         for i in range(requests)])
     fixed = {"id": "batch_1", "object": "batch", "endpoint": "/v1/chat/completions", "input_file_id": input_id,
              "completion_window": "24h", "created_at": 0, "expires_at": expires_at}
-    store = MemoryBatches({"fixed": json.dumps(fixed), "status": status, "total": str(requests)})
+    store = MemoryBatches({"fixed": json.dumps(fixed), "status": status, "total": str(requests)}, files)
     key = KeyRecord(id="k1", name="k", created_at=0)
     runner = SimpleNamespace(
         store=store, files=files, gateway=gateway,

@@ -146,3 +146,17 @@ def test_a_model_with_adapters_has_no_direct_route():
 
     with pytest.raises(ValueError, match="direct_route"):
         ModelConfig(name="m", direct_route=True, lora={"adapters": {"a": "demo"}})
+
+
+def test_every_deployment_runs_with_the_raised_transport_limit_beside_its_own_env():
+    from serve_app.app import TRANSPORT_ENV
+
+    args = direct_args()
+    ingress = build_app(args)._bound_deployment
+    [minilm] = ingress.init_args[1].values()
+    direct = build_direct_app(direct_apps(args)[0]["args"])._bound_deployment
+    for deployment in (ingress, minilm._bound_deployment, direct):
+        env = deployment.ray_actor_options["runtime_env"]["env_vars"]
+        assert TRANSPORT_ENV.items() <= env.items(), deployment.name
+    # A model's own env vars stay (configs/local.yaml's VLLM_CPU_KVCACHE_SPACE).
+    assert minilm._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "1"

@@ -127,11 +127,42 @@ async def test_an_engine_400_is_a_400_without_retry_after_and_settled_failed():
     assert access.settled == [("failed", Usage())]  # refused before generating
 
 
-async def test_a_bug_below_is_settled_failed_once_and_raised():
-    access, call = run(Response(result=RuntimeError("bug")))
-    with pytest.raises(RuntimeError):
+async def test_a_call_that_fails_on_its_way_is_a_502_charged_nothing():
+    # What Serve's gRPC raised for a message over its limit: nothing reached the client.
+    access, error = await outcome(Response(result=RuntimeError("Received message larger than max")))
+    assert isinstance(error, OpenAIError) and error.status == 502 and error.code == "replica_call_failed"
+    assert error.headers["retry-after"] == "1" and error.headers["x-ratelimit-limit-requests"] == "10"
+    assert access.settled == [("failed", Usage())]
+
+
+async def test_a_stream_whose_first_item_fails_on_its_way_is_a_502_charged_nothing():
+    access = Access()
+
+    async def failing_chunks():
+        raise RuntimeError("Received message larger than max")
+        yield  # a generator
+
+    class Streamed(Response):
+        def __aiter__(self):
+            return self
+
+        def __anext__(self):
+            return failing_chunks().__anext__()
+
+    stream_handle = SimpleNamespace(remote=lambda *_: Streamed())
+    handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=stream_handle))
+    gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
+                      Telemetry(False, False))
+    with pytest.raises(OpenAIError) as caught:
+        await gateway.run(KEY, "chat", {**CHAT, "stream": True}, 100, RequestRecord("openai", "x"))
+    assert caught.value.status == 502 and access.settled == [("failed", Usage())]
+
+
+async def test_a_client_gone_mid_call_keeps_its_reservation_charged():
+    access, call = run(Response(result=asyncio.CancelledError()))
+    with pytest.raises(asyncio.CancelledError):
         await call
-    assert [status for status, _ in access.settled] == ["failed"]
+    assert access.settled == [("failed", None)]  # the engine may have generated: the reservation holds
 
 
 async def test_refusals_before_admission_settle_nothing():
