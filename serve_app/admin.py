@@ -91,3 +91,26 @@ async def request(access, request_id: str) -> dict[str, Any]:
     if state is None:
         raise OpenAIError(404, f"No record of request '{request_id}'.", code="request_not_found")
     return state
+
+
+async def list_batches(access, batches, key: str | None, limit: int, after: str | None) -> dict[str, Any]:
+    """One key's batches (a page, newest first), or with no key every batch not
+    ended yet, of every key; each names its key (``key_id``)."""
+    if key is not None:
+        record = await _key(access, key)
+        page = await batches.page(record.id, limit, after)
+        page["data"] = [{**batch, "key_id": record.id} for batch in page["data"]]
+        return page
+    data = []
+    for key_id, batch_id in await batches.active():
+        try:
+            data.append({**await batches.get(key_id, batch_id), "key_id": key_id})
+        except OpenAIError:  # ended and expired meanwhile
+            continue
+    return {"object": "list", "data": data, "has_more": False}
+
+
+async def cancel_batch(access, batches, batch_id: str) -> dict[str, Any]:
+    """Cancel any key's batch not ended yet (404 for one that ended: nothing to stop)."""
+    key_id = await batches.key_of(batch_id)
+    return {**await batches.cancel(key_id, batch_id), "key_id": key_id}

@@ -1,23 +1,33 @@
 """Runs batches (``batches.py``) in the ingress replicas, in idle capacity.
 
-Every ingress replica runs one ``BatchRunner``. It takes a batch from
-``ACTIVE_BATCHES`` under a Redis lease (one runner per batch at a time), and
-sends its requests through ``Gateway.run`` like any client's: the key's model
-list, quotas and budgets apply and every request is charged to the key as it
-runs. Batch requests are background requests: ranked after every key's tier
-(vLLM's priority where the model schedules by priority, the fair-share gate,
-the model's queue), at most ``concurrency`` at a time, and each sent only while
-no interactive request of its model waits at this ingress.
+Every ingress replica runs one ``BatchRunner``. It runs up to
+``batch.batches_at_once`` batches side by side, at most ``batch.batches_per_key``
+of one key, each taken from ``ACTIVE_BATCHES`` under a Redis lease (one runner
+per batch at a time): a key with many batches takes one place here, and the
+other keys' batches the rest. Each batch's requests go through ``Gateway.run``
+like any client's, as the key is *now*: its record is read again before every
+request, so a key revoked or disabled, a model taken away or a limit lowered
+applies to the batch's next request. Batch requests are background requests:
+ranked after every key's tier (vLLM's priority where the model schedules by
+priority, the fair-share gate, the model's queue), at most ``concurrency`` at a
+time per batch, and each sent only while no interactive request of its model
+waits at this ingress.
+
+A batch whose key is refused (a 429: a rate limit, a budget, its concurrency) is
+parked: its runner stops sending, gives up its place and leaves the lease to say
+"parked" until the refusal may pass (``MAX_PARK_S`` at most), so no runner holds
+a place for a batch that cannot proceed. A cancel ends a parked batch's wait.
+A batch whose key was revoked or disabled stops: its requests not yet run are
+error lines (``api_key_revoked``) and it ends ``cancelled``.
 
 Results are appended to the batch's partial output and error files in the
 files directory, under the lease. They are the batch's progress: a runner that
-takes a batch over (its runner's ingress restarted or died; the lease expired)
-reads them, skips every ``custom_id`` already answered and runs the rest. A
-request that was running when its runner died is run again (and charged again:
-its first run's answer was never written). A refusal that may pass (429 with a
-retry-after, 503) is retried until the batch's window ends; any other error is
-the request's line in the error file, with the status and body a client would
-have got.
+takes a batch over (its runner's ingress restarted or died; the lease expired;
+it was parked) reads them, skips every ``custom_id`` already answered and runs
+the rest. A request that was running when its runner died is run again (and
+charged again: its first run's answer was never written). A busy model (503) is
+retried until the batch's window ends; any other error is the request's line in
+the error file, with the status and body a client would have got.
 """
 
 from __future__ import annotations
@@ -47,8 +57,11 @@ from serve_app.telemetry import RequestRecord, Telemetry
 logger = logging.getLogger("ray.serve")
 
 MAX_RETRY_WAIT_S = 30.0
+# A parked batch is looked at again after this at most (a budget that renews
+# tomorrow still gets one admission a minute, not a runner's place all day).
+MAX_PARK_S = 60.0
+PARKED = "parked"  # the lease's value while a batch is parked
 SWEEP_EVERY_S = 600.0
-_STATUS_FRESH_S = 0.5  # how stale the batch's status may be when deciding to send one more request
 
 # KEYS[1] the lease; ARGV: owner, ms. Renews the lease only if it is still ours.
 _RENEW = """
@@ -58,6 +71,11 @@ return 0
 # KEYS[1] the lease; ARGV: owner. Gives it up only if it is ours.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# KEYS[1] the lease; ARGV: owner, ms. Turns our lease into the parked mark for ms.
+_PARK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], 'parked', 'PX', ARGV[2]) end
 return 0
 """
 
@@ -77,8 +95,11 @@ class BatchRunner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
+        self._park = self.redis.register_script(_PARK)
         self._task: asyncio.Task | None = None
         self._swept_at = 0.0
+        self._jobs: dict[str, asyncio.Task] = {}  # batch id -> its job, running here
+        self._per_key: dict[str, int] = {}  # key id -> its batches running here
 
     def start(self) -> None:
         if self._task is None:
@@ -87,10 +108,8 @@ class BatchRunner:
     async def run_forever(self) -> None:
         while True:
             try:
-                claimed = await self._claim()
-                if claimed is not None:
-                    await self._run_leased(*claimed)
-                elif time.monotonic() - self._swept_at > SWEEP_EVERY_S:
+                await self._fill()
+                if not self._jobs and time.monotonic() - self._swept_at > SWEEP_EVERY_S:
                     self._swept_at = time.monotonic()
                     await self.files.sweep()
             except asyncio.CancelledError:
@@ -99,15 +118,31 @@ class BatchRunner:
                 logger.exception("batch runner: error")
             await asyncio.sleep(self.config.poll_s * random.uniform(0.5, 1.5))
 
-    async def _claim(self) -> tuple[str, str] | None:
+    async def _fill(self) -> None:
+        """Claim batches until ``batches_at_once`` run here, at most
+        ``batches_per_key`` of one key; each runs as a task of its own."""
+        if len(self._jobs) >= self.config.batches_at_once:
+            return
         members = [as_text(m) for m in await self.redis.smembers(redis_names.ACTIVE_BATCHES)]
         random.shuffle(members)
         for member in members:
             key_id, _, batch_id = member.partition("/")
+            if len(self._jobs) >= self.config.batches_at_once:
+                return
+            if batch_id in self._jobs or self._per_key.get(key_id, 0) >= self.config.batches_per_key:
+                continue
             if await self.redis.set(redis_names.batch_lease(key_id, batch_id), self.owner, nx=True,
                                     px=int(self.config.lease_s * 1000)):
-                return key_id, batch_id
-        return None
+                self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
+                task = asyncio.ensure_future(self._run_leased(key_id, batch_id))
+                self._jobs[batch_id] = task
+                task.add_done_callback(lambda _, key_id=key_id, batch_id=batch_id: self._job_ended(key_id, batch_id))
+
+    def _job_ended(self, key_id: str, batch_id: str) -> None:
+        self._jobs.pop(batch_id, None)
+        self._per_key[key_id] -= 1
+        if not self._per_key[key_id]:
+            del self._per_key[key_id]
 
     async def _run_leased(self, key_id: str, batch_id: str) -> None:
         lease = redis_names.batch_lease(key_id, batch_id)
@@ -115,10 +150,15 @@ class BatchRunner:
         renewer = asyncio.ensure_future(self._keep_lease(lease, job))
         try:
             await job.run()
+        except Exception:
+            logger.exception("batch %s: error; another claim resumes it", batch_id)
         finally:
             renewer.cancel()
             try:
-                await self._release(keys=[lease], args=[self.owner])
+                if job.park_s is not None:  # no place held while it cannot proceed
+                    await self._park(keys=[lease], args=[self.owner, max(1, int(job.park_s * 1000))])
+                else:
+                    await self._release(keys=[lease], args=[self.owner])
             except Exception:  # it expires by itself
                 logger.warning("batch %s: could not release its lease", batch_id)
 
@@ -148,9 +188,9 @@ class BatchJob:
         self.err = self.files.partial_path(key_id, batch_id + ".errors")
         self.counts = {"completed": 0, "failed": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
                        "reasoning_tokens": 0}
-        self._status = ""
-        self._status_at = 0.0
         self.ends = "completed"  # or expired: some requests never ran within the window
+        self.park_s: float | None = None  # set by a refusal of the key: how long the batch waits, parked
+        self.key_gone = False  # the key was revoked or disabled: the batch stops
 
     async def run(self) -> None:
         fields = await self.store.fields(self.key_id, self.batch_id)
@@ -167,16 +207,20 @@ class BatchJob:
                 return
             done = await asyncio.to_thread(self._answered)
             await self.store.update(self.key_id, self.batch_id, **self.counts)
-            key = await self._key()
             pending = [r for r in requests if r["custom_id"] not in done]
-            await self._send_all(key, ENDPOINTS[fixed["endpoint"]], pending)
+            await self._send_all(ENDPOINTS[fixed["endpoint"]], pending)
             if self.lost:
                 return
-            status = await self._fresh_status(force=True)
+            if self.key_gone:  # its work stops: what did not run is cancelled
+                await self.store.transition(self.key_id, self.batch_id, "cancelling", ("in_progress",))
+            status = await self.store.status(self.key_id, self.batch_id)
+            if status == "in_progress" and self.park_s is not None and time.time() < self.expires_at:
+                return  # parked: a later claim sends the rest
+            self.park_s = None
             unanswered = [r for r in pending if r["custom_id"] not in await asyncio.to_thread(self._answered)]
             if unanswered:  # cancelled or expired: each one not run is a line of the error file
                 if status == "cancelling":
-                    code = "batch_cancelled"
+                    code = "api_key_revoked" if self.key_gone else "batch_cancelled"
                 elif time.time() >= self.expires_at:
                     code, self.ends = "batch_expired", "expired"
                 else:  # answers that could not be written (a full disk): the next claim runs them again
@@ -184,8 +228,7 @@ class BatchJob:
                                    len(unanswered))
                     return
                 for request in unanswered:
-                    self._write(self.err, self._error_line(request, code, f"The batch was {_past(code)} before "
-                                                                          "this request ran."))
+                    self._write(self.err, self._error_line(request, code, _NOT_RUN[code]))
                 self.counts["failed"] += len(unanswered)
         await self._finalize()
 
@@ -204,6 +247,7 @@ class BatchJob:
             return None
 
     async def _key(self) -> KeyRecord | None:
+        """The batch's key as it is now; None once revoked or disabled."""
         try:
             key = await self.runner.access.keys.get(self.key_id)
         except KeyNotFound:
@@ -242,25 +286,30 @@ class BatchJob:
         self.counts["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         self.counts["reasoning_tokens"] += (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
 
-    async def _fresh_status(self, force: bool = False) -> str:
-        if force or time.monotonic() - self._status_at > _STATUS_FRESH_S:
-            fields = await self.store.fields(self.key_id, self.batch_id)
-            self._status = fields["status"] if fields else "cancelled"
-            self._status_at = time.monotonic()
-        return self._status
+    async def _next_key(self) -> KeyRecord | None:
+        """The key to send the next request for, read now, or None when the batch
+        stops sending: its lease lost, its window over, cancelled (the status is
+        read before every request: a cancel stops it within the requests in
+        flight), parked, or its key revoked or disabled."""
+        if self.lost or self.park_s is not None or time.time() >= self.expires_at:
+            return None
+        if await self.store.status(self.key_id, self.batch_id) != "in_progress":
+            return None
+        key = await self._key()
+        if key is None:
+            self.key_gone = True
+        return key
 
-    async def _stopping(self) -> bool:
-        return self.lost or time.time() >= self.expires_at or await self._fresh_status() != "in_progress"
-
-    async def _send_all(self, key: KeyRecord | None, operation: str, pending: list[dict[str, Any]]) -> None:
+    async def _send_all(self, operation: str, pending: list[dict[str, Any]]) -> None:
         slots = asyncio.Semaphore(self.runner.config.concurrency)
         running: set[asyncio.Task] = set()
         for request in pending:
             await slots.acquire()
-            if await self._stopping():
+            await self._yield_to_interactive(request["body"].get("model"))
+            key = await self._next_key()
+            if key is None:
                 slots.release()
                 break
-            await self._yield_to_interactive(request["body"].get("model"))
             task = asyncio.ensure_future(self._one(key, operation, request))
             running.add(task)
             task.add_done_callback(lambda t: (running.discard(t), slots.release()))
@@ -276,11 +325,8 @@ class BatchJob:
         while name is not None and self.runner.gateway.waiting(name) > 0 and not self.lost:
             await asyncio.sleep(0.05)
 
-    async def _one(self, key: KeyRecord | None, operation: str, request: dict[str, Any]) -> None:
+    async def _one(self, key: KeyRecord, operation: str, request: dict[str, Any]) -> None:
         line_id = "batch_req_" + uuid.uuid4().hex
-        if key is None:
-            error = OpenAIError(401, "The batch's API key was revoked.", code="invalid_api_key")
-            return self._answer(request, self._failed_line(request, line_id, error))
         if request["body"].get("stream"):
             error = OpenAIError(400, "Streaming is not supported in a batch.", param="stream", code="invalid_value")
             return self._answer(request, self._failed_line(request, line_id, error))
@@ -295,11 +341,18 @@ class BatchJob:
                 record.refused(exc.status, exc.code, exc.type, exc.headers)
                 self.runner.telemetry.finish(record)
                 wait = _retry_after_s(exc)
-                if wait is not None and not await self._stopping():
+                if wait is not None and exc.status == 429:
+                    # The key cannot go on now (a limit, a budget): the batch waits, parked,
+                    # and this request stays unanswered for the claim that resumes it.
+                    self.park_s = max(self.park_s or 0.0, min(wait, MAX_PARK_S))
+                    return
+                fresh = await self._next_key() if wait is not None else None
+                if fresh is not None:  # a busy model: the same request again shortly, as the key is then
                     await asyncio.sleep(min(wait, MAX_RETRY_WAIT_S, max(0.0, self.expires_at - time.time())))
+                    key = fresh
                     continue
                 if wait is not None:
-                    return  # stopping: the request stays unanswered (cancelled or expired)
+                    return  # stopping: the request stays unanswered (cancelled, expired or parked)
                 return self._answer(request, self._failed_line(request, line_id, exc))
             except Exception:
                 logger.exception("batch %s: request %s failed", self.batch_id, request["custom_id"])
@@ -372,5 +425,9 @@ def _retry_after_s(exc: OpenAIError) -> float | None:
     return None
 
 
-def _past(code: str) -> str:
-    return {"batch_cancelled": "cancelled", "batch_expired": "expired"}[code]
+# The error-file line of a request a batch never ran, by why.
+_NOT_RUN = {
+    "batch_cancelled": "The batch was cancelled before this request ran.",
+    "batch_expired": "The batch was expired before this request ran.",
+    "api_key_revoked": "The batch's API key was revoked or disabled before this request ran.",
+}

@@ -67,6 +67,12 @@ end
 return current
 """
 
+# KEYS[1] the batch's lease. A parked batch (batch_runner.py) is free to claim again.
+_UNPARK = """
+if redis.call('GET', KEYS[1]) == 'parked' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 def not_found(batch_id: str) -> OpenAIError:
     return OpenAIError(404, f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
@@ -81,6 +87,7 @@ class BatchStore:
         self.max_line_bytes = max_line_bytes  # a line is a request: the request body limit
         self.max_active_per_key = max_active_per_key
         self._transition = redis.register_script(_TRANSITION)
+        self._unpark = redis.register_script(_UNPARK)
         self._take_active_place = redis.register_script(_TAKE_ACTIVE_PLACE)
 
     # -- the API ----------------------------------------------------------------
@@ -172,15 +179,28 @@ class BatchStore:
         return page
 
     async def cancel(self, key_id: str, batch_id: str) -> dict[str, Any]:
-        """Ask the batch to stop: ``cancelling`` until its runner has written what
-        ran (at once ``cancelled`` when none has started it). 409 once it ended."""
+        """Ask the batch to stop: ``cancelling`` until a runner has written what
+        ran (a parked batch is claimed again at once for it). 409 once it ended."""
         was = await self.transition(key_id, batch_id, "cancelling", ("validating", "in_progress"))
         if was is None:
             raise not_found(batch_id)
         if was not in ("validating", "in_progress", "cancelling"):
             raise OpenAIError(409, f"Batch {batch_id} is {was} and can no longer be cancelled.",
                               param="batch_id", code="batch_not_cancellable")
+        await self._unpark(keys=[redis_names.batch_lease(key_id, batch_id)])
         return await self.get(key_id, batch_id)
+
+    async def active(self) -> list[tuple[str, str]]:
+        """(key id, batch id) of every batch not ended yet, of every key."""
+        members = [as_text(m) for m in await self.redis.smembers(redis_names.ACTIVE_BATCHES)]
+        return sorted(tuple(member.split("/", 1)) for member in members)
+
+    async def key_of(self, batch_id: str) -> str:
+        """The key of a batch not ended yet (what an admin cancels), or a 404."""
+        for key_id, active_id in await self.active():
+            if active_id == batch_id:
+                return key_id
+        raise not_found(batch_id)
 
     # -- what runners use ---------------------------------------------------------
 
@@ -188,6 +208,11 @@ class BatchStore:
         """The requests of ``file_id`` (``read_batch_requests``), read off the event loop."""
         return await asyncio.to_thread(read_batch_requests, self.files.path(key_id, file_id), self.max_requests,
                                        self.max_line_bytes)
+
+    async def status(self, key_id: str, batch_id: str) -> str | None:
+        """The batch's status now (None: no such batch)."""
+        status = await self.redis.hget(redis_names.batch_record(key_id, batch_id), "status")
+        return as_text(status) if status is not None else None
 
     async def fields(self, key_id: str, batch_id: str) -> dict[str, str] | None:
         fields = await self.redis.hgetall(redis_names.batch_record(key_id, batch_id))

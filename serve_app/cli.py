@@ -5,6 +5,7 @@
     llmctl keys list|show|update|revoke ...
     llmctl usage --key NAME_OR_ID
     llmctl requests show REQUEST_ID
+    llmctl batches list [--key NAME_OR_ID] | cancel BATCH_ID   (any key's batches)
     llmctl check-config FILE | demo-model
     llmctl run [CONFIG] [--grace S] [--log FILE] | stop   (the local stack: `make run`, `make stop`)
     llmctl status [--json]     (replicas by state and target, engine load, Redis, keys)
@@ -144,6 +145,31 @@ async def _request(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _batches(args: argparse.Namespace) -> int:
+    from types import SimpleNamespace
+
+    from serve_app import admin
+    from serve_app.batches import BatchStore
+    from serve_app.errors import OpenAIError
+    from serve_app.keys import KeyStore
+
+    redis = _redis(args)
+    access = SimpleNamespace(keys=KeyStore(redis), redis=redis)
+    batches = BatchStore(redis, files=None, max_requests=0)  # listing and cancelling read no file
+    try:
+        if args.action == "list":
+            page = await admin.list_batches(access, batches, args.key, limit=100, after=None)
+            _print(page["data"], True)
+        else:
+            _print(await admin.cancel_batch(access, batches, args.batch_id), True)
+        return 0
+    except OpenAIError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+
+
 def _redis(args: argparse.Namespace):
     from serve_app import redis_client
 
@@ -233,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     requests = commands.add_parser("requests", help="request records").add_subparsers(dest="action", required=True)
     requests.add_parser("show").add_argument("request_id")
     commands.choices["requests"].set_defaults(run=lambda a: asyncio.run(_request(a)))
+
+    batches = commands.add_parser("batches", help="any key's batches").add_subparsers(dest="action", required=True)
+    listing = batches.add_parser("list", help="every batch not ended yet, or one key's batches (newest 100)")
+    listing.add_argument("--key", default=None, help="key id or name")
+    batches.add_parser("cancel", help="cancel a batch not ended yet").add_argument("batch_id")
+    commands.choices["batches"].set_defaults(run=lambda a: asyncio.run(_batches(a)))
 
     check = commands.add_parser("check-config", help="validate a Serve config file")
     check.add_argument("path", type=Path)

@@ -82,6 +82,8 @@ ROUTE_ACCESS: dict[tuple[str, str], str] = {
     ("DELETE", "/admin/keys/{key}"): "admin",
     ("GET", "/admin/keys/{key}/usage"): "admin",
     ("GET", "/admin/requests/{request_id}"): "admin",
+    ("GET", "/admin/batches"): "admin",
+    ("POST", "/admin/batches/{batch_id}/cancel"): "admin",
     ("GET", "/health"): "probe",
     ("GET", "/ready"): "probe",
     ("GET", "/ping"): "probe",
@@ -387,6 +389,18 @@ class Ingress(HandlesRequests):
     async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.request(self.access, request_id))
+
+    @app.get("/admin/batches")
+    async def admin_list_batches(self, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        params = list_params(request.query_params)
+        return JSONResponse(await admin.list_batches(self.access, self.batches, request.query_params.get("key"),
+                                                     params["limit"], params["after"]))
+
+    @app.post("/admin/batches/{batch_id}/cancel")
+    async def admin_cancel_batch(self, batch_id: str, request: Request) -> JSONResponse:
+        self.access.check_admin(request.headers)
+        return JSONResponse(await admin.cancel_batch(self.access, self.batches, batch_id))
 
     # -- probes (the only routes without a key: they name no model) ----------------
 

@@ -131,6 +131,14 @@ class BatchConfig(BaseModel):
         100, gt=0, description="Batches of one key not ended yet (validating, in progress, cancelling); one more "
         "is a 429 too_many_active_batches before its file is read.",
     )
+    batches_at_once: int = Field(
+        4, ge=1, description="Batches an ingress replica runs side by side (of any keys). A batch that cannot "
+        "proceed (its key refused: a limit, a budget) is parked and holds no place.",
+    )
+    batches_per_key: int = Field(
+        1, ge=1, description="Of those, batches of one key at most: a key with many batches takes this many "
+        "places per ingress replica; the others go to other keys' batches.",
+    )
     concurrency: int = Field(
         4, ge=1, description="Requests of one batch an ingress replica runs at once. Each is sent only while "
         "no interactive request of its model waits at that ingress, at an engine priority below every "

@@ -210,6 +210,9 @@ class MemoryBatches:
     async def fields(self, key_id, batch_id):
         return dict(self.fields_)
 
+    async def status(self, key_id, batch_id):
+        return self.fields_["status"]
+
     async def transition(self, key_id, batch_id, status, allowed):
         was = self.fields_["status"]
         if was in allowed:
@@ -260,8 +263,10 @@ class AnsweringGateway:
         return SimpleNamespace(body=json.dumps({"id": "x", "object": "chat.completion", "usage": usage}).encode())
 
 
-def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3):
-    from serve_app.keys import KeyRecord
+def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3, keys=None):
+    """(the job, its store, its files); ``keys``: what each read of the key returns
+    in turn (the last one from then on), a KeyRecord or None for a revoked key."""
+    from serve_app.keys import KeyRecord, KeyNotFound
 
     files = LocalFiles(tmp_path)
     input_id = "file-" + "1" * 32
@@ -273,16 +278,20 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
              "completion_window": "24h", "created_at": 0, "expires_at": expires_at}
     store = MemoryBatches({"fixed": json.dumps(fixed), "status": status, "total": str(requests)}, files)
     key = KeyRecord(id="k1", name="k", created_at=0)
+    reads = list(keys) if keys is not None else [key]
+
+    async def read_key(key_id):
+        found = reads.pop(0) if len(reads) > 1 else reads[0]
+        if found is None:
+            raise KeyNotFound(key_id)
+        return found
+
     runner = SimpleNamespace(
         store=store, files=files, gateway=gateway,
         config=SimpleNamespace(max_requests=100, concurrency=2),
-        access=SimpleNamespace(keys=SimpleNamespace(get=lambda key_id: _returning(key))),
+        access=SimpleNamespace(keys=SimpleNamespace(get=read_key)),
         telemetry=SimpleNamespace(finish=lambda record: None))
     return BatchJob(runner, "k1", "batch_1"), store, files
-
-
-async def _returning(value):
-    return value
 
 
 def result_lines(files, kind):
@@ -351,6 +360,62 @@ async def test_a_batch_whose_input_file_is_gone_fails_and_leaves_no_partial_resu
     await job.run()
     assert store.fields_["status"] == "failed" and "invalid_input_file" in store.fields_["errors"]
     assert not job.out.exists() and store.ended_calls == 1
+
+
+async def test_a_refusal_of_the_key_parks_the_batch_with_nothing_written(tmp_path):
+    budget = OpenAIError(429, "You exceeded your token quota.", code="insufficient_quota",
+                         headers={"retry-after": "3600", "retry-after-ms": "3600000"})
+    gateway = AnsweringGateway(budget)
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=6)
+    await job.run()
+    # The first requests in flight were refused; nothing more was sent, nothing was
+    # written, and the batch waits (at most MAX_PARK_S) for a later claim to resume it.
+    assert len(gateway.sent) <= 2 and job.park_s == 60.0
+    assert store.fields_["status"] == "in_progress" and store.ended_calls == 0
+    assert not job.out.exists() and not job.err.exists() and files.adopted == {}
+
+
+async def test_a_key_revoked_mid_batch_stops_it_and_its_requests_not_run_are_error_lines(tmp_path):
+    from serve_app.keys import KeyRecord
+
+    key = KeyRecord(id="k1", name="k", created_at=0)
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=8,
+                                  keys=[key, key, None])
+    await job.run()
+    assert len(gateway.sent) == 2  # the key as it was when each was sent; none after it was revoked
+    assert store.fields_["status"] == "cancelled"
+    errors = result_lines(files, "errors")
+    assert len(errors) == 6 and {item["error"]["code"] for item in errors} == {"api_key_revoked"}
+    assert len(result_lines(files, "output")) == 2
+
+
+async def test_a_disabled_key_stops_its_batch_too(tmp_path):
+    from serve_app.keys import KeyRecord
+
+    disabled = KeyRecord(id="k1", name="k", created_at=0, enabled=False)
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, keys=[disabled])
+    await job.run()
+    assert gateway.sent == [] and store.fields_["status"] == "cancelled"
+
+
+async def test_a_cancel_stops_a_batch_within_the_requests_in_flight(tmp_path):
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=40)
+    answered = gateway.run
+
+    async def cancel_after_the_fourth(*args, **kwargs):
+        reply = await answered(*args, **kwargs)
+        if len(gateway.sent) == 4:
+            store.fields_["status"] = "cancelling"
+        return reply
+
+    gateway.run = cancel_after_the_fourth
+    await job.run()
+    assert len(gateway.sent) <= 4 + 2  # at most the batch's concurrency (2) more were in flight
+    assert store.fields_["status"] == "cancelled"
+    assert {item["error"]["code"] for item in result_lines(files, "errors")} == {"batch_cancelled"}
 
 
 @pytest.mark.parametrize("name, kept", [("requests.jsonl", "requests.jsonl"), (None, "upload.jsonl"),
