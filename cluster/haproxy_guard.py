@@ -11,7 +11,8 @@ or, with SO_REUSEPORT, shares it with the orphan. (Measured on Ray 2.60: after
 ``RAY_SERVE_HAPROXY_BINARY_PATH`` (the Makefile, cluster.yaml) points Ray at this
 wrapper (the ``llm-haproxy`` script): it arms the guard vLLM's processes use
 (replicas.engine_guard: SIGKILL when the parent dies), which survives ``exec``, and
-then becomes the haproxy binary that ships with ``ray[serve]``.
+then becomes the haproxy binary that ships with ``ray[serve]``, on Ray's config with
+the edge's own settings (``haproxy_edge.py``: request timeouts, JSON error pages).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
+from cluster.haproxy_edge import rewrite_args
 from replicas.engine_guard import guard
 
 
@@ -30,7 +32,7 @@ def main() -> None:
     os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
     binary = get_haproxy_binary()
     guard(os.getppid())
-    os.execv(binary, [binary, *sys.argv[1:]])
+    os.execv(binary, [binary, *rewrite_args(sys.argv[1:])])
 
 
 if __name__ == "__main__":

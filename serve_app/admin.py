@@ -83,9 +83,11 @@ async def usage(access, id_or_name: str) -> dict[str, Any]:
     return {"key": record.name, "id": record.id, **await key_usage(access.redis, record.id)}
 
 
-async def request(access, request_id: str) -> dict[str, Any]:
+async def request(access, request_id: str, key: str | None = None) -> dict[str, Any]:
+    """A request's record; ``key`` (id or name) looks an x-request-id up among that key's requests."""
+    key_id = (await _key(access, key)).id if key is not None else None
     try:
-        state = await request_state(access.redis, request_id)
+        state = await request_state(access.redis, request_id, key_id)
     except ValueError:
         state = None
     if state is None:

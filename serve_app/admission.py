@@ -29,6 +29,7 @@ from importlib import resources
 from serve_app import redis_names
 from serve_app.auto_pipeline import AutoPipeline
 from serve_app.keys import KeyRecord
+from serve_app.usage import key_id_of
 
 # The Lua scripts' folder (this module's four; files_api's file space).
 SCRIPTS = resources.files("serve_app") / "lua"
@@ -137,7 +138,11 @@ class Admission:
         """Let ``requests show <x-request-id>`` find an admitted request (the index
         lives outside the key's hash tag, so not in the admit script)."""
         if indexable_http_id(http_request_id):
-            await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s)
+            key_id, _ = key_id_of(request_id)
+            # The first request to use an id keeps the global entry (NX): a tenant that
+            # reuses another's x-request-id never takes over its lookup; per key, the last.
+            await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s, nx=True)
+            await self.redis.set(redis_names.http_request(http_request_id, key_id), request_id, ex=self.retention_s)
 
     async def running(self, key_id: str, request_id: str, replica: str = "") -> None:
         await self.pipeline.call(self._running, redis_names.admission_keys(key_id, request_id), [replica])

@@ -26,6 +26,7 @@ from serve_app.api_requests import check_metadata
 from serve_app.errors import OpenAIError, shown
 from serve_app.files_api import FileStore, read_batch_requests
 from serve_app.listings import index_page
+from serve_app.storage_account import StorageAccount
 from serve_app.redis_client import as_text
 
 ENDPOINTS = {  # batch endpoint -> the gateway's operation
@@ -47,6 +48,11 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
+# The most a batch's record holds: its fixed fields (metadata at OpenAI's bounds:
+# ~9 kB), counts, times, and at most 100 errors whose echoed values are cut.
+MAX_RECORD_BYTES = 64 * 1024
+# How long a record counts in its key's account at most: its window, the horizon, its retention.
+_RECORD_KEPT_S = COMPLETION_WINDOWS["24h"] + _ACTIVE_HORIZON_S + RECORD_RETENTION_S
 ENDED = ("completed", "failed", "expired", "cancelled")
 _COUNTS = ("total", "completed", "failed")
 _USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
@@ -80,9 +86,12 @@ def not_found(batch_id: str) -> OpenAIError:
 
 class BatchStore:
     def __init__(self, redis, files: FileStore, max_requests: int, max_active_per_key: int = 100,
-                 max_line_bytes: int = 8 * 1024 * 1024):
+                 max_line_bytes: int = 8 * 1024 * 1024, records: StorageAccount | None = None):
+        """``records``: the key's account of what it keeps in Redis, where each batch
+        record counts (none: uncounted, for tools that only list and cancel)."""
         self.redis = redis
         self.files = files
+        self.records = records
         self.max_requests = max_requests
         self.max_line_bytes = max_line_bytes  # a line is a request: the request body limit
         self.max_active_per_key = max_active_per_key
@@ -123,10 +132,17 @@ class BatchStore:
             raise OpenAIError(429, f"This key has {self.max_active_per_key} batches not yet ended, its limit. "
                                    "Wait for one to end, or cancel one.", code="too_many_active_batches")
         try:
+            if self.records is not None:  # its record's room, at most what a record can hold
+                await self.records.reserve(key_id, batch_id, MAX_RECORD_BYTES, time.time() + _RECORD_KEPT_S)
             return await self._create(key_id, batch_id, endpoint, window, metadata, file_id)
         except BaseException:
-            await asyncio.shield(self.redis.zrem(active, batch_id))
+            await asyncio.shield(self._not_made(key_id, batch_id))
             raise
+
+    async def _not_made(self, key_id: str, batch_id: str) -> None:
+        await self.redis.zrem(redis_names.active_batches_of(key_id), batch_id)
+        if self.records is not None:
+            await self.records.release(key_id, batch_id)
 
     async def _create(self, key_id: str, batch_id: str, endpoint: str, window: str, metadata, file_id: str):
         requests = await self.requests(key_id, file_id)
@@ -151,6 +167,9 @@ class BatchStore:
             # Outlives every record it lists (ended within the horizon, kept the retention), no longer.
             pipe.expire(redis_names.batch_index(key_id), RECORD_RETENTION_S + _ACTIVE_HORIZON_S)
             await pipe.execute()
+        if self.records is not None:  # what it holds replaces its reservation
+            size = sum(len(str(name)) + len(str(value)) for name, value in fields.items())
+            await self.records.record(key_id, batch_id, size, time.time() + _RECORD_KEPT_S)
         if errors:  # ended at once
             await self.redis.zrem(redis_names.active_batches_of(key_id), batch_id)
         else:  # into the runners' set only once its record exists

@@ -38,6 +38,9 @@ class Call:
     body: dict[str, Any]  # the canonical OpenAI request
     # How the answer reaches the client; may be async (a Responses answer is stored first).
     respond: Callable[[Reply], Response | Awaitable[Response]] = field(default=Reply.response)
+    # What undoes the translation's side effects when the gateway answers no Reply
+    # (a refusal, an error): the Responses API gives back the storage it reserved.
+    abandon: Callable[[], Awaitable[None]] | None = None
 
 
 class ModelRegistry(Protocol):

@@ -4,7 +4,7 @@
                              --monthly-tokens N --models a,b --priority high|normal|low] [--json]
     llmctl keys list|show|update|revoke ...
     llmctl usage --key NAME_OR_ID
-    llmctl requests show REQUEST_ID
+    llmctl requests show REQUEST_ID [--key NAME_OR_ID]
     llmctl batches list [--key NAME_OR_ID] | cancel BATCH_ID   (any key's batches)
     llmctl check-config FILE | demo-model
     llmctl run [CONFIG] [--grace S] [--log FILE] | stop   (the local stack: `make run`, `make stop`)
@@ -128,12 +128,14 @@ async def _usage(args: argparse.Namespace) -> int:
 
 
 async def _request(args: argparse.Namespace) -> int:
+    from serve_app.keys import KeyNotFound, KeyStore
     from serve_app.usage import request_state
 
     redis = _redis(args)
     try:
-        state = await request_state(redis, args.request_id)
-    except ValueError as exc:
+        key_id = (await KeyStore(redis).resolve(args.key)).id if args.key else None
+        state = await request_state(redis, args.request_id, key_id)
+    except (ValueError, KeyNotFound) as exc:
         print(str(exc), file=sys.stderr)
         return 1
     finally:
@@ -257,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     usage.set_defaults(run=lambda a: asyncio.run(_usage(a)))
 
     requests = commands.add_parser("requests", help="request records").add_subparsers(dest="action", required=True)
-    requests.add_parser("show").add_argument("request_id")
+    show = requests.add_parser("show", help="by request id, completion id or x-request-id")
+    show.add_argument("request_id")
+    show.add_argument("--key", default=None, help="look an x-request-id up among this key's requests (id or name)")
     commands.choices["requests"].set_defaults(run=lambda a: asyncio.run(_request(a)))
 
     batches = commands.add_parser("batches", help="any key's batches").add_subparsers(dest="action", required=True)

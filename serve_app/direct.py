@@ -136,6 +136,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
     async def __init__(self, config: ModelConfig, settings: AppSettings):
         await VLLMReplica.func_or_class.__init__(self, config)
         self.max_body_bytes = settings.ingress.max_body_bytes
+        self.body_timeout_s = settings.ingress.body_timeout_s
         self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
                                    settings.telemetry.per_key_max_keys)
         self.telemetry.models_served({config.name: deployment_name(config.name)})

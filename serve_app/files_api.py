@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from serve_app import redis_names
-from serve_app.admission import SCRIPTS
 from serve_app.api_requests import parse_json_object
 from serve_app.errors import OpenAIError, shown
 from serve_app.listings import index_page
+from serve_app.storage_account import StorageAccount
 
 RETENTION_S = 30 * 24 * 3600
 PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
@@ -59,46 +59,13 @@ def not_found(file_id: str) -> OpenAIError:
     return OpenAIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
 
 
-class FileSpace:
-    """Each key's file storage in Redis (``lua/file_space.lua``): reserve before
-    an upload is written, record what a file really holds, release it."""
-
-    def __init__(self, redis, max_bytes: int, max_files: int):
-        self.max_bytes = max_bytes
-        self.max_files = max_files
-        self._script = redis.register_script((SCRIPTS / "file_space.lua").read_text()) if redis else None
-
-    async def _call(self, op: str, key_id: str, file_id: str, size: int = 0, expires_s: float = 0,
-                    now_s: float | None = None) -> tuple[bool, int, int]:
-        now_ms = int((time.time() if now_s is None else now_s) * 1000)
-        done, total, files = await self._script(
-            keys=[redis_names.file_space(key_id), redis_names.file_space_expiry(key_id)],
-            args=[op, file_id, size, int(expires_s * 1000), now_ms, self.max_bytes, self.max_files,
-                  (RETENTION_S + 24 * 3600) * 1000])
-        return bool(done), int(total), int(files)
-
-    async def reserve(self, key_id: str, file_id: str, size: int, now_s: float | None = None) -> None:
-        """Room for a new file of at most ``size`` bytes, or a 400 naming the bound."""
-        now = time.time() if now_s is None else now_s
-        done, total, files = await self._call("reserve", key_id, file_id, size, now + _RESERVATION_S, now)
-        if not done:
-            raise OpenAIError(
-                400, f"This key's files hold {total} bytes in {files} files; the limit is {self.max_bytes} bytes "
-                f"and {self.max_files} files per key, and this upload needs {size} bytes more. Delete files you "
-                "no longer need (DELETE /v1/files/{file_id}) to make room.",
-                param="file", code="file_storage_limit_exceeded")
-
-    async def record(self, key_id: str, file_id: str, size: int, expires_s: float,
-                     now_s: float | None = None) -> None:
-        await self._call("record", key_id, file_id, size, expires_s, now_s)
-
-    async def release(self, key_id: str, file_id: str, now_s: float | None = None) -> None:
-        await self._call("release", key_id, file_id, now_s=now_s)
-
-    async def used(self, key_id: str, now_s: float | None = None) -> tuple[int, int]:
-        """(bytes, files) the key holds now."""
-        _, total, files = await self._call("read", key_id, "", now_s=now_s)
-        return total, files
+def file_space(redis, max_bytes: int, max_files: int) -> StorageAccount:
+    """Each key's files on disk (uploads and batch results): reserved before an
+    upload is written, recorded as written, released when deleted or expired."""
+    return StorageAccount(
+        redis, lambda key_id: [redis_names.file_space(key_id), redis_names.file_space_expiry(key_id)], max_bytes,
+        max_files, RETENTION_S, what="files", param="file", code="file_storage_limit_exceeded",
+        remedy="Delete files you no longer need (DELETE /v1/files/{file_id}) to make room.")
 
 
 class FileStore:
@@ -107,7 +74,7 @@ class FileStore:
         self.redis = redis
         self.dir = Path(directory).expanduser()
         self.max_bytes = max_bytes
-        self.space = FileSpace(redis, max_key_bytes, max_key_files)
+        self.space = file_space(redis, max_key_bytes, max_key_files)
 
     def path(self, key_id: str, file_id: str) -> Path:
         if not FILE_ID.fullmatch(file_id):  # never a path a client chose
@@ -126,7 +93,7 @@ class FileStore:
         request's length, which the file cannot pass), at most ``max_bytes``. Taken
         before the request's body is read; given back if the block fails."""
         file_id = new_file_id()
-        await self.space.reserve(key_id, file_id, min(declared_bytes, self.max_bytes))
+        await self.space.reserve(key_id, file_id, min(declared_bytes, self.max_bytes), time.time() + _RESERVATION_S)
         try:
             yield file_id
         except BaseException:
@@ -240,10 +207,17 @@ FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 _UNSAFE_IN_NAMES = re.compile(r'[\x00-\x1f\x7f"\\/]')
 
 
+# How the HTML standard (and so httpx, the openai SDK's transport, and browsers)
+# escapes a multipart filename: '"', CR and LF percent-encoded, UTF-8 as it is.
+_FORM_ESCAPES = {"%22": '"', "%0D": "\r", "%0A": "\n"}
+
+
 def safe_filename(name: str | None) -> str:
-    """A client's file name as it is kept and sent back (Content-Disposition): no
+    """A client's file name as it is kept and sent back (Content-Disposition: RFC
+    5987's ``filename*`` carries any Unicode): the form's escapes undone, then no
     control characters, quotes, backslashes or slashes, at most 256 characters."""
-    return _UNSAFE_IN_NAMES.sub("_", name or "upload.jsonl")[:256] or "upload.jsonl"
+    name = re.sub("%22|%0D|%0A", lambda escape: _FORM_ESCAPES[escape.group(0).upper()], name or "", flags=re.IGNORECASE)
+    return _UNSAFE_IN_NAMES.sub("_", name)[:256] or "upload.jsonl"
 
 
 def new_file_id() -> str:

@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from contract.model_config import deployment_name, direct_app_name
+from contract.replica_wire import Usage
 from serve_app import admin
 from serve_app.access import Access
 from serve_app.api_requests import list_params, parse_json_object
@@ -32,9 +33,9 @@ from serve_app.files_api import PURPOSES, FileStore, safe_filename, storage_full
 from serve_app.gateway import Gateway
 from serve_app.keys import KeyRecord
 from serve_app.readiness import Readiness
-from serve_app.request_handling import HandlesRequests, as_call, openai_app
+from serve_app.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
 from serve_app.settings import AppSettings
-from serve_app.stored_responses import ResponseStore, item_list
+from serve_app.stored_responses import ResponseStore, item_list, stored_space
 from serve_app.telemetry import Telemetry
 
 logger = logging.getLogger("ray.serve")
@@ -101,6 +102,7 @@ class Ingress(HandlesRequests):
     def __init__(self, settings: AppSettings, models: dict[str, DeploymentHandle]):
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
+        self.body_timeout_s = settings.ingress.body_timeout_s
         self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
                                    settings.telemetry.per_key_max_keys)
         # A model with direct_route lives in its own application (serve_app/direct.py).
@@ -115,12 +117,13 @@ class Ingress(HandlesRequests):
         self.access.start_maintenance()  # lease renewal, settlements Redis missed
         describers = {name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()}
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry, describers)
-        self.responses = ResponseStore(self.access.redis)
+        stored = stored_space(self.access.redis, settings.store.max_bytes_per_key, settings.store.max_objects_per_key)
+        self.responses = ResponseStore(self.access.redis, stored)
         batch = settings.batch
         self.files = FileStore(self.access.redis, batch.files_dir, batch.max_file_bytes, batch.max_bytes_per_key,
                                batch.max_files_per_key)
         self.batches = BatchStore(self.access.redis, self.files, batch.max_requests, batch.max_active_per_key,
-                                  max_line_bytes=self.max_body_bytes)
+                                  max_line_bytes=self.max_body_bytes, records=stored)
         self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.access, self.telemetry, batch)
         self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
         self.readiness = Readiness(settings.models, deployments, self.gateway.described,
@@ -156,33 +159,53 @@ class Ingress(HandlesRequests):
             body, key, self.responses))
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(self, response_id: str, request: Request) -> JSONResponse:
-        key = await self.access.authenticate(request.headers)
-        return JSONResponse((await responses_api.retrieve(self.responses, key, response_id))["response"])
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        async def retrieve(key: KeyRecord) -> dict[str, Any]:
+            return (await responses_api.retrieve(self.responses, key, response_id))["response"]
+
+        return await self._stored(request, retrieve)
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
-        key = await self.access.authenticate(request.headers)
-        return JSONResponse(await responses_api.delete(self.responses, key, response_id))
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        return await self._stored(request, lambda key: responses_api.delete(self.responses, key, response_id))
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(self, response_id: str, request: Request) -> JSONResponse:
-        key = await self.access.authenticate(request.headers)
-        stored = await responses_api.retrieve(self.responses, key, response_id)
-        return JSONResponse(item_list(stored["input_items"], **list_params(request.query_params)))
+    async def response_input_items(self, response_id: str, request: Request) -> Response:
+        params = list_params(request.query_params)
+
+        async def items(key: KeyRecord) -> dict[str, Any]:
+            stored = await responses_api.retrieve(self.responses, key, response_id)
+            return item_list(stored["input_items"], **params)
+
+        return await self._stored(request, items)
 
     # -- OpenAI's Files and Batch API (state in Redis and the files directory:
     #    serve_app/files_api.py, batches.py; run by serve_app/batch_runner.py) ------
 
     async def _stored(self, request: Request, work) -> Response:
-        """``work(key)`` for the caller's key; Redis unreachable is a 503."""
+        """``work(key)`` for the caller's key, admitted like any request of it
+        (requests/min and a concurrency slot, no tokens: an upload holds its slot
+        while it is read); Redis unreachable is a 503."""
         key = await self.access.authenticate(request.headers)
+        ticket = await self.access.admit(key, "", 0, serve_request_id(request))
         try:
             answer = await work(key)
         except RedisError:
-            raise OpenAIError(503, "Files and batches are unavailable right now. Please retry shortly.",
-                              code="store_unavailable", headers={"retry-after": "1"}) from None
-        return answer if isinstance(answer, Response) else JSONResponse(answer)
+            self.access.settle(ticket, "failed", Usage())
+            raise OpenAIError(503, "Files, batches and stored responses are unavailable right now. Please retry "
+                                   "shortly.", code="store_unavailable",
+                              headers={**ticket.headers, "retry-after": "1"}) from None
+        except OpenAIError as exc:
+            self.access.settle(ticket, "failed", Usage())
+            exc.headers = {**ticket.headers, **exc.headers}
+            raise
+        except BaseException:
+            self.access.settle(ticket, "failed", Usage())
+            raise
+        self.access.settle(ticket, "completed", Usage())
+        response = answer if isinstance(answer, Response) else JSONResponse(answer)
+        response.headers.update(ticket.headers)
+        return response
 
     @app.post("/v1/files")
     async def create_file(self, request: Request) -> Response:
@@ -388,7 +411,7 @@ class Ingress(HandlesRequests):
     @app.get("/admin/requests/{request_id}")
     async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
-        return JSONResponse(await admin.request(self.access, request_id))
+        return JSONResponse(await admin.request(self.access, request_id, request.query_params.get("key")))
 
     @app.get("/admin/batches")
     async def admin_list_batches(self, request: Request) -> JSONResponse:

@@ -67,8 +67,12 @@ def request_record(key_id: str, request_id: str) -> str:
     return request_record_prefix(key_id) + request_id
 
 
-def http_request(http_request_id: str) -> str:
-    """The HTTP x-request-id (Ray Serve's) → the gateway's request id."""
+def http_request(http_request_id: str, key_id: str | None = None) -> str:
+    """The HTTP x-request-id (Ray Serve's, or the client's own) → the gateway's
+    request id: of the first request that used it, or with ``key_id`` of that
+    key's last one (a client may reuse any id; another key's never replaces it)."""
+    if key_id is not None:
+        return f"{PREFIX}:httpreq:{tag(key_id)}:{http_request_id}"
     return f"{PREFIX}:httpreq:{http_request_id}"
 
 
@@ -109,6 +113,17 @@ def file_space(key_id: str) -> str:
 def file_space_expiry(key_id: str) -> str:
     """Sorted set of the key's file ids by when they stop counting (ms)."""
     return f"{PREFIX}:filespacexp:{tag(key_id)}"
+
+
+def stored_space(key_id: str) -> str:
+    """Hash of the bytes of each object the key keeps in Redis (stored responses,
+    batch records; and their ``total``): its storage account."""
+    return f"{PREFIX}:storespace:{tag(key_id)}"
+
+
+def stored_space_expiry(key_id: str) -> str:
+    """Sorted set of the key's stored objects by when they stop counting (ms)."""
+    return f"{PREFIX}:storespacexp:{tag(key_id)}"
 
 
 def batch_record(key_id: str, batch_id: str) -> str:

@@ -67,20 +67,27 @@ def serve_request_id(request: Request) -> str:
 
 class HandlesRequests:
     """Reading and answering inference requests; the class using it sets
-    ``access``, ``gateway``, ``telemetry`` and ``max_body_bytes``."""
+    ``access``, ``gateway``, ``telemetry``, ``max_body_bytes`` and ``body_timeout_s``."""
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, read as it arrives and refused (413) as soon as it passes the
-        limit: a chunked upload declares no length, so counting is the only check."""
+        limit: a chunked upload declares no length, so counting is the only check.
+        A body that has not arrived whole within ``body_timeout_s`` is a 408: a
+        client trickling bytes holds a connection, never without bound."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise self._too_large()
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise OpenAIError(408, f"The request body did not arrive within {self.body_timeout_s:g}s.",
+                              code="request_timeout") from None
         return b"".join(chunks)
 
     def _too_large(self) -> OpenAIError:
@@ -102,7 +109,12 @@ class HandlesRequests:
         try:
             key, body, size = await self._read(request, record)
             call = await translate(body, key)
-            reply = await self.gateway.run(key, call.operation, call.body, size, record)
+            try:
+                reply = await self.gateway.run(key, call.operation, call.body, size, record)
+            except BaseException:
+                if call.abandon is not None:
+                    await asyncio.shield(call.abandon())
+                raise
             response = call.respond(reply)
             if inspect.isawaitable(response):  # a respond that keeps state (Responses API)
                 response = await response

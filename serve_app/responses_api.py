@@ -12,6 +12,7 @@ the key (``stored_responses.py``). The client sees ``store`` and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -58,35 +59,78 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
             raise not_found(previous_id)
         history = stored["context"] + as_input(stored["response"].get("output") or [])
     context = history + own
-    if keep and len(json.dumps(context)) > MAX_STORED_BYTES:
-        raise OpenAIError(400, f"The conversation is too long to store (over {MAX_STORED_BYTES} bytes); "
-                               "start a new one or send it with 'store': false.", param="input",
-                          code="conversation_too_large")
     body["input"] = context
     body["store"] = False  # vLLM's own store, one process' memory, stays unused
     stamp = _Stamp(keep, previous_id)
+    kept = _Kept(store, key.id)
+    if keep:
+        context_bytes = len(json.dumps(context))
+        if context_bytes > MAX_STORED_BYTES:
+            raise OpenAIError(400, f"The conversation is too long to store (over {MAX_STORED_BYTES} bytes); "
+                                   "start a new one or send it with 'store': false.", param="input",
+                              code="conversation_too_large")
+        # What storing it will take: the conversation (kept whole, and its own items
+        # again), the request's other fields (the response echoes them) and the answer.
+        echoed = len(json.dumps({name: value for name, value in body.items() if name != "input"}))
+        await kept.reserve(2 * context_bytes + echoed + ANSWER_ALLOWANCE_BYTES)
 
     async def keep_answer(response: dict[str, Any]) -> bool:
-        if not keep:
-            return False
-        try:
-            await store.put(key.id, {**response, "store": True, "previous_response_id": previous_id},
-                            context, with_ids(own))
-            return True
-        except RedisError:
-            logger.exception("could not store response %s", response.get("id"))
-            return False
+        return await kept.put({**response, "store": True, "previous_response_id": previous_id}, context,
+                              with_ids(own))
 
     async def respond(reply: Reply) -> Response:
         if reply.stream is not None:
-            return StreamingResponse(_stored_stream(reply.stream, stamp, keep_answer),
+            return StreamingResponse(_stored_stream(reply.stream, stamp, keep_answer, kept),
                                      media_type="text/event-stream", headers=reply.headers)
         response = json.loads(reply.body)
         stored = await keep_answer(response)
         response.update(store=stored, previous_response_id=previous_id)
         return Response(json.dumps(response), media_type="application/json", headers=reply.headers)
 
-    return Call(OPERATIONS["responses"], body, respond)
+    return Call(OPERATIONS["responses"], body, respond, abandon=kept.release)
+
+
+# What a stored answer may add beyond its conversation and echoed fields, reserved
+# before it runs (its real size is what counts once stored).
+ANSWER_ALLOWANCE_BYTES = 64 * 1024
+
+
+class _Kept:
+    """A response's room in its key's storage account: reserved before it runs,
+    then either its stored record or given back, once."""
+
+    def __init__(self, store: ResponseStore, key_id: str):
+        self.store, self.key_id = store, key_id
+        self.pending: str | None = None
+
+    async def reserve(self, size: int) -> None:
+        try:
+            self.pending = await self.store.reserve(self.key_id, size)
+        except RedisError:
+            raise _store_unavailable("stored") from None
+
+    async def put(self, response: dict[str, Any], context: list, own: list) -> bool:
+        if self.pending is None:
+            return False
+        pending, self.pending = self.pending, None
+        try:
+            await self.store.put(self.key_id, response, context, own, pending)
+            return True
+        except RedisError:
+            logger.exception("could not store response %s", response.get("id"))
+            await self._give_back(pending)
+            return False
+
+    async def release(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            await self._give_back(pending)
+
+    async def _give_back(self, pending: str) -> None:
+        try:
+            await self.store.release(self.key_id, pending)
+        except RedisError:  # it expires by itself (PENDING_S)
+            logger.warning("could not release a stored response's reservation")
 
 
 class _Stamp:
@@ -108,13 +152,16 @@ class _Stamp:
         return item
 
 
-async def _stored_stream(stream: AsyncIterator[str], stamp: _Stamp, keep_answer) -> AsyncIterator[str]:
-    async for item in stream:
-        if "event: response.completed" in item:
-            response = completed_response(item)
-            if response is not None:
-                await keep_answer(response)
-        yield stamp(item) if '"response":{' in item else item  # only events carrying the response object
+async def _stored_stream(stream: AsyncIterator[str], stamp: _Stamp, keep_answer, kept: _Kept) -> AsyncIterator[str]:
+    try:
+        async for item in stream:
+            if "event: response.completed" in item:
+                response = completed_response(item)
+                if response is not None:
+                    await keep_answer(response)
+            yield stamp(item) if '"response":{' in item else item  # only events carrying the response object
+    finally:
+        await asyncio.shield(kept.release())  # never completed (failed, the client gone): nothing stored
 
 
 async def _stored(store: ResponseStore, key_id: str, response_id: str) -> dict[str, Any] | None:

@@ -21,6 +21,11 @@ class IngressConfig(BaseModel):
     max_body_bytes: int = Field(
         8 * 1024 * 1024, description="Requests larger than this get 413 before parsing."
     )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="A request body (not a file upload: that holds one of its key's concurrency "
+        "slots) must arrive whole within this, else 408. HAProxy gives the headers 10 s "
+        "(cluster/haproxy_edge.py).",
+    )
     deployment: dict[str, Any] = Field(
         default_factory=lambda: {
             "num_replicas": 1,
@@ -151,6 +156,23 @@ class BatchConfig(BaseModel):
     poll_s: float = Field(1.0, gt=0, description="How often an idle ingress replica looks for a batch to run.")
 
 
+class StoreConfig(BaseModel):
+    """What one key may keep in Redis (README, "Storage bounds"): its stored Responses API
+    conversations and its batches' records, counted together in one account per key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_bytes_per_key: int = Field(
+        64 * 1024 * 1024, gt=0, description="Bytes one key's stored responses and batch records may hold in "
+        "Redis. A response that would pass it is refused (400 storage_limit_exceeded) before it runs, unless "
+        "sent with store: false; a batch, before its file is read. Redis is shared by every key and runs "
+        "with noeviction: a full Redis refuses every admission.",
+    )
+    max_objects_per_key: int = Field(
+        10_000, gt=0, description="Stored responses and batch records one key may hold at once.",
+    )
+
+
 class AppSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
@@ -161,6 +183,7 @@ class AppSettings(BaseSettings):
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
         description="One node, a Redis Cluster or a Sentinel's primary: serve_app/redis_client.py.",

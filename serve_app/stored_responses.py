@@ -8,38 +8,76 @@ conversation it answered (every input item, the history first; its own input
 items apart, with ids, for ``input_items``), and expires
 after ``RETENTION_S`` (OpenAI keeps stored responses 30 days). A conversation
 too large to store (``MAX_STORED_BYTES``) is refused before it runs, so Redis
-never holds more than that per response.
+never holds more than that per response; and what a key stores counts in its
+account (``stored_space``: bytes and objects per key, beside its batch records),
+reserved before the response runs and refused, 400 ``storage_limit_exceeded``,
+past either bound.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
 from serve_app import redis_names
 from serve_app.errors import OpenAIError
+from serve_app.storage_account import StorageAccount
 
 RETENTION_S = 30 * 24 * 3600
 MAX_STORED_BYTES = 8 * 1024 * 1024  # as a request body may be
 
 
+# A reservation for a response being generated holds this long at most (its
+# ingress died before storing or releasing it).
+PENDING_S = 3600
+
+
+def stored_space(redis, max_bytes: int, max_objects: int) -> StorageAccount:
+    """What each key keeps in Redis: its stored responses and its batches' records."""
+    return StorageAccount(
+        redis, lambda key_id: [redis_names.stored_space(key_id), redis_names.stored_space_expiry(key_id)],
+        max_bytes, max_objects, RETENTION_S, what="stored responses and batch records", param="store",
+        code="storage_limit_exceeded",
+        remedy="Delete stored responses you no longer need (DELETE /v1/responses/{id}), or send 'store': false.")
+
+
 class ResponseStore:
-    def __init__(self, redis):
+    def __init__(self, redis, space: StorageAccount):
         self.redis = redis
+        self.space = space
 
     async def get(self, key_id: str, response_id: str) -> dict[str, Any] | None:
         raw = await self.redis.get(redis_names.stored_response(key_id, response_id))
         return json.loads(raw) if raw else None
 
-    async def put(self, key_id: str, response: dict[str, Any], context: list[dict], own: list[dict]) -> None:
+    async def reserve(self, key_id: str, size: int) -> str:
+        """Room in the key's account for a response of up to ``size`` bytes, before
+        it runs (a refusal runs nothing); the reservation's id."""
+        pending = f"pending-{uuid.uuid4().hex}"
+        await self.space.reserve(key_id, pending, size, time.time() + PENDING_S)
+        return pending
+
+    async def release(self, key_id: str, pending: str) -> None:
+        """The response was not stored (refused, failed, the client gone): its room back."""
+        await self.space.release(key_id, pending)
+
+    async def put(self, key_id: str, response: dict[str, Any], context: list[dict], own: list[dict],
+                  pending: str) -> None:
         """Keep ``response``, the ``context`` it answered (history and its own input,
-        as sent to the engine) and its own input items with their listed ids."""
+        as sent to the engine) and its own input items with their listed ids; what
+        it really holds replaces its reservation ``pending`` in the key's account."""
         record = json.dumps({"response": response, "context": context, "input_items": own})
         await self.redis.set(redis_names.stored_response(key_id, response["id"]), record, ex=RETENTION_S)
+        await self.space.record(key_id, response["id"], len(record), time.time() + RETENTION_S)
+        await self.space.release(key_id, pending)
 
     async def delete(self, key_id: str, response_id: str) -> bool:
-        return bool(await self.redis.delete(redis_names.stored_response(key_id, response_id)))
+        deleted = bool(await self.redis.delete(redis_names.stored_response(key_id, response_id)))
+        if deleted:
+            await self.space.release(key_id, response_id)
+        return deleted
 
 
 def not_found(response_id: str) -> OpenAIError:

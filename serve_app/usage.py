@@ -38,17 +38,22 @@ def key_id_of(request_id: str) -> tuple[str, str]:
     return key_id, request_id
 
 
-async def request_state(redis, request_id: str) -> dict[str, Any] | None:
-    """The record of a request, by completion id, request id or x-request-id."""
+async def request_state(redis, request_id: str, key_id: str | None = None) -> dict[str, Any] | None:
+    """The record of a request, by completion id, request id or x-request-id; an
+    x-request-id is looked up among ``key_id``'s requests when given (a client may
+    reuse another's id), else it names the first request that used it."""
     bare = request_id
     for prefix in _COMPLETION_PREFIXES:
         bare = bare.removeprefix(prefix)
     if not _OUR_ID.match(bare):
-        indexed = await redis.get(redis_names.http_request(request_id))
+        indexed = await redis.get(redis_names.http_request(request_id, key_id))
         if indexed is None:
             return None
         bare = _text(indexed)
-    key_id, bare = key_id_of(bare)
+    owner, bare = key_id_of(bare)
+    if key_id is not None and owner != key_id:
+        return None
+    key_id = owner
     raw = await redis.hgetall(redis_names.request_record(key_id, bare))
     if not raw:
         return None

@@ -18,6 +18,12 @@ def records(redis, key_id: str) -> list[dict[str, str]]:
     return found
 
 
+def inference(found: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The records of requests that named a model (not the key's Files, Batch or
+    stored-response calls, which are admitted too, with no model)."""
+    return [record for record in found if record.get("model")]
+
+
 def wait_until_settled(redis, key_id: str, timeout_s: float = 15, records_expected: int = 0) -> list[dict[str, str]]:
     """Every record final and no lease left; returns the records. With
     ``records_expected``, also wait until that many exist: a request admitted

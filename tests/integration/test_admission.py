@@ -206,3 +206,18 @@ async def test_http_request_id_finds_the_record(redis):
     assert (await request_state(redis, "3f1c-serve-id"))["id"] == rid
     assert (await request_state(redis, "chatcmpl-" + rid))["status"] == "admitted"
     assert await request_state(redis, "unknown-id") is None
+
+
+async def test_an_x_request_id_reused_by_another_key_never_takes_over_the_first_keys_lookup(redis):
+    from serve_app.usage import request_state
+
+    adm = admission(redis)
+    first, other = "kfirst-0123456789abcdef", "kother-0123456789abcdef"
+    for rid, key_id in ((first, "kfirst"), (other, "kother")):
+        await adm.admit(KeyRecord(id=key_id, name=key_id, created_at=0), rid, "m", 10, http_request_id="shared-id")
+        await adm.index_http_id("shared-id", rid)
+    assert (await request_state(redis, "shared-id"))["id"] == first  # the first to use it keeps it
+    assert (await request_state(redis, "shared-id", "kother"))["id"] == other  # each key finds its own
+    assert (await request_state(redis, "shared-id", "kfirst"))["id"] == first
+    assert await request_state(redis, "shared-id", "knobody") is None
+    assert await request_state(redis, first, "kother") is None  # another key's request id, named with a key

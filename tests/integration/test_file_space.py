@@ -40,7 +40,7 @@ async def test_an_upload_past_the_keys_bytes_is_refused_before_a_byte_is_written
     with pytest.raises(OpenAIError) as refused:
         await upload(files, b"x" * 800)  # 2,400 + 1,000 declared > 3,000
     assert refused.value.status == 400 and refused.value.code == "file_storage_limit_exceeded"
-    assert "2400 bytes in 3 files" in refused.value.message and refused.value.param == "file"
+    assert "2400 bytes in 3 objects" in refused.value.message and refused.value.param == "file"
     assert len(on_disk(tmp_path)) == 3 and await files.space.used(KEY) == (2400, 3)  # nothing written or held
     await upload(files, b"x" * 400)  # a smaller one still fits: 2,400 + 600 declared
     assert await files.space.used(KEY) == (2800, 4)

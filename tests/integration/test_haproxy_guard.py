@@ -103,3 +103,77 @@ def test_without_the_wrapper_haproxy_is_orphaned(tmp_path, monkeypatch):
         starter.wait()
         if haproxy is not None and haproxy.is_running():
             haproxy.kill()
+
+
+# -- the edge's own settings (cluster/haproxy_edge.py), on the real binary -----------
+
+
+def edge_config(tmp_path: Path, port: int) -> Path:
+    """A config shaped as Ray's: defaults with its plain-text errorfile, a frontend
+    with a backend that has no server up (as before a replica is ready)."""
+    ray_error = tmp_path / "500.http"
+    ray_error.write_text("HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n\r\n"
+                         "Internal Server Error")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(textwrap.dedent(f"""\
+        defaults
+          mode http
+          timeout connect 1s
+          timeout client 3600s
+          timeout server 5s
+          errorfile 502 {ray_error}
+          errorfile 503 {ray_error}
+        frontend web
+          bind 127.0.0.1:{port}
+          http-request return status 200 content-type text/plain string ok if {{ path /ok }}
+          default_backend none_up
+        backend none_up
+          server gone 127.0.0.1:1 disabled
+        """))
+    return config
+
+
+def raw_exchange(port: int, sent: bytes, wait_s: float = 0.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(sent)
+        time.sleep(wait_s)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
+
+
+def envelope_of(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    import json
+
+    assert b"application/json" in head.lower(), head
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+def test_the_edge_closes_a_trickled_request_with_a_408_and_answers_its_own_5xx_in_json(tmp_path):
+    from cluster.haproxy_edge import REQUEST_HEADERS_TIMEOUT_S
+
+    port = free_port()
+    config = edge_config(tmp_path, port)
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        # A slowloris: a request line and one header, then nothing more for longer than the bound.
+        started = time.monotonic()
+        answer = raw_exchange(port, b"GET /ok HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n")
+        assert answer.startswith(b"HTTP/1.1 408")  # (HAProxy 2.8 answers its connection-level errors itself)
+        assert REQUEST_HEADERS_TIMEOUT_S - 1 < time.monotonic() - started < REQUEST_HEADERS_TIMEOUT_S + 5
+        assert raw_exchange(port, b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+            b"HTTP/1.1 400")
+        # No server up: 503 with retry-after, as JSON in OpenAI's envelope, not Ray's plain-text 500.
+        answer = raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, error = envelope_of(answer)
+        assert status == 503 and b"retry-after: 1" in answer.lower() and error["type"] == "service_unavailable_error"
+        # A complete request is served as before.
+        assert b"200 OK" in raw_exchange(port, b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert (tmp_path / "haproxy.cfg.edge").exists()  # Ray's own file is left as Ray wrote it
+        assert "timeout http-request" not in config.read_text()
+    finally:
+        starter.kill()
+        starter.wait()

@@ -91,7 +91,7 @@ class SpaceLedger:
     def __init__(self):
         self.held: dict[str, int] = {}
 
-    async def reserve(self, key_id, file_id, size, now_s=None):
+    async def reserve(self, key_id, file_id, size, expires_s, now_s=None):
         self.held[file_id] = size
 
     async def record(self, key_id, file_id, size, expires_s, now_s=None):
@@ -419,7 +419,8 @@ async def test_a_cancel_stops_a_batch_within_the_requests_in_flight(tmp_path):
 
 
 @pytest.mark.parametrize("name, kept", [("requests.jsonl", "requests.jsonl"), (None, "upload.jsonl"),
-                                        ('a"b\r\nx\\y/../z\x00', "a_b__x_y_.._z_"), ("n" * 300, "n" * 256)])
+                                        ('a"b\r\nx\\y/../z\x00', "a_b__x_y_.._z_"), ("n" * 300, "n" * 256),
+                                        ("donn\u00e9es %22q%22%0D%0a.jsonl", "donn\u00e9es _q___.jsonl")])
 def test_a_file_name_is_kept_without_what_could_break_a_header_or_a_path(name, kept):
     from serve_app.files_api import safe_filename
 

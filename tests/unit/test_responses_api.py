@@ -36,9 +36,30 @@ class FakeRedis:
         return int(self.values.pop(name, None) is not None)
 
 
+class FakeAccount:
+    """The key's storage account (serve_app/storage_account.py; its script runs on a
+    real Redis in tests/integration/test_file_space.py): what each key holds, by object."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self.held: dict[str, dict[str, int]] = {}
+
+    async def reserve(self, key_id, object_id, size, expires_s):
+        held = self.held.setdefault(key_id, {})
+        if sum(held.values()) + size > self.max_bytes:
+            raise OpenAIError(400, "full", param="store", code="storage_limit_exceeded")
+        held[object_id] = size
+
+    async def record(self, key_id, object_id, size, expires_s):
+        self.held.setdefault(key_id, {})[object_id] = size
+
+    async def release(self, key_id, object_id):
+        self.held.get(key_id, {}).pop(object_id, None)
+
+
 @pytest.fixture
 def store():
-    return stored_responses.ResponseStore(FakeRedis())
+    return stored_responses.ResponseStore(FakeRedis(), FakeAccount())
 
 
 async def answered(store, body, key=KEY, answer=ANSWER):
@@ -135,6 +156,44 @@ async def test_mistakes_are_a_400_naming_the_field(store, body, param):
     with pytest.raises(OpenAIError) as caught:
         await responses_api.translate(body, KEY, store)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+async def test_a_stored_response_counts_what_it_holds_in_its_keys_account(store):
+    call = await responses_api.translate({"model": "m", "input": "Hi"}, KEY, store)
+    [(pending, reserved)] = store.space.held["k1"].items()
+    assert pending.startswith("pending-") and reserved > len(json.dumps(call.body["input"]))
+    await call.respond(Reply(body=json.dumps(ANSWER).encode()))
+    stored = store.space.held["k1"]
+    assert list(stored) == ["resp_1"] and stored["resp_1"] == len(store.redis.values[
+        stored_responses.redis_names.stored_response("k1", "resp_1")])
+    await responses_api.delete(store, KEY, "resp_1")
+    assert store.space.held["k1"] == {}
+
+
+async def test_a_response_past_the_keys_storage_bound_is_refused_before_it_runs(store):
+    store.space.max_bytes = 100_000
+    with pytest.raises(OpenAIError) as caught:
+        await responses_api.translate({"model": "m", "input": "x" * 60_000}, KEY, store)
+    assert caught.value.status == 400 and caught.value.code == "storage_limit_exceeded"
+    assert store.space.held["k1"] == {}  # nothing held by a refusal
+    call = await responses_api.translate({"model": "m", "input": "x" * 60_000, "store": False}, KEY, store)
+    assert call.abandon is not None and store.space.held["k1"] == {}  # store false: nothing to count
+
+
+async def test_a_response_that_never_ran_or_never_completed_gives_its_room_back(store):
+    call = await responses_api.translate({"model": "m", "input": "Hi"}, KEY, store)
+    await call.abandon()  # refused by the gateway (a 429, a 503)
+    assert store.space.held["k1"] == {}
+    call = await responses_api.translate({"model": "m", "input": "Hi", "stream": True}, KEY, store)
+
+    async def failing():
+        yield "event: response.created\ndata: {}\n\n"
+        raise RuntimeError("the replica died")
+
+    response = await call.respond(Reply(stream=failing()))
+    with pytest.raises(RuntimeError):
+        _ = [item async for item in response.body_iterator]
+    assert store.space.held["k1"] == {} and store.redis.values == {}
 
 
 async def test_a_conversation_too_large_to_store_is_refused_before_it_runs(store, monkeypatch):

@@ -1,5 +1,5 @@
 """The application this package's stack runs: the demo chat model behind two
-ingress replicas, with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, and a narrow copy of it for the backpressure tests
+ingress replicas, with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per key, and a narrow copy of it for the backpressure tests
 (one request at a time per replica, a queue of one, its own alias)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ CACHE_TTL_S = 1.0
 MAX_FILE_BYTES = 1 << 20  # a batch file larger is refused (413): small, so the test's upload is quick
 KEY_FILE_BYTES = 4 * MAX_FILE_BYTES  # what one key's files may hold
 MAX_ACTIVE_BATCHES = 3  # one key's batches not ended yet (each test here makes fewer)
+STORED_BYTES = 2 * 1024 * 1024  # what one key's stored responses and batch records may hold in Redis
 FILES_DIR = tempfile.mkdtemp(prefix="llm-files-quota-")  # the stack's files, where the tests can see them
 
 
@@ -31,6 +32,7 @@ def app_args(redis_url: str) -> dict:
     args["admin_token"] = ADMIN
     args["batch"].update(max_file_bytes=MAX_FILE_BYTES, max_bytes_per_key=KEY_FILE_BYTES, files_dir=FILES_DIR,
                          max_active_per_key=MAX_ACTIVE_BATCHES)
+    args["store"] = {"max_bytes_per_key": STORED_BYTES}
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)
     narrow["deployment"] = {**narrow["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}

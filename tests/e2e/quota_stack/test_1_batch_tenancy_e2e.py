@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from quota_stack.stack_args import ADMIN, FILES_DIR, MODEL
-from quota_stack.test_1_batches_e2e import chat_line, ended, sdk, start, wait_for
+from quota_stack.test_1_batches_e2e import ENDED, chat_line, ended, sdk, start, wait_for
 from serve_app import redis_names
-from settled import records, wait_until_settled
+from settled import inference, records, wait_until_settled
 from stack import BIN, create_key
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +51,7 @@ def file_lines(key_id: str, file_id: str | None) -> list[dict]:
 
 
 def completed_records(redis, key_id: str) -> int:
-    return sum(r["status"] == "completed" for r in records(redis, key_id))
+    return sum(r["status"] == "completed" for r in inference(records(redis, key_id)))
 
 
 def test_a_revoked_keys_batch_stops_within_seconds(base_url, redis_server, redis):
@@ -100,15 +100,17 @@ def test_limits_lowered_mid_batch_apply_to_its_next_request_and_a_cancel_ends_it
     # after it; the slack is the requests admitted between reading the counter and
     # the change (a round of the batch, each reserving under 100 tokens).
     assert charged <= budget + CONCURRENCY * 100, (spent, budget, charged)
-    parked = client.batches.retrieve(batch.id)
-    assert parked.status == "in_progress" and parked.request_counts.completed < 60
+    # (Read and cancelled through the admin API: the key's own calls count against its 1/min now.)
+    parked = admin_batch(base_url, key_id, batch.id)
+    assert parked["status"] == "in_progress" and parked["request_counts"]["completed"] < 60
     time.sleep(3)
     assert int(redis.hget(usage_key, f"{today}:tokens")) == charged  # parked: nothing more runs
     # A cancel ends it at once, though it waits for a limit that renews in a minute.
     cancelled_at = time.monotonic()
-    client.batches.cancel(batch.id)
-    batch = wait_for(client, batch.id, ended, timeout_s=15)
-    assert batch.status == "cancelled" and time.monotonic() - cancelled_at < 15
+    assert httpx.post(base_url + f"/admin/batches/{batch.id}/cancel", headers=ADMIN_HEADERS,
+                      timeout=30).status_code == 200
+    done = wait_for_admin(base_url, key_id, batch.id, lambda b: b["status"] in ENDED, timeout_s=15)
+    assert done["status"] == "cancelled" and time.monotonic() - cancelled_at < 15
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
 
 
@@ -131,7 +133,7 @@ def test_a_batch_that_cannot_proceed_holds_no_place_from_another_keys(base_url, 
     assert time.monotonic() - started < 15  # a runner's poll and one request, not D's 24 h window
     # D's batches ran within its budget and wait, parked, without a runner's place.
     assert {d.batches.retrieve(batch.id).status for batch in d_batches} <= {"validating", "in_progress"}
-    spent = wait_until_settled(redis, d_id)
+    spent = inference(wait_until_settled(redis, d_id))
     assert sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in spent) <= 400
     for batch in d_batches:
         d.batches.cancel(batch.id)
@@ -146,7 +148,7 @@ def test_a_cancel_stops_a_batch_within_the_requests_in_flight(base_url, redis_se
     batch = start(client, lines)
     wait_for(client, batch.id, lambda b: b.request_counts.completed >= 4)
     ran_before = completed_records(redis, key_id) + len(
-        [r for r in records(redis, key_id) if r["status"] in ("admitted", "running")])
+        [r for r in inference(records(redis, key_id)) if r["status"] in ("admitted", "running")])
     client.batches.cancel(batch.id)
     batch = wait_for(client, batch.id, ended, timeout_s=60)
     assert batch.status == "cancelled"
@@ -159,9 +161,10 @@ def test_a_cancel_stops_a_batch_within_the_requests_in_flight(base_url, redis_se
 
 
 def test_an_admin_lists_and_cancels_any_keys_batch_through_the_api_and_llmctl(base_url, redis_server, redis):
-    key_id, secret = create_key(redis_server.url, "tenancy-admin", requests_per_minute=1)
+    # 40 tokens a minute: a line reserves ~25, so each batch parks after its first one.
+    key_id, secret = create_key(redis_server.url, "tenancy-admin", tokens_per_minute=40)
     client = sdk(base_url, secret)
-    first = start(client, [chat_line("a-0"), chat_line("a-1"), chat_line("a-2")])  # parked after one: 1/min
+    first = start(client, [chat_line("a-0"), chat_line("a-1"), chat_line("a-2")])
     second = start(client, [chat_line("b-0"), chat_line("b-1")])
     assert httpx.get(base_url + "/admin/batches", timeout=30).status_code == 401
     listed = httpx.get(base_url + "/admin/batches", headers=ADMIN_HEADERS, timeout=30).json()["data"]

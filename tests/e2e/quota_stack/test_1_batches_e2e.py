@@ -23,7 +23,7 @@ from quota_stack.ingresses import wait_until_both_ingresses_serve
 from quota_stack.stack_args import (FILES_DIR, KEY_FILE_BYTES, MAX_ACTIVE_BATCHES, MAX_FILE_BYTES, MODEL, NARROW,
                                     NARROW_ALIAS)
 from serve_app import redis_names
-from settled import records, wait_until_settled
+from settled import inference, records, wait_until_settled
 from stack import create_key
 
 pytestmark = pytest.mark.e2e
@@ -105,7 +105,7 @@ def test_a_batch_of_fifty_requests_on_two_models_is_answered_and_charged_what_it
     used = sum(line["response"]["body"]["usage"]["total_tokens"] for line in output)
     # (The narrow model, one request at a time and a queue of one, refuses some with
     # 503: refusals charge nothing and the runner sends them again.)
-    charged = wait_until_settled(redis, key_id)
+    charged = inference(wait_until_settled(redis, key_id))
     assert sum(r["status"] == "completed" for r in charged) == 50, charged
     assert {r["status"] for r in charged} <= {"completed", "overloaded"}, charged
     assert sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in charged) == used
@@ -137,7 +137,7 @@ def test_each_bad_request_of_a_batch_is_a_line_of_its_error_file_with_what_a_cli
     for response in errors.values():
         assert set(response["body"]["error"]) >= {"message", "type", "param", "code"}
     assert "max_tokens" in errors["odd-type"]["body"]["error"]["message"] + str(errors["odd-type"]["body"]["error"]["param"])
-    charged = wait_until_settled(redis, key_id)
+    charged = inference(wait_until_settled(redis, key_id))
     assert [r for r in charged if r["status"] == "completed"] and len(charged) <= 2  # refused before admission
 
 
@@ -157,9 +157,9 @@ def test_a_cancelled_batch_stops_running_and_reports_what_ran(base_url, redis_se
     assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
     assert (batch.request_counts.completed, batch.request_counts.failed) == (len(output), len(errors))
     # Nothing runs after it ended, no slot is left held, and only what ran was charged.
-    charged = wait_until_settled(redis, key_id)
+    charged = inference(wait_until_settled(redis, key_id))
     time.sleep(2)
-    assert len(records(redis, key_id)) == len(charged) == len(output)
+    assert len(inference(records(redis, key_id))) == len(charged) == len(output)
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
     with pytest.raises(openai.ConflictError):  # it ended: no second cancel
         client.batches.cancel(batch.id)
@@ -261,7 +261,7 @@ def test_bad_uploads_and_batch_parameters_are_4xx_and_leave_nothing(base_url, re
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert batch.status == "failed" and [(e.line, e.param) for e in batch.errors.data] == [(2, "url")]
     time.sleep(1)
-    assert records(redis, key_id) == []  # nothing of it ran
+    assert inference(records(redis, key_id)) == []  # nothing of it ran
 
 
 def test_a_flood_of_uploads_never_puts_more_than_the_keys_bound_on_the_disk(base_url, redis_server, redis):
@@ -302,10 +302,10 @@ def test_a_flood_of_uploads_never_puts_more_than_the_keys_bound_on_the_disk(base
 
 
 def test_a_key_with_its_bound_of_batches_not_ended_gets_a_429_until_one_ends(base_url, redis_server, redis):
-    """Batches held in progress (a key of 1 request/min: their requests wait for the
-    limit) up to the bound; one more is refused before its file is read and nothing
-    is made of it; a cancelled one ending makes room."""
-    key_id, secret = create_key(redis_server.url, "batch-bound", requests_per_minute=1)
+    """Batches held in progress (a key of 40 tokens/min: a line reserves ~25, so its
+    batches park for the limit) up to the bound; one more is refused before its file
+    is read and nothing is made of it; a cancelled one ending makes room."""
+    key_id, secret = create_key(redis_server.url, "batch-bound", tokens_per_minute=40)
     client = sdk(base_url, secret)
     file = upload(client, [chat_line("a"), chat_line("b")])
 
@@ -317,9 +317,8 @@ def test_a_key_with_its_bound_of_batches_not_ended_gets_a_429_until_one_ends(bas
         create()
     assert refused.value.response.json()["error"]["code"] == "too_many_active_batches"
     assert len(client.batches.list(limit=10).data) == MAX_ACTIVE_BATCHES  # nothing was made of it
-    # Each ingress runs one batch at a time, so which of them is running is the
-    # runners' choice: all are cancelled, and the first to end makes room (one not
-    # yet run ends when a runner frees up and takes it).
+    # Which of them a runner holds now is the runners' choice: all are cancelled,
+    # and the first to end makes room.
     for batch in made:
         client.batches.cancel(batch.id)
     deadline = time.monotonic() + 120

@@ -1,12 +1,13 @@
--- One API key's file storage: the bytes of each of its files (a hash, plus the
--- field 'total') and when each stops counting (a sorted set by expiry, ms). One
--- call, atomic: entries past their expiry are forgotten first (at most 1,000 a
--- call: the rest on the next), then
---   reserve: room for a new file of ARGV[3] bytes, if the key stays within
---            ARGV[6] bytes and ARGV[7] files; else nothing changes;
---   record:  a file's bytes and expiry, unchecked (an upload's real size after
+-- One API key's stored objects of one kind (its files on disk; its stored
+-- responses in Redis): the bytes of each object (a hash, plus the field 'total')
+-- and when each stops counting (a sorted set by expiry, ms). One call, atomic:
+-- entries past their expiry are forgotten first (at most 1,000 a call: the rest
+-- on the next), then
+--   reserve: room for a new object of ARGV[3] bytes, if the key stays within
+--            ARGV[6] bytes and ARGV[7] objects; else nothing changes;
+--   record:  an object's bytes and expiry, unchecked (an upload's real size after
 --            its reservation; a batch's results, which are never refused);
---   release: the file no longer counts (deleted, or its upload failed);
+--   release: the object no longer counts (deleted, or never made);
 --   read:    nothing changes (the key's use).
 -- KEYS: space hash, expiry zset.
 -- ARGV: op, file id, bytes, expires at ms, now ms, max bytes, max files, keys' ttl ms.
