@@ -40,7 +40,7 @@ from serve_app import redis_client
 from serve_app.admission import REFUSALS, Admission, Decision
 from serve_app.errors import OpenAIError
 from serve_app.key_cache import KeyCache
-from serve_app.keys import KeyRecord, KeyStore, digest
+from serve_app.keys import KeyNotFound, KeyRecord, KeyStore, digest
 from serve_app.local_limits import LocalLimiter
 from serve_app.overlap import OverlapGuard
 from serve_app.settings import AppSettings
@@ -76,6 +76,9 @@ class Ticket:
     # Called once when it is settled, whatever the outcome (the gateway frees the
     # request's fair-share place with it: every path ends in exactly one settlement).
     on_settle: Callable[[], None] | None = None
+    # Set when its key is revoked or disabled while it runs: a stream's relay then
+    # ends it at its next item, settled as what it delivered.
+    revoked: bool = False
 
 
 class Access:
@@ -100,6 +103,8 @@ class Access:
         self.local = LocalLimiter(self.ingress_replicas.count)
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
         self._cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
+        # How often the keys of running requests are read again (a revoked key's streams stop).
+        self.revocation_check_s = max(quota.key_cache_ttl_s, MAINTENANCE_TICK_S)
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
         self._leased: dict[str, Ticket] = {}
@@ -306,7 +311,7 @@ class Access:
     async def maintain(self) -> None:
         if self.ingress_replicas.autoscaled:
             await self.ingress_replicas.refresh()
-        last_renewal = last_count = time.monotonic()
+        last_renewal = last_count = last_check = time.monotonic()
         tick_s = min(MAINTENANCE_TICK_S, self.renew_every_s)
         while True:
             await asyncio.sleep(tick_s)
@@ -317,6 +322,9 @@ class Access:
                 if now - last_renewal >= self.renew_every_s:
                     last_renewal = now
                     await self.renew_leases()
+                if now - last_check >= self.revocation_check_s:
+                    last_check = now
+                    await self.stop_revoked()
                 if self.ingress_replicas.autoscaled and now - last_count >= REPLICA_COUNT_REFRESH_S:
                     last_count = now
                     await self.ingress_replicas.refresh()
@@ -334,6 +342,29 @@ class Access:
             if done:
                 self._unsettled.pop(settlement[1], None)
         return sum(answered)
+
+    async def stop_revoked(self) -> int:
+        """Read the keys of the requests running here again and mark those of a key
+        now revoked or disabled (a stream's relay ends it at its next item, charged
+        what it delivered; a unary call runs to its end, bounded by its max_tokens).
+        Returns how many were marked."""
+        running: dict[str, list[Ticket]] = {}
+        for ticket in self._leased.values():
+            if not ticket.revoked:
+                running.setdefault(ticket.key.id, []).append(ticket)
+        marked = 0
+        for key_id, tickets in running.items():
+            try:
+                gone = not (await self.keys.get(key_id)).enabled
+            except KeyNotFound:
+                gone = True
+            except REDIS_FAILED:
+                return marked  # unknown now: the next check
+            if gone:
+                for ticket in tickets:
+                    ticket.revoked = True
+                marked += len(tickets)
+        return marked
 
     async def renew_leases(self) -> None:
         """One pipeline renewing the leases of every request this ingress runs."""

@@ -109,7 +109,7 @@ class BatchRunner:
         while True:
             try:
                 await self._fill()
-                if not self._jobs and time.monotonic() - self._swept_at > SWEEP_EVERY_S:
+                if time.monotonic() - self._swept_at > SWEEP_EVERY_S:  # however busy: expired content goes
                     self._swept_at = time.monotonic()
                     await self.files.sweep()
             except asyncio.CancelledError:

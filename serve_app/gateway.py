@@ -42,6 +42,10 @@ STREAM_FAILED = (
     'data: {"error": {"message": "The model stream failed.", "type": "server_error", '
     '"param": null, "code": null}}\n\n'
 )
+KEY_REVOKED = (
+    'data: {"error": {"message": "This API key was revoked or disabled while the stream ran.", '
+    '"type": "authentication_error", "param": null, "code": "invalid_api_key"}}\n\n'
+)
 
 
 # What a 503 tells the client to wait: a hint, the queue drains continuously.
@@ -68,6 +72,10 @@ PRIORITIZED = frozenset({"chat", "completions", "responses"})
 # The rank of batch requests (``run(background=True)``): after every key's tier, in
 # the engine (vLLM's priority), the fair-share gate and the model's queue.
 BACKGROUND_RANK = len(VLLM_PRIORITY)
+
+
+class KeyRevoked(Exception):
+    """The key of a running stream was revoked or disabled."""
 
 
 class QueueTimeout(Exception):
@@ -578,6 +586,8 @@ class Gateway:
                 status = "completed"
             self.access.running(ticket, replica)
             async for chunk in chunks:
+                if ticket.revoked:  # its key revoked while it runs (Access.stop_revoked): ends below, as failed
+                    raise KeyRevoked
                 if usage is None:
                     chunk, usage = shape.usage(chunk, client_wants_usage)
                 events += chunk.count("data: {")
@@ -596,6 +606,9 @@ class Gateway:
         except Exception:
             if usage is not None:  # failed after the final usage event: the client has it all
                 status = "completed"
+            elif ticket.revoked:
+                status = "failed"
+                yield KEY_REVOKED
             else:
                 status = "failed"
                 logger.exception("stream from replica failed")

@@ -191,3 +191,24 @@ async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_mes
     assert relayed.endswith(end)  # passed on whole: Anthropic's client reads the usage itself
     assert sent == [("messages", body)] and "stream_options" not in body  # vLLM's Anthropic request has none
     assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=9, completion_tokens=3)
+
+
+async def test_a_stream_whose_key_is_revoked_ends_with_a_key_error_and_is_charged_what_it_delivered():
+    class EndlessChunks(FakeChunks):
+        """A replica stream that yields tokens until it is cancelled."""
+
+        async def _rest(self):
+            while not self.cancelled:
+                yield TOKEN
+                await asyncio.sleep(0.01)
+
+    access, gateway, chunks, ticket = streaming_gateway(EndlessChunks())
+    reply = await stream_once(gateway, chunks, ticket)
+    relayed = []
+    async for item in reply.stream:
+        relayed.append(item)
+        if len(relayed) == 4:
+            ticket.revoked = True  # what Access.stop_revoked does when the key's record says revoked
+    assert chunks.cancelled and '"code": "invalid_api_key"' in relayed[-1] and len(relayed) == 5
+    assert access.settled == ["failed"]
+    assert access.usage == Usage(prompt_tokens=7, completion_tokens=3)  # the three tokens it delivered

@@ -213,3 +213,29 @@ def test_the_edge_cuts_off_a_client_trickling_its_headers(base_url):
     assert time.monotonic() - started < 15
     too_long = httpx.get(base_url + "/v1/models?x=" + "a" * 20_000, timeout=30)
     assert too_long.status_code in (400, 414)
+
+
+def test_a_stream_of_a_key_revoked_while_it_runs_stops_within_seconds_charged_what_it_delivered(
+        base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "hostile-revoked-stream")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
+            "min_tokens": 2000, "ignore_eos": True, "stream": True}
+    events, revoked_at = [], None
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, headers=bearer(secret),
+                      timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 5:
+                revoked = httpx.delete(base_url + f"/admin/keys/{key_id}", headers=ADMIN_HEADERS, timeout=30)
+                assert revoked.status_code == 200
+                revoked_at = time.monotonic()
+    ended_after_s = time.monotonic() - revoked_at
+    assert ended_after_s < 10, ended_after_s
+    assert '"invalid_api_key"' in events[-1]  # told why, in the stream
+    content_events = sum('"content"' in event for event in events)
+    [record] = inference(wait_until_settled(redis, key_id))
+    # Charged what it delivered (the prompt, one token per content event at most), not its 2,000 reserved.
+    assert record["status"] == "failed" and int(record["completion_tokens"]) <= content_events < 2000

@@ -1,0 +1,43 @@
+"""Pure logic: which running requests ``Access.stop_revoked`` marks (the e2e test
+in tests/e2e/quota_stack/test_1_hostile_tenant_e2e.py revokes a key mid-stream on
+the real stack)."""
+
+from types import SimpleNamespace
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from serve_app.access import Access, Ticket
+from serve_app.keys import KeyNotFound, KeyRecord
+
+
+def access_running(records: dict[str, object], tickets: list[Ticket]) -> Access:
+    """An Access whose key store answers ``records`` (a KeyRecord, or an exception to raise)."""
+    async def get(key_id):
+        found = records[key_id]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    access = Access.__new__(Access)
+    access.keys = SimpleNamespace(get=get)
+    access._leased = {ticket.request_id: ticket for ticket in tickets}
+    return access
+
+
+def ticket(key_id: str, n: int) -> Ticket:
+    return Ticket(KeyRecord(id=key_id, name=key_id, created_at=0), f"{key_id}-{n}", "m")
+
+
+async def test_the_requests_of_a_revoked_or_disabled_key_are_marked_and_no_others():
+    running = [ticket("kok", 1), ticket("kgone", 1), ticket("kgone", 2), ticket("koff", 1)]
+    access = access_running({"kok": KeyRecord(id="kok", name="ok", created_at=0), "kgone": KeyNotFound("kgone"),
+                             "koff": KeyRecord(id="koff", name="off", created_at=0, enabled=False)}, running)
+    assert await access.stop_revoked() == 3
+    assert [t.revoked for t in running] == [False, True, True, True]
+    assert await access.stop_revoked() == 0  # marked once
+
+
+async def test_redis_unreachable_marks_nothing():
+    running = [ticket("k1", 1)]
+    access = access_running({"k1": RedisConnectionError("down")}, running)
+    assert await access.stop_revoked() == 0 and not running[0].revoked
