@@ -60,7 +60,6 @@ MAX_RETRY_WAIT_S = 30.0
 # A parked batch is looked at again after this at most (a budget that renews
 # tomorrow still gets one admission a minute, not a runner's place all day).
 MAX_PARK_S = 60.0
-PARKED = "parked"  # the lease's value while a batch is parked
 SWEEP_EVERY_S = 600.0
 
 # KEYS[1] the lease; ARGV: owner, ms. Renews the lease only if it is still ours.
@@ -73,7 +72,7 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-# KEYS[1] the lease; ARGV: owner, ms. Turns our lease into the parked mark for ms.
+# KEYS[1] the lease; ARGV: owner, ms. Turns our lease into the mark 'parked' for ms (batches.py _UNPARK clears it).
 _PARK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], 'parked', 'PX', ARGV[2]) end
 return 0
