@@ -1,4 +1,4 @@
-"""Validate payloads against OpenAI's official OpenAPI spec (../shared/openai/openapi.yaml).
+"""Validate payloads against OpenAI's official OpenAPI spec (vendored: spec/openai/openapi.yaml).
 
 The spec still carries OpenAPI 3.0's ``nullable: true`` in places although it
 declares 3.1; JSON Schema does not know that keyword, so it is rewritten into
@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-SPEC_PATH = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+SPEC_PATH = Path(__file__).resolve().parents[1] / "spec" / "openai" / "openapi.yaml"
 
 
 def _normalise_nullable(node: Any) -> Any:

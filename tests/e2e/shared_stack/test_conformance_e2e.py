@@ -1,6 +1,6 @@
 """Property-based conformance: schemathesis generates requests for every
 inference operation the gateway serves and sends them, authenticated, to the
-running stack: from OpenAI's own spec (../shared/openai/openapi.yaml)
+running stack: from OpenAI's own spec (vendored: spec/openai/openapi.yaml)
 createChatCompletion, createCompletion and createEmbedding, on the OpenAI
 routes and on Azure's; from tests/dialects_openapi.yaml (each platform's
 documented shapes: OpenAI's spec has none) SageMaker's and Databricks'
