@@ -4,7 +4,7 @@ VENV    ?= .venv
 REDIS_URL ?= redis://127.0.0.1:6379/0
 CONFIG  ?= configs/local.yaml
 export REDIS_URL
-# Ray Serve's high-throughput configuration (README, "Performance"; measured with
+# Ray Serve's high-throughput configuration (docs/performance.md; measured with
 # bench/serving_overhead.py): HAProxy as the HTTP ingress in place of Ray's Python
 # proxy (one address, :8000, as before; it forwards to the ingress replicas' own
 # HTTP servers), and throughput mode (user code on the replica's own event loop,

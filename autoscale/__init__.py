@@ -1,7 +1,8 @@
 """LLM-aware autoscaling of model deployments.
 
-- ``settings``: a model's ``autoscaling`` block as operators write it, turned
-  into Ray Serve's ``autoscaling_config`` with the policy below plugged in.
+(A model's ``autoscaling`` block as operators write it, turned into Ray Serve's
+``autoscaling_config`` with the policy below plugged in, is part of the model
+schema: ``contract/autoscaling.py``.)
 - ``policy``: the decision, a pure function of what saturates an LLM engine
   (ongoing requests, the engine's waiting queue, KV-cache use), tested on
   recorded metric sequences.

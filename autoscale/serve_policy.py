@@ -14,12 +14,11 @@ import logging
 from typing import Any
 
 from autoscale.policy import Load, ScalingConfig, State, decide
+from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE
 
 logger = logging.getLogger("ray.serve")
 
-# Custom metrics every model replica reports to Serve's controller.
-ENGINE_WAITING = "engine_waiting_requests"  # requests in the engine's scheduler queue
-KV_CACHE_USAGE = "kv_cache_usage"  # 0..1
+# The custom metrics every model replica reports are named in contract/autoscaling.py.
 
 _DIRECTION, _SINCE = "llm_direction", "llm_since"
 

@@ -74,6 +74,9 @@ def fake_engine_deployment(batch_interval_ms: float):
                 "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
             return ReplicaAnswer(json.dumps(response).encode(), Usage(8, n), self.replica)
 
+        async def call_streamed(self, operation: str, body: dict):
+            yield await self.call(operation, body)
+
         async def stream(self, operation: str, body: dict):
             from contract.replica_wire import as_replica_stream
             from replicas.streaming import coalesce

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autoscale.settings import AutoscalingSettings
+from contract.autoscaling import AutoscalingSettings
 
 DEMO_SOURCE = "demo"
 # A cross-encoder built from the MiniLM PyPI package (replicas/demo_reranker.py).
@@ -211,7 +211,8 @@ class ModelConfig(BaseModel):
     )
     owned_by: str = Field("llm-cluster", description="`owned_by` of the model in /v1/models.")
     media: MediaPolicy = Field(default_factory=MediaPolicy)
-    accelerator: Literal["cpu", "gpu"] = "cpu"
+    accelerator: Literal["cpu", "gpu"] = Field(
+        "cpu", description="What runs the engine: vLLM's CPU build, or one GPU per tensor-parallel rank (gpu).")
     accelerator_type: str | None = Field(
         None,
         description="GPU class the replica needs (Ray's accelerator_type, e.g. 'L4', 'H100'): "
@@ -226,7 +227,7 @@ class ModelConfig(BaseModel):
         default_factory=dict,
         description="Environment of the replica process, e.g. VLLM_CPU_KVCACHE_SPACE.",
     )
-    cpus_per_replica: float = 1.0
+    cpus_per_replica: float = Field(1.0, description="CPUs Ray reserves for each replica (its engine's threads).")
     deployment: dict[str, Any] = Field(
         default_factory=dict,
         description="Ray Serve deployment options: num_replicas (fixed size), "
@@ -277,8 +278,8 @@ class ModelConfig(BaseModel):
         description="Also serve this model's chat, completions and embeddings on its own route "
         "(`/direct/<name>/v1/...`), answered by the model's replicas themselves with the gateway "
         "(keys, quotas, accounting) in-process: a token crosses one process boundary instead of "
-        "two. Deploy `serve_app.app:build_direct_app` beside the main application (README, "
-        "Performance). Every other route still reaches the model through the ingress.",
+        "two. Deploy `serve_app.app:build_direct_app` beside the main application (docs/configuration.md, "
+        "'The direct route'). Every other route still reaches the model through the ingress.",
     )
 
     @model_validator(mode="after")

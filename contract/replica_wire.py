@@ -3,7 +3,9 @@ deployment (``VLLMReplica``) through a handle; what comes back is one of
 these small frozen classes (cheap to pickle) or plain SSE text.
 
 - ``call(operation, body)`` returns a ``ReplicaAnswer`` (the JSON body vLLM
-  answered and its ``Usage``) or a ``ReplicaError``.
+  answered and its ``Usage``) or a ``ReplicaError``; ``call_streamed`` yields that
+  one value as a stream, which is how the gateway sends it (Serve's gRPC transport
+  hands a stream to its caller when a replica takes it, a unary call only at its end).
 - ``stream(operation, body)`` yields a ``StreamStart`` (which replica, and the
   first SSE text), then SSE text (``str``; several events per item when they
   pile up); or exactly one ``ReplicaError`` when the request failed before
@@ -11,8 +13,7 @@ these small frozen classes (cheap to pickle) or plain SSE text.
   just before ``data: [DONE]``, which the ingress always asks for and reads
   (``serve_app.sse.take_usage``) without parsing the chunks in between.
 
-``operation`` is "chat", "completions", "templated_completions", "responses", "messages",
-"embeddings", "score", "rerank", "tokenize" or "detokenize"; the body is the
+``operation`` is a ``ReplicaOperation`` (below: the one list both sides use); the body is the
 request of that API (OpenAI's; Anthropic's for "messages"; vLLM's for the
 rest) as a dict. A "messages" stream is Anthropic's SSE: its usage is in the
 ``message_delta`` event, and its end is ``message_stop``; a "responses" stream
@@ -23,7 +24,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
+
+# What a replica runs: the gateway's operations (serve_app/api_requests.py OPERATIONS)
+# and the replica's endpoints (replicas/vllm_replica.py _endpoints) are both checked
+# against this list (tests/unit/test_replica_wire.py).
+ReplicaOperation = Literal[
+    "chat", "completions", "templated_completions", "responses", "messages", "count_tokens",
+    "embeddings", "score", "rerank", "tokenize", "detokenize",
+]
+REPLICA_OPERATIONS: frozenset[str] = frozenset(get_args(ReplicaOperation))
 
 
 @dataclass(frozen=True, slots=True)

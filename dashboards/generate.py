@@ -5,7 +5,7 @@ committed (Grafana loads it through ``dashboards/provisioning/``).
     python dashboards/generate.py           # rewrite the JSON
     python dashboards/generate.py --check   # exit 1 if the JSON is stale
 
-Every query reads metrics this project exports through Ray (README, "Metrics and
+Every query reads metrics this project exports through Ray (docs/operating.md, "Metrics and
 logs"): the gateway's ``ray_llm_gateway_*``, vLLM's ``ray_vllm_*`` (label
 ``model_name``) and Ray Serve's ``ray_serve_*`` (label ``deployment``, joined to
 model names through the ``ray_llm_gateway_model_info`` info metric).

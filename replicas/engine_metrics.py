@@ -8,7 +8,7 @@ observation, at each 10 s export; ray-project/ray#64852), so this one
 histogram makes the agent's work grow with the node's token rate: on a 2-core
 box at c=32 it took the agent 0.2-0.7 s of a core every 10 s, at its nice 0
 against the replicas' and engines' 15, and the replica got no CPU meanwhile
-(README, "Performance"). Everything else vLLM exports is per step or per
+(docs/performance.md). Everything else vLLM exports is per step or per
 request and stays, the per-request time per output token included.
 ``ModelConfig.inter_token_latency_histogram`` turns the per-token one back on.
 """

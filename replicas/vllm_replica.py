@@ -22,10 +22,11 @@ from typing import Any
 from pydantic import ValidationError
 from ray import serve
 
-from autoscale.serve_policy import ENGINE_WAITING, KV_CACHE_USAGE
 from replicas import reasoning
+from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE
 from contract.model_config import ModelConfig
-from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage, as_replica_stream
+from contract.replica_wire import (REPLICA_OPERATIONS, ReplicaAnswer, ReplicaError, ReplicaOperation, StreamStart,
+                                   Usage, as_replica_stream)
 from replicas.sources import resolve_source
 from replicas.streaming import batch_tokens, coalesce
 
@@ -200,7 +201,7 @@ class VLLMReplica:
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
-    async def call(self, operation: str, body: dict[str, Any], adapter: str | None = None) -> ReplicaAnswer | ReplicaError:
+    async def call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None) -> ReplicaAnswer | ReplicaError:
         result = await self._start(operation, body, adapter)
         if isinstance(result, ReplicaError):
             return result
@@ -225,8 +226,18 @@ class VLLMReplica:
                 reasoning.add_to_response(response)
         return ReplicaAnswer(openai_json(response), Usage.from_openai(response.get("usage")), self.replica)
 
+    async def call_streamed(
+        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None
+    ) -> AsyncIterator[ReplicaAnswer | ReplicaError]:
+        """``call``'s answer as a stream of one item, which is how the gateway sends a
+        unary call: Serve's gRPC transport hands a stream to its caller when a replica
+        takes it (a unary call only when it has ended), so the queue timeout bounds the
+        wait for a replica only, and a cancel (a key revoked, a client gone) reaches the
+        replica and the engine aborts the request."""
+        yield await self.call(operation, body, adapter)
+
     async def stream(
-        self, operation: str, body: dict[str, Any], adapter: str | None = None
+        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None
     ) -> AsyncIterator[StreamStart | str | ReplicaError]:
         # Counted from its start: a round of requests arriving together sees itself.
         self._streams += 1
@@ -414,6 +425,7 @@ def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
         if chat is not None and completion is not None:
             found["templated_completions"] = (
                 found["completions"][0], found["completions"][1], _templated(tokenization, completion.create_completion))
+    assert found.keys() <= REPLICA_OPERATIONS, found.keys() - REPLICA_OPERATIONS  # contract/replica_wire.py names each
     return found
 
 

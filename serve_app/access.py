@@ -6,7 +6,7 @@ working within ``key_cache_ttl_s``), OpenAI-style refusals, fire-and-forget
 bookkeeping that never delays a response, and the Redis-down behaviour that
 ``fail_mode`` chooses.
 
-Redis failures are told apart (README, "Keys and quotas"):
+Redis failures are told apart (docs/quotas.md, "Keys and quotas"):
 - unreachable (connection refused or lost, timeout; a Redis Cluster with a slot
   between primaries, CLUSTERDOWN or TRYAGAIN, once the client's own retries
   are spent): ``fail_mode`` decides, and
@@ -79,6 +79,8 @@ class Ticket:
     # Set when its key is revoked or disabled while it runs: a stream's relay then
     # ends it at its next item, settled as what it delivered.
     revoked: bool = False
+    # Called once when it is marked revoked (a unary call cancels itself with it).
+    on_revoke: Callable[[], None] | None = None
 
 
 class Access:
@@ -346,7 +348,7 @@ class Access:
     async def stop_revoked(self) -> int:
         """Read the keys of the requests running here again and mark those of a key
         now revoked or disabled (a stream's relay ends it at its next item, charged
-        what it delivered; a unary call runs to its end, bounded by its max_tokens).
+        what it delivered; a unary call is cancelled through ``on_revoke``).
         Returns how many were marked."""
         running: dict[str, list[Ticket]] = {}
         for ticket in self._leased.values():
@@ -363,6 +365,8 @@ class Access:
             if gone:
                 for ticket in tickets:
                     ticket.revoked = True
+                    if ticket.on_revoke is not None:
+                        ticket.on_revoke()
                 marked += len(tickets)
         return marked
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from contract.replica_wire import ReplicaOperation
 from serve_app.errors import OpenAIError, invalid_request, shown
 
 
@@ -166,7 +167,7 @@ class Operation:
     replica: str = ""  # what the replica runs, where it differs from ``name``
 
     @property
-    def replica_operation(self) -> str:
+    def replica_operation(self) -> ReplicaOperation:
         return self.replica or self.name
 
 

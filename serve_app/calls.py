@@ -55,5 +55,8 @@ class ModelRegistry(Protocol):
     def resolve(self, model: str) -> str:
         """The configured name behind a name, alias or adapter, or a 404."""
 
+    def authorized(self, key: Any, model: str) -> str:
+        """``resolve(model)`` when ``key`` may use it, else a 403."""
+
     def context_length(self, name: str) -> int | None:
         """A configured model's context length, None while unknown."""

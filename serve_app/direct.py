@@ -2,7 +2,7 @@
 
 Through the ingress, a streamed token crosses two process boundaries after the
 engine (model replica -> ingress replica -> HTTP), each a Serve item through
-Ray's core worker; the profile in README ("Performance") puts that hop at most
+Ray's core worker; the profile in docs/performance.md puts that hop at most
 of the gateway's CPU. A model with ``direct_route`` also runs as its own Serve
 application at ``/direct/<model>``: HAProxy forwards each request straight to
 one of its replicas, which authenticates, admits, runs and settles it with the
@@ -35,7 +35,7 @@ from serve_app.telemetry import Telemetry
 
 
 class _Answer:
-    """A unary call on this process' replica, awaited like a ``DeploymentResponse``."""
+    """A unary call on this process' replica (its model card), awaited like a ``DeploymentResponse``."""
 
     def __init__(self, coroutine):
         self._coroutine = coroutine
@@ -89,7 +89,7 @@ class _Method:
 
 class InProcessReplica:
     """What ``Gateway`` uses of a ``DeploymentHandle`` (``options``, and
-    ``call``/``stream``/``model_info`` ``.remote``), calling the replica object of
+    ``call_streamed``/``stream``/``model_info`` ``.remote``), calling the replica object of
     this process: no Serve item, no serialisation, no hop."""
 
     def __init__(self, replica, adapter: str | None = None):
@@ -101,8 +101,8 @@ class InProcessReplica:
         return InProcessReplica(self._replica, multiplexed_model_id or self._adapter)
 
     @property
-    def call(self) -> _Method:
-        return _Method(lambda operation, body: _Answer(self._replica.call(operation, body, self._adapter)))
+    def call_streamed(self) -> _Method:
+        return _Method(lambda operation, body: _Stream(self._replica.call_streamed(operation, body, self._adapter)))
 
     @property
     def stream(self) -> _Method:

@@ -30,6 +30,11 @@ _TYPE_BY_STATUS = {
 }
 
 
+# What a 503 tells the client to wait: a hint, the queue drains continuously.
+UNAVAILABLE_RETRY_S = 1
+RETRY_HEADERS = {"retry-after": str(UNAVAILABLE_RETRY_S), "retry-after-ms": str(UNAVAILABLE_RETRY_S * 1000)}
+
+
 class OpenAIError(Exception):
     """Raised anywhere in the gateway; turned into the envelope by the app."""
 

@@ -18,7 +18,7 @@ import weakref
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig, deployment_name
@@ -26,7 +26,7 @@ from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usag
 from serve_app.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.calls import Reply
-from serve_app.errors import OpenAIError, from_engine_error
+from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
 from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
 from serve_app.keys import KeyRecord
 from serve_app.media import check_media
@@ -46,13 +46,6 @@ KEY_REVOKED = (
     'data: {"error": {"message": "This API key was revoked or disabled while the stream ran.", '
     '"type": "authentication_error", "param": null, "code": "invalid_api_key"}}\n\n'
 )
-
-
-# What a 503 tells the client to wait: a hint, the queue drains continuously.
-UNAVAILABLE_RETRY_S = 1
-
-
-RETRY_HEADERS = {"retry-after": str(UNAVAILABLE_RETRY_S), "retry-after-ms": str(UNAVAILABLE_RETRY_S * 1000)}
 
 
 def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
@@ -102,6 +95,15 @@ async def reach_replica(send, timeout_s: float, before=None):
             response.cancel()
         raise QueueTimeout from None
     return response
+
+
+async def _only_item(response):
+    """The one item of a unary call's stream, read to its end (Serve counts the call
+    done only then)."""
+    items = [item async for item in response]
+    if len(items) != 1:
+        raise RuntimeError(f"a unary call answered {len(items)} items")
+    return items[0]
 
 
 def _fair_gate(config: ModelConfig) -> FairGate:
@@ -161,6 +163,12 @@ class Gateway:
     def resolve(self, model: str) -> str:
         """The configured name behind ``model`` (a name, alias or adapter), or 404."""
         return self.target(model)[0]
+
+    def authorized(self, key: KeyRecord, model: str) -> str:
+        """The configured name behind ``model`` when ``key`` may use it; else a 404 or 403."""
+        name = self.resolve(model)
+        self.access.authorize(key, name)
+        return name
 
     def target(self, model: str) -> tuple[str, str | None]:
         """(configured model, LoRA adapter or None) for what a client sent as
@@ -387,9 +395,18 @@ class Gateway:
             if streaming:
                 return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation, rank,
                                           early)
-            response = await self._hand_on(model, ticket, lambda: handle.call.remote(op.replica_operation, body),
-                                           queue_timeout_s, rank)
-            answer: ReplicaAnswer | ReplicaError = await response
+            # A unary call travels as a stream of one item: over Serve's gRPC transport a
+            # unary call is known to be with a replica only once it has ended, so the queue
+            # timeout would bound the whole call and a cancel would never reach the replica.
+            response = await self._hand_on(
+                model, ticket, lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body),
+                queue_timeout_s, rank)
+            # Its key revoked or disabled while it runs (Access.stop_revoked): the call is
+            # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
+            ticket.on_revoke = response.cancel
+            if ticket.revoked:
+                response.cancel()
+            answer: ReplicaAnswer | ReplicaError = await _only_item(response)
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
@@ -405,6 +422,12 @@ class Gateway:
         except (RayActorError, ActorUnavailableError):
             self.access.settle(ticket, "failed", Usage())
             raise _unavailable(ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable") from None
+        except RequestCancelledError if ticket.revoked else ():
+            # A cancelled call returns nothing, so what the engine generated before the
+            # cut is not known here: the key is charged its prompt, never its reservation.
+            self.access.settle(ticket, "failed", Usage(prompt_tokens=reservation.prompt))
+            raise OpenAIError(401, "This API key was revoked or disabled while the request ran.",
+                              type="authentication_error", code="invalid_api_key", headers=ticket.headers) from None
         except Exception:
             # The call failed between ingress and replica (the transport refused a
             # message, the replica raised): nothing reached the client, nothing is charged.
@@ -483,8 +506,8 @@ class Gateway:
         work (measured on the 2-core box: 300 ms at worst while a stream ran beside
         it) and the new request would queue for the engine's next step anyway. On an
         idle model it is one round trip (p50 0.8 ms at c=1 here) that an early start
-        takes out of the time to first token (c=1 TTFT p50 about 1 ms lower, README
-        Performance), as long as Redis gets a core while the engine computes: a Redis
+        takes out of the time to first token (c=1 TTFT p50 about 1 ms lower, docs/performance.md),
+        as long as Redis gets a core while the engine computes: a Redis
         in the normal class on the engine's cores answered in ~100 ms (measured), so
         ``quota.overlap_admission_when_idle`` can turn it off. Without it, admissions
         under way count as busy for a burst on an idle model (a round of clients whose

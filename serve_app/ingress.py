@@ -37,6 +37,7 @@ from serve_app.request_handling import HandlesRequests, as_call, openai_app, ser
 from serve_app.settings import AppSettings
 from serve_app.stored_responses import ResponseStore, item_list, stored_space
 from serve_app.telemetry import Telemetry
+from serve_app.upload_form import read_upload_form
 
 logger = logging.getLogger("ray.serve")
 
@@ -220,7 +221,7 @@ class Ingress(HandlesRequests):
             # file, for a key whose files are at their bound), then the form.
             async with self.files.reservation(key.id, int(declared)) as file_id:
                 try:
-                    form = await request.form(max_files=1, max_fields=4)
+                    form = await read_upload_form(request, max_files=1, max_fields=4)
                 except OSError:  # the form's spool file (the temp directory) could not be written
                     raise storage_full() from None
                 except Exception as exc:  # starlette's MultiPartException, or a body that is no form

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-# A stop ends every process of the stack within this many seconds (README).
+# A stop ends every process of the stack within this many seconds (docs/operating.md, "Stopping").
 STOP_BOUND_S = 30
 DEFAULT_GRACE_S = 5.0
 

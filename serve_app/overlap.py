@@ -2,7 +2,7 @@
 
 Admission is one Redis round trip, and on a loaded box it is also a wake-up of
 the gateway's process for the reply: a request that waits for it before the
-engine starts pays both in its time to first token (README, "Performance").
+engine starts pays both in its time to first token (docs/performance.md).
 A key that Redis just admitted with room to spare will almost surely be
 admitted again, so its next stream can be handed to the engine at once and
 its admission awaited beside the prefill; nothing is sent to the client

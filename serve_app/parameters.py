@@ -7,7 +7,7 @@ exactly one of these tables:
 
 - ``IGNORED``: no effect on the generated output on this stack (metadata,
   routing hints for OpenAI's own fleet, a latency hint). Dropped, documented in
-  README's parameter table.
+  docs/api.md's parameter table.
 - ``UNSUPPORTED``: we cannot honour it. 400 naming the parameter, unless it is
   set to the value that means "off".
 - ``LLAMACPP_ALIASES``: clients written for llama.cpp-style servers (Jan,

@@ -2,7 +2,7 @@
 
 Admission reserves tokens against a key's tokens/min and budgets before the
 engine starts, and the reservation must be an upper bound of what the engine
-may generate, whatever the client sends (README, "Keys and quotas"):
+may generate, whatever the client sends (docs/quotas.md, "Keys and quotas"):
 
 - the generation-size fields (``max_tokens``, ``max_completion_tokens``, ``n``)
   must be real JSON integers in range: vLLM's request models would coerce

@@ -47,8 +47,6 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app import fair_share
 
-ROUTER_PATH = "serve_app.routing:PrefixAffinityRouter"
-
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""
 

@@ -16,6 +16,8 @@ from serve_app import redis_client
 
 
 class IngressConfig(BaseModel):
+    """The HTTP front: body limits and the ingress deployment's Serve options."""
+
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(
@@ -37,7 +39,7 @@ class IngressConfig(BaseModel):
 
 
 class QuotaConfig(BaseModel):
-    """How keys and quotas are enforced (README, "Keys and quotas")."""
+    """How keys and quotas are enforced (docs/quotas.md, "Keys and quotas")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -70,7 +72,7 @@ class QuotaConfig(BaseModel):
         0, ge=0, le=16, description="Admissions, settlements and lease renewals count as written only once "
         "this many replicas of their primary acknowledge them (Redis WAIT, once per pipeline): a failover then "
         "loses none. Past replica_ack_timeout_ms, Redis counts as unreachable (fail_mode). 0: Redis' "
-        "asynchronous replication (README, \"When a primary dies\").",
+        "asynchronous replication (docs/quotas.md, \"When a primary dies\").",
     )
     replica_ack_timeout_ms: int = Field(
         100, gt=0, description="How long an admission waits for replicas_to_acknowledge replicas.",
@@ -87,12 +89,12 @@ class QuotaConfig(BaseModel):
         "while others run): the round trip leaves the time to first token of a lone stream as well. It wants a "
         "Redis that gets a core while the engine computes: on its own host, or on the engine's in the real-time "
         "class (scripts/ensure_redis.sh starts it so); a Redis in the normal class on the engine's cores answered "
-        "in ~100 ms there (README, Performance). false: on an idle model admission goes first.",
+        "in ~100 ms there (docs/performance.md). false: on an idle model admission goes first.",
     )
 
 
 class TelemetryConfig(BaseModel):
-    """Metrics and access log (README, "Metrics and logs")."""
+    """Metrics and access log (docs/operating.md, "Metrics and logs")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -111,7 +113,7 @@ class TelemetryConfig(BaseModel):
 
 
 class BatchConfig(BaseModel):
-    """OpenAI's Files and Batch API (README, "Batch API"; serve_app/batch_runner.py)."""
+    """OpenAI's Files and Batch API (docs/api.md, "Batch API"; serve_app/batch_runner.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -157,7 +159,7 @@ class BatchConfig(BaseModel):
 
 
 class StoreConfig(BaseModel):
-    """What one key may keep in Redis (README, "Storage bounds"): its stored Responses API
+    """What one key may keep in Redis (docs/quotas.md, "Storage bounds"): its stored Responses API
     conversations and its batches' records, counted together in one account per key."""
 
     model_config = ConfigDict(extra="forbid")
@@ -178,7 +180,8 @@ class AppSettings(BaseSettings):
         env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
     )
 
-    models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig(name="tiny-llama")])
+    models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig(name="tiny-llama")],
+                                      description="The served models, one deployment each (below).")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)

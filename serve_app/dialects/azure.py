@@ -18,7 +18,6 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from serve_app.access import Access
 from serve_app.calls import Call, ModelRegistry
 from serve_app.errors import OpenAIError
 from serve_app.keys import KeyRecord
@@ -72,7 +71,7 @@ async def translate(operation: str, body: dict[str, Any], headers: Mapping[str, 
 async def info(key: KeyRecord, headers: Mapping[str, str], gateway: ModelRegistry) -> Response:
     """``GET /info``: what the (selected) deployment serves, if ``key`` may use it."""
     model = headers.get("azureml-model-deployment") or await gateway.only_model_for(None)
-    Access.authorize(key, gateway.resolve(model))
+    gateway.authorized(key, model)
     card = await gateway.model_card(model)
     operation = (card.get("capabilities") or [None])[0]  # none yet: a scale-to-zero model not started
     return JSONResponse(

@@ -32,8 +32,7 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, TEMPLATED_COMPLETIONS
 from serve_app.calls import Call, ModelRegistry, Reply
-from serve_app.errors import OpenAIError
-from serve_app.gateway import RETRY_HEADERS
+from serve_app.errors import RETRY_HEADERS, OpenAIError
 from serve_app.reservation import MAX_TOKENS_LIMIT, integer_parameter
 from serve_app.sse import DONE, events
 

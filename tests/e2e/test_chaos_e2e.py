@@ -16,7 +16,7 @@ waits at most the model's queue timeout, then 503) and never hanging; service is
 no lease, ``admitted`` or ``running`` record is left; a failed stream was
 charged no more than it delivered; and no vLLM process is left whose replica
 is gone (by process tree, within 10 s). The recovery table is printed at the
-end of the module (README, "Faults and recovery").
+end of the module (docs/operating.md, "Faults and recovery").
 
 `ray stop --force` stops every Ray process on this machine: this module refuses
 to start while another Ray instance is up."""

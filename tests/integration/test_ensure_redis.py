@@ -1,6 +1,6 @@
 """scripts/ensure_redis.sh, the local Redis `make run` and `make bench` start: a real
 redis-server, started by the real script. Its scheduling class is what keeps its
-wake-ups from waiting behind a CPU engine (README, Performance), so the test reads
+wake-ups from waiting behind a CPU engine (docs/performance.md), so the test reads
 the class the kernel reports for the server and for a child it forks."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A Redis primary (a Redis Cluster's, or the one Sentinel manages) dies under
 load and its replica takes over: what the gateway's admission (serve_app/access.py, as each ingress replica runs it)
-promises then (README, "Redis: one node, a Redis Cluster, or Sentinel").
+promises then (docs/quotas.md, "Redis: one node, a Redis Cluster, or Sentinel").
 
 16 concurrent clients hammer one key with a small requests/min limit; the
 primary that owns the key's slot gets SIGKILL; the cluster (or Sentinel) promotes

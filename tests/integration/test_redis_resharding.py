@@ -1,5 +1,5 @@
 """A Redis Cluster moves the slot of a key's quota state to another primary while
-16 clients hammer that key (README, "Redis: one node, a Redis Cluster, or
+16 clients hammer that key (docs/quotas.md, "Redis: one node, a Redis Cluster, or
 Sentinel"): the slot is set MIGRATING/IMPORTING and its keys are moved a few at a
 time, so admissions, settlements and renewals meet ASK redirects and TRYAGAIN
 (a script whose keys are split between the two nodes) on their way, inside

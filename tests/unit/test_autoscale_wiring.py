@@ -6,8 +6,9 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from autoscale.serve_policy import ENGINE_WAITING, KV_CACHE_USAGE, LLMAutoscalingPolicy, load_from
-from autoscale.settings import AutoscalingSettings
+from autoscale.policy import ScalingConfig
+from autoscale.serve_policy import LLMAutoscalingPolicy, load_from
+from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE, AutoscalingSettings
 from contract.model_config import ModelConfig
 
 
@@ -117,3 +118,9 @@ def test_a_starting_replica_is_never_abandoned():
     policy = LLMAutoscalingPolicy(**settings.policy_kwargs())
     assert policy(context(settings, target=1, running=0, ongoing=0))[0] == 1
     assert policy(context(settings, target=1, running=1, ongoing=0))[0] == 0
+
+
+def test_the_policys_defaults_are_the_settings_defaults():
+    settings = AutoscalingSettings()
+    for name, value in vars(ScalingConfig()).items():
+        assert getattr(settings, name) == value, name

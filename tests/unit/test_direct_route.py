@@ -27,6 +27,9 @@ class Replica:
         self.calls.append((operation, body, adapter))
         return ReplicaAnswer(b"{}", None, "r1")
 
+    async def call_streamed(self, operation, body, adapter=None):  # as VLLMReplica's
+        yield await self.call(operation, body, adapter)
+
     async def stream(self, operation, body, adapter=None):
         self.calls.append((operation, body, adapter))
         try:
@@ -48,10 +51,12 @@ def test_a_unary_call_reaches_the_replica_with_its_adapter():
     handle = InProcessReplica(replica)
 
     async def run():
-        response = await reach_replica(lambda: handle.options(multiplexed_model_id="a1").call.remote("chat", {}), 1)
-        return await response
+        response = await reach_replica(
+            lambda: handle.options(multiplexed_model_id="a1").call_streamed.remote("chat", {}), 1)
+        return [item async for item in response]
 
-    assert asyncio.run(run()).replica == "r1"
+    [answer] = asyncio.run(run())
+    assert answer.replica == "r1"
     assert replica.calls == [("chat", {}, "a1")]
     assert handle.deployment_name == "model-tiny-llama"
 
@@ -80,14 +85,15 @@ def test_a_call_withdrawn_before_it_ran_never_runs():
     async def run():
         gate = asyncio.Event()  # the fair-share gate never opens: the call is never sent
         with pytest.raises(QueueTimeout):
-            await reach_replica(lambda: InProcessReplica(replica).call.remote("chat", {}), 0.05, gate.wait)
-        response = InProcessReplica(replica).call.remote("chat", {})
-        response.cancel()  # sent, then withdrawn before awaited: closed, not left pending
-        return response
+            await reach_replica(lambda: InProcessReplica(replica).call_streamed.remote("chat", {}), 0.05, gate.wait)
+        response = InProcessReplica(replica).call_streamed.remote("chat", {})
+        response.cancel()  # sent, then withdrawn before read: closed, not left pending
+        await asyncio.sleep(0)
+        with pytest.raises(StopAsyncIteration):
+            await response.__anext__()
 
-    response = asyncio.run(run())
+    asyncio.run(run())
     assert replica.calls == []
-    assert response._coroutine.cr_frame is None  # closed (an unstarted one still has its frame)
 
 
 def test_model_info_is_the_replicas():

@@ -30,14 +30,16 @@ class Access:
     default_max_tokens = 16
 
     def __init__(self):
-        self.settled = []
+        self.settled, self.admitted = [], []
 
     def authorize(self, key, model):
         if not key.allows_model(model):
             raise OpenAIError(403, "no", param="model")
 
     async def admit(self, key, model, tokens, http_request_id, request_id=None):
-        return Ticket(key, request_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
+        ticket = Ticket(key, request_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
+        self.admitted.append(ticket)
+        return ticket
 
     def settle(self, ticket, status, usage=None, replica=""):
         assert not ticket.settled, "settled twice"
@@ -59,21 +61,30 @@ class Response:
         if isinstance(self.assign, BaseException):
             raise self.assign
 
-    def __await__(self):
-        async def answer():
-            if isinstance(self.result, BaseException):
-                raise self.result
-            return self.result
-        return answer().__await__()
+    async def __aiter__(self):  # the gateway sends a unary call as a stream of its one answer
+        if isinstance(self.result, BaseException):
+            raise self.result
+        yield self.result
 
     def cancel(self):
         self.cancelled = True
 
 
+class Handle:
+    """What the gateway uses of a ``DeploymentHandle`` for a unary call:
+    ``options(stream=True).call_streamed.remote(operation, body)``."""
+
+    def __init__(self, remote):
+        self.call_streamed = SimpleNamespace(remote=remote)
+
+    def options(self, **_):
+        return self
+
+
 def run(response):
     """(the fake access, the coroutine of one chat request answered by ``response``)."""
     access = Access()
-    handle = SimpleNamespace(call=SimpleNamespace(remote=lambda *_: response))
+    handle = Handle(lambda *_: response)
     gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
                       Telemetry(False, False))
 
@@ -190,7 +201,7 @@ def tiered_gateway(engine_kwargs=None, max_queued=4):
         sent.append(body)
         return Waiting(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
-    handle = SimpleNamespace(call=SimpleNamespace(remote=remote))
+    handle = Handle(remote)
     config = ModelConfig(name="tiny-llama", engine_kwargs=engine_kwargs or {},
                          deployment={"max_queued_requests": max_queued})
     return Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False)), access, sent, release
@@ -293,7 +304,7 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
         sent.append(body)
         return First(result=first_result) if len(sent) == 1 else Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
-    handle = SimpleNamespace(call=SimpleNamespace(remote=remote))
+    handle = Handle(remote)
     # Times wide enough for a loaded box (a CI neighbour stalled this loop past a 0.3 s bound).
     config = ModelConfig(name="tiny-llama", queue_timeout_s=1.5)
     gateway = Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False))
@@ -318,7 +329,7 @@ def recording_gateway(answer: ReplicaAnswer):
         sent.append(args)
         return Response(result=answer)
 
-    gateway = Gateway(access, {"tiny-llama": SimpleNamespace(call=SimpleNamespace(remote=remote))},
+    gateway = Gateway(access, {"tiny-llama": Handle(remote)},
                       [ModelConfig(name="tiny-llama")], Telemetry(False, False))
     return gateway, access, sent
 
@@ -344,3 +355,39 @@ async def test_templated_completions_are_admitted_as_completions_and_run_as_the_
     [(operation, body)] = sent
     assert operation == "templated_completions" and record.operation == "completions"
     assert body["max_tokens"] == 16 and body["request_id"] == "req-1"  # completions' default, set explicitly
+
+
+
+async def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_and_charged_its_prompt():
+    from ray.serve.exceptions import RequestCancelledError
+
+    class Running(Response):
+        """Runs until cancelled; then reading it raises as Serve's does."""
+
+        def __init__(self):
+            super().__init__()
+            self.stop = asyncio.Event()
+
+        async def __aiter__(self):
+            await self.stop.wait()
+            raise RequestCancelledError("req-1")
+            yield
+
+        def cancel(self):
+            self.cancelled = True
+            self.stop.set()
+
+    response = Running()
+    access, call = run(response)
+    task = asyncio.create_task(call)
+    await asyncio.sleep(0.05)
+    [ticket] = access.admitted
+    assert not task.done() and ticket.on_revoke is not None
+    ticket.revoked = True  # what Access.stop_revoked does once the key is gone
+    ticket.on_revoke()
+    with pytest.raises(OpenAIError) as refused:
+        await asyncio.wait_for(task, 1)
+    assert refused.value.status == 401 and refused.value.code == "invalid_api_key" and response.cancelled
+    [(status, usage)] = access.settled
+    # The prompt as reserved (its 100 bytes of body at 4 per token), nothing of the 4 max tokens.
+    assert status == "failed" and usage == Usage(prompt_tokens=25, completion_tokens=0)

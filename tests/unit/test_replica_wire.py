@@ -37,3 +37,21 @@ async def test_a_replica_stream_starts_with_its_replica_then_relays_text():
             yield text
 
     assert [item async for item in as_replica_stream("r1", texts())] == [StreamStart("r1", "a"), "b", "c"]
+
+
+def test_the_gateway_and_the_replica_name_the_same_operations():
+    """One list (contract/replica_wire.py ReplicaOperation): every operation the gateway
+    sends, and every endpoint the replica binds, is on it, and each is used."""
+    import ast
+    from pathlib import Path
+
+    from contract.replica_wire import REPLICA_OPERATIONS
+    from serve_app.api_requests import OPERATIONS, TEMPLATED_COMPLETIONS
+
+    sent = {op.replica_operation for op in (*OPERATIONS.values(), TEMPLATED_COMPLETIONS)}
+    # The names replicas/vllm_replica.py's _endpoints binds (found["..."] = ...), read from its source.
+    source = ast.parse((Path(__file__).resolve().parents[2] / "replicas" / "vllm_replica.py").read_text())
+    [endpoints] = [node for node in ast.walk(source) if isinstance(node, ast.FunctionDef) and node.name == "_endpoints"]
+    bound = {target.slice.value for node in ast.walk(endpoints) if isinstance(node, ast.Assign)
+             for target in node.targets if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)}
+    assert sent == REPLICA_OPERATIONS == bound

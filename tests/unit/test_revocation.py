@@ -1,6 +1,6 @@
-"""Pure logic: which running requests ``Access.stop_revoked`` marks (the e2e test
-in tests/e2e/quota_stack/test_1_hostile_tenant_e2e.py revokes a key mid-stream on
-the real stack)."""
+"""Pure logic: which running requests ``Access.stop_revoked`` marks and tells (the e2e tests
+in tests/e2e/quota_stack/test_1_hostile_tenant_e2e.py revoke a key mid-request on
+the real stack, a stream and a unary call)."""
 
 from types import SimpleNamespace
 
@@ -41,3 +41,15 @@ async def test_redis_unreachable_marks_nothing():
     running = [ticket("k1", 1)]
     access = access_running({"k1": RedisConnectionError("down")}, running)
     assert await access.stop_revoked() == 0 and not running[0].revoked
+
+
+async def test_a_marked_request_is_told_once_so_a_unary_call_cancels_itself():
+    cancelled = []
+    gone, kept = ticket("kgone", 1), ticket("kok", 1)
+    gone.on_revoke = lambda: cancelled.append("kgone")
+    kept.on_revoke = lambda: cancelled.append("kok")
+    access = access_running({"kok": KeyRecord(id="kok", name="ok", created_at=0), "kgone": KeyNotFound("kgone")},
+                            [gone, kept])
+    await access.stop_revoked()
+    await access.stop_revoked()
+    assert cancelled == ["kgone"]

@@ -1,5 +1,5 @@
 """The Files, Batch and Responses routes and the edge against a hostile tenant, on
-the stack with two ingress replicas (README, "Storage bounds"): every route is
+the stack with two ingress replicas (docs/quotas.md, "Storage bounds"): every route is
 admitted against the key's requests/min and concurrency; what a key stores in Redis
 is bounded, refused before anything runs and given back on delete; echoed values
 and batch records stay small; odd query strings, batch lines and filenames are 4xx
@@ -172,6 +172,22 @@ def test_a_utf8_filename_is_kept_and_sent_back_as_rfc_5987(base_url, redis_serve
         "content-disposition"]
 
 
+
+def test_a_file_named_only_in_rfc_5987s_form_is_stored_under_that_name(base_url, redis_server):
+    """RFC 7578 forbids ``filename*`` in a form, but curl scripts and some libraries send only that."""
+    _, secret = create_key(redis_server.url, "hostile-filename-star")
+    boundary = "b0undary"
+    form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename*=UTF-8''%E2%82%AC%20rates%22.jsonl\r\nContent-Type: application/jsonl\r\n\r\n").encode()
+    form += jsonl([chat_line("a")]) + f"\r\n--{boundary}--\r\n".encode()
+    created = httpx.post(base_url + "/v1/files", content=form, timeout=30,
+                         headers={**bearer(secret), "content-type": f"multipart/form-data; boundary={boundary}"})
+    assert created.status_code == 200, created.text
+    assert created.json()["filename"] == "€ rates_.jsonl" and created.json()["bytes"] == len(jsonl([chat_line("a")]))
+    content = httpx.get(base_url + f"/v1/files/{created.json()['id']}/content", headers=bearer(secret), timeout=30)
+    assert content.content == jsonl([chat_line("a")])
+
 def test_an_x_request_id_reused_by_another_key_never_takes_over_the_first_ones_lookup(base_url, redis_server,
                                                                                        redis):
     first_id, first = create_key(redis_server.url, "hostile-xrid-first")
@@ -213,6 +229,31 @@ def test_the_edge_cuts_off_a_client_trickling_its_headers(base_url):
     assert time.monotonic() - started < 15
     too_long = httpx.get(base_url + "/v1/models?x=" + "a" * 20_000, timeout=30)
     assert too_long.status_code in (400, 414)
+
+
+def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_within_seconds_charged_its_prompt(
+        base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "hostile-revoked-unary")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
+            "min_tokens": 2000, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(httpx.post, base_url + "/v1/chat/completions", json=body, headers=bearer(secret),
+                           timeout=120)
+        deadline = time.monotonic() + 30
+        while not redis.zcard(redis_names.concurrency(key_id)):  # admitted: it runs
+            assert time.monotonic() < deadline and not call.done(), call.done() and call.result().text
+            time.sleep(0.05)
+        time.sleep(1)  # well into its 2,000 tokens
+        assert httpx.delete(base_url + f"/admin/keys/{key_id}", headers=ADMIN_HEADERS, timeout=30).status_code == 200
+        revoked_at = time.monotonic()
+        answer = call.result()
+    ended_after_s = time.monotonic() - revoked_at
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", answer.text[:300]
+    assert ended_after_s < 10, ended_after_s
+    [record] = inference(wait_until_settled(redis, key_id))
+    # Charged its prompt (a few tokens), not the 2,000 it reserved, nor what the cancel cut short.
+    assert record["status"] == "failed" and int(record["completion_tokens"]) == 0
+    assert 0 < int(record["prompt_tokens"]) < 100
 
 
 def test_a_stream_of_a_key_revoked_while_it_runs_stops_within_seconds_charged_what_it_delivered(

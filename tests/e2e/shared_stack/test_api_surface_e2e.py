@@ -1,6 +1,6 @@
 """The OpenAI surface beyond basic chat, end to end through the openai SDK:
 completions, embeddings (all-MiniLM-L6-v2 on vLLM), model cards, and chat's
-full parameter set (README, "Parameters"): each parameter works, or is refused
+full parameter set (docs/api.md, "Parameters"): each parameter works, or is refused
 with a 400 naming it.
 """
 

@@ -1,9 +1,12 @@
-"""A model's autoscaling settings, as operators write them in the config.
+"""A model's autoscaling settings, as operators write them in the config, and the
+names the replicas and the policy share.
 
 Turned into Ray Serve's ``autoscaling_config`` with this project's LLM-aware
-policy (``autoscale.serve_policy.LLMAutoscalingPolicy``) plugged in. The
-policy owns the up/down delays, so Serve's own delays are set to zero: two
-timers in series would double every delay and reset each other.
+policy (``autoscale.serve_policy.LLMAutoscalingPolicy``, named by its import path so
+this module imports nothing of Ray) plugged in. The policy owns the up/down delays,
+so Serve's own delays are set to zero: two timers in series would double every delay
+and reset each other. The policy's own defaults (``autoscale.policy.ScalingConfig``)
+are these (tests/unit/test_autoscale_wiring.py checks they agree).
 """
 
 from __future__ import annotations
@@ -12,10 +15,25 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autoscale.policy import ScalingConfig
-
 POLICY_IMPORT_PATH = "autoscale.serve_policy:LLMAutoscalingPolicy"
-_DEFAULTS = ScalingConfig()
+
+# What each replica reports to Serve's controller (record_autoscaling_stats) and the policy reads.
+ENGINE_WAITING = "engine_waiting_requests"  # requests in the engine's scheduler queue
+KV_CACHE_USAGE = "kv_cache_usage"  # 0..1
+
+
+class _DEFAULTS:
+    """LLM defaults: a replica runs many sequences at once (continuous batching),
+    starts slowly (weights, KV cache), and drains long streams."""
+
+    min_replicas = 1
+    max_replicas = 4
+    target_ongoing_requests = 16.0  # per replica, in the engine's batch
+    waiting_per_replica = 2.0  # engine queue a replica may carry before it counts as saturated
+    kv_cache_high = 0.85
+    kv_cache_low = 0.50
+    upscale_delay_s = 15.0
+    downscale_delay_s = 120.0
 
 
 class AutoscalingSettings(BaseModel):
@@ -27,7 +45,7 @@ class AutoscalingSettings(BaseModel):
     min_replicas: int = Field(
         _DEFAULTS.min_replicas, ge=0, description="0 = scale to zero when idle (requests then wait for a cold start)."
     )
-    max_replicas: int = Field(_DEFAULTS.max_replicas, ge=1)
+    max_replicas: int = Field(_DEFAULTS.max_replicas, ge=1, description="Replicas at most, however busy.")
     initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time; default min_replicas.")
     target_ongoing_requests: float = Field(
         _DEFAULTS.target_ongoing_requests, gt=0, description="Requests per replica the engine batches comfortably."

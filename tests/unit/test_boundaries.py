@@ -1,0 +1,108 @@
+"""Every boundary docs/architecture.md ("Who owns what") draws between the folders,
+checked on the source: each module's imports (at its top and inside functions) against
+what its folder may import. A new import across a line fails here, naming the module."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("serve_app", "contract", "replicas", "autoscale", "cluster")
+ENGINE = {"torch", "vllm", "transformers"}
+# What the dialects may use of the gateway: the call they translate into and its
+# model questions (calls.ModelRegistry), errors, key records, and the request helpers.
+DIALECT_MAY_USE = {"serve_app.calls", "serve_app.errors", "serve_app.keys", "serve_app.api_requests",
+                   "serve_app.reservation", "serve_app.sse"}
+# The gateway modules that may import replicas/: the app builder and the direct route
+# (they deploy the replica class) and the operator's CLI (it builds the demo model).
+MAY_IMPORT_REPLICAS = {"serve_app.app", "serve_app.direct", "serve_app.cli", "serve_app.local_stack"}
+
+
+def modules(package: str) -> list[tuple[str, Path]]:
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found.append((name, path))
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, as written (absolute imports only: the project uses no relative ones)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def ours(names: set[str]) -> set[str]:
+    return {name for name in names if name.split(".")[0] in OURS}
+
+
+def top(names: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in names}
+
+
+def stdlib_or(allowed: set[str], names: set[str]) -> set[str]:
+    """The names that are neither the standard library nor in ``allowed``."""
+    return {name for name in top(names) if name not in sys.stdlib_module_names and name not in allowed}
+
+
+@pytest.mark.parametrize("module, path", modules("contract"))
+def test_the_contract_is_pydantic_and_the_standard_library(module, path):
+    assert not stdlib_or({"contract", "pydantic", "__future__"}, imports(path))
+
+
+@pytest.mark.parametrize("module, path", modules("serve_app/dialects"))
+def test_a_dialect_translates_and_uses_no_more_of_the_gateway_than_its_registry(module, path):
+    used = {name for name in ours(imports(path)) if not name.startswith("serve_app.dialects")}
+    modules_used = {name if name in DIALECT_MAY_USE or name.count(".") == 1 else name.rsplit(".", 1)[0]
+                    for name in used}
+    assert modules_used <= DIALECT_MAY_USE, modules_used - DIALECT_MAY_USE
+    assert not top(imports(path)) & {"redis", "ray"}
+
+
+@pytest.mark.parametrize("module, path", modules("serve_app"))
+def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(module, path):
+    names = imports(path)
+    assert not top(names) & ENGINE
+    if module not in MAY_IMPORT_REPLICAS:
+        assert "replicas" not in top(names), module
+    assert not top(names) & {"cluster", "autoscale"}  # those are named by import path in configs
+
+
+@pytest.mark.parametrize("module, path", modules("replicas"))
+def test_a_replica_knows_the_contract_and_nothing_of_the_gateway(module, path):
+    assert not top(ours(imports(path))) - {"replicas", "contract"}
+
+
+@pytest.mark.parametrize("module, path", modules("autoscale"))
+def test_autoscaling_knows_the_contract_only(module, path):
+    assert not top(ours(imports(path))) - {"autoscale", "contract"}
+    if module == "autoscale.policy":  # a pure function: no Serve or Ray
+        assert not stdlib_or({"__future__"}, imports(path))
+
+
+@pytest.mark.parametrize("module, path", modules("cluster"))
+def test_cluster_code_stands_apart(module, path):
+    assert not top(ours(imports(path))) - {"cluster"}
+
+
+def test_every_import_path_a_config_names_resolves():
+    from contract.autoscaling import POLICY_IMPORT_PATH
+    from contract.model_config import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER
+
+    for path in (POLICY_IMPORT_PATH, POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, "serve_app.app:build_app",
+                 "serve_app.app:build_direct_app", "serve_app.cli:main", "cluster.haproxy_guard:main",
+                 "replicas.engine_guard:register"):
+        module, _, attribute = path.partition(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), path
