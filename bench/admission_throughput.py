@@ -1,7 +1,7 @@
 """Admissions per second and admission latency: one Redis node vs a Redis Cluster,
 from 1 and from 4 gateway processes.
 
-Each process runs what an ingress replica runs per request (serve_app.access:
+Each process runs what an ingress replica runs per request (serve_app.quota.access:
 ``Access.admit`` — one EVALSHA of the admit script — then ``Access.settle``, off
 the response path) in a closed loop with ``--concurrency`` requests in flight,
 over 1,000 API keys with generous limits (admitted, not refused: the full write
@@ -36,8 +36,8 @@ def run_process(url: str, duration_s: float, concurrency: int, seed: int, result
 
 async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int) -> None:
     from contract.replica_wire import Usage
-    from serve_app.access import Access
-    from serve_app.keys import KeyRecord
+    from serve_app.quota.access import Access
+    from serve_app.quota.keys import KeyRecord
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 

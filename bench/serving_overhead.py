@@ -76,7 +76,7 @@ def bench_api_key() -> str:
     import redis.asyncio
     import redis.exceptions
 
-    from serve_app.keys import KeyStore
+    from serve_app.quota.keys import KeyStore
 
     async def create() -> str:
         client = redis.asyncio.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))

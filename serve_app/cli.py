@@ -52,7 +52,7 @@ def _print(value, as_json: bool) -> None:
 
 
 async def _keys(args: argparse.Namespace) -> int:
-    from serve_app.keys import KeyLimits, KeyNotFound, KeyStore
+    from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyStore
 
     redis = _redis(args)
     store = KeyStore(redis)
@@ -95,7 +95,7 @@ async def _ensure_dev_key(store) -> str:
     secret = path.read_text().strip() if path.exists() else None
     if secret and await store.authenticate(secret):
         return secret
-    from serve_app.keys import new_secret
+    from serve_app.quota.keys import new_secret
 
     secret = new_secret()
     name = "dev"
@@ -112,8 +112,8 @@ async def _ensure_dev_key(store) -> str:
 
 
 async def _usage(args: argparse.Namespace) -> int:
-    from serve_app.keys import KeyNotFound, KeyStore
-    from serve_app.usage import key_usage
+    from serve_app.quota.keys import KeyNotFound, KeyStore
+    from serve_app.quota.usage import key_usage
 
     redis = _redis(args)
     try:
@@ -128,8 +128,8 @@ async def _usage(args: argparse.Namespace) -> int:
 
 
 async def _request(args: argparse.Namespace) -> int:
-    from serve_app.keys import KeyNotFound, KeyStore
-    from serve_app.usage import request_state
+    from serve_app.quota.keys import KeyNotFound, KeyStore
+    from serve_app.quota.usage import request_state
 
     redis = _redis(args)
     try:
@@ -150,10 +150,10 @@ async def _request(args: argparse.Namespace) -> int:
 async def _batches(args: argparse.Namespace) -> int:
     from types import SimpleNamespace
 
-    from serve_app import admin
+    from serve_app.quota import admin
     from serve_app.batches import BatchStore
     from serve_app.errors import OpenAIError
-    from serve_app.keys import KeyStore
+    from serve_app.quota.keys import KeyStore
 
     redis = _redis(args)
     access = SimpleNamespace(keys=KeyStore(redis), redis=redis)
@@ -173,7 +173,7 @@ async def _batches(args: argparse.Namespace) -> int:
 
 
 def _redis(args: argparse.Namespace):
-    from serve_app import redis_client
+    from serve_app.quota import redis_client
 
     return redis_client.connect(args.redis_url)
 

@@ -23,18 +23,18 @@ from ray.serve.handle import DeploymentHandle
 
 from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
-from serve_app.access import Access, Ticket
+from serve_app.quota.access import Access, Ticket
 from serve_app.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.calls import Reply
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
 from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
-from serve_app.keys import KeyRecord
+from serve_app.quota.keys import KeyRecord
 from serve_app.media import check_media
 from serve_app.parameters import apply_parameter_policy
 from serve_app.reservation import Reservation, reserve
 from serve_app.sse import STREAM_SHAPES, StreamShape
 from serve_app.telemetry import RequestRecord, Telemetry
-from serve_app.usage import new_request_id
+from serve_app.quota.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -354,7 +354,7 @@ class Gateway:
         queue_full = self._queue_full(model, queue_limit)
         streaming = bool(getattr(request, "stream", False))
         # A stream of a key with room to spare starts in the engine now, its
-        # admission beside the prefill (serve_app/overlap.py); nothing is relayed
+        # admission beside the prefill (serve_app/quota/overlap.py); nothing is relayed
         # before Redis admits it.
         early = (self._start_early(handle, op, body, key, model, reservation)
                  if self.start_early and streaming and not queue_full else None)

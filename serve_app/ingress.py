@@ -20,8 +20,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from contract.model_config import deployment_name, direct_app_name
 from contract.replica_wire import Usage
-from serve_app import admin
-from serve_app.access import Access
+from serve_app.quota import admin
+from serve_app.quota.access import Access
 from serve_app.api_requests import list_params, parse_json_object
 from serve_app import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
@@ -31,7 +31,7 @@ from serve_app.calls import Call
 from serve_app.errors import OpenAIError
 from serve_app.files_api import PURPOSES, FileStore, safe_filename, storage_full
 from serve_app.gateway import Gateway
-from serve_app.keys import KeyRecord
+from serve_app.quota.keys import KeyRecord
 from serve_app.readiness import Readiness
 from serve_app.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
 from serve_app.settings import AppSettings

@@ -21,7 +21,7 @@ from serve_app.api_requests import parse_json_object
 from serve_app.calls import Call
 from serve_app.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
-from serve_app.keys import KeyRecord
+from serve_app.quota.keys import KeyRecord
 from serve_app.telemetry import RequestRecord
 
 logger = logging.getLogger("ray.serve")

@@ -12,7 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, fiel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.model_config import ModelConfig
-from serve_app import redis_client
+from serve_app.quota import redis_client
 
 
 class IngressConfig(BaseModel):
@@ -82,7 +82,7 @@ class QuotaConfig(BaseModel):
         "admitted with room to spare "
         "starts in the engine while its admission is in Redis (nothing is sent before Redis admits it; a "
         "refusal aborts it): the Redis round trip leaves the time to first token. Bounded per key by the room "
-        "Redis last reported (serve_app/overlap.py). false: every request waits for its admission first.",
+        "Redis last reported (serve_app/quota/overlap.py). false: every request waits for its admission first.",
     )
     overlap_admission_when_idle: bool = Field(
         True, description="overlap_admission on an idle model too (its first request, not only those arriving "
@@ -189,7 +189,7 @@ class AppSettings(BaseSettings):
     store: StoreConfig = Field(default_factory=StoreConfig)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
-        description="One node, a Redis Cluster or a Sentinel's primary: serve_app/redis_client.py.",
+        description="One node, a Redis Cluster or a Sentinel's primary: serve_app/quota/redis_client.py.",
     )
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of the /admin API (LLM_CLUSTER_ADMIN_TOKEN); unset = admin API off."

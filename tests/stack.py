@@ -277,8 +277,8 @@ class CliStack:
 
 def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
     """Create an API key in the stack's Redis; return (key id, secret)."""
-    from serve_app.keys import KeyLimits, KeyStore
-    from serve_app.redis_client import connect
+    from serve_app.quota.keys import KeyLimits, KeyStore
+    from serve_app.quota.redis_client import connect
 
     async def create():
         client = connect(redis_url)

@@ -23,7 +23,7 @@ import pytest
 import openai_spec
 from contract.model_config import direct_app_name, direct_route_prefix
 from http_checks import assert_error_envelope, free_port
-from serve_app import redis_names
+from serve_app.quota import redis_names
 from settled import wait_until_settled
 from stack import call_replica, create_key, local_app_args, serve_stack
 
@@ -210,7 +210,7 @@ def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_ur
     assert again.status_code == 200  # its only place came back
 
 
-# -- streams started before their admission (serve_app/overlap.py) ---------------
+# -- streams started before their admission (serve_app/quota/overlap.py) ---------------
 # Only while the model is busy (another request of it in flight on the replica):
 # each test below holds a long stream of another key open meanwhile.
 

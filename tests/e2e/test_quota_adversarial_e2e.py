@@ -21,7 +21,7 @@ import pytest
 from http_checks import free_port
 from settled import records, wait_until_settled
 from stack import create_key, local_app_args, serve_stack
-from serve_app import redis_names
+from serve_app.quota import redis_names
 
 pytestmark = pytest.mark.e2e
 

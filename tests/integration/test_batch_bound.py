@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from serve_app import redis_names
+from serve_app.quota import redis_names
 from serve_app.batches import BatchStore
 from serve_app.errors import OpenAIError
 from serve_app.files_api import FileStore

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serve_app import redis_names
+from serve_app.quota import redis_names
 from serve_app.errors import OpenAIError
 from serve_app.files_api import FileStore
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import json
 
-from serve_app import redis_names
+from serve_app.quota import redis_names
 from serve_app.batches import BatchStore
 from serve_app.files_api import FileStore
 

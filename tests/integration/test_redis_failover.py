@@ -1,5 +1,5 @@
 """A Redis primary (a Redis Cluster's, or the one Sentinel manages) dies under
-load and its replica takes over: what the gateway's admission (serve_app/access.py, as each ingress replica runs it)
+load and its replica takes over: what the gateway's admission (serve_app/quota/access.py, as each ingress replica runs it)
 promises then (docs/quotas.md, "Redis: one node, a Redis Cluster, or Sentinel").
 
 16 concurrent clients hammer one key with a small requests/min limit; the
@@ -19,10 +19,10 @@ import pytest
 
 from contract.replica_wire import Usage
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
-from serve_app import redis_names
-from serve_app.access import Access
+from serve_app.quota import redis_names
+from serve_app.quota.access import Access
 from serve_app.errors import OpenAIError
-from serve_app.keys import KeyLimits, KeyStore
+from serve_app.quota.keys import KeyLimits, KeyStore
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

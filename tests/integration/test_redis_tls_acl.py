@@ -16,10 +16,10 @@ import pytest
 from contract.replica_wire import Usage
 from http_checks import free_port
 from redis_server import RedisServer
-from serve_app.access import Access
+from serve_app.quota.access import Access
 from serve_app.errors import OpenAIError
-from serve_app.keys import KeyLimits, KeyStore
-from serve_app.redis_client import connect
+from serve_app.quota.keys import KeyLimits, KeyStore
+from serve_app.quota.redis_client import connect
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

@@ -16,7 +16,7 @@ OURS = ("serve_app", "contract", "replicas", "autoscale", "cluster")
 ENGINE = {"torch", "vllm", "transformers"}
 # What the dialects may use of the gateway: the call they translate into and its
 # model questions (calls.ModelRegistry), errors, key records, and the request helpers.
-DIALECT_MAY_USE = {"serve_app.calls", "serve_app.errors", "serve_app.keys", "serve_app.api_requests",
+DIALECT_MAY_USE = {"serve_app.calls", "serve_app.errors", "serve_app.quota.keys", "serve_app.api_requests",
                    "serve_app.reservation", "serve_app.sse"}
 # The gateway modules that may import replicas/: the app builder and the direct route
 # (they deploy the replica class) and the operator's CLI (it builds the demo model).

@@ -1,9 +1,9 @@
 """``OverlapGuard``: which keys' streams may start before their admission, bounded
-by what Redis last reported (serve_app/overlap.py)."""
+by what Redis last reported (serve_app/quota/overlap.py)."""
 
-from serve_app.admission import Decision
-from serve_app.keys import KeyRecord
-from serve_app.overlap import OverlapGuard
+from serve_app.quota.admission import Decision
+from serve_app.quota.keys import KeyRecord
+from serve_app.quota.overlap import OverlapGuard
 
 
 def key(**limits) -> KeyRecord:

@@ -1,8 +1,8 @@
 """Pure logic: what a 429 says and carries."""
 
-from serve_app.access import _refusal
-from serve_app.admission import Decision, duration
-from serve_app.keys import KeyRecord
+from serve_app.quota.access import _refusal
+from serve_app.quota.admission import Decision, duration
+from serve_app.quota.keys import KeyRecord
 
 KEY = KeyRecord(id="k1", name="team-a", created_at=0, requests_per_minute=60, tokens_per_minute=1000,
                 max_concurrent=2, daily_token_budget=500)

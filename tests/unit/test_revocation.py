@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from serve_app.access import Access, Ticket
-from serve_app.keys import KeyNotFound, KeyRecord
+from serve_app.quota.access import Access, Ticket
+from serve_app.quota.keys import KeyNotFound, KeyRecord
 
 
 def access_running(records: dict[str, object], tickets: list[Ticket]) -> Access:

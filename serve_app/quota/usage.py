@@ -13,7 +13,7 @@ import re
 import secrets
 from typing import Any
 
-from serve_app import redis_names
+from serve_app.quota import redis_names
 
 _COMPLETION_PREFIXES = ("chatcmpl-", "cmpl-")
 _OUR_ID = re.compile(r"^k[0-9a-z]+-[0-9a-f]{16}$")

@@ -2,7 +2,7 @@
 
 Four scripts (``lua/``), each loaded once and called by SHA, each touching only
 the key's own hash-tagged keys; the calls of one event-loop turn share a round
-trip (serve_app/auto_pipeline.py):
+trip (serve_app/quota/auto_pipeline.py):
 
 - ``admit``: concurrency lease, requests/min, tokens/min reservation, daily and
   monthly token budgets, and the request record — all decided and written
@@ -26,13 +26,13 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from serve_app import redis_names
-from serve_app.auto_pipeline import AutoPipeline
-from serve_app.keys import KeyRecord
-from serve_app.usage import key_id_of
+from serve_app.quota import redis_names
+from serve_app.quota.auto_pipeline import AutoPipeline
+from serve_app.quota.keys import KeyRecord
+from serve_app.quota.usage import key_id_of
 
 # The Lua scripts' folder (this module's four; files_api's file space).
-SCRIPTS = resources.files("serve_app") / "lua"
+SCRIPTS = resources.files("serve_app.quota") / "lua"
 
 # What 429 bodies say, by refusal kind: (OpenAI `type`, `code`).
 REFUSALS = {

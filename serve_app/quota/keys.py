@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.model_config import PriorityTier
-from serve_app import redis_names
+from serve_app.quota import redis_names
 
 SECRET_PREFIX = "sk-llm-"
 

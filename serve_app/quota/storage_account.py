@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from serve_app.admission import SCRIPTS
+from serve_app.quota.admission import SCRIPTS
 from serve_app.errors import OpenAIError
 
 

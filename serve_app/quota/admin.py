@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
-from serve_app.keys import KeyLimits, KeyNotFound, KeyRecord
-from serve_app.usage import key_usage, request_state
+from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyRecord
+from serve_app.quota.usage import key_usage, request_state
 
 
 class NewKey(KeyLimits):

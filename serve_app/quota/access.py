@@ -36,16 +36,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from contract.replica_wire import Usage
-from serve_app import redis_client
-from serve_app.admission import REFUSALS, Admission, Decision
+from serve_app.quota import redis_client
+from serve_app.quota.admission import REFUSALS, Admission, Decision
 from serve_app.errors import OpenAIError
-from serve_app.key_cache import KeyCache
-from serve_app.keys import KeyNotFound, KeyRecord, KeyStore, digest
-from serve_app.local_limits import LocalLimiter
-from serve_app.overlap import OverlapGuard
+from serve_app.quota.key_cache import KeyCache
+from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore, digest
+from serve_app.quota.local_limits import LocalLimiter
+from serve_app.quota.overlap import OverlapGuard
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
-from serve_app.usage import new_request_id
+from serve_app.quota.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -170,7 +170,7 @@ class Access:
 
     def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool:
         """Whether a stream of ``key`` may go to the engine while its admission is
-        in Redis (serve_app/overlap.py); if so, the room it assumes is spent."""
+        in Redis (serve_app/quota/overlap.py); if so, the room it assumes is spent."""
         return self.overlap is not None and self.overlap.try_spend(key, reserve_tokens)
 
     async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",
