@@ -35,7 +35,7 @@ demo-model: setup
 	$(VENV)/bin/llmctl demo-model
 
 # The stack runs on a Ray instance of its own; Ctrl-C or `make stop` ends all of
-# it (Ray, replicas, vLLM engines) within 30 s (serve_app/local_stack.py).
+# it (Ray, replicas, vLLM engines) within 30 s (serve_app/ops/local_stack.py).
 # The terminal shows one block once every model answers (URL, models, the
 # development key, where the logs are); VERBOSE=1 shows Ray's and vLLM's output too.
 run: setup redis demo-model

@@ -9,7 +9,7 @@ light interactive client streams ``--interactive`` requests at a time for
 - ``batch``: a Batch API job of ``--batch-requests`` chat requests runs
   (``client.batches.create``): background requests, ``batch.concurrency`` at a
   time, sent only while no interactive request waits, after every tier in vLLM's
-  queue (serve_app/batch_runner.py);
+  queue (serve_app/stored/batch_runner.py);
 - ``as clients``: the same requests sent by another key as ordinary requests,
   ``batch.concurrency`` at a time (what a script looping over the file would do).
 

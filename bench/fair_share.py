@@ -6,7 +6,7 @@ The demo chat model on one replica that takes ``--ongoing`` requests at a time
 ``--heavy`` at a time, the light one with ``--light`` (8x less by default), so the
 model is saturated and requests wait at the gateway. Once per mode, each on a
 freshly started stack: ``fair_share.enabled: false`` (first come, first served)
-and ``true`` (virtual token counters, serve_app/fair_share.py), with one place
+and ``true`` (virtual token counters, serve_app/pipeline/fair_share.py), with one place
 kept for light keys and with two (the default). Before the
 contention, the light key alone on the idle model: its TTFT baseline.
 

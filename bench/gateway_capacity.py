@@ -159,7 +159,7 @@ def run_target(args) -> None:
     from ray import serve
 
     from contract.model_config import ModelConfig
-    from serve_app.ingress import Ingress
+    from serve_app.http.ingress import Ingress
     from serve_app.settings import AppSettings
     from serving_overhead import bench_api_key, free_port
 

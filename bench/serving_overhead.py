@@ -9,7 +9,7 @@ Targets (``--targets``, all by default):
   (``RAY_SERVE_ENABLE_HA_PROXY=0``, the default before HAProxy).
 - ``stack-direct``: ``stack`` with the model's ``direct_route`` on, driven at
   ``/direct/<model>``: HAProxy straight to the model's replicas, which run the
-  gateway (keys, quotas, accounting) in-process (``serve_app/direct.py``).
+  gateway (keys, quotas, accounting) in-process (``serve_app/http/direct.py``).
 - ``rsllm``: Ray Serve LLM (``ray.serve.llm.build_openai_app``), same model and
   engine options, Ray Serve's defaults: what users would run instead of us.
 - ``rsllm-fast``: Ray Serve LLM in the high-throughput mode Ray documents

@@ -68,7 +68,7 @@ class PrioritySettings(BaseModel):
 
 class FairShareSettings(BaseModel):
     """Fair share between keys while the model's replicas are all busy
-    (serve_app/fair_share.py: virtual token counters, OSDI'24)."""
+    (serve_app/pipeline/fair_share.py: virtual token counters, OSDI'24)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -98,13 +98,13 @@ class FairShareSettings(BaseModel):
     )
 
 
-# serve_app/routing.py, named here so this module imports nothing of Ray.
-PREFIX_AFFINITY_ROUTER = "serve_app.routing:PrefixAffinityRouter"
-POWER_OF_TWO_ROUTER = "serve_app.routing:PowerOfTwoRouter"
+# serve_app/pipeline/routing.py, named here so this module imports nothing of Ray.
+PREFIX_AFFINITY_ROUTER = "serve_app.pipeline.routing:PrefixAffinityRouter"
+POWER_OF_TWO_ROUTER = "serve_app.pipeline.routing:PowerOfTwoRouter"
 
 
 class RoutingSettings(BaseModel):
-    """How the ingress picks one of a model's replicas (serve_app/routing.py)."""
+    """How the ingress picks one of a model's replicas (serve_app/pipeline/routing.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -11,7 +11,7 @@ these small frozen classes (cheap to pickle) or plain SSE text.
   pile up); or exactly one ``ReplicaError`` when the request failed before
   streaming. The stream's ``Usage`` is its trailer: vLLM's final usage event
   just before ``data: [DONE]``, which the ingress always asks for and reads
-  (``serve_app.sse.take_usage``) without parsing the chunks in between.
+  (``serve_app.wire.sse.take_usage``) without parsing the chunks in between.
 
 ``operation`` is a ``ReplicaOperation`` (below: the one list both sides use); the body is the
 request of that API (OpenAI's; Anthropic's for "messages"; vLLM's for the
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-# What a replica runs: the gateway's operations (serve_app/api_requests.py OPERATIONS)
+# What a replica runs: the gateway's operations (serve_app/wire/api_requests.py OPERATIONS)
 # and the replica's endpoints (replicas/vllm_replica.py _endpoints) are both checked
 # against this list (tests/unit/test_replica_wire.py).
 ReplicaOperation = Literal[

@@ -11,7 +11,7 @@ from ray.serve import Application
 
 from contract.model_config import direct_app_name, direct_route_prefix
 from replicas.vllm_replica import VLLMReplica
-from serve_app.ingress import Ingress
+from serve_app.http.ingress import Ingress
 from serve_app.settings import AppSettings
 
 
@@ -61,7 +61,7 @@ def build_direct_app(args: dict[str, Any]) -> Application:
     chosen = [model for model in direct if model.name == name] if name else direct
     if len(chosen) != 1:
         raise ValueError(f"direct_model must name one of the models with direct_route: {[m.name for m in direct]}")
-    from serve_app.direct import DirectModel
+    from serve_app.http.direct import DirectModel
 
     model = chosen[0]
     options = with_transport_env(model.serve_options())

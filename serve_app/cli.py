@@ -151,7 +151,7 @@ async def _batches(args: argparse.Namespace) -> int:
     from types import SimpleNamespace
 
     from serve_app.quota import admin
-    from serve_app.batches import BatchStore
+    from serve_app.stored.batches import BatchStore
     from serve_app.errors import OpenAIError
     from serve_app.quota.keys import KeyStore
 
@@ -199,7 +199,7 @@ def _demo_model(_: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from serve_app import local_stack
+    from serve_app.ops import local_stack
 
     grace_s = local_stack.DEFAULT_GRACE_S if args.grace is None else args.grace
     verbose = os.environ.get("VERBOSE", "") not in ("", "0")
@@ -207,7 +207,7 @@ def _run_local(args: argparse.Namespace) -> int:
 
 
 def _stop_local(_: argparse.Namespace) -> int:
-    from serve_app.local_stack import request_stop
+    from serve_app.ops.local_stack import request_stop
 
     return request_stop()
 
@@ -221,7 +221,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from serve_app import status
+    from serve_app.ops import status
 
     serve_part = status.serve_status(args.app)
     redis_part = asyncio.run(status.redis_status(args.redis_url))

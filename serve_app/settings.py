@@ -113,7 +113,7 @@ class TelemetryConfig(BaseModel):
 
 
 class BatchConfig(BaseModel):
-    """OpenAI's Files and Batch API (docs/api.md, "Batch API"; serve_app/batch_runner.py)."""
+    """OpenAI's Files and Batch API (docs/api.md, "Batch API"; serve_app/stored/batch_runner.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -151,7 +151,7 @@ def serve_stack(
             wait_for_no_engines()
 
 
-# `make stop` ends the stack within this (serve_app/local_stack.py STOP_BOUND_S).
+# `make stop` ends the stack within this (serve_app/ops/local_stack.py STOP_BOUND_S).
 STACK_STOP_S = 30
 BIN = Path(sys.executable).parent
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from serve_app.calls import Call, ModelRegistry
+from serve_app.wire.calls import Call, ModelRegistry
 from serve_app.errors import OpenAIError
 from serve_app.quota.keys import KeyRecord
 

@@ -30,11 +30,11 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, TEMPLATED_COMPLETIONS
-from serve_app.calls import Call, ModelRegistry, Reply
+from serve_app.wire.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, TEMPLATED_COMPLETIONS
+from serve_app.wire.calls import Call, ModelRegistry, Reply
 from serve_app.errors import RETRY_HEADERS, OpenAIError
-from serve_app.reservation import MAX_TOKENS_LIMIT, integer_parameter
-from serve_app.sse import DONE, events
+from serve_app.wire.reservation import MAX_TOKENS_LIMIT, integer_parameter
+from serve_app.wire.sse import DONE, events
 
 
 async def translate(name: str, body: dict[str, Any], gateway: ModelRegistry) -> Call:

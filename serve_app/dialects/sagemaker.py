@@ -17,9 +17,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.calls import Call, ModelRegistry, Reply
+from serve_app.wire.calls import Call, ModelRegistry, Reply
 from serve_app.errors import OpenAIError
-from serve_app.sse import events
+from serve_app.wire.sse import events
 
 # LMI's defaults: greedy decoding, 30 new tokens.
 LMI_DEFAULT_MAX_NEW_TOKENS = 30

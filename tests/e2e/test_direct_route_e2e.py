@@ -1,4 +1,4 @@
-"""A model's direct route (``direct_route``, serve_app/direct.py): its replicas
+"""A model's direct route (``direct_route``, serve_app/http/direct.py): its replicas
 answer HTTP themselves at /direct/<model>, behind HAProxy, with the gateway's
 keys, quotas and accounting in-process; the ingress reaches the same
 deployment for every other route. Real Redis, Ray Serve, vLLM CPU engine; the

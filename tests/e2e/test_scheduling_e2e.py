@@ -1,5 +1,5 @@
 """Who runs where and first, on the real stack: prefix-affinity routing
-(serve_app/routing.py) and keys' priority tiers (serve_app/gateway.py, vLLM's
+(serve_app/pipeline/routing.py) and keys' priority tiers (serve_app/pipeline/gateway.py, vLLM's
 priority scheduling). Requests go through the OpenAI SDK or plain HTTP; where
 each one ran is read from its request record in Redis.
 
@@ -34,7 +34,7 @@ import redis as redis_sync
 
 from http_checks import free_port
 from settled import wait_until_settled
-from serve_app.routing import prompt_prefix, rendezvous_order
+from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
 from stack import APP_NAME, create_key, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e

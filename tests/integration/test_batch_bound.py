@@ -11,9 +11,9 @@ import time
 import pytest
 
 from serve_app.quota import redis_names
-from serve_app.batches import BatchStore
+from serve_app.stored.batches import BatchStore
 from serve_app.errors import OpenAIError
-from serve_app.files_api import FileStore
+from serve_app.stored.files_api import FileStore
 
 KEY = "k-batches"
 

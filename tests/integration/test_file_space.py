@@ -13,7 +13,7 @@ import pytest
 
 from serve_app.quota import redis_names
 from serve_app.errors import OpenAIError
-from serve_app.files_api import FileStore
+from serve_app.stored.files_api import FileStore
 
 KEY = "k-files"
 

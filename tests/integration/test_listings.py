@@ -9,8 +9,8 @@ import io
 import json
 
 from serve_app.quota import redis_names
-from serve_app.batches import BatchStore
-from serve_app.files_api import FileStore
+from serve_app.stored.batches import BatchStore
+from serve_app.stored.files_api import FileStore
 
 KEY = "k-listings"
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import psutil
 
-from serve_app import local_stack
+from serve_app.ops import local_stack
 
 # A stubborn stack: leader → child → grandchild, and an orphan (its parent exits
 # at once) still in the leader's session. Every one ignores SIGINT and SIGTERM.

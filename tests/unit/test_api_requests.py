@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serve_app.api_requests import OPERATIONS, check_metadata, list_params, parse_json_object, validate_request
+from serve_app.wire.api_requests import OPERATIONS, check_metadata, list_params, parse_json_object, validate_request
 from serve_app.errors import OpenAIError, from_engine_error
 
 

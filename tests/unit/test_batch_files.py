@@ -1,4 +1,4 @@
-"""Pure parts of the Files and Batch API (serve_app/files_api.py, batches.py,
+"""Pure parts of the Files and Batch API (serve_app/stored/files_api.py, batches.py,
 batch_runner.py): what a batch file must hold, uploads that must leave nothing
 behind, how a resumed batch reads what its dead runner wrote. The API itself
 runs under real Serve in tests/e2e/quota_stack/test_1_batches_e2e.py."""
@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 import openai_spec
-from serve_app.batch_runner import BatchJob, _retry_after_s, result_file_id
-from serve_app.batches import as_batch
+from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
+from serve_app.stored.batches import as_batch
 from serve_app.errors import OpenAIError
-from serve_app.files_api import FILE_ID, FileStore, read_batch_requests
+from serve_app.stored.files_api import FILE_ID, FileStore, read_batch_requests
 
 
 def line(custom_id: str, **changes) -> dict:
@@ -422,6 +422,6 @@ async def test_a_cancel_stops_a_batch_within_the_requests_in_flight(tmp_path):
                                         ('a"b\r\nx\\y/../z\x00', "a_b__x_y_.._z_"), ("n" * 300, "n" * 256),
                                         ("donn\u00e9es %22q%22%0D%0a.jsonl", "donn\u00e9es _q___.jsonl")])
 def test_a_file_name_is_kept_without_what_could_break_a_header_or_a_path(name, kept):
-    from serve_app.files_api import safe_filename
+    from serve_app.stored.files_api import safe_filename
 
     assert safe_filename(name) == kept

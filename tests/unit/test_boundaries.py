@@ -16,11 +16,11 @@ OURS = ("serve_app", "contract", "replicas", "autoscale", "cluster")
 ENGINE = {"torch", "vllm", "transformers"}
 # What the dialects may use of the gateway: the call they translate into and its
 # model questions (calls.ModelRegistry), errors, key records, and the request helpers.
-DIALECT_MAY_USE = {"serve_app.calls", "serve_app.errors", "serve_app.quota.keys", "serve_app.api_requests",
-                   "serve_app.reservation", "serve_app.sse"}
+DIALECT_MAY_USE = {"serve_app.wire.calls", "serve_app.errors", "serve_app.quota.keys", "serve_app.wire.api_requests",
+                   "serve_app.wire.reservation", "serve_app.wire.sse"}
 # The gateway modules that may import replicas/: the app builder and the direct route
 # (they deploy the replica class) and the operator's CLI (it builds the demo model).
-MAY_IMPORT_REPLICAS = {"serve_app.app", "serve_app.direct", "serve_app.cli", "serve_app.local_stack"}
+MAY_IMPORT_REPLICAS = {"serve_app.app", "serve_app.http.direct", "serve_app.cli", "serve_app.ops.local_stack"}
 
 
 def modules(package: str) -> list[tuple[str, Path]]:
@@ -78,6 +78,35 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
     if module not in MAY_IMPORT_REPLICAS:
         assert "replicas" not in top(names), module
     assert not top(names) & {"cluster", "autoscale"}  # those are named by import path in configs
+
+
+# serve_app/ by role, each folder importing only the folders below it (docs/architecture.md,
+# "Who owns what"); the shared modules at the top (errors, settings, telemetry) are below
+# them all; above the service, Serve's entry point (app), then what operators run beside
+# it (ops: the local stack builds the app's config) and llmctl (cli).
+LAYERS = {"errors": 0, "settings": 0, "telemetry": 0, "wire": 1, "quota": 2, "pipeline": 3, "dialects": 3,
+          "stored": 4, "http": 5, "app": 6, "ops": 7, "cli": 8}
+# settings validates redis_url with the client's own parser (quota/redis_client.py).
+ALLOWED_UPWARD = {("serve_app.settings", "serve_app.quota"), ("serve_app.settings", "serve_app.quota.redis_client")}
+
+
+def part_of(name: str) -> str:
+    return name.split(".")[1]
+
+
+@pytest.mark.parametrize("module, path", modules("serve_app"))
+def test_a_gateway_folder_imports_only_the_folders_below_it(module, path):
+    if module == "serve_app":
+        return
+    mine = LAYERS[part_of(module)]
+    for name in ours(imports(path)):
+        if not name.startswith("serve_app.") or part_of(name) == part_of(module):
+            continue
+        target = part_of(name)
+        assert target in LAYERS, f"{module} imports {name}: a folder the layers do not know"
+        if (module, name) in ALLOWED_UPWARD:
+            continue
+        assert LAYERS[target] < mine, f"{module} (layer {mine}) imports {name} (layer {LAYERS[target]})"
 
 
 @pytest.mark.parametrize("module, path", modules("replicas"))

@@ -10,9 +10,9 @@ import pytest
 
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
-from serve_app.gateway import Gateway
+from serve_app.pipeline.gateway import Gateway
 from serve_app.quota.keys import KeyRecord
-from serve_app.readiness import Readiness
+from serve_app.http.readiness import Readiness
 from serve_app.telemetry import Telemetry
 
 QUEUE_TIMEOUT_S = 0.3

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from serve_app.api_requests import TEMPLATED_COMPLETIONS
+from serve_app.wire.api_requests import TEMPLATED_COMPLETIONS
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
 from serve_app.errors import OpenAIError
-from serve_app.calls import Reply
+from serve_app.wire.calls import Reply
 
 
 class Registry:

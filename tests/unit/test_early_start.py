@@ -16,8 +16,8 @@ from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart
 from serve_app.quota.access import Ticket
 from serve_app.errors import OpenAIError
-from serve_app import fair_share
-from serve_app.gateway import Gateway
+from serve_app.pipeline import fair_share
+from serve_app.pipeline.gateway import Gateway
 from serve_app.quota.keys import KeyRecord
 from serve_app.telemetry import RequestRecord, Telemetry
 

@@ -1,4 +1,4 @@
-"""Virtual-token-counter order at the gateway (serve_app/fair_share.py): pure
+"""Virtual-token-counter order at the gateway (serve_app/pipeline/fair_share.py): pure
 bookkeeping on recorded sequences, and the gate's waiting, cancelling and
 releasing on a real event loop (no Serve: what the gate guards is faked as a
 replica slot that frees when the test says so)."""
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter
+from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
 
 WEIGHTS = TokenWeights(prompt=1.0, completion=2.0)
 

@@ -15,7 +15,7 @@ from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.quota.access import Ticket
 from serve_app.errors import OpenAIError
-from serve_app.gateway import Gateway
+from serve_app.pipeline.gateway import Gateway
 from serve_app.quota.keys import KeyRecord
 from serve_app.telemetry import RequestRecord, Telemetry
 
@@ -287,7 +287,7 @@ async def test_the_key_tier_is_the_engine_priority_and_a_client_cannot_set_its_o
 
 @pytest.mark.parametrize("first_ends", ["answered", "queue_timeout", "engine_error"])
 async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatch, first_ends):
-    from serve_app import fair_share
+    from serve_app.pipeline import fair_share
 
     monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)  # one place: one request in flight
     access, sent, release = Access(), [], asyncio.Event()
@@ -347,7 +347,7 @@ async def test_the_tokenizer_endpoints_reach_the_replica_as_sent_and_are_charged
 
 
 async def test_templated_completions_are_admitted_as_completions_and_run_as_the_replica_names_them():
-    from serve_app.api_requests import TEMPLATED_COMPLETIONS
+    from serve_app.wire.api_requests import TEMPLATED_COMPLETIONS
 
     gateway, _, sent = recording_gateway(ReplicaAnswer(b"{}", USAGE, "r1"))
     record = RequestRecord("databricks", "x")

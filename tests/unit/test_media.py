@@ -4,7 +4,7 @@ import pytest
 
 from contract.model_config import MediaPolicy
 from serve_app.errors import OpenAIError
-from serve_app.media import check_media
+from serve_app.wire.media import check_media
 from http_checks import Listener
 
 

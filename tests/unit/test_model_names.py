@@ -5,7 +5,7 @@ import pytest
 
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
-from serve_app.gateway import Gateway
+from serve_app.pipeline.gateway import Gateway
 
 CONFIGS = [
     ModelConfig(name="tiny", aliases=["chat-default"]),

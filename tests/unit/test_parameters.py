@@ -3,7 +3,7 @@
 import pytest
 
 from serve_app.errors import OpenAIError
-from serve_app.parameters import IGNORED, UNSUPPORTED, apply_parameter_policy
+from serve_app.wire.parameters import IGNORED, UNSUPPORTED, apply_parameter_policy
 
 
 def test_ignored_parameters_are_dropped_and_the_rest_kept():

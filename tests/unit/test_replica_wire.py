@@ -46,7 +46,7 @@ def test_the_gateway_and_the_replica_name_the_same_operations():
     from pathlib import Path
 
     from contract.replica_wire import REPLICA_OPERATIONS
-    from serve_app.api_requests import OPERATIONS, TEMPLATED_COMPLETIONS
+    from serve_app.wire.api_requests import OPERATIONS, TEMPLATED_COMPLETIONS
 
     sent = {op.replica_operation for op in (*OPERATIONS.values(), TEMPLATED_COMPLETIONS)}
     # The names replicas/vllm_replica.py's _endpoints binds (found["..."] = ...), read from its source.

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from serve_app.errors import OpenAIError
-from serve_app.reservation import MAX_TOKENS_LIMIT, reserve
+from serve_app.wire.reservation import MAX_TOKENS_LIMIT, reserve
 
 
 def chat(**fields):

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from serve_app import responses_api, stored_responses
-from serve_app.api_requests import list_params
-from serve_app.calls import Reply
+from serve_app.stored import responses_api, stored_responses
+from serve_app.wire.api_requests import list_params
+from serve_app.wire.calls import Reply
 from serve_app.errors import OpenAIError
 from serve_app.quota.keys import KeyRecord
 

@@ -1,6 +1,6 @@
 """Every route the ingress serves declares who may call it, and only probes go without a key."""
 
-from serve_app.ingress import ROUTE_ACCESS, app
+from serve_app.http.ingress import ROUTE_ACCESS, app
 
 
 def served_routes() -> set[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Prefix affinity's pure parts (serve_app/routing.py): what part of a request
+"""Prefix affinity's pure parts (serve_app/pipeline/routing.py): what part of a request
 decides, how replicas are ranked for it, and when load overrides it. The router
 itself runs under real Serve in tests/e2e/test_routing_e2e.py."""
 
@@ -9,7 +9,7 @@ import string
 import pytest
 
 from contract.model_config import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, ModelConfig
-from serve_app.routing import affine_choice, prompt_prefix, rendezvous_order
+from serve_app.pipeline.routing import affine_choice, prompt_prefix, rendezvous_order
 
 SYSTEM = "You are a support agent for ACME. " * 40  # ~1,400 characters, as shared system prompts are
 
@@ -105,7 +105,7 @@ class FakeReplica:
 def router_with(*replicas):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from serve_app.routing import PrefixAffinityRouter
+    from serve_app.pipeline.routing import PrefixAffinityRouter
 
     router = PrefixAffinityRouter(deployment_id=DeploymentID("model-m", "llm"),
                                   handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
@@ -181,7 +181,7 @@ async def test_either_router_publishes_the_deployments_places_where_the_gateway_
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     from ray.serve.config import RequestRouterConfig
 
-    from serve_app import fair_share
+    from serve_app.pipeline import fair_share
 
     router_cls = RequestRouterConfig(request_router_class=router_class).get_request_router_class()
     router = router_cls(deployment_id=DeploymentID("model-p", "llm"), handle_source=DeploymentHandleSource.UNKNOWN,
@@ -218,7 +218,7 @@ async def test_a_burst_chosen_before_any_is_sent_still_trips_the_guard():
 
 
 def test_a_choice_never_sent_stops_counting_after_its_time():
-    from serve_app.routing import ChosenNotSent
+    from serve_app.pipeline.routing import ChosenNotSent
 
     now = [0.0]
     chosen = ChosenNotSent(ttl_s=2.0, clock=lambda: now[0])

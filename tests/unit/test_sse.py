@@ -1,7 +1,7 @@
 import json
 
 from contract.replica_wire import Usage
-from serve_app.sse import DONE, STREAM_SHAPES, take_usage
+from serve_app.wire.sse import DONE, STREAM_SHAPES, take_usage
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 CONTENT = 'data: {"id":"x","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'

@@ -1,6 +1,6 @@
 """`llmctl status`'s table (pure rendering; the real report: tests/e2e/local_stack/test_1_ready_e2e.py)."""
 
-from serve_app.status import render
+from serve_app.ops.status import render
 
 
 def test_the_table_names_replicas_engine_load_and_redis():

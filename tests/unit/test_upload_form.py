@@ -2,8 +2,8 @@
 
 import pytest
 
-from serve_app.files_api import safe_filename
-from serve_app.upload_form import with_plain_filename
+from serve_app.stored.files_api import safe_filename
+from serve_app.stored.upload_form import with_plain_filename
 
 
 @pytest.mark.parametrize("disposition, name", [

@@ -6,7 +6,7 @@ requests (a fault they cause, they wait out), so they can share it; a module
 that needs another shape belongs in tests/e2e/ with its own fixtures.
 
 The stack counts as started when /ready says so: every model has a replica
-that answered (serve_app/readiness.py)."""
+that answered (serve_app/http/readiness.py)."""
 
 from __future__ import annotations
 

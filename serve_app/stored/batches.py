@@ -22,10 +22,10 @@ import uuid
 from typing import Any
 
 from serve_app.quota import redis_names
-from serve_app.api_requests import check_metadata
+from serve_app.wire.api_requests import check_metadata
 from serve_app.errors import OpenAIError, shown
-from serve_app.files_api import FileStore, read_batch_requests
-from serve_app.listings import index_page
+from serve_app.stored.files_api import FileStore, read_batch_requests
+from serve_app.stored.listings import index_page
 from serve_app.quota.storage_account import StorageAccount
 from serve_app.quota.redis_client import as_text
 

@@ -28,8 +28,8 @@ from starlette.responses import JSONResponse, Response
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
 from serve_app.quota.access import Access
-from serve_app.gateway import Gateway
-from serve_app.request_handling import HandlesRequests, openai_app
+from serve_app.pipeline.gateway import Gateway
+from serve_app.http.request_handling import HandlesRequests, openai_app
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

@@ -24,15 +24,15 @@ from ray.serve.handle import DeploymentHandle
 from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
 from serve_app.quota.access import Access, Ticket
-from serve_app.api_requests import OPERATIONS, Operation, validate_request
-from serve_app.calls import Reply
+from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
+from serve_app.wire.calls import Reply
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
-from serve_app.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
+from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
 from serve_app.quota.keys import KeyRecord
-from serve_app.media import check_media
-from serve_app.parameters import apply_parameter_policy
-from serve_app.reservation import Reservation, reserve
-from serve_app.sse import STREAM_SHAPES, StreamShape
+from serve_app.wire.media import check_media
+from serve_app.wire.parameters import apply_parameter_policy
+from serve_app.wire.reservation import Reservation, reserve
+from serve_app.wire.sse import STREAM_SHAPES, StreamShape
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.quota.usage import new_request_id
 

@@ -45,7 +45,7 @@ from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 # By reference (Serve pickles this module by value, not the modules it imports).
-from serve_app import fair_share
+from serve_app.pipeline import fair_share
 
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.api_requests import Operation
+from serve_app.wire.api_requests import Operation
 
 
 @dataclass

@@ -45,10 +45,10 @@ from typing import Any
 
 from serve_app.quota import redis_names
 from serve_app.quota.access import Access
-from serve_app.batches import ENDED, ENDPOINTS, BatchStore
+from serve_app.stored.batches import ENDED, ENDPOINTS, BatchStore
 from serve_app.errors import OpenAIError
-from serve_app.files_api import FileStore
-from serve_app.gateway import Gateway
+from serve_app.stored.files_api import FileStore
+from serve_app.pipeline.gateway import Gateway
 from serve_app.quota.keys import KeyNotFound, KeyRecord
 from serve_app.quota.redis_client import as_text
 from serve_app.settings import BatchConfig

@@ -21,12 +21,12 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.api_requests import OPERATIONS, check_metadata
-from serve_app.calls import Call, Reply
+from serve_app.wire.api_requests import OPERATIONS, check_metadata
+from serve_app.wire.calls import Call, Reply
 from serve_app.errors import OpenAIError
 from serve_app.quota.keys import KeyRecord
-from serve_app.sse import completed_response
-from serve_app.stored_responses import (
+from serve_app.wire.sse import completed_response
+from serve_app.stored.stored_responses import (
     MAX_STORED_BYTES,
     ResponseStore,
     as_input,

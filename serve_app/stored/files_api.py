@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from serve_app.quota import redis_names
-from serve_app.api_requests import parse_json_object
+from serve_app.wire.api_requests import parse_json_object
 from serve_app.errors import OpenAIError, shown
-from serve_app.listings import index_page
+from serve_app.stored.listings import index_page
 from serve_app.quota.storage_account import StorageAccount
 
 RETENTION_S = 30 * 24 * 3600

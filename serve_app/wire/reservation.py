@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
+from serve_app.wire.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve_app.errors import OpenAIError
 
 MAX_N = 128  # OpenAI's bound on n

@@ -3,7 +3,7 @@ error envelope, and reading, admitting and answering one inference request.
 
 Two deployments serve HTTP with it: the ingress (every route, every model) and,
 for a model with ``direct_route``, the model's own replicas (its inference
-routes only, the gateway in-process: ``serve_app/direct.py``).
+routes only, the gateway in-process: ``serve_app/http/direct.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.api_requests import parse_json_object
-from serve_app.calls import Call
-from serve_app.edge import RefuseServeControlHeaders
+from serve_app.wire.api_requests import parse_json_object
+from serve_app.wire.calls import Call
+from serve_app.http.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.quota.keys import KeyRecord
 from serve_app.telemetry import RequestRecord

@@ -22,22 +22,22 @@ from contract.model_config import deployment_name, direct_app_name
 from contract.replica_wire import Usage
 from serve_app.quota import admin
 from serve_app.quota.access import Access
-from serve_app.api_requests import list_params, parse_json_object
-from serve_app import responses_api
+from serve_app.wire.api_requests import list_params, parse_json_object
+from serve_app.stored import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
-from serve_app.batch_runner import BatchRunner
-from serve_app.batches import BatchStore
-from serve_app.calls import Call
+from serve_app.stored.batch_runner import BatchRunner
+from serve_app.stored.batches import BatchStore
+from serve_app.wire.calls import Call
 from serve_app.errors import OpenAIError
-from serve_app.files_api import PURPOSES, FileStore, safe_filename, storage_full
-from serve_app.gateway import Gateway
+from serve_app.stored.files_api import PURPOSES, FileStore, safe_filename, storage_full
+from serve_app.pipeline.gateway import Gateway
 from serve_app.quota.keys import KeyRecord
-from serve_app.readiness import Readiness
-from serve_app.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
+from serve_app.http.readiness import Readiness
+from serve_app.http.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
 from serve_app.settings import AppSettings
-from serve_app.stored_responses import ResponseStore, item_list, stored_space
+from serve_app.stored.stored_responses import ResponseStore, item_list, stored_space
 from serve_app.telemetry import Telemetry
-from serve_app.upload_form import read_upload_form
+from serve_app.stored.upload_form import read_upload_form
 
 logger = logging.getLogger("ray.serve")
 
@@ -106,7 +106,7 @@ class Ingress(HandlesRequests):
         self.body_timeout_s = settings.ingress.body_timeout_s
         self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
                                    settings.telemetry.per_key_max_keys)
-        # A model with direct_route lives in its own application (serve_app/direct.py).
+        # A model with direct_route lives in its own application (serve_app/http/direct.py).
         models = {**models, **{
             model.name: DeploymentHandle(deployment_name(model.name), direct_app_name(model.name))
             for model in settings.models if model.direct_route
@@ -152,7 +152,7 @@ class Ingress(HandlesRequests):
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
 
-    # -- OpenAI's Responses API (state in Redis: serve_app/responses_api.py) -------
+    # -- OpenAI's Responses API (state in Redis: serve_app/stored/responses_api.py) -------
 
     @app.post("/v1/responses")
     async def create_response(self, request: Request) -> Response:
@@ -181,7 +181,7 @@ class Ingress(HandlesRequests):
         return await self._stored(request, items)
 
     # -- OpenAI's Files and Batch API (state in Redis and the files directory:
-    #    serve_app/files_api.py, batches.py; run by serve_app/batch_runner.py) ------
+    #    serve_app/stored/files_api.py, batches.py; run by serve_app/stored/batch_runner.py) ------
 
     async def _stored(self, request: Request, work) -> Response:
         """``work(key)`` for the caller's key, admitted like any request of it
@@ -435,7 +435,7 @@ class Ingress(HandlesRequests):
 
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
-        """Readiness: every model kept up has a replica that answers (serve_app/readiness.py)."""
+        """Readiness: every model kept up has a replica that answers (serve_app/http/readiness.py)."""
         is_ready, body = await self.readiness.check()
         return JSONResponse(body, status_code=200 if is_ready else 503)
 

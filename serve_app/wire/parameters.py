@@ -31,7 +31,7 @@ MAX_TOP_LOGPROBS = 20
 LLAMACPP_ALIASES = {"repeat_penalty": "repetition_penalty", "n_predict": "max_tokens"}
 
 # vLLM's own `priority` field: a client setting it would jump other tenants'
-# queue. The key's tier decides it (serve_app/gateway.py); the client's is dropped.
+# queue. The key's tier decides it (serve_app/pipeline/gateway.py); the client's is dropped.
 _GATEWAY_OWNED = frozenset({"priority"})
 
 _LLAMACPP_IGNORED = frozenset(
