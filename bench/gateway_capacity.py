@@ -1,10 +1,10 @@
 """Gateway capacity: what the ingress path can relay when the engine costs nothing.
 
-A fake engine deployment answers the replica wire contract
-(contract/replica_wire.py) with N tokens as fast as it can, through the same
-coalescing as the vLLM replica (replicas/streaming.py), so every figure is the
-gateway's own: the proxy, the ingress (auth, admission and settlement in Redis,
-telemetry, the relay) and one hop to the "engine". For each target (a set of
+The model's replica is the real one (replicas/vllm_replica.py: validation, the
+fields check, coalescing, usage) with an engine that answers N tokens as fast as it
+can in the engine seam (``engine: replicas.instant_engine:start_instant``), so every
+figure is the gateway's own: the proxy, the ingress (auth, admission and settlement
+in Redis, telemetry, the relay), one hop and the replica around the engine. For each target (a set of
 Ray Serve environment variables) the script starts Ray and Serve in a child
 process, drives concurrent streaming chat requests for a fixed time at each
 concurrency, and reads the CPU time of each process group meanwhile. Targets run
@@ -39,6 +39,7 @@ from serve_env import MAKEFILE_ENV, RAY_PROXY_ENV  # noqa: E402
 
 TARGETS = {"shipped": MAKEFILE_ENV, "ray-proxy": RAY_PROXY_ENV}
 MODEL = "fake"
+INSTANT_ENGINE = "replicas.instant_engine:start_instant"
 APP = "llm"
 # Which processes a CPU figure belongs to, by what their command line holds.
 GROUPS = {
@@ -46,56 +47,6 @@ GROUPS = {
     "ingress": (f"ServeReplica:{APP}:Ingress",),
     "engine": (f"ServeReplica:{APP}:model-{MODEL}",),
 }
-
-
-# -- the fake engine (runs in the Serve replica) ----------------------------------------
-
-
-def fake_engine_deployment(batch_interval_ms: float):
-    from ray import serve
-
-    @serve.deployment(name=f"model-{MODEL}", max_ongoing_requests=1024)
-    class FakeEngine:
-        """The replica wire contract with no model behind it: ``max_tokens`` tokens,
-        each an OpenAI chat chunk, then the usage trailer and [DONE]."""
-
-        def __init__(self):
-            self.replica = serve.get_replica_context().replica_id.unique_id
-
-        def model_info(self) -> dict:
-            return {"id": MODEL, "max_model_len": 1 << 20, "operations": ["chat"]}
-
-        async def call(self, operation: str, body: dict):
-            from contract.replica_wire import ReplicaAnswer, Usage
-
-            n = body.get("max_tokens") or 16
-            response = {"id": "chatcmpl-fake", "object": "chat.completion", "model": MODEL, "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "x" * n}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
-            return ReplicaAnswer(json.dumps(response).encode(), Usage(8, n), self.replica)
-
-        async def call_streamed(self, operation: str, body: dict):
-            yield await self.call(operation, body)
-
-        async def stream(self, operation: str, body: dict):
-            from contract.replica_wire import as_replica_stream
-            from replicas.streaming import coalesce
-
-            n = body.get("max_tokens") or 16
-            head = '{"id":"chatcmpl-fake","object":"chat.completion.chunk","model":"fake","choices":'
-
-            async def engine_steps():
-                yield f'data: {head}[{{"index":0,"delta":{{"role":"assistant","content":""}}}}]}}\n\n'
-                for _ in range(n):
-                    yield f'data: {head}[{{"index":0,"delta":{{"content":"x"}}}}]}}\n\n'
-                    await asyncio.sleep(0)  # one engine step: let the pump ship what piled up
-                usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
-                yield f'data: {head}[],"usage":{json.dumps(usage)}}}\n\ndata: [DONE]\n\n'
-
-            async for item in as_replica_stream(self.replica, coalesce(engine_steps(), batch_interval_ms / 1000)):
-                yield item
-
-    return FakeEngine
 
 
 # -- one target (child process) ---------------------------------------------------------
@@ -159,15 +110,17 @@ def run_target(args) -> None:
     from ray import serve
 
     from contract.model_config import ModelConfig
+    from serve_app.app import model_deployment
     from serve_app.http.ingress import Ingress
     from serve_app.settings import AppSettings
     from serving_overhead import bench_api_key, free_port
 
-    settings = AppSettings(models=[ModelConfig(name=MODEL, queue_timeout_s=60)],
-                           redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    engine = fake_engine_deployment(args.batch_interval_ms)
+    model = ModelConfig(name=MODEL, queue_timeout_s=60, engine=INSTANT_ENGINE, cpus_per_replica=0.25,
+                        stream_batch_interval_ms=args.batch_interval_ms,
+                        deployment={"max_ongoing_requests": 1024, "max_queued_requests": 1024})
+    settings = AppSettings(models=[model], redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     app = Ingress.options(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25}).bind(
-        settings, {MODEL: engine.bind()})
+        settings, {MODEL: model_deployment(model)})
     port = free_port()
     ray.init(log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
@@ -197,7 +150,7 @@ COLUMNS = [
     ("e2e_p99_ms", "e2e p99 ms", "{:.0f}"),
     ("proxy_us_per_request", "proxy µs/req", "{:.0f}"), ("ingress_us_per_request", "ingress µs/req", "{:.0f}"),
     ("proxy_us_per_token", "proxy µs/tok", "{:.1f}"), ("ingress_us_per_token", "ingress µs/tok", "{:.1f}"),
-    ("engine_us_per_token", "fake engine µs/tok", "{:.1f}"),
+    ("engine_us_per_token", "replica µs/tok (no engine)", "{:.1f}"),
 ]
 
 
@@ -238,7 +191,7 @@ def main() -> int:
             print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
             return 1
         results[target] = json.loads(lines[-1][len("RESULT "):])
-    print(f"\nGateway capacity: fake engine, {args.tokens} tokens/request, {args.duration:g} s per concurrency\n")
+    print(f"\nGateway capacity: no engine (replicas/instant_engine.py), {args.tokens} tokens/request, {args.duration:g} s per concurrency\n")
     print(table(results, args.concurrency))
     for target, by_c in results.items():
         if "profile" in by_c:

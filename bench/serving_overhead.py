@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from contract.model_config import ModelConfig  # noqa: E402
 from replicas.sources import resolve_source  # noqa: E402
-from replicas.vllm_replica import vllm_serve_command  # noqa: E402
+from replicas.vllm_engine import vllm_serve_command  # noqa: E402
 
 METRICS = [
     ("median_ttft_ms", "TTFT p50 ms"),

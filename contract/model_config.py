@@ -98,6 +98,10 @@ class FairShareSettings(BaseModel):
     )
 
 
+# What starts a replica's engine (replicas/vllm_engine.py), and the rehearsal's stand-in
+# (replicas/rehearsal.py), named here so this module imports nothing of vLLM.
+VLLM_ENGINE = "replicas.vllm_engine:start_vllm"
+RECORDING_ENGINE = "replicas.rehearsal:start_recording"
 # serve_app/pipeline/routing.py, named here so this module imports nothing of Ray.
 PREFIX_AFFINITY_ROUTER = "serve_app.pipeline.routing:PrefixAffinityRouter"
 POWER_OF_TWO_ROUTER = "serve_app.pipeline.routing:PowerOfTwoRouter"
@@ -255,6 +259,13 @@ class ModelConfig(BaseModel):
         "coalesce streamed chunks for this long before sending them on (Ray Serve LLM's default "
         "is also 50 ms), never past the stream's end. Each item sent costs CPU the engine needs; "
         "0 sends at once, joining only what piled up (as a lone stream always does).",
+    )
+    engine: str = Field(
+        VLLM_ENGINE,
+        description="Import path of what starts the model's engine in each replica: vLLM (the default). "
+        f"'{RECORDING_ENGINE}' builds every argument vLLM would be started with and records where Ray "
+        "placed the replica (its placement group, resources, visible devices), without starting an engine: "
+        "a GPU config rehearsed on any Ray cluster (`engine_facts` of the replica).",
     )
     inter_token_latency_histogram: bool = Field(
         False,

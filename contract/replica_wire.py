@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 # What a replica runs: the gateway's operations (serve_app/wire/api_requests.py OPERATIONS)
-# and the replica's endpoints (replicas/vllm_replica.py _endpoints) are both checked
+# and the replica's endpoints (replicas/vllm_engine.py endpoints) are both checked
 # against this list (tests/unit/test_replica_wire.py).
 ReplicaOperation = Literal[
     "chat", "completions", "templated_completions", "responses", "messages", "count_tokens",

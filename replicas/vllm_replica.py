@@ -1,10 +1,13 @@
-"""The Serve deployment that runs one model on vLLM.
+"""The Serve deployment that runs one model on vLLM: its lifecycle (engine start,
+health, an engine that died), its calls, LoRA adapters through Serve's
+multiplexing, and what it reports (engine load, autoscaling stats, its card).
 
-The replica owns a vLLM ``AsyncLLM`` and answers through vLLM's own OpenAI
-serving layer, built exactly as ``vllm serve`` builds it (same argument parser,
-same ``init_app_state``), so chat templating, sampling parameters, stop
-strings, n, logprobs, tools and structured output behave as in vLLM itself.
-The gateway's work (auth, quotas, routing, accounting) happens in the ingress.
+The engine comes from the model's ``engine`` (replicas/vllm_engine.py: vLLM's
+``AsyncLLM`` and its own OpenAI serving layer, built exactly as ``vllm serve``
+builds them, so chat templating, sampling parameters, stop strings, n, logprobs,
+tools and structured output behave as in vLLM itself); answers are put in
+OpenAI's wire format by replicas/openai_json.py. The gateway's work (auth,
+quotas, routing, accounting) happens in the ingress.
 
 What ``call`` and ``stream`` answer the ingress: contract/replica_wire.py.
 """
@@ -15,20 +18,20 @@ import asyncio
 import json
 import logging
 import os
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
 from ray import serve
 
-from replicas import reasoning
 from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE
 from contract.model_config import ModelConfig
-from contract.replica_wire import (REPLICA_OPERATIONS, ReplicaAnswer, ReplicaError, ReplicaOperation, StreamStart,
-                                   Usage, as_replica_stream)
-from replicas.sources import resolve_source
+from contract.replica_wire import ReplicaAnswer, ReplicaError, ReplicaOperation, StreamStart, Usage, as_replica_stream
+from replicas import reasoning
+from replicas.openai_json import (FINISH_STOP, FINISH_TOOL_CALLS, finish_named_tool_calls, is_error, names_a_tool,
+                                  openai_json, responses_json, responses_sse, validation_error)
 from replicas.streaming import batch_tokens, coalesce
+from replicas.vllm_engine import engine_maker
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,104 +40,27 @@ logger = logging.getLogger("ray.serve")
 # it exits so that Serve replaces it at once.
 ENGINE_WATCH_INTERVAL_S = 0.5
 
-NO_MEDIA_DOMAIN = "media-fetching-is-off.invalid"
-# A media URL that redirects could lead vLLM's fetch off the allowed domains.
-MEDIA_ENV = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
 ERROR_FLUSH_S = 1.0
-
-
-def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
-    """``vllm serve`` arguments for this model, so vLLM's own parser applies its
-    types and defaults exactly as it does on the command line."""
-    argv = ["--model", source, "--served-model-name", config.name]
-    for key, value in config.engine_kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            argv.append("--no-" + key.replace("_", "-"))
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        elif value is not None:
-            argv += [flag, str(value)]
-    if config.lora is not None:
-        argv += ["--enable-lora", "--max-loras", str(config.lora.max_adapters_per_replica),
-                 "--max-lora-rank", str(config.lora.max_rank)]
-    # vLLM enforces the same media policy as the gateway (defence in depth). Its
-    # empty domain list means "any host", so no allowed domain is a list of one
-    # that cannot resolve (RFC 2606 reserves .invalid): deny-all.
-    argv += ["--allowed-media-domains", *(config.media.allowed_domains or [NO_MEDIA_DOMAIN])]
-    if config.media.local_dir:
-        argv += ["--allowed-local-media-path", config.media.local_dir]
-    return argv
-
-
-def vllm_serve_command(config: ModelConfig, source: str, host: str, port: int) -> list[str]:
-    """A bare `vllm serve` of the same model with the same engine options
-    (parity tests and the benchmark compare the stack against it)."""
-    argv = vllm_cli_args(config, source)
-    argv.remove("--model")  # `vllm serve` takes the model positionally
-    return [sys.executable, "-m", "replicas.vllm_cli", "serve", *argv, "--host", host, "--port", str(port)]
 
 
 @serve.deployment
 class VLLMReplica:
     async def __init__(self, config: ModelConfig):
-        from starlette.datastructures import State
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        from replicas.engine_metrics import ray_stat_logger
-        from replicas.engine_stats import EngineLoad, recorder_factory
-
-        os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-            vllm_cli_args(config, resolve_source(config))
-        )
-        validate_parsed_serve_args(args)
-        engine_args = AsyncEngineArgs.from_cli_args(args)
-        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-
-        self.load = EngineLoad()
-        self.engine = AsyncLLM.from_vllm_config(
-            vllm_config=vllm_config,
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            # vLLM's own metrics (queue, KV cache, prefix cache, tokens, latencies)
-            # through Ray's metrics system, as Ray Serve LLM does: every node's Ray
-            # metrics endpoint serves them, labelled per replica; by default
-            # without the one histogram observed per token (engine_metrics.py).
-            stat_loggers=[recorder_factory(self.load), ray_stat_logger(config.inter_token_latency_histogram)],
-            enable_log_requests=engine_args.enable_log_requests,
-            disable_log_stats=engine_args.disable_log_stats,
-        )
-        state = State()
-        await init_app_state(
-            self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks()
-        )
-        self.max_model_len = vllm_config.model_config.max_model_len
+        # The engine, by what the model's `engine` names (vLLM unless rehearsing).
+        binding = await engine_maker(config)(config)
+        self.engine, self.load, self.max_model_len = binding.engine, binding.load, binding.max_model_len
+        self._endpoints, self._serving_models = binding.endpoints, binding.serving_models
+        self.reasons, self._error_from, self._facts = binding.reasons, binding.error_from, binding.facts
         self.batch_interval_s = config.stream_batch_interval_ms / 1000
         self._streams = 0  # streams started and not ended: batching applies only beside another
-        self._endpoints = _endpoints(state)
-        self._serving_models = state.openai_serving_models
         if config.lora is not None:
             # Serve's model multiplexing: the loader's cache is what Serve routes by.
             async def load(adapter: str):
                 return await self._load_adapter(adapter)
 
             self._adapter = serve.multiplexed(max_num_models_per_replica=config.lora.max_adapters_per_replica)(load)
-        # Only a model with a reasoning parser ever carries `reasoning`.
-        self.reasons = bool(getattr(args, "reasoning_parser", None))
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-        self._error_from = create_error_response
         self._engine_watch = asyncio.get_running_loop().create_task(self._exit_when_engine_dies())
         logger.info("vLLM engine ready for model %s (%s)", config.name, ", ".join(self._endpoints))
 
@@ -159,7 +85,7 @@ class VLLMReplica:
     async def _start(self, operation: str, body: dict[str, Any], adapter: str | None):
         """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``."""
         result = await self._answer(operation, body, adapter)
-        if _is_error(result):
+        if is_error(result):
             result = self._refusal(result.error.code, result.error.model_dump())
         if self.engine.errored and isinstance(result, ReplicaError):
             return self._refusal(503, {
@@ -197,7 +123,7 @@ class VLLMReplica:
         try:
             return await handler(request_type.validate_python(body))
         except ValidationError as exc:
-            return self._refusal(400, _validation_error(exc))
+            return self._refusal(400, validation_error(exc))
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
@@ -215,13 +141,13 @@ class VLLMReplica:
         elif operation in ("messages", "count_tokens", "responses"):  # as vLLM's Anthropic/Responses layer wrote it
             response = result.model_dump(mode="json", by_alias=True, exclude_none=operation != "responses")
             if operation == "responses":
-                response = _responses_json(response)
+                response = responses_json(response)
             return ReplicaAnswer(json.dumps(response).encode(), Usage.from_input_output(response.get("usage")),
                                  self.replica)
         else:
             response = result.model_dump()
-            if _names_a_tool(body):
-                _finish_named_tool_calls(response)
+            if names_a_tool(body):
+                finish_named_tool_calls(response)
             if self.reasons:
                 reasoning.add_to_response(response)
         return ReplicaAnswer(openai_json(response), Usage.from_openai(response.get("usage")), self.replica)
@@ -251,8 +177,8 @@ class VLLMReplica:
                 yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
                 return
             if operation == "responses":  # typed events: SSE as vLLM's own router writes them
-                result = _responses_sse(result)
-            named_tool = operation == "chat" and _names_a_tool(body)
+                result = responses_sse(result)
+            named_tool = operation == "chat" and names_a_tool(body)
             async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
                 yield item
         finally:
@@ -267,7 +193,7 @@ class VLLMReplica:
         streams, fewer items are what leaves the engine its CPU."""
         async for text in coalesce(events, self.batch_interval_s, busy=lambda: self._streams > 1):
             if named_tool:
-                text = text.replace(_FINISH_STOP, _FINISH_TOOL_CALLS)
+                text = text.replace(FINISH_STOP, FINISH_TOOL_CALLS)
             if self.reasons:
                 text = reasoning.add_to_stream(text)
             yield text
@@ -289,7 +215,7 @@ class VLLMReplica:
             if path is None:
                 raise LookupError(adapter)
             result = await self._serving_models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=adapter, lora_path=path))
-            if _is_error(result):
+            if is_error(result):
                 logger.warning("LoRA adapter %s failed to load: %s", adapter, result.error.message)
                 raise LookupError(adapter)
             known = self._serving_models.lora_requests[adapter]
@@ -323,6 +249,12 @@ class VLLMReplica:
             # templated completions are the Databricks dialect's way to completions).
             "operations": sorted(self._endpoints.keys() & CARD_OPERATIONS),
         }
+
+    def engine_facts(self) -> dict[str, Any]:
+        """What the engine was started with and where Ray placed this replica
+        (replicas/vllm_engine.py placement_facts): how a deployment is checked
+        before, or without, a GPU (tests/e2e/test_gpu_rehearsal_e2e.py)."""
+        return self._facts
 
     async def check_health(self) -> None:
         """Serve restarts the replica when this raises: it does once the engine died."""
@@ -374,186 +306,3 @@ OPERATIONS = {
 }
 
 
-def _endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
-    """Operation -> (request validator, the fields vLLM knows, vLLM handler) for
-    what this model serves: a generative model gets chat and completions, an
-    embedding model embeddings, score and rerank (cosine similarity; a
-    cross-encoder scores pairs itself), every model its tokenizer. vLLM's request models accept unknown fields and
-    ignore them; knowing the fields lets the replica refuse them instead."""
-    from pydantic import TypeAdapter
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
-
-    found: dict[str, tuple[Any, frozenset[str], Any]] = {}
-    chat = getattr(state, "openai_serving_chat", None)
-    if chat is not None:
-        found["chat"] = (TypeAdapter(ChatCompletionRequest), _field_names(ChatCompletionRequest), chat.create_chat_completion)
-    completion = getattr(state, "openai_serving_completion", None)
-    if completion is not None:
-        found["completions"] = (TypeAdapter(CompletionRequest), _field_names(CompletionRequest), completion.create_completion)
-    embedding = getattr(state, "serving_embedding", None)
-    if embedding is not None:
-        found["embeddings"] = (TypeAdapter(EmbeddingRequest), _field_names(EmbeddingRequest), embedding)
-    responses = getattr(state, "openai_serving_responses", None)
-    if responses is not None:
-        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-
-        found["responses"] = (TypeAdapter(ResponsesRequest), _field_names(ResponsesRequest), responses.create_responses)
-    messages = getattr(state, "anthropic_serving_messages", None)
-    if messages is not None:
-        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
-
-        found["messages"] = (TypeAdapter(AnthropicMessagesRequest), _field_names(AnthropicMessagesRequest),
-                             messages.create_messages)
-        found["count_tokens"] = (TypeAdapter(AnthropicCountTokensRequest), _field_names(AnthropicCountTokensRequest),
-                                 messages.count_tokens)
-    scores = getattr(state, "serving_scores", None)
-    if scores is not None:
-        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
-
-        found["score"] = (TypeAdapter(ScoreRequest), _field_names(ScoreRequest), scores)
-        found["rerank"] = (TypeAdapter(RerankRequest), _field_names(RerankRequest), scores)
-    tokenization = getattr(state, "serving_tokenization", None)
-    if tokenization is not None:
-        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-
-        found["tokenize"] = (TypeAdapter(TokenizeRequest), _field_names(TokenizeRequest),
-                             lambda request: tokenization.create_tokenize(request, None))
-        found["detokenize"] = (TypeAdapter(DetokenizeRequest), _field_names(DetokenizeRequest),
-                               lambda request: tokenization.create_detokenize(request, None))
-        if chat is not None and completion is not None:
-            found["templated_completions"] = (
-                found["completions"][0], found["completions"][1], _templated(tokenization, completion.create_completion))
-    assert found.keys() <= REPLICA_OPERATIONS, found.keys() - REPLICA_OPERATIONS  # contract/replica_wire.py names each
-    return found
-
-
-# Fields OpenAI's Response object requires but allows to be null; vLLM's other
-# nulls (`user`, `prompt`, ...) are optional fields the spec wants absent.
-_RESPONSE_REQUIRED_NULLABLE = frozenset({"error", "incomplete_details", "instructions", "metadata",
-                                         "temperature", "top_p"})
-
-
-def _responses_json(response: dict[str, Any]) -> dict[str, Any]:
-    """A full Responses answer as OpenAI's wire format has it."""
-    response = {key: _drop_nulls(value) for key, value in response.items()
-                if value is not None or key in _RESPONSE_REQUIRED_NULLABLE}
-    for key in _RESPONSE_REQUIRED_NULLABLE:
-        response.setdefault(key, None)  # vLLM leaves `error` out
-    for tool in response.get("tools") or ():
-        if tool.get("type") == "function":
-            tool.setdefault("strict", None)  # required, nullable
-    for item in response.get("output") or ():
-        for part in item.get("content") or () if item.get("type") == "message" else ():
-            if part.get("type") == "output_text":
-                part.setdefault("logprobs", [])  # required; vLLM leaves it null when none were asked
-    return response
-
-
-def _drop_nulls(node: Any) -> Any:
-    """Below the top level no field of a Response is required and null (an output
-    text's ``logprobs`` is an optional array, unlike chat's)."""
-    if isinstance(node, dict):
-        return {key: _drop_nulls(value) for key, value in node.items() if value is not None}
-    if isinstance(node, list):
-        return [_drop_nulls(item) for item in node]
-    return node
-
-
-async def _responses_sse(events):
-    async for event in events:
-        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
-
-
-def _templated(tokenization, complete):
-    """A completions handler whose text prompts are each rendered as one user
-    message through the model's chat template first (by vLLM's own tokenize
-    path, the template chat uses), then completed as token ids: one choice per
-    prompt, indexed by prompt, streamed and counted as any completion."""
-    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
-
-    async def handler(request):
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-        if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
-            return tokenization.create_error_response("Prompts sent through the chat template must be text.",
-                                                      param="prompt")
-        rendered = []
-        for prompt in prompts:
-            tokens = await tokenization.create_tokenize(
-                TokenizeChatRequest(model=request.model, messages=[{"role": "user", "content": prompt}]), None)
-            if _is_error(tokens):
-                return tokens
-            rendered.append(tokens.tokens)
-        return await complete(request.model_copy(update={"prompt": rendered}))
-
-    return handler
-
-
-def _field_names(request_type: Any) -> frozenset[str]:
-    """Field names (and aliases) of a pydantic model, or of every model in an
-    ``Annotated[Union[...]]`` such as vLLM's EmbeddingRequest."""
-    import typing
-
-    if hasattr(request_type, "model_fields"):
-        names = set(request_type.model_fields)
-        names |= {field.alias for field in request_type.model_fields.values() if field.alias}
-        return frozenset(names)
-    names: set[str] = set()
-    for member in typing.get_args(request_type):
-        names |= _field_names(member)
-    return frozenset(names)
-
-
-# A forced call of one named function ends with finish_reason "stop" in vLLM;
-# the gateway reports "tool_calls" for every answer that is a tool call.
-_FINISH_STOP = '"finish_reason":"stop"'
-_FINISH_TOOL_CALLS = '"finish_reason":"tool_calls"'
-
-
-def _names_a_tool(body: dict[str, Any]) -> bool:
-    return isinstance(body.get("tool_choice"), dict) and bool(body.get("tools"))
-
-
-def _finish_named_tool_calls(response: dict[str, Any]) -> None:
-    for choice in response.get("choices") or ():
-        if choice.get("finish_reason") == "stop" and (choice.get("message") or {}).get("tool_calls"):
-            choice["finish_reason"] = "tool_calls"
-
-
-# Fields OpenAI's spec requires but allows to be null; every other null is an
-# optional field vLLM fills with None where the spec wants it absent
-# (e.g. `annotations`, `usage.prompt_tokens_details`).
-_REQUIRED_NULLABLE = frozenset({"content", "refusal", "logprobs", "finish_reason"})
-
-
-def _drop_null_optionals(node: Any) -> Any:
-    if isinstance(node, dict):
-        return {
-            key: _drop_null_optionals(value)
-            for key, value in node.items()
-            if value is not None or key in _REQUIRED_NULLABLE
-        }
-    if isinstance(node, list):
-        return [_drop_null_optionals(item) for item in node]
-    return node
-
-
-def openai_json(response: dict[str, Any]) -> bytes:
-    """A full (non-streamed) response as OpenAI's wire format has it."""
-    for choice in response.get("choices") or ():
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict) and "content" in logprobs:
-            logprobs.setdefault("refusal", None)  # chat logprobs: the spec requires it beside content
-    return json.dumps(_drop_null_optionals(response), separators=(",", ":")).encode()
-
-
-def _is_error(result: Any) -> bool:
-    return type(result).__name__ == "ErrorResponse"
-
-
-def _validation_error(exc) -> dict[str, Any]:
-    first = exc.errors()[0]
-    param = ".".join(str(part) for part in first.get("loc", ())) or None
-    message = f"{first.get('msg', 'invalid value')}" + (f" (at '{param}')" if param else "")
-    return {"message": message, "param": param}

@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from contract.model_config import direct_app_name, direct_route_prefix
+from contract.model_config import ModelConfig, direct_app_name, direct_route_prefix
 from replicas.vllm_replica import VLLMReplica
 from serve_app.http.ingress import Ingress
 from serve_app.settings import AppSettings
@@ -39,10 +39,15 @@ def with_transport_env(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "ray_actor_options": actor}
 
 
+def model_deployment(model: ModelConfig) -> Application:
+    """One model's replica deployment, as the application deploys it."""
+    return VLLMReplica.options(**with_transport_env(model.serve_options())).bind(model)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     settings = AppSettings(**(args or {}))
     models = {
-        model.name: VLLMReplica.options(**with_transport_env(model.serve_options())).bind(model)
+        model.name: model_deployment(model)
         for model in settings.models
         if not model.direct_route  # in its own application (build_direct_app)
     }

@@ -10,7 +10,7 @@ URL-carrying field of every content part of every message, whatever the
 part's type, against the model's ``MediaPolicy`` before the request reaches
 a replica: inline ``data:`` URLs pass, http(s) only for configured domains,
 ``file://`` only under a configured directory. The replica enforces the same
-policy again (deny-all by default, no redirects: replicas/vllm_replica.py).
+policy again (deny-all by default, no redirects: replicas/vllm_engine.py).
 """
 
 from __future__ import annotations

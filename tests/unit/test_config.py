@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from contract.model_config import ModelConfig, deployment_name
-from replicas.vllm_replica import NO_MEDIA_DOMAIN, vllm_cli_args
+from replicas.vllm_engine import NO_MEDIA_DOMAIN, vllm_cli_args
 from serve_app.settings import AppSettings
 
 
@@ -95,7 +95,7 @@ def test_multi_model_config_validates():
 
 
 def test_lora_settings_reach_vllm_and_names_stay_unique():
-    from replicas.vllm_replica import vllm_cli_args
+    from replicas.vllm_engine import vllm_cli_args
 
     model = ModelConfig(name="m", lora={"adapters": {"a": "/x"}, "max_adapters_per_replica": 3, "max_rank": 8})
     argv = vllm_cli_args(model, "/w")

@@ -108,7 +108,7 @@ def test_the_replicas_media_fetcher_opens_no_connection_by_default():
     # configures it for a model with the default policy.
     from vllm.multimodal.media import MediaConnector
 
-    from replicas.vllm_replica import NO_MEDIA_DOMAIN
+    from replicas.vllm_engine import NO_MEDIA_DOMAIN
 
     listener = Listener()
     try:
@@ -134,7 +134,7 @@ def test_the_replicas_media_fetcher_does_not_follow_redirects(monkeypatch):
 
     from vllm.multimodal.media import MediaConnector
 
-    from replicas.vllm_replica import MEDIA_ENV
+    from replicas.vllm_engine import MEDIA_ENV
 
     target = Listener()
 

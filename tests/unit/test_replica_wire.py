@@ -49,9 +49,9 @@ def test_the_gateway_and_the_replica_name_the_same_operations():
     from serve_app.wire.api_requests import OPERATIONS, TEMPLATED_COMPLETIONS
 
     sent = {op.replica_operation for op in (*OPERATIONS.values(), TEMPLATED_COMPLETIONS)}
-    # The names replicas/vllm_replica.py's _endpoints binds (found["..."] = ...), read from its source.
-    source = ast.parse((Path(__file__).resolve().parents[2] / "replicas" / "vllm_replica.py").read_text())
-    [endpoints] = [node for node in ast.walk(source) if isinstance(node, ast.FunctionDef) and node.name == "_endpoints"]
+    # The names replicas/vllm_engine.py's endpoints binds (found["..."] = ...), read from its source.
+    source = ast.parse((Path(__file__).resolve().parents[2] / "replicas" / "vllm_engine.py").read_text())
+    [endpoints] = [node for node in ast.walk(source) if isinstance(node, ast.FunctionDef) and node.name == "endpoints"]
     bound = {target.slice.value for node in ast.walk(endpoints) if isinstance(node, ast.Assign)
              for target in node.targets if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)}
     assert sent == REPLICA_OPERATIONS == bound

@@ -247,7 +247,7 @@ def bare_vllm():
     """``vllm serve`` of the same model with the same engine options."""
     from contract.model_config import ModelConfig
     from replicas.sources import resolve_source
-    from replicas.vllm_replica import vllm_serve_command
+    from replicas.vllm_engine import vllm_serve_command
 
     config = ModelConfig(**local_app_args()["models"][0])
     port = free_port()
