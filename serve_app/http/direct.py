@@ -41,7 +41,7 @@ class _Answer:
         self._coroutine = coroutine
 
     async def _fetch_future_result_async(self) -> None:
-        """In-process the replica takes the call at once (``gateway.reach_replica``)."""
+        """In-process the replica takes the call at once (``replica_calls.reach_replica``)."""
 
     def cancel(self) -> None:
         self._coroutine.close()
@@ -167,4 +167,4 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
     @direct_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
-        return JSONResponse({"object": "list", "data": await self.gateway.model_cards(key)})
+        return JSONResponse({"object": "list", "data": await self.gateway.catalog.model_cards(key)})

@@ -9,7 +9,7 @@ chunk. It holds no model state.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from ray import serve
@@ -44,52 +44,19 @@ logger = logging.getLogger("ray.serve")
 app = openai_app("llm-cluster")
 
 
-# Who may call each route. "probe": anyone (liveness/readiness; names no model);
-# "key": an API key, and only for models the key may use (a model's data, its
-# card included, never reaches another key); "admin": the admin token. Every
-# route the app serves is here (tests/unit/test_route_access.py), and
-# tests/e2e/shared_stack/test_security_e2e.py calls each "key" route for a model the key
-# may not use.
-ROUTE_ACCESS: dict[tuple[str, str], str] = {
-    **{("POST", prefix + op): "key" for prefix in ("/v1/", "/v3/", "/serving-endpoints/")
-       for op in ("chat/completions", "completions", "embeddings")},
-    **{("GET", prefix + path): "key" for prefix in ("/v1/", "/v3/") for path in ("models", "models/{model_id:path}")},
-    **{("POST", prefix + op): "key" for prefix in ("/", "/models/") for op in ("chat/completions", "embeddings")},
-    **{("POST", path): "key" for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")},
-    ("POST", "/v1/responses"): "key",
-    ("GET", "/v1/responses/{response_id}"): "key",
-    ("DELETE", "/v1/responses/{response_id}"): "key",
-    ("GET", "/v1/responses/{response_id}/input_items"): "key",
-    ("POST", "/v1/files"): "key",
-    ("GET", "/v1/files"): "key",
-    ("GET", "/v1/files/{file_id}"): "key",
-    ("DELETE", "/v1/files/{file_id}"): "key",
-    ("GET", "/v1/files/{file_id}/content"): "key",
-    ("POST", "/v1/batches"): "key",
-    ("GET", "/v1/batches"): "key",
-    ("GET", "/v1/batches/{batch_id}"): "key",
-    ("POST", "/v1/batches/{batch_id}/cancel"): "key",
-    ("POST", "/v1/messages"): "key",
-    ("POST", "/v1/messages/count_tokens"): "key",
-    ("POST", "/tokenize"): "key",
-    ("POST", "/detokenize"): "key",
-    ("GET", "/info"): "key",
-    ("GET", "/models/info"): "key",
-    ("POST", "/invocations"): "key",
-    ("POST", "/serving-endpoints/{name}/invocations"): "key",
-    ("POST", "/admin/keys"): "admin",
-    ("GET", "/admin/keys"): "admin",
-    ("GET", "/admin/keys/{key}"): "admin",
-    ("PATCH", "/admin/keys/{key}"): "admin",
-    ("DELETE", "/admin/keys/{key}"): "admin",
-    ("GET", "/admin/keys/{key}/usage"): "admin",
-    ("GET", "/admin/requests/{request_id}"): "admin",
-    ("GET", "/admin/batches"): "admin",
-    ("POST", "/admin/batches/{batch_id}/cancel"): "admin",
-    ("GET", "/health"): "probe",
-    ("GET", "/ready"): "probe",
-    ("GET", "/ping"): "probe",
-}
+# Who may call each route, declared with the route itself (``route`` below). "probe":
+# anyone (liveness/readiness; names no model); "key": an API key, and only for models
+# the key may use (a model's data, its card included, never reaches another key);
+# "admin": the admin token. Every route the app serves is declared so
+# (tests/unit/test_route_access.py), and tests/e2e/shared_stack/test_security_e2e.py
+# calls each "key" route for a model the key may not use.
+ROUTE_ACCESS: dict[tuple[str, str], Literal["probe", "key", "admin"]] = {}
+
+
+def route(method: str, path: str, access: Literal["probe", "key", "admin"]):
+    """``app``'s route for ``method`` and ``path``, with who may call it."""
+    ROUTE_ACCESS[(method, path)] = access
+    return getattr(app, method.lower())(path)
 
 
 # (Helpers above the class: @serve.deployment pickles the class when it is defined.)
@@ -127,50 +94,50 @@ class Ingress(HandlesRequests):
                                   max_line_bytes=self.max_body_bytes, records=stored)
         self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.access, self.telemetry, batch)
         self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
-        self.readiness = Readiness(settings.models, deployments, self.gateway.described,
+        self.readiness = Readiness(settings.models, deployments, self.gateway.catalog.described,
                                    {model.name: direct_app_name(model.name) for model in settings.models
                                     if model.direct_route})
 
     # -- OpenAI API (also under OpenVINO Model Server's /v3 and Databricks'
     #    /serving-endpoints, where the OpenAI client is pointed at them) ---------
 
-    @app.post("/v1/chat/completions")
-    @app.post("/v3/chat/completions")
-    @app.post("/serving-endpoints/chat/completions")
+    @route("POST", "/v1/chat/completions", "key")
+    @route("POST", "/v3/chat/completions", "key")
+    @route("POST", "/serving-endpoints/chat/completions", "key")
     async def chat_completions(self, request: Request) -> Response:
         return await self._openai("chat", request)
 
-    @app.post("/v1/completions")
-    @app.post("/v3/completions")
-    @app.post("/serving-endpoints/completions")
+    @route("POST", "/v1/completions", "key")
+    @route("POST", "/v3/completions", "key")
+    @route("POST", "/serving-endpoints/completions", "key")
     async def completions(self, request: Request) -> Response:
         return await self._openai("completions", request)
 
-    @app.post("/v1/embeddings")
-    @app.post("/v3/embeddings")
-    @app.post("/serving-endpoints/embeddings")
+    @route("POST", "/v1/embeddings", "key")
+    @route("POST", "/v3/embeddings", "key")
+    @route("POST", "/serving-endpoints/embeddings", "key")
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
 
     # -- OpenAI's Responses API (state in Redis: serve_app/stored/responses_api.py) -------
 
-    @app.post("/v1/responses")
+    @route("POST", "/v1/responses", "key")
     async def create_response(self, request: Request) -> Response:
         return await self._handle("openai", request, lambda body, key: responses_api.translate(
             body, key, self.responses))
 
-    @app.get("/v1/responses/{response_id}")
+    @route("GET", "/v1/responses/{response_id}", "key")
     async def retrieve_response(self, response_id: str, request: Request) -> Response:
         async def retrieve(key: KeyRecord) -> dict[str, Any]:
             return (await responses_api.retrieve(self.responses, key, response_id))["response"]
 
         return await self._stored(request, retrieve)
 
-    @app.delete("/v1/responses/{response_id}")
+    @route("DELETE", "/v1/responses/{response_id}", "key")
     async def delete_response(self, response_id: str, request: Request) -> Response:
         return await self._stored(request, lambda key: responses_api.delete(self.responses, key, response_id))
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @route("GET", "/v1/responses/{response_id}/input_items", "key")
     async def response_input_items(self, response_id: str, request: Request) -> Response:
         params = list_params(request.query_params)
 
@@ -208,7 +175,7 @@ class Ingress(HandlesRequests):
         response.headers.update(ticket.headers)
         return response
 
-    @app.post("/v1/files")
+    @route("POST", "/v1/files", "key")
     async def create_file(self, request: Request) -> Response:
         async def upload(key: KeyRecord) -> dict[str, Any]:
             declared = request.headers.get("content-length", "")
@@ -242,21 +209,21 @@ class Ingress(HandlesRequests):
 
         return await self._stored(request, upload)
 
-    @app.get("/v1/files")
+    @route("GET", "/v1/files", "key")
     async def list_files(self, request: Request) -> Response:
         params = list_params(request.query_params, default_limit=10_000, max_limit=10_000)
         return await self._stored(request, lambda key: self.files.page(
             key.id, request.query_params.get("purpose"), **params))
 
-    @app.get("/v1/files/{file_id}")
+    @route("GET", "/v1/files/{file_id}", "key")
     async def retrieve_file(self, file_id: str, request: Request) -> Response:
         return await self._stored(request, lambda key: self.files.get(key.id, file_id))
 
-    @app.delete("/v1/files/{file_id}")
+    @route("DELETE", "/v1/files/{file_id}", "key")
     async def delete_file(self, file_id: str, request: Request) -> Response:
         return await self._stored(request, lambda key: self.files.delete(key.id, file_id))
 
-    @app.get("/v1/files/{file_id}/content")
+    @route("GET", "/v1/files/{file_id}/content", "key")
     async def file_content(self, file_id: str, request: Request) -> Response:
         async def content(key: KeyRecord) -> Response:
             record = await self.files.get(key.id, file_id)
@@ -265,114 +232,114 @@ class Ingress(HandlesRequests):
 
         return await self._stored(request, content)
 
-    @app.post("/v1/batches")
+    @route("POST", "/v1/batches", "key")
     async def create_batch(self, request: Request) -> Response:
         async def create(key: KeyRecord) -> dict[str, Any]:
             return await self.batches.create(key.id, parse_json_object(await self._read_body(request)))
 
         return await self._stored(request, create)
 
-    @app.get("/v1/batches")
+    @route("GET", "/v1/batches", "key")
     async def list_batches(self, request: Request) -> Response:
         params = list_params(request.query_params)
         return await self._stored(request, lambda key: self.batches.page(key.id, params["limit"], params["after"]))
 
-    @app.get("/v1/batches/{batch_id}")
+    @route("GET", "/v1/batches/{batch_id}", "key")
     async def retrieve_batch(self, batch_id: str, request: Request) -> Response:
         return await self._stored(request, lambda key: self.batches.get(key.id, batch_id))
 
-    @app.post("/v1/batches/{batch_id}/cancel")
+    @route("POST", "/v1/batches/{batch_id}/cancel", "key")
     async def cancel_batch(self, batch_id: str, request: Request) -> Response:
         return await self._stored(request, lambda key: self.batches.cancel(key.id, batch_id))
 
     # -- Anthropic's Messages API (route label "anthropic") ------------------------
 
-    @app.post("/v1/messages")
+    @route("POST", "/v1/messages", "key")
     async def anthropic_messages(self, request: Request) -> Response:
         return await self._handle("anthropic", request, as_call("messages"), anthropic.error_response)
 
-    @app.post("/v1/messages/count_tokens")
+    @route("POST", "/v1/messages/count_tokens", "key")
     async def anthropic_count_tokens(self, request: Request) -> Response:
         return await self._handle("anthropic", request, as_call("count_tokens"), anthropic.error_response)
 
     # -- vLLM's own endpoints (route label "vllm"): scoring, reranking (Jina's and
     #    Cohere's v2 shape), the tokenizer ----------------------------------------
 
-    @app.post("/score")
-    @app.post("/v1/score")
+    @route("POST", "/score", "key")
+    @route("POST", "/v1/score", "key")
     async def score(self, request: Request) -> Response:
         return await self._handle("vllm", request, as_call("score"))
 
-    @app.post("/rerank")
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
+    @route("POST", "/rerank", "key")
+    @route("POST", "/v1/rerank", "key")
+    @route("POST", "/v2/rerank", "key")
     async def rerank(self, request: Request) -> Response:
         return await self._handle("vllm", request, as_call("rerank"))
 
-    @app.post("/tokenize")
+    @route("POST", "/tokenize", "key")
     async def tokenize(self, request: Request) -> Response:
         return await self._handle("vllm", request, as_call("tokenize"))
 
-    @app.post("/detokenize")
+    @route("POST", "/detokenize", "key")
     async def detokenize(self, request: Request) -> Response:
         return await self._handle("vllm", request, as_call("detokenize"))
 
-    @app.get("/v1/models")
-    @app.get("/v3/models")
+    @route("GET", "/v1/models", "key")
+    @route("GET", "/v3/models", "key")
     async def list_models(self, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
-        return JSONResponse({"object": "list", "data": await self.gateway.model_cards(key)})
+        return JSONResponse({"object": "list", "data": await self.gateway.catalog.model_cards(key)})
 
-    @app.get("/v1/models/{model_id:path}")
-    @app.get("/v3/models/{model_id:path}")
+    @route("GET", "/v1/models/{model_id:path}", "key")
+    @route("GET", "/v3/models/{model_id:path}", "key")
     async def retrieve_model(self, model_id: str, request: Request) -> JSONResponse:
         key = await self.access.authenticate(request.headers)
-        self.access.authorize(key, self.gateway.resolve(model_id))
-        return JSONResponse(await self.gateway.model_card(model_id))
+        self.gateway.catalog.authorized(key, model_id)
+        return JSONResponse(await self.gateway.catalog.model_card(model_id))
 
     # -- Azure AI model inference -------------------------------------------------
 
     async def _azure(self, operation: str, request: Request) -> Response:
         async def translate(body: dict[str, Any], key: KeyRecord) -> Call:
-            return await azure.translate(operation, body, request.headers, self.gateway)
+            return await azure.translate(operation, body, request.headers, self.gateway.catalog)
 
         return await self._handle("azure", request, translate, on_error=azure.error_response)
 
-    @app.post("/chat/completions")
-    @app.post("/models/chat/completions")
+    @route("POST", "/chat/completions", "key")
+    @route("POST", "/models/chat/completions", "key")
     async def azure_chat_completions(self, request: Request) -> Response:
         return await self._azure("chat", request)
 
-    @app.post("/embeddings")
-    @app.post("/models/embeddings")
+    @route("POST", "/embeddings", "key")
+    @route("POST", "/models/embeddings", "key")
     async def azure_embeddings(self, request: Request) -> Response:
         return await self._azure("embeddings", request)
 
-    @app.get("/info")
-    @app.get("/models/info")
+    @route("GET", "/info", "key")
+    @route("GET", "/models/info", "key")
     async def azure_info(self, request: Request) -> Response:
         try:
             key = await self.access.authenticate(request.headers)
-            return await azure.info(key, request.headers, self.gateway)
+            return await azure.info(key, request.headers, self.gateway.catalog)
         except OpenAIError as exc:
             return azure.error_response(exc)
 
     # -- SageMaker LMI ----------------------------------------------------------------
 
-    @app.post("/invocations")
+    @route("POST", "/invocations", "key")
     async def sagemaker_invocations(self, request: Request) -> Response:
-        return await self._handle("sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway))
+        return await self._handle("sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway.catalog))
 
-    @app.get("/ping")
+    @route("GET", "/ping", "probe")
     async def sagemaker_ping(self) -> Response:
         # SageMaker sends traffic once /ping is 200: its readiness check.
         return await self.ready()
 
     # -- Databricks -------------------------------------------------------------------
 
-    @app.post("/serving-endpoints/{name}/invocations")
+    @route("POST", "/serving-endpoints/{name}/invocations", "key")
     async def databricks_invocations(self, name: str, request: Request) -> Response:
-        return await self._handle("databricks", request, lambda body, key: databricks.translate(name, body, self.gateway))
+        return await self._handle("databricks", request, lambda body, key: databricks.translate(name, body, self.gateway.catalog))
 
     # -- admin API (same operations as `llmctl`) ---------------------------------
 
@@ -381,59 +348,59 @@ class Ingress(HandlesRequests):
         raw = await self._read_body(request)
         return parse_json_object(raw) if raw else {}
 
-    @app.post("/admin/keys")
+    @route("POST", "/admin/keys", "admin")
     async def admin_create_key(self, request: Request) -> JSONResponse:
         return JSONResponse(await admin.create_key(self.access, await self._admin_json(request)), status_code=201)
 
-    @app.get("/admin/keys")
+    @route("GET", "/admin/keys", "admin")
     async def admin_list_keys(self, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.list_keys(self.access))
 
-    @app.get("/admin/keys/{key}")
+    @route("GET", "/admin/keys/{key}", "admin")
     async def admin_show_key(self, key: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.show_key(self.access, key))
 
-    @app.patch("/admin/keys/{key}")
+    @route("PATCH", "/admin/keys/{key}", "admin")
     async def admin_update_key(self, key: str, request: Request) -> JSONResponse:
         return JSONResponse(await admin.update_key(self.access, key, await self._admin_json(request)))
 
-    @app.delete("/admin/keys/{key}")
+    @route("DELETE", "/admin/keys/{key}", "admin")
     async def admin_revoke_key(self, key: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.revoke_key(self.access, key))
 
-    @app.get("/admin/keys/{key}/usage")
+    @route("GET", "/admin/keys/{key}/usage", "admin")
     async def admin_key_usage(self, key: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.usage(self.access, key))
 
-    @app.get("/admin/requests/{request_id}")
+    @route("GET", "/admin/requests/{request_id}", "admin")
     async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.request(self.access, request_id, request.query_params.get("key")))
 
-    @app.get("/admin/batches")
+    @route("GET", "/admin/batches", "admin")
     async def admin_list_batches(self, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         params = list_params(request.query_params)
         return JSONResponse(await admin.list_batches(self.access, self.batches, request.query_params.get("key"),
                                                      params["limit"], params["after"]))
 
-    @app.post("/admin/batches/{batch_id}/cancel")
+    @route("POST", "/admin/batches/{batch_id}/cancel", "admin")
     async def admin_cancel_batch(self, batch_id: str, request: Request) -> JSONResponse:
         self.access.check_admin(request.headers)
         return JSONResponse(await admin.cancel_batch(self.access, self.batches, batch_id))
 
     # -- probes (the only routes without a key: they name no model) ----------------
 
-    @app.get("/health")
+    @route("GET", "/health", "probe")
     async def health(self) -> JSONResponse:
         """Liveness: the ingress process answers."""
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
+    @route("GET", "/ready", "probe")
     async def ready(self) -> JSONResponse:
         """Readiness: every model kept up has a replica that answers (serve_app/http/readiness.py)."""
         is_ready, body = await self.readiness.check()

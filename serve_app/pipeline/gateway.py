@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import weakref
 from typing import Any
@@ -21,31 +20,26 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
-from contract.model_config import ADAPTER_NAME, VLLM_PRIORITY, ModelConfig, deployment_name
-from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
+from contract.model_config import VLLM_PRIORITY, ModelConfig, deployment_name
+from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
+from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
+from serve_app.pipeline.catalog import ModelCatalog
+from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
+from serve_app.pipeline.relay import relay as relay_stream
+from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
 from serve_app.quota.access import Access, Ticket
+from serve_app.quota.keys import KeyRecord
+from serve_app.quota.usage import new_request_id
+from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.wire.calls import Reply
-from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
-from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
-from serve_app.quota.keys import KeyRecord
 from serve_app.wire.media import check_media
 from serve_app.wire.parameters import apply_parameter_policy
 from serve_app.wire.reservation import Reservation, reserve
-from serve_app.wire.sse import STREAM_SHAPES, StreamShape
-from serve_app.telemetry import RequestRecord, Telemetry
-from serve_app.quota.usage import new_request_id
+from serve_app.wire.sse import STREAM_SHAPES
 
 logger = logging.getLogger("ray.serve")
 
-STREAM_FAILED = (
-    'data: {"error": {"message": "The model stream failed.", "type": "server_error", '
-    '"param": null, "code": null}}\n\n'
-)
-KEY_REVOKED = (
-    'data: {"error": {"message": "This API key was revoked or disabled while the stream ran.", '
-    '"type": "authentication_error", "param": null, "code": "invalid_api_key"}}\n\n'
-)
 
 
 def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
@@ -67,43 +61,6 @@ PRIORITIZED = frozenset({"chat", "completions", "responses"})
 BACKGROUND_RANK = len(VLLM_PRIORITY)
 
 
-class KeyRevoked(Exception):
-    """The key of a running stream was revoked or disabled."""
-
-
-class QueueTimeout(Exception):
-    """No replica took the request within the model's ``queue_timeout_s``."""
-
-
-async def reach_replica(send, timeout_s: float, before=None):
-    """``send()`` a call (unary or streaming) and wait until Serve has handed it to
-    a replica: immediate when one has room, longer while all are busy or the model
-    is scaling up from zero. ``before()``, when given, is awaited first within the
-    same bound (the fair-share gate). Past ``timeout_s`` the call is withdrawn and
-    ``QueueTimeout`` raised; else the call is returned. Serve has no public hook for
-    "assigned"; its responses await this private coroutine first (pinned by the
-    scale-to-zero end-to-end test)."""
-    response = None
-    try:
-        async with asyncio.timeout(timeout_s):  # no extra task per request, unlike wait_for
-            if before is not None:
-                await before()
-            response = send()
-            await response._fetch_future_result_async()
-    except TimeoutError:
-        if response is not None:
-            response.cancel()
-        raise QueueTimeout from None
-    return response
-
-
-async def _only_item(response):
-    """The one item of a unary call's stream, read to its end (Serve counts the call
-    done only then)."""
-    items = [item async for item in response]
-    if len(items) != 1:
-        raise RuntimeError(f"a unary call answered {len(items)} items")
-    return items[0]
 
 
 def _fair_gate(config: ModelConfig) -> FairGate:
@@ -138,7 +95,8 @@ class Gateway:
         # ingress gives each model one apart from ``models``: a router of its own,
         # so a description waiting behind a busy replica never holds a slot of the
         # queue clients are admitted to (a queue of one refused a client for it).
-        self._describers = describers if describers is not None else models
+        # The models as clients name them, and their cards (catalog.py).
+        self.catalog = ModelCatalog(configs, describers if describers is not None else models)
         self._configs = {config.name: config for config in configs}
         # Requests of each model waiting for a replica at this ingress (Serve's
         # queue for it here): the priority tiers' queue shares are measured on it.
@@ -147,166 +105,6 @@ class Gateway:
         self._admitting = {config.name: 0 for config in configs}
         # Fair share between keys while a model's replicas are all busy (fair_share.py).
         self._gates = {config.name: _fair_gate(config) for config in configs if config.fair_share.enabled}
-        self._created = int(time.time())
-        self._card_details: dict[str, dict[str, Any]] = {}
-        self._describing: dict[str, asyncio.Future] = {}
-        # What clients may send as `model`: each configured name and its aliases.
-        self._names = {config.name: config.name for config in configs}
-        self._names.update({alias: config.name for config in configs for alias in config.aliases})
-        # Configured LoRA adapter names -> their base model.
-        self._adapters = {
-            adapter: config.name for config in configs if config.lora for adapter in config.lora.adapters
-        }
-
-    # -- models ----------------------------------------------------------------
-
-    def resolve(self, model: str) -> str:
-        """The configured name behind ``model`` (a name, alias or adapter), or 404."""
-        return self.target(model)[0]
-
-    def authorized(self, key: KeyRecord, model: str) -> str:
-        """The configured name behind ``model`` when ``key`` may use it; else a 404 or 403."""
-        name = self.resolve(model)
-        self.access.authorize(key, name)
-        return name
-
-    def target(self, model: str) -> tuple[str, str | None]:
-        """(configured model, LoRA adapter or None) for what a client sent as
-        ``model``: a name, an alias, a configured adapter name, or
-        '<model>:<adapter folder>' for a model with an adapter folder. 404 otherwise."""
-        name = self._names.get(model)
-        if name is not None:
-            return name, None
-        base = self._adapters.get(model)
-        if base is None:
-            base, _, folder = model.partition(":")
-            lora = self._configs[base].lora if base in self._configs else None
-            if lora is None or lora.dir is None or not re.fullmatch(ADAPTER_NAME, folder):
-                raise OpenAIError(
-                    404,
-                    f"The model '{model}' does not exist or you do not have access to it.",
-                    param="model",
-                    code="model_not_found",
-                )
-        return base, model
-
-    async def model_card(self, model: str) -> dict[str, Any]:
-        """OpenAI's model object plus what vLLM reports (``max_model_len``, the
-        operations it serves). The details come from a replica once, then stay
-        cached: they are fixed by the model's config. An alias's card names the
-        model it stands for in ``alias_of``, an adapter's its base in ``parent``
-        (vLLM's field for it). A scale-to-zero model is never woken up to be
-        described: its card has the details once one of its replicas served."""
-        name, _ = self.target(model)
-        if name not in self._card_details and not self._configs[name].scales_to_zero:
-            await self._details_within_queue_timeout(name)
-        return self._card(model)
-
-    def _card(self, model: str) -> dict[str, Any]:
-        """``model``'s card with what is known of it now."""
-        name, adapter = self.target(model)
-        card = {
-            "id": name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": self._configs[name].owned_by,
-            **self._card_details.get(name, {}),
-        }
-        if adapter is not None:
-            card.update(id=model, parent=name)
-        elif model != name:
-            card.update(id=model, alias_of=name)
-        return card
-
-    async def _details_within_queue_timeout(self, name: str) -> None:
-        """Learn ``name``'s details, waiting at most its queue timeout (its replicas
-        may all be busy or still loading); every caller waits on one replica call.
-        Past the bound the card goes without them: the next one tries again."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self._describing_task(name)), self._configs[name].queue_timeout_s)
-        except TimeoutError:
-            logger.warning("model %s: no replica described it within its queue timeout", name)
-
-    async def _learn_details(self, name: str) -> None:
-        try:
-            describe = self._describers[name].model_info.remote
-            response = await reach_replica(describe, self._configs[name].queue_timeout_s)
-            info = await response
-        except QueueTimeout:
-            return  # withdrawn: the next card or request tries again
-        except Exception:
-            logger.exception("could not describe model %s", name)
-            return
-        self._card_details[name] = {"max_model_len": info["max_model_len"], "capabilities": info["operations"]}
-
-    def context_length(self, name: str) -> int | None:
-        """The model's context length: what its replica reported, else its
-        configured ``max_model_len``; None while neither is known."""
-        learnt = self._card_details.get(name, {}).get("max_model_len")
-        return learnt or self._configs[name].engine_kwargs.get("max_model_len")
-
-    def _describe_while_up(self, name: str) -> None:
-        """A scale-to-zero model just answered, so a replica is up: learn its
-        card details now, off the request's path."""
-        if name not in self._card_details:
-            self._describing_task(name)
-
-    def described(self, name: str) -> bool:
-        """Whether a replica of ``name`` has answered (with its details); if not,
-        ask one now, off the caller's path (readiness probes poll this)."""
-        if name in self._card_details:
-            return True
-        self._describing_task(name)
-        return False
-
-    def _describing_task(self, name: str) -> asyncio.Future:
-        """The one running ``_learn_details(name)``, started if none runs."""
-        if name not in self._describing:
-            task = asyncio.ensure_future(self._learn_details(name))
-            self._describing[name] = task  # a reference, or the loop may drop the task
-            task.add_done_callback(lambda _: self._describing.pop(name, None))
-        return self._describing[name]
-
-    async def only_model_for(self, operation: str | None) -> str:
-        """The model for a request that names none (platforms such as SageMaker
-        or Azure serve one model per endpoint): the only one serving
-        ``operation`` (any operation when None), else a 400 asking for it."""
-        if operation is not None:  # what each serves: every model described side by side
-            await asyncio.gather(*(
-                self._details_within_queue_timeout(name)
-                for name, config in self._configs.items()
-                if name not in self._card_details and not config.scales_to_zero
-            ))
-        names = [
-            name
-            for name in self._configs
-            # A model not described (yet: scaled to zero, or busy past its queue timeout) may serve it.
-            if operation is None or operation in self._card_details.get(name, {}).get("capabilities", [operation])
-        ]
-        if len(names) == 1:
-            return names[0]
-        raise OpenAIError(
-            400,
-            f"Missing required parameter: 'model'. This endpoint serves {', '.join(names) or 'no model for this operation'}.",
-            param="model",
-            code="missing_required_parameter",
-        )
-
-    async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
-        """Every model ``key`` may use, each followed by its aliases and its
-        configured adapters (adapters in a folder are loaded on demand, not listed).
-        Models are described side by side: the list waits one queue timeout at most."""
-        await asyncio.gather(*(
-            self._details_within_queue_timeout(name)
-            for name, config in self._configs.items()
-            if key.allows_model(name) and name not in self._card_details and not config.scales_to_zero
-        ))
-        return [
-            self._card(model)
-            for name, config in self._configs.items()
-            if key.allows_model(name)
-            for model in (name, *config.aliases, *(config.lora.adapters if config.lora else ()))
-        ]
 
     # -- requests --------------------------------------------------------------
 
@@ -327,7 +125,7 @@ class Gateway:
         record.operation = op.name
         request = validate_request(op, body)
         apply_parameter_policy(op.name, body)
-        model, adapter = self.target(request.model)
+        model, adapter = self.catalog.target(request.model)
         record.model = model
         body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
@@ -343,7 +141,7 @@ class Gateway:
             body,
             raw_size,
             default_max_tokens=self.access.default_max_tokens,
-            context_length=self.context_length(model),
+            context_length=self.catalog.context_length(model),
         )
         config = self._configs[model]
         rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
@@ -406,7 +204,7 @@ class Gateway:
             ticket.on_revoke = response.cancel
             if ticket.revoked:
                 response.cancel()
-            answer: ReplicaAnswer | ReplicaError = await _only_item(response)
+            answer: ReplicaAnswer | ReplicaError = await only_item(response)
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
@@ -438,7 +236,7 @@ class Gateway:
         except BaseException:  # cancelled (the client left): the engine may have generated, the reservation holds
             self.access.settle(ticket, "failed")
             raise
-        self._describe_while_up(model)
+        self.catalog.describe_while_up(model)
         if isinstance(answer, ReplicaError):
             self.access.settle(ticket, "failed", Usage(), answer.replica)
             raise _engine_error(ticket, answer)
@@ -486,9 +284,10 @@ class Gateway:
             raise _engine_error(ticket, first)
         record.first_token_at = time.monotonic()
         record.stream = True
-        self._describe_while_up(body["model"])
-        relay = self._relay(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat",
-                            STREAM_SHAPES[op.streams_as])
+        self.catalog.describe_while_up(body["model"])
+        relay = relay_stream(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat",
+                             STREAM_SHAPES[op.streams_as], access=self.access, telemetry=self.telemetry,
+                             served=self._served)
         # A client that hangs up before the first byte is sent never starts the
         # relay, so its `finally` never runs: settle when the unstarted relay is dropped
         # (otherwise its lease would be renewed for as long as the ingress lives).
@@ -576,82 +375,6 @@ class Gateway:
         except RuntimeError:  # no running loop: the process is ending, its leases expire
             pass
 
-    async def _relay(
-        self,
-        start: StreamStart,
-        chunks,
-        ticket: Ticket,
-        client_wants_usage: bool,
-        record: RequestRecord,
-        reservation: Reservation,
-        chat: bool,
-        shape: StreamShape,
-    ):
-        """Relay the replica's stream and account for it.
-
-        The usage event (always requested from the replica) is read from the
-        final item and hidden unless the client asked for it. If the client goes
-        away, cancel downstream (Serve cancels the replica's generator, vLLM aborts).
-        A stream that fails (its replica or engine died: an exception here, or
-        vLLM's own error event) is charged what it delivered, never its whole
-        reservation: the prompt estimate plus one token per content event relayed
-        (an event carries at least one token, up to ``stream_batch_tokens`` beside
-        other streams, so this errs in the client's favour; chat's first event per
-        choice is the role alone)."""
-        status, usage, drained = "cancelled", None, False
-        replica, first = start.replica, start.text
-        events, last = 0, first
-        try:
-            first, usage = shape.usage(first, client_wants_usage)
-            events, last = first.count("data: {"), first
-            yield first
-            if usage is not None:
-                status = "completed"
-            self.access.running(ticket, replica)
-            async for chunk in chunks:
-                if ticket.revoked:  # its key revoked while it runs (Access.stop_revoked): ends below, as failed
-                    raise KeyRevoked
-                if usage is None:
-                    chunk, usage = shape.usage(chunk, client_wants_usage)
-                events += chunk.count("data: {")
-                last = chunk
-                yield chunk
-                if usage is not None:
-                    # The client has the whole stream, usage trailer and [DONE]: it may
-                    # hang up now (the openai SDK closes at [DONE]) while the replica's
-                    # stream is still ending; that is a complete stream, charged its usage.
-                    status = "completed"
-            drained = True
-            # vLLM ends a stream whose engine failed with an error event and no usage.
-            failed_upstream = usage is None and shape.failed(last)
-            events -= failed_upstream
-            status = "failed" if failed_upstream else "completed"
-        except Exception:
-            if usage is not None:  # failed after the final usage event: the client has it all
-                status = "completed"
-            elif ticket.revoked:
-                status = "failed"
-                yield KEY_REVOKED
-            else:
-                status = "failed"
-                logger.exception("stream from replica failed")
-                yield STREAM_FAILED
-        finally:
-            if not drained:
-                chunks.cancel()
-            if status == "failed":
-                usage = _delivered(events, reservation, chat)
-            # The key's fair-share counter first, before its place goes to the next one;
-            # a cancelled stream's usage is unknown: the counter takes what was relayed.
-            self._served(record.model, ticket.key.id, usage or _delivered(events, reservation, chat))
-            # And its reservation stays charged.
-            self.access.settle(ticket, status, None if status == "cancelled" else usage, replica)
-            record.status, record.cancelled = 200, status == "cancelled"
-            if status == "failed":
-                record.error_code = "stream_failed"
-            record.used(usage)
-            self.telemetry.finish(record)
-
 
 def _ask_for_usage(op: Operation, body: dict) -> None:
     """Usage is always asked for: it settles the token reservation. (Anthropic's
@@ -680,11 +403,3 @@ class _EarlyStart:
         self.chunks.cancel()
         if self.place is not None:
             self.place.leave()
-
-
-def _delivered(events: int, reservation: Reservation, chat: bool) -> Usage:
-    """What a failed stream is charged: its prompt (estimated) and one token per
-    content event it relayed, never more than it reserved."""
-    content_events = events - (reservation.choices if chat else 0)
-    completion = min(max(0, content_events), reservation.completion_per_choice * reservation.choices)
-    return Usage(reservation.prompt, completion)

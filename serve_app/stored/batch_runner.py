@@ -318,7 +318,7 @@ class BatchJob:
     async def _yield_to_interactive(self, model: Any) -> None:
         """Wait while interactive requests of ``model`` wait for a replica here."""
         try:
-            name = self.runner.gateway.resolve(model) if isinstance(model, str) else None
+            name = self.runner.gateway.catalog.resolve(model) if isinstance(model, str) else None
         except OpenAIError:
             return  # the request's own error says so
         while name is not None and self.runner.gateway.waiting(name) > 0 and not self.lost:

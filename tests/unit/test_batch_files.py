@@ -248,9 +248,7 @@ class AnsweringGateway:
 
     def __init__(self, refusal: OpenAIError | None = None):
         self.sent, self.refusal = [], refusal
-
-    def resolve(self, model):
-        return model
+        self.catalog = SimpleNamespace(resolve=lambda model: model)
 
     def waiting(self, model):
         return 0

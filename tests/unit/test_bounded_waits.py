@@ -59,7 +59,7 @@ KEY = KeyRecord(id="k1", name="n", created_at=0)
 async def test_listing_models_whose_replicas_never_answer_takes_one_queue_timeout():
     gateway, calls = gateway_with(NeverAssigned)
     started = time.monotonic()
-    cards = await gateway.model_cards(KEY)
+    cards = await gateway.catalog.model_cards(KEY)
     took = time.monotonic() - started
     assert [c["id"] for c in cards] == ["a", "b"] and "max_model_len" not in cards[0]
     assert took < 2 * QUEUE_TIMEOUT_S + 0.2  # side by side, not one after another
@@ -69,7 +69,7 @@ async def test_listing_models_whose_replicas_never_answer_takes_one_queue_timeou
 
 async def test_many_callers_share_one_description_call():
     gateway, calls = gateway_with(NeverAssigned, names=("a",))
-    await asyncio.gather(*(gateway.model_card("a") for _ in range(50)))
+    await asyncio.gather(*(gateway.catalog.model_card("a") for _ in range(50)))
     assert len(calls) == 1
 
 
@@ -77,7 +77,7 @@ async def test_a_model_less_dialect_call_is_bounded_too():
     gateway, _ = gateway_with(NeverAssigned)
     started = time.monotonic()
     with pytest.raises(OpenAIError) as caught:
-        await gateway.only_model_for("chat")  # two models, neither described: ask for one
+        await gateway.catalog.only_model_for("chat")  # two models, neither described: ask for one
     assert caught.value.status == 400 and time.monotonic() - started < 2 * QUEUE_TIMEOUT_S + 0.2
 
 
@@ -86,14 +86,14 @@ async def test_databricks_truncate_on_an_undescribed_model_is_a_503_not_a_crash(
 
     gateway, _ = gateway_with(NeverAssigned, names=("a",))
     with pytest.raises(OpenAIError) as caught:
-        await databricks.translate("a", {"prompt": "hi", "error_behavior": "truncate"}, gateway)
+        await databricks.translate("a", {"prompt": "hi", "error_behavior": "truncate"}, gateway.catalog)
     assert caught.value.status == 503 and caught.value.headers["retry-after"]
 
 
 async def test_details_learnt_once_a_replica_answers():
     gateway, calls = gateway_with(Answers, names=("a",))
-    card = await gateway.model_card("a")
-    assert card["max_model_len"] == 256 and gateway.described("a")
+    card = await gateway.catalog.model_card("a")
+    assert card["max_model_len"] == 256 and gateway.catalog.described("a")
 
 
 async def test_descriptions_go_through_their_own_handles_never_the_clients_queue():
@@ -108,7 +108,7 @@ async def test_descriptions_go_through_their_own_handles_never_the_clients_queue
     own = SimpleNamespace(model_info=SimpleNamespace(remote=lambda: Answers(calls)))
     gateway = Gateway(SimpleNamespace(), {"a": clients}, [ModelConfig(name="a")], Telemetry(False, False),
                       describers={"a": own})
-    card = await gateway.model_card("a")
+    card = await gateway.catalog.model_card("a")
     assert card["max_model_len"] == 256 and len(calls) == 1
 
 

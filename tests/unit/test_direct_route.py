@@ -11,7 +11,7 @@ import yaml
 from contract.replica_wire import ReplicaAnswer, StreamStart
 from serve_app.app import build_app, build_direct_app, direct_apps
 from serve_app.http.direct import DIRECT_ROUTES, InProcessReplica, direct_app
-from serve_app.pipeline.gateway import QueueTimeout, reach_replica
+from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
 
 LOCAL = yaml.safe_load(open("configs/local.yaml"))["applications"][0]["args"]
 

@@ -31,7 +31,7 @@ def gateway():
     ],
 )
 def test_names_reach_their_model_and_adapter(gateway, sent, reached):
-    assert gateway.target(sent) == reached
+    assert gateway.catalog.target(sent) == reached
 
 
 @pytest.mark.parametrize(
@@ -40,5 +40,5 @@ def test_names_reach_their_model_and_adapter(gateway, sent, reached):
 )
 def test_anything_else_is_404_model_not_found(gateway, sent):
     with pytest.raises(OpenAIError) as caught:
-        gateway.target(sent)
+        gateway.catalog.target(sent)
     assert caught.value.status == 404 and caught.value.code == "model_not_found"
