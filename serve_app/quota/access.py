@@ -2,7 +2,7 @@
 
 One ``Access`` per ingress replica wraps the key store and the admission
 scripts with what the hot path needs: a short key cache (a revoked key stops
-working within ``key_cache_ttl_s``), OpenAI-style refusals, fire-and-forget
+working within ``key_cache_ttl_s``), refusals in OpenAI's words (refusals.py), fire-and-forget
 bookkeeping that never delays a response, and the Redis-down behaviour that
 ``fail_mode`` chooses.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from contract.replica_wire import Usage
 from serve_app.quota import redis_client
-from serve_app.quota.admission import REFUSALS, Admission, Decision
+from serve_app.quota import refusals
+from serve_app.quota.admission import Admission, Decision
 from serve_app.errors import OpenAIError
 from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore, digest
@@ -49,7 +49,6 @@ from serve_app.quota.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
 
-REDIS_DOWN_RETRY_S = 1
 # Settlements waiting for Redis to answer again: beyond this many, the oldest is
 # dropped (its lease then expires and the next admission of its key reaps it).
 MAX_UNSETTLED = 10_000
@@ -134,7 +133,7 @@ class Access:
                 record = self._fallback(hashed, exc)
             except REDIS_FAILED as exc:
                 self.telemetry.redis_failed("authenticate")
-                raise _backend_error(exc) from None
+                raise refusals.backend_error(exc) from None
             else:
                 self._cache.put(hashed, record)
         if record is None:
@@ -146,7 +145,7 @@ class Access:
         one Redis confirmed within ``key_stale_max_s``, or a 503."""
         record = self._cache.fallback(hashed) if self.fail_open else None
         if record is None:
-            raise _unavailable(exc)
+            raise refusals.unavailable(exc)
         logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
         self.telemetry.fell_back("cached_key")
         return record
@@ -200,15 +199,15 @@ class Access:
             self._no_overlap(key)
             logger.error("Redis refused the admission script: %s", exc)
             self._settle_later(key, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
-            raise _backend_error(exc) from None
+            raise refusals.backend_error(exc) from None
         self.telemetry.admission_took(time.perf_counter() - started)
         self._record_budget_use(key, decision)
         headers = decision.headers(key)
         if decision.kind == "duplicate":  # a 64-bit random id seen before: never in practice
-            raise _backend_error(RuntimeError("request id collision"))
+            raise refusals.backend_error(RuntimeError("request id collision"))
         if not decision.admitted:
             self._no_overlap(key)
-            raise _refusal(key, decision, reserve_tokens, headers)
+            raise refusals.refusal(key, decision, reserve_tokens, headers)
         if self.overlap is not None:
             self.overlap.admitted(key, decision)
         ticket = Ticket(key, request_id, model, headers)
@@ -231,19 +230,12 @@ class Access:
 
     def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc) -> Ticket:
         if not self.fail_open:
-            raise _unavailable(exc)
+            raise refusals.unavailable(exc)
         self.telemetry.fell_back("local_limits")
         logger.warning("Redis unreachable (%s): admitting on local limits", type(exc).__name__)
         admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
         if not admitted:
-            kind_type, code = REFUSALS[kind]
-            raise OpenAIError(
-                429,
-                f"Rate limit reached for {kind_type} on API key '{key.name}'. Please try again in {retry_s:.1f}s.",
-                type=kind_type,
-                code=code,
-                headers={"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))},
-            )
+            raise refusals.local_refusal(key, kind, retry_s)
         return Ticket(key, request_id, model, {}, local=True)
 
     # -- bookkeeping off the response path ------------------------------------
@@ -427,61 +419,3 @@ def _secret_from(headers) -> str | None:
             return value.strip()
     # Azure's header, and Anthropic's (its SDK sends the key nowhere else).
     return headers.get("api-key") or headers.get("x-api-key") or None
-
-
-def _backend_error(exc) -> OpenAIError:
-    """Redis answered with an error (script, OOM, READONLY, MOVED): a server fault, never admission."""
-    return _quota_store_503("The service could not check quotas right now (quota store error).", "quota_backend_error")
-
-
-def _unavailable(exc) -> OpenAIError:
-    return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
-
-
-def _quota_store_503(message: str, code: str) -> OpenAIError:
-    retry = {"retry-after": str(REDIS_DOWN_RETRY_S), "retry-after-ms": str(REDIS_DOWN_RETRY_S * 1000)}
-    return OpenAIError(503, f"{message} Please retry shortly.", code=code, headers=retry)
-
-
-def _refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str]) -> OpenAIError:
-    kind_type, code = REFUSALS[decision.kind]
-    limit = {
-        "requests": f"{key.requests_per_minute} requests per minute",
-        "tokens": f"{key.tokens_per_minute} tokens per minute",
-        "tokens_too_large": f"{key.tokens_per_minute} tokens per minute",
-        "concurrency": f"{key.max_concurrent} concurrent requests",
-        "daily_budget": f"a daily budget of {key.daily_token_budget} tokens",
-        "monthly_budget": f"a monthly budget of {key.monthly_token_budget} tokens",
-    }[decision.kind]
-    if decision.kind == "tokens_too_large":
-        message = (
-            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
-            f"(prompt estimate plus max_tokens × n × prompts) and the limit is {limit}. Lower max_tokens."
-        )
-    elif decision.kind.endswith("_budget") and decision.retry_ms < 0:
-        message = (
-            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
-            f"(prompt estimate plus max_tokens × n × prompts), more than its whole {limit}. Lower max_tokens."
-        )
-    elif decision.kind.endswith("_budget"):
-        message = (
-            f"You exceeded your token quota on API key '{key.name}' ({limit}; used {decision.detail}, "
-            f"this request reserves {reserved}). It renews in {decision.retry_ms / 1000:.0f}s."
-        )
-    elif decision.kind == "concurrency":
-        message = (
-            f"Rate limit reached for concurrent requests on API key '{key.name}': limit {limit}, "
-            f"running {decision.detail}. Please try again when one finishes."
-        )
-    else:
-        quota, remaining, requested = (
-            (key.requests_per_minute, decision.requests_remaining, 1)
-            if decision.kind == "requests"
-            else (key.tokens_per_minute, decision.tokens_remaining, reserved)
-        )
-        message = (
-            f"Rate limit reached for {kind_type} on API key '{key.name}': limit {limit}, "
-            f"used {quota - max(remaining, 0)}, requested {requested}. "
-            f"Please try again in {decision.retry_ms / 1000:.3g}s."
-        )
-    return OpenAIError(429, message, type=kind_type, code=code, headers=headers)

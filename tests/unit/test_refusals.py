@@ -1,6 +1,6 @@
 """Pure logic: what a 429 says and carries."""
 
-from serve_app.quota.access import _refusal
+from serve_app.quota.refusals import refusal as _refusal
 from serve_app.quota.admission import Decision, duration
 from serve_app.quota.keys import KeyRecord
 

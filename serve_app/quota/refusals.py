@@ -1,0 +1,85 @@
+"""Admission's decisions as the client reads them: OpenAI's 429 with the limit that
+refused, what was used and when to retry (the headers are the decision's own), and
+the 503s of a quota store that cannot answer. The decisions are made elsewhere
+(admission.py in Redis, local_limits.py during an outage); this only words them."""
+
+from __future__ import annotations
+
+import math
+
+from serve_app.errors import OpenAIError
+from serve_app.quota.admission import REFUSALS, Decision
+from serve_app.quota.keys import KeyRecord
+
+# What a 503 of the quota store tells the client to wait.
+REDIS_DOWN_RETRY_S = 1
+
+
+def local_refusal(key: KeyRecord, kind: str, retry_s: float) -> OpenAIError:
+    """A refusal of the local limits a replica keeps while Redis is unreachable."""
+    kind_type, code = REFUSALS[kind]
+    return OpenAIError(
+        429,
+        f"Rate limit reached for {kind_type} on API key '{key.name}'. Please try again in {retry_s:.1f}s.",
+        type=kind_type,
+        code=code,
+        headers={"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))},
+    )
+
+
+def backend_error(exc) -> OpenAIError:
+    """Redis answered with an error (script, OOM, READONLY, MOVED): a server fault, never admission."""
+    return _quota_store_503("The service could not check quotas right now (quota store error).", "quota_backend_error")
+
+
+def unavailable(exc) -> OpenAIError:
+    return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
+
+
+def _quota_store_503(message: str, code: str) -> OpenAIError:
+    retry = {"retry-after": str(REDIS_DOWN_RETRY_S), "retry-after-ms": str(REDIS_DOWN_RETRY_S * 1000)}
+    return OpenAIError(503, f"{message} Please retry shortly.", code=code, headers=retry)
+
+
+def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str]) -> OpenAIError:
+    kind_type, code = REFUSALS[decision.kind]
+    limit = {
+        "requests": f"{key.requests_per_minute} requests per minute",
+        "tokens": f"{key.tokens_per_minute} tokens per minute",
+        "tokens_too_large": f"{key.tokens_per_minute} tokens per minute",
+        "concurrency": f"{key.max_concurrent} concurrent requests",
+        "daily_budget": f"a daily budget of {key.daily_token_budget} tokens",
+        "monthly_budget": f"a monthly budget of {key.monthly_token_budget} tokens",
+    }[decision.kind]
+    if decision.kind == "tokens_too_large":
+        message = (
+            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
+            f"(prompt estimate plus max_tokens × n × prompts) and the limit is {limit}. Lower max_tokens."
+        )
+    elif decision.kind.endswith("_budget") and decision.retry_ms < 0:
+        message = (
+            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
+            f"(prompt estimate plus max_tokens × n × prompts), more than its whole {limit}. Lower max_tokens."
+        )
+    elif decision.kind.endswith("_budget"):
+        message = (
+            f"You exceeded your token quota on API key '{key.name}' ({limit}; used {decision.detail}, "
+            f"this request reserves {reserved}). It renews in {decision.retry_ms / 1000:.0f}s."
+        )
+    elif decision.kind == "concurrency":
+        message = (
+            f"Rate limit reached for concurrent requests on API key '{key.name}': limit {limit}, "
+            f"running {decision.detail}. Please try again when one finishes."
+        )
+    else:
+        quota, remaining, requested = (
+            (key.requests_per_minute, decision.requests_remaining, 1)
+            if decision.kind == "requests"
+            else (key.tokens_per_minute, decision.tokens_remaining, reserved)
+        )
+        message = (
+            f"Rate limit reached for {kind_type} on API key '{key.name}': limit {limit}, "
+            f"used {quota - max(remaining, 0)}, requested {requested}. "
+            f"Please try again in {decision.retry_ms / 1000:.3g}s."
+        )
+    return OpenAIError(429, message, type=kind_type, code=code, headers=headers)
