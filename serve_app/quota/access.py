@@ -40,7 +40,7 @@ from serve_app.quota import refusals
 from serve_app.quota.admission import Admission, Decision
 from serve_app.errors import OpenAIError
 from serve_app.quota.key_cache import KeyCache
-from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore, digest
+from serve_app.quota.keys import KeyRecord, KeyStore, digest
 from serve_app.quota.local_limits import LocalLimiter
 from serve_app.quota.overlap import OverlapGuard
 from serve_app.settings import AppSettings
@@ -349,9 +349,7 @@ class Access:
         marked = 0
         for key_id, tickets in running.items():
             try:
-                gone = not (await self.keys.get(key_id)).enabled
-            except KeyNotFound:
-                gone = True
+                gone = await self.keys.active(key_id) is None
             except REDIS_FAILED:
                 return marked  # unknown now: the next check
             if gone:

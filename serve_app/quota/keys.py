@@ -91,6 +91,15 @@ class KeyStore:
             raise KeyNotFound(key_id)
         return KeyRecord.model_validate_json(raw)
 
+    async def active(self, key_id: str) -> KeyRecord | None:
+        """The key as it is now, or None once it is revoked (gone) or disabled: what
+        running work asks before it goes on (a batch's next request, a running call)."""
+        try:
+            key = await self.get(key_id)
+        except KeyNotFound:
+            return None
+        return key if key.enabled else None
+
     async def resolve(self, id_or_name: str) -> KeyRecord:
         """A key by id, or else by name."""
         try:

@@ -49,7 +49,7 @@ from serve_app.stored.batches import ENDED, ENDPOINTS, BatchStore
 from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import FileStore
 from serve_app.pipeline.gateway import Gateway
-from serve_app.quota.keys import KeyNotFound, KeyRecord
+from serve_app.quota.keys import KeyRecord
 from serve_app.quota.redis_client import as_text
 from serve_app.settings import BatchConfig
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -247,11 +247,7 @@ class BatchJob:
 
     async def _key(self) -> KeyRecord | None:
         """The batch's key as it is now; None once revoked or disabled."""
-        try:
-            key = await self.runner.access.keys.get(self.key_id)
-        except KeyNotFound:
-            return None
-        return key if key.enabled else None
+        return await self.runner.access.keys.active(self.key_id)
 
     def _answered(self) -> set[str]:
         """custom_ids already answered (in either partial file), with the counts and

@@ -64,6 +64,19 @@ async def test_disabled_key_does_not_authenticate(redis):
     assert (await store.authenticate(secret)).id == record.id
 
 
+
+async def test_active_is_the_key_as_it_is_now_and_none_once_disabled_revoked_or_unknown(redis):
+    store = KeyStore(redis)
+    record, _ = await store.create("team-a", KeyLimits(tokens_per_minute=100))
+    await store.update(record.id, tokens_per_minute=50)
+    assert (await store.active(record.id)).tokens_per_minute == 50  # what running work goes on with
+    await store.update(record.id, enabled=False)
+    assert await store.active(record.id) is None
+    await store.update(record.id, enabled=True)
+    await store.revoke(record.id)
+    assert await store.active(record.id) is None
+    assert await store.active("k" + "0" * 16) is None
+
 # -- a connection closed while in use (redis-py 8.1: redis/redis-py#4287) ------------------
 
 

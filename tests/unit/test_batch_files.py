@@ -264,7 +264,7 @@ class AnsweringGateway:
 def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3, keys=None):
     """(the job, its store, its files); ``keys``: what each read of the key returns
     in turn (the last one from then on), a KeyRecord or None for a revoked key."""
-    from serve_app.quota.keys import KeyRecord, KeyNotFound
+    from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore
 
     files = LocalFiles(tmp_path)
     input_id = "file-" + "1" * 32
@@ -284,10 +284,12 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
             raise KeyNotFound(key_id)
         return found
 
+    keys = KeyStore.__new__(KeyStore)  # its own `active`, over this `get`
+    keys.get = read_key
     runner = SimpleNamespace(
         store=store, files=files, gateway=gateway,
         config=SimpleNamespace(max_requests=100, concurrency=2),
-        access=SimpleNamespace(keys=SimpleNamespace(get=read_key)),
+        access=SimpleNamespace(keys=keys),
         telemetry=SimpleNamespace(finish=lambda record: None))
     return BatchJob(runner, "k1", "batch_1"), store, files
 

@@ -2,12 +2,10 @@
 in tests/e2e/quota_stack/test_1_hostile_tenant_e2e.py revoke a key mid-request on
 the real stack, a stream and a unary call)."""
 
-from types import SimpleNamespace
-
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from serve_app.quota.access import Access, Ticket
-from serve_app.quota.keys import KeyNotFound, KeyRecord
+from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore
 
 
 def access_running(records: dict[str, object], tickets: list[Ticket]) -> Access:
@@ -19,7 +17,8 @@ def access_running(records: dict[str, object], tickets: list[Ticket]) -> Access:
         return found
 
     access = Access.__new__(Access)
-    access.keys = SimpleNamespace(get=get)
+    access.keys = KeyStore.__new__(KeyStore)  # its own `active`, over this `get`
+    access.keys.get = get
     access._leased = {ticket.request_id: ticket for ticket in tickets}
     return access
 
