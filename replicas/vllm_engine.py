@@ -1,7 +1,7 @@
 """Starting vLLM for a model as ``vllm serve`` does, and binding its OpenAI serving
-layer: the command-line arguments a model's config makes, the engine (``AsyncLLM``,
-or the class a model's ``engine`` names), and which vLLM handler answers each
-replica operation."""
+layer: the command-line arguments a model's config makes, vLLM's ``AsyncLLM`` (or
+what the maker a model's ``engine`` names returns instead), and which vLLM handler
+answers each replica operation."""
 
 from __future__ import annotations
 

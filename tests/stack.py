@@ -126,7 +126,6 @@ def serve_stack(
     ``dashboard``: start Ray's dashboard too (it writes the Prometheus
     service-discovery file); ``ray_system_config``: Ray internals (e.g. a shorter
     metrics export interval)."""
-    import ray
     from ray import serve
 
     from serve_app.app import build_app, build_direct_app, direct_apps
@@ -144,11 +143,19 @@ def serve_stack(
                       blocking=False)
         yield f"http://127.0.0.1:{port}"
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            wait_for_no_engines()
+        stop_serve_and_ray()
+
+
+def stop_serve_and_ray() -> None:
+    """Serve, then this process' Ray, then wait until no vLLM engine is left."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        wait_for_no_engines()
 
 
 # `make stop` ends the stack within this (serve_app/ops/local_stack.py STOP_BOUND_S).

@@ -41,7 +41,6 @@ from serve_app.wire.sse import STREAM_SHAPES
 logger = logging.getLogger("ray.serve")
 
 
-
 def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
     """503, never 429: the cluster is busy, the key's quota is fine."""
     return OpenAIError(503, message, code=code, headers={**ticket.headers, **RETRY_HEADERS})
@@ -59,8 +58,6 @@ PRIORITIZED = frozenset({"chat", "completions", "responses"})
 # The rank of batch requests (``run(background=True)``): after every key's tier, in
 # the engine (vLLM's priority), the fair-share gate and the model's queue.
 BACKGROUND_RANK = len(VLLM_PRIORITY)
-
-
 
 
 def _fair_gate(config: ModelConfig) -> FairGate:
@@ -91,13 +88,9 @@ class Gateway:
         self.start_early_when_idle = start_early_when_idle
         self.telemetry = telemetry
         self.models = models
-        # Handles for the gateway's own calls to a model (its description). The
-        # ingress gives each model one apart from ``models``: a router of its own,
-        # so a description waiting behind a busy replica never holds a slot of the
-        # queue clients are admitted to (a queue of one refused a client for it).
-        # The models as clients name them, and their cards (catalog.py).
+        # The models as clients name them, and their cards (catalog.py); ``describers``:
+        # the handles it describes them through (the clients' own when not given).
         self.catalog = ModelCatalog(configs, describers if describers is not None else models)
-        self._configs = {config.name: config for config in configs}
         # Requests of each model waiting for a replica at this ingress (Serve's
         # queue for it here): the priority tiers' queue shares are measured on it.
         self._waiting = {config.name: 0 for config in configs}
@@ -135,7 +128,7 @@ class Gateway:
         self.access.authorize(key, model)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal
         # embeddings), and the Responses API's input items (messages with content parts).
-        check_media(body.get("input") if op.name == "responses" else body.get("messages"), self._configs[model].media)
+        check_media(body.get("input") if op.name == "responses" else body.get("messages"), self.catalog.config(model).media)
         reservation = reserve(
             op.name,
             body,
@@ -143,7 +136,7 @@ class Gateway:
             default_max_tokens=self.access.default_max_tokens,
             context_length=self.catalog.context_length(model),
         )
-        config = self._configs[model]
+        config = self.catalog.config(model)
         rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
         if config.priority_scheduling and op.name in PRIORITIZED:
             body["priority"] = rank

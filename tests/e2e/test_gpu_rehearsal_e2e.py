@@ -15,7 +15,7 @@ import pytest
 from contract.model_config import RECORDING_ENGINE, ModelConfig
 from replicas.sources import resolve_source
 from serve_app.app import TRANSPORT_ENV, model_deployment
-from stack import call_replica, start_ray, wait_for_no_engines, wait_for_no_ray
+from stack import call_replica, start_ray, stop_serve_and_ray, wait_for_no_ray
 
 H100 = "accelerator_type:H100"
 
@@ -44,7 +44,6 @@ def holding(model_app):
 
 @pytest.fixture(scope="module")
 def facts():
-    import ray
     from ray import serve
 
     wait_for_no_ray()
@@ -57,11 +56,7 @@ def facts():
             serve.run(holding(model_deployment(model)), name=name, route_prefix=None)
         yield {name: call_replica(name, "engine_facts", app_name=name) for name in MODELS}
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            wait_for_no_engines()
+        stop_serve_and_ray()
 
 
 def test_a_one_gpu_replica_holds_one_gpu_of_its_type_and_sees_only_it(facts):
