@@ -6,6 +6,7 @@
     llmctl usage --key NAME_OR_ID
     llmctl requests show REQUEST_ID [--key NAME_OR_ID]
     llmctl batches list [--key NAME_OR_ID] | cancel BATCH_ID   (any key's batches)
+    llmctl audit [--limit N --before ID --actor WHO --target KEY_OR_BATCH_ID]   (admin actions, newest first)
     llmctl check-config FILE | demo-model
     llmctl run [CONFIG] [--grace S] [--log FILE] | stop   (the local stack: `make run`, `make stop`)
     llmctl status [--json]     (replicas by state and target, engine load, Redis, keys)
@@ -51,49 +52,60 @@ def _print(value, as_json: bool) -> None:
         print("  ".join(f"{k}={v}" for k, v in row.items()))
 
 
+def _admin_access(redis):
+    """What quota/admin.py needs of an ``Access``, for `llmctl`'s admin actions."""
+    from types import SimpleNamespace
+
+    from serve_app.quota.audit import AuditLog
+    from serve_app.quota.keys import KeyStore
+
+    return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis))
+
+
 async def _keys(args: argparse.Namespace) -> int:
-    from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyStore
+    """Changes go through quota/admin.py, as the admin API's do (validated, audited)."""
+    from serve_app.errors import OpenAIError
+    from serve_app.quota import admin
+    from serve_app.quota.audit import llmctl_actor
 
     redis = _redis(args)
-    store = KeyStore(redis)
+    access = _admin_access(redis)
     try:
         if args.action == "create":
-            record, secret = await store.create(args.name, KeyLimits(**_limit_changes(args)))
-            _print({**record.model_dump(), "secret": secret}, args.json)
+            _print(await admin.create_key(access, {"name": args.name, **_limit_changes(args)}, llmctl_actor()),
+                   args.json)
             if not args.json:
                 print("The secret is shown only now; store it safely.", file=sys.stderr)
         elif args.action == "list":
-            _print([r.model_dump() for r in await store.list()], args.json)
+            _print((await admin.list_keys(access))["data"], args.json)
         elif args.action == "show":
-            _print((await store.resolve(args.key)).model_dump(), args.json)
+            _print(await admin.show_key(access, args.key), args.json)
         elif args.action == "update":
             changes = _limit_changes(args)
             if args.enable is not None:
                 changes["enabled"] = args.enable
-            _print((await store.update(args.key, **changes)).model_dump(), args.json)
+            _print(await admin.update_key(access, args.key, changes, llmctl_actor()), args.json)
         elif args.action == "revoke":
-            _print((await store.revoke(args.key)).model_dump(), args.json)
+            _print(await admin.revoke_key(access, args.key, llmctl_actor()), args.json)
         elif args.action == "ensure-dev":
-            print(await _ensure_dev_key(store))
+            print(await _ensure_dev_key(access))
         return 0
-    except KeyNotFound as exc:
-        print(f"no such key: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
+    except OpenAIError as exc:
+        print(exc.message, file=sys.stderr)
         return 1
     finally:
         await redis.aclose()
 
 
-async def _ensure_dev_key(store) -> str:
+async def _ensure_dev_key(access) -> str:
     """The local development key: its secret lives in a 0600 file under the
     data directory so `make run` can print it on every start."""
     from replicas.demo_model import data_dir
+    from serve_app.quota.audit import llmctl_actor
 
     path = data_dir() / "dev-api-key"
     secret = path.read_text().strip() if path.exists() else None
-    if secret and await store.authenticate(secret):
+    if secret and await access.keys.authenticate(secret):
         return secret
     from serve_app.quota.keys import new_secret
 
@@ -101,10 +113,11 @@ async def _ensure_dev_key(store) -> str:
     name = "dev"
     for attempt in range(100):
         try:
-            await store.create(name if attempt == 0 else f"dev-{attempt}", secret=secret)
+            record, _ = await access.keys.create(name if attempt == 0 else f"dev-{attempt}", secret=secret)
             break
         except ValueError:  # the name is taken by an older dev key
             continue
+    await access.audit.record(llmctl_actor(), "key.create", record.id, after=record.model_dump())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600)
     path.write_text(secret + "\n")
@@ -148,28 +161,44 @@ async def _request(args: argparse.Namespace) -> int:
 
 
 async def _batches(args: argparse.Namespace) -> int:
-    from types import SimpleNamespace
-
-    from serve_app.quota import admin
-    from serve_app.stored.batches import BatchStore
     from serve_app.errors import OpenAIError
-    from serve_app.quota.keys import KeyStore
+    from serve_app.quota import admin
+    from serve_app.quota.audit import llmctl_actor
+    from serve_app.stored.batches import BatchStore
 
     redis = _redis(args)
-    access = SimpleNamespace(keys=KeyStore(redis), redis=redis)
+    access = _admin_access(redis)
     batches = BatchStore(redis, files=None, max_requests=0)  # listing and cancelling read no file
     try:
         if args.action == "list":
             page = await admin.list_batches(access, batches, args.key, limit=100, after=None)
             _print(page["data"], True)
         else:
-            _print(await admin.cancel_batch(access, batches, args.batch_id), True)
+            _print(await admin.cancel_batch(access, batches, args.batch_id, llmctl_actor()), True)
         return 0
     except OpenAIError as exc:
         print(exc.message, file=sys.stderr)
         return 1
     finally:
         await redis.aclose()
+
+
+async def _audit(args: argparse.Namespace) -> int:
+    from serve_app.errors import OpenAIError
+    from serve_app.quota import admin
+
+    redis = _redis(args)
+    try:
+        page = await admin.audit_trail(_admin_access(redis), args.limit, args.before, args.actor, args.target)
+    except OpenAIError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+    _print(page["data"], True)
+    if page["has_more"]:
+        print(f"older entries: llmctl audit --before {page['data'][-1]['id']}", file=sys.stderr)
+    return 0
 
 
 def _redis(args: argparse.Namespace):
@@ -269,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     listing.add_argument("--key", default=None, help="key id or name")
     batches.add_parser("cancel", help="cancel a batch not ended yet").add_argument("batch_id")
     commands.choices["batches"].set_defaults(run=lambda a: asyncio.run(_batches(a)))
+
+    audit = commands.add_parser("audit", help="admin actions (keys, limits, revocations, batch cancels), newest first")
+    audit.add_argument("--limit", type=int, default=50)
+    audit.add_argument("--before", default=None, help="an entry id: the entries older than it")
+    audit.add_argument("--actor", default=None, help="only this actor's (e.g. admin-token, llmctl:alice@host)")
+    audit.add_argument("--target", default=None, help="only those on this key id or batch id")
+    audit.set_defaults(run=lambda a: asyncio.run(_audit(a)))
 
     check = commands.add_parser("check-config", help="validate a Serve config file")
     check.add_argument("path", type=Path)

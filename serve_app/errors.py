@@ -128,3 +128,17 @@ def _engine_code(status: int) -> str | None:
     if status >= 500:
         return "engine_error"
     return None
+
+
+def quota_store_error() -> OpenAIError:
+    """Redis answered with an error (script, OOM, READONLY, MOVED): a server fault, never admission."""
+    return _quota_store_503("The service could not check quotas right now (quota store error).", "quota_backend_error")
+
+
+def quota_store_unavailable() -> OpenAIError:
+    """Redis did not answer and ``fail_mode`` is closed (or no cached key may stand in)."""
+    return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
+
+
+def _quota_store_503(message: str, code: str) -> OpenAIError:
+    return OpenAIError(503, f"{message} Please retry shortly.", code=code, headers=dict(RETRY_HEADERS))

@@ -22,6 +22,7 @@ from contract.model_config import deployment_name, direct_app_name
 from contract.replica_wire import Usage
 from serve_app.quota import admin
 from serve_app.quota.access import Access
+from serve_app.quota.admission import Refusal
 from serve_app.wire.api_requests import list_params, parse_json_object
 from serve_app.stored import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
@@ -31,6 +32,7 @@ from serve_app.wire.calls import Call
 from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import PURPOSES, FileStore, safe_filename, storage_full
 from serve_app.pipeline.gateway import Gateway
+from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.quota.keys import KeyRecord
 from serve_app.http.readiness import Readiness
 from serve_app.http.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
@@ -156,6 +158,8 @@ class Ingress(HandlesRequests):
         while it is read); Redis unreachable is a 503."""
         key = await self.access.authenticate(request.headers)
         ticket = await self.access.admit(key, "", 0, serve_request_id(request))
+        if isinstance(ticket, Refusal):
+            raise render_refusal(ticket)
         try:
             answer = await work(key)
         except RedisError:
@@ -343,14 +347,16 @@ class Ingress(HandlesRequests):
 
     # -- admin API (same operations as `llmctl`) ---------------------------------
 
-    async def _admin_json(self, request: Request) -> Any:
-        self.access.check_admin(request.headers)
+    async def _admin_json(self, request: Request) -> tuple[str, Any]:
+        """(the admin calling, the request's JSON object)."""
+        actor = self.access.check_admin(request.headers)
         raw = await self._read_body(request)
-        return parse_json_object(raw) if raw else {}
+        return actor, parse_json_object(raw) if raw else {}
 
     @route("POST", "/admin/keys", "admin")
     async def admin_create_key(self, request: Request) -> JSONResponse:
-        return JSONResponse(await admin.create_key(self.access, await self._admin_json(request)), status_code=201)
+        actor, body = await self._admin_json(request)
+        return JSONResponse(await admin.create_key(self.access, body, actor), status_code=201)
 
     @route("GET", "/admin/keys", "admin")
     async def admin_list_keys(self, request: Request) -> JSONResponse:
@@ -364,12 +370,13 @@ class Ingress(HandlesRequests):
 
     @route("PATCH", "/admin/keys/{key}", "admin")
     async def admin_update_key(self, key: str, request: Request) -> JSONResponse:
-        return JSONResponse(await admin.update_key(self.access, key, await self._admin_json(request)))
+        actor, body = await self._admin_json(request)
+        return JSONResponse(await admin.update_key(self.access, key, body, actor))
 
     @route("DELETE", "/admin/keys/{key}", "admin")
     async def admin_revoke_key(self, key: str, request: Request) -> JSONResponse:
-        self.access.check_admin(request.headers)
-        return JSONResponse(await admin.revoke_key(self.access, key))
+        actor = self.access.check_admin(request.headers)
+        return JSONResponse(await admin.revoke_key(self.access, key, actor))
 
     @route("GET", "/admin/keys/{key}/usage", "admin")
     async def admin_key_usage(self, key: str, request: Request) -> JSONResponse:
@@ -390,8 +397,17 @@ class Ingress(HandlesRequests):
 
     @route("POST", "/admin/batches/{batch_id}/cancel", "admin")
     async def admin_cancel_batch(self, batch_id: str, request: Request) -> JSONResponse:
+        actor = self.access.check_admin(request.headers)
+        return JSONResponse(await admin.cancel_batch(self.access, self.batches, batch_id, actor))
+
+    @route("GET", "/admin/audit", "admin")
+    async def admin_audit(self, request: Request) -> JSONResponse:
+        """Admin actions, newest first: ``limit`` (1-1000), ``before`` (an entry id: the
+        next page), ``actor``, ``target`` (a key id, a batch id)."""
         self.access.check_admin(request.headers)
-        return JSONResponse(await admin.cancel_batch(self.access, self.batches, batch_id))
+        query = request.query_params
+        return JSONResponse(await admin.audit_trail(self.access, query.get("limit", 100), query.get("before"),
+                                                    query.get("actor"), query.get("target")))
 
     # -- probes (the only routes without a key: they name no model) ----------------
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -25,9 +26,11 @@ from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
 from serve_app.pipeline.catalog import ModelCatalog
 from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
+from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
 from serve_app.quota.access import Access, Ticket
+from serve_app.quota.admission import Refusal
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import new_request_id
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -113,7 +116,19 @@ class Gateway:
         ``record`` learns what telemetry needs; a streamed reply finishes it
         when the stream ends, anything else is finished by the caller.
         ``background`` (batches): ranked after every tier, and refused when the
-        model's queue is as full as the low tier's share."""
+        model's queue is as full as the low tier's share.
+
+        Three stages: ``_plan`` (checks that need no Redis, the reservation),
+        ``_admit`` (the key's quotas, the tier's share of the queue) and ``_call``
+        (a replica's answer, relayed or whole), which settles what ran."""
+        plan = self._plan(key, operation, body, raw_size, record, background)
+        ticket, early = await self._admit(key, plan, record)
+        return await self._call(plan, ticket, record, early)
+
+    def _plan(self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int,
+              record: RequestRecord, background: bool) -> "_Plan":
+        """The request checked (shape, parameters, model, the key's right to it,
+        media) and priced (its token reservation); raises the client's 4xx."""
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
         record.operation = op.name
         request = validate_request(op, body)
@@ -126,9 +141,10 @@ class Gateway:
             # Serve model multiplexing: prefer replicas that already hold the adapter.
             handle = handle.options(multiplexed_model_id=adapter)
         self.access.authorize(key, model)
+        config = self.catalog.config(model)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal
         # embeddings), and the Responses API's input items (messages with content parts).
-        check_media(body.get("input") if op.name == "responses" else body.get("messages"), self.catalog.config(model).media)
+        check_media(body.get("input") if op.name == "responses" else body.get("messages"), config.media)
         reservation = reserve(
             op.name,
             body,
@@ -136,40 +152,50 @@ class Gateway:
             default_max_tokens=self.access.default_max_tokens,
             context_length=self.catalog.context_length(model),
         )
-        config = self.catalog.config(model)
         rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
         if config.priority_scheduling and op.name in PRIORITIZED:
             body["priority"] = rank
         tier = "low" if background else key.priority
-        queue_limit = config.priority.queue_limit(tier, config.max_queued_requests)
+        return _Plan(op, request, body, model, handle, config, reservation, rank, tier,
+                     streaming=bool(getattr(request, "stream", False)))
+
+    async def _admit(self, key: KeyRecord, plan: "_Plan", record: RequestRecord) -> "tuple[Ticket, _EarlyStart | None]":
+        """The key's quotas in Redis (a refusal rendered as its 429), then the tier's
+        share of the model's queue (503 when full). A stream of a key with room to
+        spare may start in the engine meanwhile (serve_app/quota/overlap.py); nothing
+        is relayed before Redis admits it."""
+        model, body = plan.model, plan.body
+        queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
-        streaming = bool(getattr(request, "stream", False))
-        # A stream of a key with room to spare starts in the engine now, its
-        # admission beside the prefill (serve_app/quota/overlap.py); nothing is relayed
-        # before Redis admits it.
-        early = (self._start_early(handle, op, body, key, model, reservation)
-                 if self.start_early and streaming and not queue_full else None)
+        early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation)
+                 if self.start_early and plan.streaming and not queue_full else None)
         self._admitting[model] += 1
         try:
-            ticket = await self.access.admit(
+            admitted = await self.access.admit(
                 key,
                 model,
-                reservation.tokens,
+                plan.reservation.tokens,
                 # Ray Serve's id for this HTTP request: it answers it as x-request-id.
                 record.request_id,
                 request_id=early.request_id if early else None,
             )
         except BaseException:
             if early is not None:
-                early.withdraw()  # refused, or the client left: the engine aborts it
+                early.withdraw()  # the quota store failed, or the client left: the engine aborts it
                 self.telemetry.started_early(model, "withdrawn")
             raise
         finally:
             self._admitting[model] -= 1
+        if isinstance(admitted, Refusal):
+            if early is not None:
+                early.withdraw()
+                self.telemetry.started_early(model, "withdrawn")
+            raise render_refusal(admitted)
+        ticket = admitted
         if early is not None:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)
-        if op.carries_request_id:
+        if plan.op.carries_request_id:
             body["request_id"] = ticket.request_id
         if early is None:
             # Again: requests that arrived together all passed the first look while Redis
@@ -179,25 +205,20 @@ class Gateway:
         if queue_full:
             # This tier's share of the model's queue is full (the rest is kept for higher tiers).
             self.access.settle(ticket, "overloaded", Usage())
-            raise _unavailable(ticket, f"Model '{model}' is at capacity for {tier}-priority requests. "
+            raise _unavailable(ticket, f"Model '{model}' is at capacity for {plan.tier}-priority requests. "
                                        "Please retry shortly.", "model_overloaded")
-        queue_timeout_s = config.queue_timeout_s
+        return ticket, early
+
+    async def _call(self, plan: "_Plan", ticket: Ticket, record: RequestRecord,
+                    early: "_EarlyStart | None") -> Reply:
+        """The call to one of the model's replicas, streamed or whole. What the
+        cluster or the transport raises on the way is answered here, and settled:
+        nothing is charged for what never ran."""
+        model, queue_timeout_s = plan.model, plan.config.queue_timeout_s
         try:
-            if streaming:
-                return await self._stream(handle, op, body, request, ticket, queue_timeout_s, record, reservation, rank,
-                                          early)
-            # A unary call travels as a stream of one item: over Serve's gRPC transport a
-            # unary call is known to be with a replica only once it has ended, so the queue
-            # timeout would bound the whole call and a cancel would never reach the replica.
-            response = await self._hand_on(
-                model, ticket, lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body),
-                queue_timeout_s, rank)
-            # Its key revoked or disabled while it runs (Access.stop_revoked): the call is
-            # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
-            ticket.on_revoke = response.cancel
-            if ticket.revoked:
-                response.cancel()
-            answer: ReplicaAnswer | ReplicaError = await only_item(response)
+            if plan.streaming:
+                return await self._call_streamed(plan, ticket, record, early)
+            answer = await self._call_unary(plan, ticket)
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
@@ -216,7 +237,7 @@ class Gateway:
         except RequestCancelledError if ticket.revoked else ():
             # A cancelled call returns nothing, so what the engine generated before the
             # cut is not known here: the key is charged its prompt, never its reservation.
-            self.access.settle(ticket, "failed", Usage(prompt_tokens=reservation.prompt))
+            self.access.settle(ticket, "failed", Usage(prompt_tokens=plan.reservation.prompt))
             raise OpenAIError(401, "This API key was revoked or disabled while the request ran.",
                               type="authentication_error", code="invalid_api_key", headers=ticket.headers) from None
         except Exception:
@@ -233,24 +254,31 @@ class Gateway:
         if isinstance(answer, ReplicaError):
             self.access.settle(ticket, "failed", Usage(), answer.replica)
             raise _engine_error(ticket, answer)
-        self._served(model, key.id, answer.usage)  # before its place goes to the next one
+        self._served(model, ticket.key.id, answer.usage)  # before its place goes to the next one
         self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
         record.used(answer.usage)
         return Reply(ticket.headers, body=answer.body)
 
-    async def _stream(
-        self,
-        handle: DeploymentHandle,
-        op: Operation,
-        body: dict,
-        request,
-        ticket: Ticket,
-        queue_timeout_s: float,
-        record: RequestRecord,
-        reservation: Reservation,
-        rank: int,
-        early: "_EarlyStart | None" = None,
-    ) -> Reply:
+    async def _call_unary(self, plan: "_Plan", ticket: Ticket) -> ReplicaAnswer | ReplicaError:
+        """A unary call travels as a stream of one item: over Serve's gRPC transport a
+        unary call is known to be with a replica only once it has ended, so the queue
+        timeout would bound the whole call and a cancel would never reach the replica."""
+        op, body, handle = plan.op, plan.body, plan.handle
+        response = await self._hand_on(
+            plan.model, ticket, lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body),
+            plan.config.queue_timeout_s, plan.rank)
+        # Its key revoked or disabled while it runs (Access.stop_revoked): the call is
+        # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
+        ticket.on_revoke = response.cancel
+        if ticket.revoked:
+            response.cancel()
+        return await only_item(response)
+
+    async def _call_streamed(self, plan: "_Plan", ticket: Ticket, record: RequestRecord,
+                             early: "_EarlyStart | None") -> Reply:
+        """The call to a replica, relayed as it streams; the relay settles it."""
+        op, body, handle, request = plan.op, plan.body, plan.handle, plan.request
+        queue_timeout_s, rank, reservation = plan.config.queue_timeout_s, plan.rank, plan.reservation
         options = getattr(request, "stream_options", None)
         client_wants_usage = bool(options and options.include_usage)
         if early is None:
@@ -374,6 +402,22 @@ def _ask_for_usage(op: Operation, body: dict) -> None:
     streams always carry it.)"""
     if op.streams_as == "openai":
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+
+
+@dataclass
+class _Plan:
+    """A request checked and priced, before its admission: what the later stages use."""
+
+    op: Operation
+    request: Any  # the validated request (api_requests' model of it)
+    body: dict[str, Any]  # the canonical body, as the replica gets it
+    model: str
+    handle: DeploymentHandle  # the model's (with its adapter, if one is named)
+    config: ModelConfig
+    reservation: Reservation
+    rank: int  # its place in the engine's priority and the fair-share gate's order
+    tier: str  # whose share of the model's queue it may take
+    streaming: bool
 
 
 class _EarlyStart:

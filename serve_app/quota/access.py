@@ -2,7 +2,8 @@
 
 One ``Access`` per ingress replica wraps the key store and the admission
 scripts with what the hot path needs: a short key cache (a revoked key stops
-working within ``key_cache_ttl_s``), refusals in OpenAI's words (refusals.py), fire-and-forget
+working within ``key_cache_ttl_s``), admission that answers a ``Ticket`` or a
+``Refusal`` (its caller words it: serve_app/pipeline/refusals.py), fire-and-forget
 bookkeeping that never delays a response, and the Redis-down behaviour that
 ``fail_mode`` chooses.
 
@@ -35,10 +36,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from contract.replica_wire import Usage
+from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable
 from serve_app.quota import redis_client
-from serve_app.quota import refusals
-from serve_app.quota.admission import Admission, Decision
-from serve_app.errors import OpenAIError
+from serve_app.quota.admission import Admission, Decision, Refusal
+from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog
 from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
 from serve_app.quota.local_limits import LocalLimiter
@@ -91,6 +92,7 @@ class Access:
         quota = settings.quota
         self.redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
         self.keys = KeyStore(self.redis)
+        self.audit = AuditLog(self.redis)  # admin actions (quota/admin.py writes it)
         self.admission = Admission(
             self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
             replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
@@ -131,9 +133,9 @@ class Access:
             except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
                 record = self._fallback(hashed, exc)
-            except REDIS_FAILED as exc:
+            except REDIS_FAILED:
                 self.telemetry.redis_failed("authenticate")
-                raise refusals.backend_error(exc) from None
+                raise quota_store_error() from None
             else:
                 self._cache.put(hashed, record)
         if record is None:
@@ -145,18 +147,20 @@ class Access:
         one Redis confirmed within ``key_stale_max_s``, or a 503."""
         record = self._cache.fallback(hashed) if self.fail_open else None
         if record is None:
-            raise refusals.unavailable(exc)
+            raise quota_store_unavailable()
         logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
         self.telemetry.fell_back("cached_key")
         return record
 
-    def check_admin(self, headers) -> None:
+    def check_admin(self, headers) -> str:
+        """Who is calling the admin API (the audit trail's actor), or 401."""
         secret = _secret_from(headers)
         # As bytes: compare_digest refuses str with non-ASCII characters (a header may carry any).
         if self.admin_token is None or not secret or not hmac.compare_digest(
             secret.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8")
         ):
             raise OpenAIError(401, "Admin API: invalid or missing admin token.", code="invalid_api_key")
+        return ADMIN_TOKEN_ACTOR
 
     @staticmethod
     def authorize(key: KeyRecord, model: str) -> None:
@@ -173,9 +177,11 @@ class Access:
         return self.overlap is not None and self.overlap.try_spend(key, reserve_tokens)
 
     async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",
-                    request_id: str | None = None) -> Ticket:
-        """``request_id``: the id the request was already sent to the engine under
-        (an overlapped admission); a new one otherwise."""
+                    request_id: str | None = None) -> Ticket | Refusal:
+        """A ``Ticket`` to run, or the ``Refusal`` of a limit (rendered by the caller).
+        A quota store that cannot decide raises its 503. ``request_id``: the id the
+        request was already sent to the engine under (an overlapped admission); a
+        new one otherwise."""
         request_id = request_id or new_request_id(key.id)
         started = time.perf_counter()
         try:
@@ -190,27 +196,29 @@ class Access:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)  # no guesses while Redis cannot answer
             try:
-                return self._admit_locally(key, request_id, model, reserve_tokens, exc)
+                admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc)
             except OpenAIError:
                 self._settle_later(key, request_id, model, "failed", 0, 0)  # in case the call ran
                 raise
+            if isinstance(admitted, Refusal):
+                self._settle_later(key, request_id, model, "failed", 0, 0)
+            return admitted
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)
             logger.error("Redis refused the admission script: %s", exc)
             self._settle_later(key, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
-            raise refusals.backend_error(exc) from None
+            raise quota_store_error() from None
         self.telemetry.admission_took(time.perf_counter() - started)
         self._record_budget_use(key, decision)
-        headers = decision.headers(key)
         if decision.kind == "duplicate":  # a 64-bit random id seen before: never in practice
-            raise refusals.backend_error(RuntimeError("request id collision"))
+            raise quota_store_error()
         if not decision.admitted:
             self._no_overlap(key)
-            raise refusals.refusal(key, decision, reserve_tokens, headers)
+            return Refusal(key, decision.kind, reserve_tokens, decision)
         if self.overlap is not None:
             self.overlap.admitted(key, decision)
-        ticket = Ticket(key, request_id, model, headers)
+        ticket = Ticket(key, request_id, model, decision.headers(key))
         self._leased[request_id] = ticket
         if http_request_id:
             self._spawn(self.admission.index_http_id(http_request_id, request_id))
@@ -228,14 +236,15 @@ class Access:
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
-    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc) -> Ticket:
+    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int,
+                       exc) -> Ticket | Refusal:
         if not self.fail_open:
-            raise refusals.unavailable(exc)
+            raise quota_store_unavailable()
         self.telemetry.fell_back("local_limits")
         logger.warning("Redis unreachable (%s): admitting on local limits", type(exc).__name__)
         admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
         if not admitted:
-            raise refusals.local_refusal(key, kind, retry_s)
+            return Refusal(key, kind, reserve_tokens, retry_s=retry_s)
         return Ticket(key, request_id, model, {}, local=True)
 
     # -- bookkeeping off the response path ------------------------------------

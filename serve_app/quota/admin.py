@@ -1,7 +1,10 @@
-"""The admin API's operations: the same key store and records `llmctl` uses.
+"""The admin operations, for the admin API and `llmctl` alike: the same key store
+and records, and every change written to the audit trail (audit.py) with who
+made it (``actor``).
 
-Each function takes the ingress's ``Access`` and plain request data and
-returns JSON-ready data or raises ``OpenAIError``; the ingress only routes.
+Each function takes an ``Access`` (or what `llmctl` builds in its place: ``keys``,
+``redis``, ``audit``) and plain request data and returns JSON-ready data or
+raises ``OpenAIError``; the ingress and `llmctl` only route.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
+from serve_app.quota.audit import changed
 from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyRecord
 from serve_app.quota.usage import key_usage, request_state
 
@@ -47,12 +51,13 @@ async def _key(access, id_or_name: str) -> KeyRecord:
         raise OpenAIError(404, f"No API key '{id_or_name}'.", code="key_not_found") from None
 
 
-async def create_key(access, body: Any) -> dict[str, Any]:
+async def create_key(access, body: Any, actor: str) -> dict[str, Any]:
     new = _parse(NewKey, body)
     try:
         record, secret = await access.keys.create(new.name, KeyLimits(**new.model_dump(exclude={"name"})))
     except ValueError as exc:
         raise OpenAIError(409, str(exc), param="name", code="key_exists") from None
+    await access.audit.record(actor, "key.create", record.id, after=record.model_dump())
     return {**record.model_dump(), "secret": secret}
 
 
@@ -64,18 +69,22 @@ async def show_key(access, id_or_name: str) -> dict[str, Any]:
     return (await _key(access, id_or_name)).model_dump()
 
 
-async def update_key(access, id_or_name: str, body: Any) -> dict[str, Any]:
+async def update_key(access, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
     changes = _parse(KeyChanges, body).model_dump(exclude_unset=True)
     record = await _key(access, id_or_name)
     try:
-        return (await access.keys.update(record.id, **changes)).model_dump()
+        updated = await access.keys.update(record.id, **changes)
     except ValidationError as exc:
         raise invalid_request(exc) from None
+    await access.audit.record(actor, "key.update", record.id, *changed(record.model_dump(), updated.model_dump()))
+    return updated.model_dump()
 
 
-async def revoke_key(access, id_or_name: str) -> dict[str, Any]:
+async def revoke_key(access, id_or_name: str, actor: str) -> dict[str, Any]:
     record = await _key(access, id_or_name)
-    return (await access.keys.revoke(record.id)).model_dump()
+    revoked = await access.keys.revoke(record.id)
+    await access.audit.record(actor, "key.revoke", record.id, *changed(record.model_dump(), revoked.model_dump()))
+    return revoked.model_dump()
 
 
 async def usage(access, id_or_name: str) -> dict[str, Any]:
@@ -112,7 +121,24 @@ async def list_batches(access, batches, key: str | None, limit: int, after: str 
     return {"object": "list", "data": data, "has_more": False}
 
 
-async def cancel_batch(access, batches, batch_id: str) -> dict[str, Any]:
+async def cancel_batch(access, batches, batch_id: str, actor: str) -> dict[str, Any]:
     """Cancel any key's batch not ended yet (404 for one that ended: nothing to stop)."""
     key_id = await batches.key_of(batch_id)
-    return {**await batches.cancel(key_id, batch_id), "key_id": key_id}
+    cancelled = await batches.cancel(key_id, batch_id)
+    await access.audit.record(actor, "batch.cancel", batch_id, after={"key_id": key_id, "status": cancelled["status"]})
+    return {**cancelled, "key_id": key_id}
+
+
+async def audit_trail(access, limit: Any = 100, before: str | None = None, actor: str | None = None,
+                      target: str | None = None) -> dict[str, Any]:
+    """A page of the audit trail, newest first (``before``: the last id of the previous page)."""
+    try:
+        limit = int(limit)
+    except (TypeError, ValueError):
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise OpenAIError(400, "'limit' must be an integer from 1 to 1000.", param="limit")
+    try:
+        return await access.audit.read(limit, before, actor, target)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="before") from None

@@ -81,6 +81,24 @@ class Decision:
         return headers
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Admission said no: which limit (a ``REFUSALS`` kind) refused which key, as a
+    value the caller renders (serve_app/pipeline/refusals.py). ``decision`` is Redis'
+    (the headers are its own); None when the local limits of an outage decided,
+    which know only when to retry (``retry_s``)."""
+
+    key: KeyRecord
+    kind: str
+    reserved: int  # the tokens the request asked to reserve
+    decision: Decision | None = None
+    retry_s: float = 0.0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.decision.headers(self.key) if self.decision is not None else {}
+
+
 def duration(ms: int) -> str:
     """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
     if ms < 1000:

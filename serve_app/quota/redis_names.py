@@ -36,6 +36,9 @@ def key_name(name: str) -> str:
 
 KEY_INDEX = f"{PREFIX}:keys"
 
+# The audit trail of admin actions: one stream (serve_app/quota/audit.py).
+AUDIT_LOG = f"{PREFIX}:audit"
+
 
 def requests_rate(key_id: str) -> str:
     return f"{PREFIX}:rpm:{tag(key_id)}"

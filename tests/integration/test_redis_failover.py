@@ -21,6 +21,8 @@ from contract.replica_wire import Usage
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
 from serve_app.quota import redis_names
 from serve_app.quota.access import Access
+from serve_app.quota.admission import Refusal
+from serve_app.pipeline.refusals import render
 from serve_app.errors import OpenAIError
 from serve_app.quota.keys import KeyLimits, KeyStore
 from serve_app.settings import AppSettings
@@ -64,6 +66,8 @@ async def client_loop(gate: Access, secret: str, tally: Tally, stop: asyncio.Eve
         try:
             key = await gate.authenticate(headers)
             ticket = await gate.admit(key, "m", 10)
+            if isinstance(ticket, Refusal):
+                raise render(ticket)
         except OpenAIError as refused:
             tally.outcomes[f"{refused.status} {refused.code}"] += 1
             await asyncio.sleep(0.05)  # a client backing off a little (not the whole retry-after)

@@ -15,6 +15,7 @@ import pytest
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart
 from serve_app.quota.access import Ticket
+from serve_app.quota.admission import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.pipeline import fair_share
 from serve_app.pipeline.gateway import Gateway
@@ -44,9 +45,9 @@ class Access:
 
     async def admit(self, key, model, tokens, http_request_id, request_id=None):
         self.events.append("admission asked")
-        refusal = await self.decision
-        if refusal is not None:
-            raise refusal
+        refused = await self.decision  # a limit's kind, or None
+        if refused is not None:
+            return Refusal(key, refused, tokens, retry_s=1.0)
         self.events.append("admitted")
         return Ticket(key, request_id or "k1-late", model, headers={"x-ratelimit-limit-requests": "10"})
 
@@ -146,7 +147,7 @@ async def test_a_refusal_or_a_client_gone_during_admission_ends_the_call_and_fre
     gate = gw._gates["tiny-llama"]
     assert gate.in_flight == 1
     if ending == "refused":
-        access.decision.set_result(OpenAIError(429, "Rate limit reached", type="requests"))
+        access.decision.set_result("requests")
         with pytest.raises(OpenAIError) as refused:
             await run
         assert refused.value.status == 429

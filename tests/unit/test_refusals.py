@@ -1,7 +1,7 @@
 """Pure logic: what a 429 says and carries."""
 
-from serve_app.quota.refusals import refusal as _refusal
-from serve_app.quota.admission import Decision, duration
+from serve_app.pipeline.refusals import render
+from serve_app.quota.admission import Decision, Refusal, duration
 from serve_app.quota.keys import KeyRecord
 
 KEY = KeyRecord(id="k1", name="team-a", created_at=0, requests_per_minute=60, tokens_per_minute=1000,
@@ -11,7 +11,7 @@ KEY = KeyRecord(id="k1", name="team-a", created_at=0, requests_per_minute=60, to
 def refuse(kind, **fields):
     decision = Decision(False, kind, fields.get("retry_ms", 1500), fields.get("rr", 0), 1000,
                         fields.get("kr", 100), 2000, fields.get("detail", ""))
-    return _refusal(KEY, decision, 300, decision.headers(KEY))
+    return render(Refusal(KEY, kind, 300, decision))
 
 
 def test_rate_limit_message_names_limit_usage_and_retry():
@@ -36,3 +36,9 @@ def test_too_large_has_no_retry_after():
 
 def test_reset_durations_read_like_openais():
     assert [duration(ms) for ms in (20, 1500, 60_000, 361_000)] == ["20ms", "1.5s", "1m0s", "6m1s"]
+
+
+def test_a_local_limits_refusal_says_when_to_retry():
+    error = render(Refusal(KEY, "concurrency", 10, retry_s=1.0))
+    assert error.status == 429 and error.type == "concurrency" and error.code == "rate_limit_exceeded"
+    assert error.headers == {"retry-after": "1", "retry-after-ms": "1000"}

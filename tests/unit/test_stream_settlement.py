@@ -11,7 +11,7 @@ from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart, Usage
 from serve_app.quota.access import Ticket
 from serve_app.wire.api_requests import OPERATIONS
-from serve_app.pipeline.gateway import Gateway
+from serve_app.pipeline.gateway import Gateway, _Plan
 from serve_app.quota.keys import KeyRecord
 from serve_app.wire.reservation import Reservation
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -81,8 +81,9 @@ def stream_once(gateway, chunks, ticket):
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=lambda *a: chunks)))
     request = SimpleNamespace(stream_options=None)
     body = {"model": "tiny-llama", "messages": []}
-    return gateway._stream(handle, OPERATIONS["chat"], body, request, ticket, 5, RequestRecord("openai", "x"),
-                           RESERVED, rank=1)
+    plan = _Plan(OPERATIONS["chat"], request, body, "tiny-llama", handle, ModelConfig(name="tiny-llama"), RESERVED,
+                 rank=1, tier="normal", streaming=True)
+    return gateway._call_streamed(plan, ticket, RequestRecord("openai", "x"), early=None)
 
 
 async def relay_all(gateway, chunks, ticket) -> str:
@@ -185,8 +186,9 @@ async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_mes
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(
         remote=lambda *args: sent.append(args) or chunks)))
     body = {"model": "tiny-llama", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    reply = await gateway._stream(handle, OPERATIONS["messages"], body, SimpleNamespace(), ticket, 5,
-                                  RequestRecord("anthropic", "x"), RESERVED, rank=1)
+    plan = _Plan(OPERATIONS["messages"], SimpleNamespace(), body, "tiny-llama", handle, ModelConfig(name="tiny-llama"),
+                 RESERVED, rank=1, tier="normal", streaming=True)
+    reply = await gateway._call_streamed(plan, ticket, RequestRecord("anthropic", "x"), early=None)
     relayed = "".join([item async for item in reply.stream])
     assert relayed.endswith(end)  # passed on whole: Anthropic's client reads the usage itself
     assert sent == [("messages", body)] and "stream_options" not in body  # vLLM's Anthropic request has none

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from quota_stack.stack_args import ADMIN, FILES_DIR, MODEL
+from quota_stack.stack_args import ADMIN, FILES_DIR
 from quota_stack.test_1_batches_e2e import ENDED, chat_line, ended, sdk, start, wait_for
 from serve_app.quota import redis_names
 from settled import inference, records, wait_until_settled
@@ -82,6 +82,11 @@ def test_a_revoked_keys_batch_stops_within_seconds(base_url, redis_server, redis
         line["response"]["status_code"] == 401 and line["response"]["body"]["error"]["code"] == "invalid_api_key"
         for line in cut), cut
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    # The revocation is in the audit trail: who, and what it changed.
+    trail = httpx.get(base_url + "/admin/audit", params={"target": key_id}, headers=ADMIN_HEADERS, timeout=30).json()
+    [revoked] = [entry for entry in trail["data"] if entry["action"] == "key.revoke"]
+    assert revoked["actor"] == "admin-token" and (revoked["before"], revoked["after"]) == (
+        {"enabled": True}, {"enabled": False})
 
 
 def test_limits_lowered_mid_batch_apply_to_its_next_request_and_a_cancel_ends_it_while_parked(
@@ -118,6 +123,14 @@ def test_limits_lowered_mid_batch_apply_to_its_next_request_and_a_cancel_ends_it
     done = wait_for_admin(base_url, key_id, batch.id, lambda b: b["status"] in ENDED, timeout_s=15)
     assert done["status"] == "cancelled" and time.monotonic() - cancelled_at < 15
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
+    # Both admin actions are in the audit trail, the limits' change with its old values.
+    audit = {target: httpx.get(base_url + "/admin/audit", params={"target": target}, headers=ADMIN_HEADERS,
+                               timeout=30).json()["data"] for target in (key_id, batch.id)}
+    [change] = [entry for entry in audit[key_id] if entry["action"] == "key.update"]
+    assert change["after"] == {"daily_token_budget": budget, "requests_per_minute": 1}
+    assert set(change["before"]) == {"daily_token_budget", "requests_per_minute"}
+    [cancel] = audit[batch.id]
+    assert (cancel["action"], cancel["actor"], cancel["after"]["key_id"]) == ("batch.cancel", "admin-token", key_id)
 
 
 def test_a_batch_that_cannot_proceed_holds_no_place_from_another_keys(base_url, redis_server, redis):

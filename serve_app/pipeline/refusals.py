@@ -1,18 +1,23 @@
-"""Admission's decisions as the client reads them: OpenAI's 429 with the limit that
-refused, what was used and when to retry (the headers are the decision's own), and
-the 503s of a quota store that cannot answer. The decisions are made elsewhere
-(admission.py in Redis, local_limits.py during an outage); this only words them."""
+"""Admission's refusals as the client reads them: OpenAI's 429 with the limit that
+refused, what was used and when to retry (the headers are the decision's own).
+The decisions are made in serve_app/quota (admission.py in Redis, local_limits.py
+during an outage) and handed back as ``Refusal`` values; only this words them, as
+envoy's ratelimit service decides and its HTTP filter answers."""
 
 from __future__ import annotations
 
 import math
 
 from serve_app.errors import OpenAIError
-from serve_app.quota.admission import REFUSALS, Decision
+from serve_app.quota.admission import REFUSALS, Decision, Refusal
 from serve_app.quota.keys import KeyRecord
 
-# What a 503 of the quota store tells the client to wait.
-REDIS_DOWN_RETRY_S = 1
+
+def render(refused: Refusal) -> OpenAIError:
+    """The 429 a refusal answers, Redis' or the local limits'."""
+    if refused.decision is None:
+        return local_refusal(refused.key, refused.kind, refused.retry_s)
+    return refusal(refused.key, refused.decision, refused.reserved, refused.headers)
 
 
 def local_refusal(key: KeyRecord, kind: str, retry_s: float) -> OpenAIError:
@@ -25,20 +30,6 @@ def local_refusal(key: KeyRecord, kind: str, retry_s: float) -> OpenAIError:
         code=code,
         headers={"retry-after": str(math.ceil(retry_s)), "retry-after-ms": str(math.ceil(retry_s * 1000))},
     )
-
-
-def backend_error(exc) -> OpenAIError:
-    """Redis answered with an error (script, OOM, READONLY, MOVED): a server fault, never admission."""
-    return _quota_store_503("The service could not check quotas right now (quota store error).", "quota_backend_error")
-
-
-def unavailable(exc) -> OpenAIError:
-    return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
-
-
-def _quota_store_503(message: str, code: str) -> OpenAIError:
-    retry = {"retry-after": str(REDIS_DOWN_RETRY_S), "retry-after-ms": str(REDIS_DOWN_RETRY_S * 1000)}
-    return OpenAIError(503, f"{message} Please retry shortly.", code=code, headers=retry)
 
 
 def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str]) -> OpenAIError:

@@ -1,0 +1,100 @@
+"""The audit trail of admin actions on a real Redis (one node, a Cluster, Sentinel):
+what `llmctl` and the admin operations record, who is named, what is never written
+(a secret), how a page is read, and the bounds that keep it from growing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from serve_app.cli import main
+from serve_app.errors import OpenAIError
+from serve_app.quota import admin, audit, redis_names
+from serve_app.quota.access import Access
+from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog, llmctl_actor
+from serve_app.quota.keys import digest
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+
+
+def llmctl(capsys, redis_url, *argv):
+    code = main(["--redis-url", redis_url, *argv])
+    return code, capsys.readouterr()
+
+
+def test_llmctl_key_changes_are_recorded_with_who_what_before_and_after(capsys, redis_url):
+    code, out = llmctl(capsys, redis_url, "keys", "create", "audit-cli", "--rpm", "60", "--json")
+    created = json.loads(out.out)
+    assert code == 0
+    assert llmctl(capsys, redis_url, "keys", "update", "audit-cli", "--rpm", "30", "--tpm", "900", "--json")[0] == 0
+    assert llmctl(capsys, redis_url, "keys", "update", "audit-cli", "--rpm", "30", "--json")[0] == 0  # no change
+    assert llmctl(capsys, redis_url, "keys", "revoke", "audit-cli", "--json")[0] == 0
+
+    code, out = llmctl(capsys, redis_url, "audit", "--target", created["id"])
+    entries = json.loads(out.out)
+    assert code == 0 and [e["action"] for e in entries] == ["key.revoke", "key.update", "key.update", "key.create"]
+    assert {e["actor"] for e in entries} == {llmctl_actor()} and llmctl_actor().startswith("llmctl:")
+    revoke, update_none, update, create = entries
+    assert revoke["before"] == {"enabled": True} and revoke["after"] == {"enabled": False}
+    assert update["before"] == {"requests_per_minute": 60, "tokens_per_minute": 0}
+    assert update["after"] == {"requests_per_minute": 30, "tokens_per_minute": 900}
+    assert update_none["before"] == {} and update_none["after"] == {}
+    assert create["before"] is None and create["after"]["name"] == "audit-cli" and "secret" not in create["after"]
+    assert abs(create["at"] - time.time()) < 60 and revoke["at"] >= create["at"]
+    # The secret is nowhere in the trail, nor its digest (every field of every entry is printed).
+    assert created["secret"] not in out.out and digest(created["secret"]) not in out.out
+
+
+async def test_admin_operations_name_the_admin_token_and_refused_changes_record_nothing(redis_url, redis):
+    access = Access(AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False))
+    try:
+        actor = access.check_admin({"authorization": "Bearer audit-admin-token"})
+        assert actor == ADMIN_TOKEN_ACTOR
+        created = await admin.create_key(access, {"name": "audit-api", "daily_token_budget": 1000}, actor)
+        for refused in ({"daily_token_budget": "lots"}, {"secret": "x"}, {"requests_per_minute": -1}):
+            with pytest.raises(OpenAIError) as caught:
+                await admin.update_key(access, created["id"], refused, actor)
+            assert caught.value.status == 400
+        with pytest.raises(OpenAIError):  # a name taken: 409, nothing recorded
+            await admin.create_key(access, {"name": "audit-api"}, actor)
+        await admin.update_key(access, "audit-api", {"daily_token_budget": 300, "priority": "low"}, actor)
+        page = await admin.audit_trail(access, 10, target=created["id"])
+        assert [(e["action"], e["actor"]) for e in page["data"]] == [("key.update", actor), ("key.create", actor)]
+        assert page["data"][0]["after"] == {"daily_token_budget": 300, "priority": "low"}
+        assert page["has_more"] is False
+    finally:
+        await access.redis.aclose()
+
+
+async def test_pages_newest_first_filtered_and_bad_cursors_are_400(redis_url, redis):
+    log = AuditLog(redis)
+    target = f"page-{time.monotonic_ns()}"
+    ids = [await log.record("someone", "key.update", target, {"n": n}, {"n": n + 1}) for n in range(7)]
+    await log.record("someone-else", "key.update", target)
+    access = type("A", (), {"audit": log})()
+    first = await admin.audit_trail(access, 3, actor="someone", target=target)
+    assert [e["id"] for e in first["data"]] == ids[::-1][:3] and first["has_more"]
+    second = await admin.audit_trail(access, 3, before=first["data"][-1]["id"], actor="someone", target=target)
+    assert [e["id"] for e in second["data"]] == ids[::-1][3:6]
+    assert len((await admin.audit_trail(access, 1000, target=target))["data"]) == 8
+    for limit, before in ((0, None), (1001, None), ("ten", None), ([1], None), (5, "0; DROP"), (5, "+"), (5, "1-2-3")):
+        with pytest.raises(OpenAIError) as caught:
+            await admin.audit_trail(access, limit, before=before)
+        assert caught.value.status == 400
+
+
+async def test_the_trail_is_bounded_in_entries_and_in_age(redis, monkeypatch):
+    log = AuditLog(redis)
+    monkeypatch.setattr(audit, "MAX_ENTRIES", 5)
+    for n in range(12):
+        await log.record("flood", "key.update", f"flood-{n}")
+    assert await redis.xlen(redis_names.AUDIT_LOG) == 5
+    monkeypatch.setattr(audit, "MAX_ENTRIES", 1000)
+    monkeypatch.setattr(audit, "RETENTION_S", 1)
+    await log.record("old", "key.update", "old")
+    time.sleep(1.1)
+    await log.record("new", "key.update", "new")
+    remaining = [e["actor"] for e in (await log.read(100))["data"]]
+    assert remaining == ["new"]
