@@ -64,11 +64,12 @@ def running_replica_ids(deployment: str) -> set[str]:
     return {replica["replica_id"] for replica in replicas if replica["state"] == "RUNNING"}
 
 
-def twin_config(tmp_path: Path, port: int, adapter_dir: Path, **changes) -> Path:
+def twin_config(tmp_path: Path, port: int, adapter_dir: Path, only: list[str] | None = None, **changes) -> Path:
     """configs/multi.yaml as shipped, but for: the port, an adapter folder for
     small-llama (so '<model>:<folder>' adapters are tested), a "thinking" variant
     of the demo model for vLLM's reasoning parser, engines eager
-    (stack.eager_engines), and ``changes`` per model (a rollout's new version)."""
+    (stack.eager_engines), and ``changes`` per model (a rollout's new version);
+    ``only``: these models alone (the others are removed from the deployment)."""
     config = yaml.safe_load((REPO / "configs" / "multi.yaml").read_text())
     config["http_options"]["port"] = port
     models = config["applications"][0]["args"]["models"]
@@ -89,6 +90,8 @@ def twin_config(tmp_path: Path, port: int, adapter_dir: Path, **changes) -> Path
     })
     for name, change in changes.items():
         by_name[name].update(change)
+    if only is not None:
+        models[:] = [model for model in models if model["name"] in only]
     eager_engines(models)
     path = tmp_path / f"multi-{len(changes)}.yaml"
     path.write_text(yaml.safe_dump(config))
