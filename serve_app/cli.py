@@ -6,6 +6,7 @@
     llmctl usage --key NAME_OR_ID
     llmctl requests show REQUEST_ID [--key NAME_OR_ID]
     llmctl batches list [--key NAME_OR_ID] | cancel BATCH_ID   (any key's batches)
+    llmctl admins create NAME | list | revoke NAME   (named admin credentials; the secret is shown once)
     llmctl audit [--limit N --before ID --actor WHO --target KEY_OR_BATCH_ID]   (admin actions, newest first)
     llmctl check-config FILE | demo-model
     llmctl run [CONFIG] [--grace S] [--log FILE] | stop   (the local stack: `make run`, `make stop`)
@@ -56,10 +57,11 @@ def _admin_access(redis):
     """What quota/admin.py needs of an ``Access``, for `llmctl`'s admin actions."""
     from types import SimpleNamespace
 
+    from serve_app.quota.admins import AdminStore
     from serve_app.quota.audit import AuditLog
     from serve_app.quota.keys import KeyStore
 
-    return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis))
+    return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis), admins=AdminStore(redis))
 
 
 async def _keys(args: argparse.Namespace) -> int:
@@ -183,6 +185,29 @@ async def _batches(args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
+async def _admins(args: argparse.Namespace) -> int:
+    from serve_app.errors import OpenAIError
+    from serve_app.quota import admin
+    from serve_app.quota.audit import llmctl_actor
+
+    redis = _redis(args)
+    access = _admin_access(redis)
+    try:
+        if args.action == "create":
+            _print(await admin.create_admin(access, {"name": args.name}, llmctl_actor()), True)
+            print("The secret is shown only now; give it to its owner safely.", file=sys.stderr)
+        elif args.action == "list":
+            _print((await admin.list_admins(access))["data"], True)
+        else:
+            _print(await admin.revoke_admin(access, args.name, llmctl_actor()), True)
+        return 0
+    except OpenAIError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+
+
 async def _audit(args: argparse.Namespace) -> int:
     from serve_app.errors import OpenAIError
     from serve_app.quota import admin
@@ -298,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     listing.add_argument("--key", default=None, help="key id or name")
     batches.add_parser("cancel", help="cancel a batch not ended yet").add_argument("batch_id")
     commands.choices["batches"].set_defaults(run=lambda a: asyncio.run(_batches(a)))
+
+    admins = commands.add_parser("admins", help="named admin credentials").add_subparsers(dest="action",
+                                                                                          required=True)
+    admins.add_parser("create", help="a new admin credential; prints its secret once").add_argument("name")
+    admins.add_parser("list")
+    admins.add_parser("revoke", help="the credential stops working at once").add_argument("name")
+    commands.choices["admins"].set_defaults(run=lambda a: asyncio.run(_admins(a)))
 
     audit = commands.add_parser("audit", help="admin actions (keys, limits, revocations, batch cancels), newest first")
     audit.add_argument("--limit", type=int, default=50)

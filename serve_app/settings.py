@@ -192,7 +192,8 @@ class AppSettings(BaseSettings):
         description="One node, a Redis Cluster or a Sentinel's primary: serve_app/quota/redis_client.py.",
     )
     admin_token: SecretStr | None = Field(
-        None, description="Bearer token of the /admin API (LLM_CLUSTER_ADMIN_TOKEN); unset = admin API off."
+        None, description="The /admin API's shared bootstrap token (LLM_CLUSTER_ADMIN_TOKEN); unset = only named "
+        "admin credentials (`llmctl admins create`) are accepted."
     )
 
     @field_validator("redis_url")

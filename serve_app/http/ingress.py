@@ -349,7 +349,7 @@ class Ingress(HandlesRequests):
 
     async def _admin_json(self, request: Request) -> tuple[str, Any]:
         """(the admin calling, the request's JSON object)."""
-        actor = self.access.check_admin(request.headers)
+        actor = await self.access.admin_actor(request.headers)
         raw = await self._read_body(request)
         return actor, parse_json_object(raw) if raw else {}
 
@@ -360,12 +360,12 @@ class Ingress(HandlesRequests):
 
     @route("GET", "/admin/keys", "admin")
     async def admin_list_keys(self, request: Request) -> JSONResponse:
-        self.access.check_admin(request.headers)
+        await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.list_keys(self.access))
 
     @route("GET", "/admin/keys/{key}", "admin")
     async def admin_show_key(self, key: str, request: Request) -> JSONResponse:
-        self.access.check_admin(request.headers)
+        await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.show_key(self.access, key))
 
     @route("PATCH", "/admin/keys/{key}", "admin")
@@ -375,36 +375,51 @@ class Ingress(HandlesRequests):
 
     @route("DELETE", "/admin/keys/{key}", "admin")
     async def admin_revoke_key(self, key: str, request: Request) -> JSONResponse:
-        actor = self.access.check_admin(request.headers)
+        actor = await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.revoke_key(self.access, key, actor))
 
     @route("GET", "/admin/keys/{key}/usage", "admin")
     async def admin_key_usage(self, key: str, request: Request) -> JSONResponse:
-        self.access.check_admin(request.headers)
+        await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.usage(self.access, key))
 
     @route("GET", "/admin/requests/{request_id}", "admin")
     async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
-        self.access.check_admin(request.headers)
+        await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.request(self.access, request_id, request.query_params.get("key")))
 
     @route("GET", "/admin/batches", "admin")
     async def admin_list_batches(self, request: Request) -> JSONResponse:
-        self.access.check_admin(request.headers)
+        await self.access.admin_actor(request.headers)
         params = list_params(request.query_params)
         return JSONResponse(await admin.list_batches(self.access, self.batches, request.query_params.get("key"),
                                                      params["limit"], params["after"]))
 
     @route("POST", "/admin/batches/{batch_id}/cancel", "admin")
     async def admin_cancel_batch(self, batch_id: str, request: Request) -> JSONResponse:
-        actor = self.access.check_admin(request.headers)
+        actor = await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.cancel_batch(self.access, self.batches, batch_id, actor))
+
+    @route("POST", "/admin/admins", "admin")
+    async def admin_create_admin(self, request: Request) -> JSONResponse:
+        actor, body = await self._admin_json(request)
+        return JSONResponse(await admin.create_admin(self.access, body, actor), status_code=201)
+
+    @route("GET", "/admin/admins", "admin")
+    async def admin_list_admins(self, request: Request) -> JSONResponse:
+        await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.list_admins(self.access))
+
+    @route("DELETE", "/admin/admins/{name}", "admin")
+    async def admin_revoke_admin(self, name: str, request: Request) -> JSONResponse:
+        actor = await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.revoke_admin(self.access, name, actor))
 
     @route("GET", "/admin/audit", "admin")
     async def admin_audit(self, request: Request) -> JSONResponse:
         """Admin actions, newest first: ``limit`` (1-1000), ``before`` (an entry id: the
         next page), ``actor``, ``target`` (a key id, a batch id)."""
-        self.access.check_admin(request.headers)
+        await self.access.admin_actor(request.headers)
         query = request.query_params
         return JSONResponse(await admin.audit_trail(self.access, query.get("limit", 100), query.get("before"),
                                                     query.get("actor"), query.get("target")))

@@ -39,6 +39,8 @@ from contract.replica_wire import Usage
 from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable
 from serve_app.quota import redis_client
 from serve_app.quota.admission import Admission, Decision, Refusal
+from serve_app.quota.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
+from serve_app.quota.admins import AdminStore
 from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog
 from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
@@ -93,6 +95,7 @@ class Access:
         self.redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
         self.keys = KeyStore(self.redis)
         self.audit = AuditLog(self.redis)  # admin actions (quota/admin.py writes it)
+        self.admins = AdminStore(self.redis)  # named admin credentials
         self.admission = Admission(
             self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
             replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
@@ -152,15 +155,28 @@ class Access:
         self.telemetry.fell_back("cached_key")
         return record
 
-    def check_admin(self, headers) -> str:
-        """Who is calling the admin API (the audit trail's actor), or 401."""
+    async def admin_actor(self, headers) -> str:
+        """Who is calling the admin API (the audit trail's actor: ``admin-token`` for
+        the shared bootstrap token, ``admin:<name>`` for a named credential), or 401."""
         secret = _secret_from(headers)
         # As bytes: compare_digest refuses str with non-ASCII characters (a header may carry any).
-        if self.admin_token is None or not secret or not hmac.compare_digest(
+        if self.admin_token is not None and secret and hmac.compare_digest(
             secret.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8")
         ):
-            raise OpenAIError(401, "Admin API: invalid or missing admin token.", code="invalid_api_key")
-        return ADMIN_TOKEN_ACTOR
+            return ADMIN_TOKEN_ACTOR
+        admin = None
+        if secret and secret.startswith(ADMIN_SECRET_PREFIX):
+            try:
+                admin = await self.admins.authenticate(secret)
+            except UNREACHABLE:
+                self.telemetry.redis_failed("authenticate")
+                raise quota_store_unavailable() from None
+            except REDIS_FAILED:
+                self.telemetry.redis_failed("authenticate")
+                raise quota_store_error() from None
+        if admin is None:
+            raise OpenAIError(401, "Admin API: invalid or missing admin credential.", code="invalid_api_key")
+        return f"admin:{admin.name}"
 
     @staticmethod
     def authorize(key: KeyRecord, model: str) -> None:

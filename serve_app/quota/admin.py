@@ -15,12 +15,19 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
+from serve_app.quota.admins import AdminNotFound
 from serve_app.quota.audit import changed
 from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyRecord
 from serve_app.quota.usage import key_usage, request_state
 
 
 class NewKey(KeyLimits):
+    name: str
+
+
+class NewAdmin(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str
 
 
@@ -142,3 +149,29 @@ async def audit_trail(access, limit: Any = 100, before: str | None = None, actor
         return await access.audit.read(limit, before, actor, target)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="before") from None
+
+
+async def create_admin(access, body: Any, actor: str) -> dict[str, Any]:
+    """A named admin credential; its secret is in this answer only."""
+    new = _parse(NewAdmin, body)
+    try:
+        record, secret = await access.admins.create(new.name, actor)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="name") from None
+    except FileExistsError as exc:
+        raise OpenAIError(409, str(exc), param="name", code="admin_exists") from None
+    await access.audit.record(actor, "admin.create", f"admin:{record.name}", after=record.model_dump())
+    return {**record.model_dump(), "secret": secret}
+
+
+async def list_admins(access) -> dict[str, Any]:
+    return {"object": "list", "data": [r.model_dump() for r in await access.admins.list()]}
+
+
+async def revoke_admin(access, name: str, actor: str) -> dict[str, Any]:
+    try:
+        record = await access.admins.revoke(name)
+    except AdminNotFound:
+        raise OpenAIError(404, f"No admin '{name}'.", code="admin_not_found") from None
+    await access.audit.record(actor, "admin.revoke", f"admin:{name}", before=record.model_dump())
+    return record.model_dump()

@@ -40,6 +40,23 @@ KEY_INDEX = f"{PREFIX}:keys"
 AUDIT_LOG = f"{PREFIX}:audit"
 
 
+def admin_record(name: str) -> str:
+    """A named admin credential (serve_app/quota/admins.py)."""
+    return f"{PREFIX}:admin:{name}"
+
+
+def admin_secret_digest(name: str) -> str:
+    return f"{PREFIX}:adminsecret:{name}"
+
+
+def admin_digest(digest: str) -> str:
+    """Admin secret digest → the admin's name (apart from API keys' digests)."""
+    return f"{PREFIX}:admindigest:{digest}"
+
+
+ADMIN_INDEX = f"{PREFIX}:admins"
+
+
 def requests_rate(key_id: str) -> str:
     return f"{PREFIX}:rpm:{tag(key_id)}"
 

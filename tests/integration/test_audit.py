@@ -17,6 +17,7 @@ from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog, llmctl_actor
 from serve_app.quota.keys import digest
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
+from redis_server import running_redis
 
 
 def llmctl(capsys, redis_url, *argv):
@@ -50,7 +51,7 @@ def test_llmctl_key_changes_are_recorded_with_who_what_before_and_after(capsys, 
 async def test_admin_operations_name_the_admin_token_and_refused_changes_record_nothing(redis_url, redis):
     access = Access(AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False))
     try:
-        actor = access.check_admin({"authorization": "Bearer audit-admin-token"})
+        actor = await access.admin_actor({"authorization": "Bearer audit-admin-token"})
         assert actor == ADMIN_TOKEN_ACTOR
         created = await admin.create_key(access, {"name": "audit-api", "daily_token_budget": 1000}, actor)
         for refused in ({"daily_token_budget": "lots"}, {"secret": "x"}, {"requests_per_minute": -1}):
@@ -98,3 +99,80 @@ async def test_the_trail_is_bounded_in_entries_and_in_age(redis, monkeypatch):
     await log.record("new", "key.update", "new")
     remaining = [e["actor"] for e in (await log.read(100))["data"]]
     assert remaining == ["new"]
+
+
+# -- named admin credentials ------------------------------------------------------
+
+
+def test_llmctl_makes_a_named_admin_whose_actions_carry_its_name(capsys, redis_url):
+    name = f"alice-{time.monotonic_ns()}@example.com"
+    code, out = llmctl(capsys, redis_url, "admins", "create", name)
+    made = json.loads(out.out)
+    assert code == 0 and made["secret"].startswith("sk-admin-") and made["created_by"] == llmctl_actor()
+    assert name in [a["name"] for a in json.loads(llmctl(capsys, redis_url, "admins", "list")[1].out)]
+    assert "secret" not in llmctl(capsys, redis_url, "admins", "list")[1].out
+    assert llmctl(capsys, redis_url, "admins", "create", name)[0] == 1  # the name is taken
+    assert llmctl(capsys, redis_url, "admins", "create", "no spaces allowed")[0] == 1
+    assert llmctl(capsys, redis_url, "admins", "revoke", name)[0] == 0
+    assert llmctl(capsys, redis_url, "admins", "revoke", name)[0] == 1  # gone
+    trail = json.loads(llmctl(capsys, redis_url, "audit", "--target", f"admin:{name}")[1].out)
+    assert [e["action"] for e in trail] == ["admin.revoke", "admin.create"]
+    assert made["secret"] not in json.dumps(trail)
+
+
+async def test_a_named_admin_is_its_own_actor_apart_from_api_keys_and_stops_at_revocation(redis_url, redis):
+    # No shared token configured: named admins still work (made by an operator with llmctl).
+    access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+    try:
+        name = f"svc-{time.monotonic_ns()}"
+        made = await admin.create_admin(access, {"name": name}, "llmctl:root@host")
+        headers = {"authorization": f"Bearer {made['secret']}"}
+        actor = await access.admin_actor(headers)
+        assert actor == f"admin:{name}"
+        key = await admin.create_key(access, {"name": f"by-{name}"}, actor)
+        [entry] = (await admin.audit_trail(access, 5, target=key["id"]))["data"]
+        assert entry["actor"] == f"admin:{name}"
+        # An admin's secret is no API key, and an API key no admin credential.
+        with pytest.raises(OpenAIError) as caught:
+            await access.authenticate(headers)
+        assert caught.value.status == 401
+        with pytest.raises(OpenAIError) as caught:
+            await access.admin_actor({"authorization": f"Bearer {key['secret']}"})
+        assert caught.value.status == 401
+        for value in ("Bearer sk-admin-", "Bearer sk-admin-" + "x" * 10_000, "Bearer sk-admin-\u00e9\x00", "Basic x"):
+            with pytest.raises(OpenAIError) as caught:
+                await access.admin_actor({"authorization": value})
+            assert caught.value.status == 401
+        with pytest.raises(OpenAIError) as caught:  # a name that is not one
+            await admin.create_admin(access, {"name": "../etc"}, actor)
+        assert caught.value.status == 400
+        with pytest.raises(OpenAIError) as caught:
+            await admin.create_admin(access, {"name": name, "secret": "mine"}, actor)
+        assert caught.value.status == 400
+        await admin.revoke_admin(access, name, actor)
+        with pytest.raises(OpenAIError) as caught:  # at once: no cache holds admin credentials
+            await access.admin_actor(headers)
+        assert caught.value.status == 401
+        assert not await redis.exists(redis_names.admin_record(name), redis_names.admin_secret_digest(name))
+    finally:
+        await access.redis.aclose()
+
+
+async def test_with_redis_down_a_named_admin_is_a_503_and_the_bootstrap_token_still_works():
+    with running_redis(persistent=True) as server:  # its own: this test stops it
+        access = Access(AppSettings(redis_url=server.url, admin_token="boot", quota={"redis_timeout_s": 1}),
+                        Telemetry(False, False))
+        try:
+            made = await admin.create_admin(access, {"name": "ops"}, "llmctl:root@host")
+            server.stop()
+            try:
+                with pytest.raises(OpenAIError) as caught:
+                    await access.admin_actor({"authorization": f"Bearer {made['secret']}"})
+                assert (caught.value.status, caught.value.code) == (503, "quota_backend_unavailable")
+                assert await access.admin_actor({"authorization": "Bearer boot"}) == ADMIN_TOKEN_ACTOR
+            finally:
+                server.start()
+            await access.redis.connection_pool.disconnect()
+            assert await access.admin_actor({"authorization": f"Bearer {made['secret']}"}) == "admin:ops"
+        finally:
+            await access.redis.aclose()

@@ -204,6 +204,30 @@ def test_odd_admin_token_headers_are_a_401(base_url, admin_token, value):
     assert httpx.get(base_url + "/admin/keys", headers={"authorization": f"Bearer {admin_token}"}).status_code == 200
 
 
+def test_a_named_admin_made_with_the_bootstrap_token_acts_under_its_own_name_until_revoked(base_url, admin_token):
+    boot = {"authorization": f"Bearer {admin_token}"}
+    name = f"ops-{uuid.uuid4().hex[:8]}@example.com"
+    made = httpx.post(base_url + "/admin/admins", json={"name": name}, headers=boot, timeout=30)
+    assert made.status_code == 201 and made.json()["created_by"] == "admin-token"
+    mine = {"authorization": f"Bearer {made.json()['secret']}"}
+    assert_error_envelope(httpx.post(base_url + "/admin/admins", json={"name": name}, headers=boot, timeout=30), 409)
+    for bad in ({"name": "a b"}, {"name": ["x"]}, {"name": "x" * 65}, {}, {"name": "ok", "extra": 1}):
+        assert_error_envelope(httpx.post(base_url + "/admin/admins", json=bad, headers=boot, timeout=30), 400)
+    created = httpx.post(base_url + "/admin/keys", json={"name": f"by-{name}"}, headers=mine, timeout=30)
+    assert created.status_code == 201
+    key = created.json()
+    trail = httpx.get(base_url + "/admin/audit", params={"target": key["id"]}, headers=mine, timeout=30).json()
+    assert [(e["action"], e["actor"]) for e in trail["data"]] == [("key.create", f"admin:{name}")]
+    # An admin credential is no API key, and an API key no admin credential.
+    assert_error_envelope(httpx.post(base_url + "/v1/chat/completions", json=chat("hi"), headers=mine, timeout=30), 401)
+    assert_error_envelope(httpx.get(base_url + "/admin/keys", headers={"authorization": f"Bearer {key['secret']}"},
+                                    timeout=30), 401)
+    assert httpx.delete(base_url + f"/admin/admins/{name}", headers=boot, timeout=30).status_code == 200
+    assert_error_envelope(httpx.get(base_url + "/admin/keys", headers=mine, timeout=30), 401)  # at once
+    listed = httpx.get(base_url + "/admin/admins", headers=boot, timeout=30).json()["data"]
+    assert name not in [a["name"] for a in listed] and "secret" not in json.dumps(listed)
+
+
 # -- Serve's control headers ---------------------------------------------------------------
 
 
