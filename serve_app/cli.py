@@ -64,18 +64,29 @@ def _admin_access(redis):
     return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis), admins=AdminStore(redis))
 
 
-async def _keys(args: argparse.Namespace) -> int:
-    """Changes go through quota/admin.py, as the admin API's do (validated, audited)."""
+async def _admin_command(args: argparse.Namespace, work) -> int:
+    """``await work(access, actor)``, an admin operation of quota/admin.py (validated
+    and audited as through the admin API); its refusal is printed, exit status 1."""
     from serve_app.errors import OpenAIError
-    from serve_app.quota import admin
     from serve_app.quota.audit import llmctl_actor
 
     redis = _redis(args)
-    access = _admin_access(redis)
     try:
+        await work(_admin_access(redis), llmctl_actor())
+        return 0
+    except OpenAIError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()
+
+
+async def _keys(args: argparse.Namespace) -> int:
+    from serve_app.quota import admin
+
+    async def work(access, actor) -> None:
         if args.action == "create":
-            _print(await admin.create_key(access, {"name": args.name, **_limit_changes(args)}, llmctl_actor()),
-                   args.json)
+            _print(await admin.create_key(access, {"name": args.name, **_limit_changes(args)}, actor), args.json)
             if not args.json:
                 print("The secret is shown only now; store it safely.", file=sys.stderr)
         elif args.action == "list":
@@ -86,24 +97,19 @@ async def _keys(args: argparse.Namespace) -> int:
             changes = _limit_changes(args)
             if args.enable is not None:
                 changes["enabled"] = args.enable
-            _print(await admin.update_key(access, args.key, changes, llmctl_actor()), args.json)
+            _print(await admin.update_key(access, args.key, changes, actor), args.json)
         elif args.action == "revoke":
-            _print(await admin.revoke_key(access, args.key, llmctl_actor()), args.json)
+            _print(await admin.revoke_key(access, args.key, actor), args.json)
         elif args.action == "ensure-dev":
-            print(await _ensure_dev_key(access))
-        return 0
-    except OpenAIError as exc:
-        print(exc.message, file=sys.stderr)
-        return 1
-    finally:
-        await redis.aclose()
+            print(await _ensure_dev_key(access, actor))
+
+    return await _admin_command(args, work)
 
 
-async def _ensure_dev_key(access) -> str:
+async def _ensure_dev_key(access, actor: str) -> str:
     """The local development key: its secret lives in a 0600 file under the
     data directory so `make run` can print it on every start."""
     from replicas.demo_model import data_dir
-    from serve_app.quota.audit import llmctl_actor
 
     path = data_dir() / "dev-api-key"
     secret = path.read_text().strip() if path.exists() else None
@@ -119,7 +125,7 @@ async def _ensure_dev_key(access) -> str:
             break
         except ValueError:  # the name is taken by an older dev key
             continue
-    await access.audit.record(llmctl_actor(), "key.create", record.id, after=record.model_dump())
+    await access.audit.record(actor, "key.create", record.id, after=record.model_dump())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600)
     path.write_text(secret + "\n")
@@ -163,67 +169,44 @@ async def _request(args: argparse.Namespace) -> int:
 
 
 async def _batches(args: argparse.Namespace) -> int:
-    from serve_app.errors import OpenAIError
     from serve_app.quota import admin
-    from serve_app.quota.audit import llmctl_actor
     from serve_app.stored.batches import BatchStore
 
-    redis = _redis(args)
-    access = _admin_access(redis)
-    batches = BatchStore(redis, files=None, max_requests=0)  # listing and cancelling read no file
-    try:
+    async def work(access, actor) -> None:
+        batches = BatchStore(access.redis, files=None, max_requests=0)  # listing and cancelling read no file
         if args.action == "list":
-            page = await admin.list_batches(access, batches, args.key, limit=100, after=None)
-            _print(page["data"], True)
+            _print((await admin.list_batches(access, batches, args.key, limit=100, after=None))["data"], True)
         else:
-            _print(await admin.cancel_batch(access, batches, args.batch_id, llmctl_actor()), True)
-        return 0
-    except OpenAIError as exc:
-        print(exc.message, file=sys.stderr)
-        return 1
-    finally:
-        await redis.aclose()
+            _print(await admin.cancel_batch(access, batches, args.batch_id, actor), True)
+
+    return await _admin_command(args, work)
 
 
 async def _admins(args: argparse.Namespace) -> int:
-    from serve_app.errors import OpenAIError
     from serve_app.quota import admin
-    from serve_app.quota.audit import llmctl_actor
 
-    redis = _redis(args)
-    access = _admin_access(redis)
-    try:
+    async def work(access, actor) -> None:
         if args.action == "create":
-            _print(await admin.create_admin(access, {"name": args.name}, llmctl_actor()), True)
+            _print(await admin.create_admin(access, {"name": args.name}, actor), True)
             print("The secret is shown only now; give it to its owner safely.", file=sys.stderr)
         elif args.action == "list":
             _print((await admin.list_admins(access))["data"], True)
         else:
-            _print(await admin.revoke_admin(access, args.name, llmctl_actor()), True)
-        return 0
-    except OpenAIError as exc:
-        print(exc.message, file=sys.stderr)
-        return 1
-    finally:
-        await redis.aclose()
+            _print(await admin.revoke_admin(access, args.name, actor), True)
+
+    return await _admin_command(args, work)
 
 
 async def _audit(args: argparse.Namespace) -> int:
-    from serve_app.errors import OpenAIError
     from serve_app.quota import admin
 
-    redis = _redis(args)
-    try:
-        page = await admin.audit_trail(_admin_access(redis), args.limit, args.before, args.actor, args.target)
-    except OpenAIError as exc:
-        print(exc.message, file=sys.stderr)
-        return 1
-    finally:
-        await redis.aclose()
-    _print(page["data"], True)
-    if page["has_more"]:
-        print(f"older entries: llmctl audit --before {page['data'][-1]['id']}", file=sys.stderr)
-    return 0
+    async def work(access, actor) -> None:
+        page = await admin.audit_trail(access, args.limit, args.before, args.actor, args.target)
+        _print(page["data"], True)
+        if page["has_more"]:
+            print(f"older entries: llmctl audit --before {page['data'][-1]['id']}", file=sys.stderr)
+
+    return await _admin_command(args, work)
 
 
 def _redis(args: argparse.Namespace):

@@ -201,3 +201,8 @@ def test_an_admin_lists_and_cancels_any_keys_batch_through_the_api_and_llmctl(ba
         assert wait_for(client, batch.id, ended, timeout_s=30).status == "cancelled"
     missing = httpx.post(base_url + f"/admin/batches/{first.id}/cancel", headers=ADMIN_HEADERS, timeout=30)
     assert missing.status_code == 404  # ended: nothing left to stop
+    # Each cancel is audited under who made it (the 404 changed nothing: not recorded).
+    trail = subprocess.run([str(BIN / "llmctl"), "audit", "--limit", "1000"], env=env, capture_output=True, text=True,
+                           timeout=60, check=True)
+    cancels = {e["target"]: e["actor"] for e in json.loads(trail.stdout) if e["action"] == "batch.cancel"}
+    assert cancels[first.id] == "admin-token" and cancels[second.id].startswith("llmctl:")
