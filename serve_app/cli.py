@@ -3,7 +3,7 @@
     llmctl keys create NAME [--rpm N --tpm N --max-concurrent N --daily-tokens N
                              --monthly-tokens N --models a,b --priority high|normal|low] [--json]
     llmctl keys list|show|update|revoke ...
-    llmctl usage --key NAME_OR_ID
+    llmctl usage --key NAME_OR_ID | [--key K] --days N [--by api_key_id,model] [--csv]
     llmctl requests show REQUEST_ID [--key NAME_OR_ID]
     llmctl batches list [--key NAME_OR_ID] | cancel BATCH_ID   (any key's batches)
     llmctl admins create NAME | list | revoke NAME   (named admin credentials; the secret is shown once)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import json
 import os
 import sys
@@ -133,19 +134,36 @@ async def _ensure_dev_key(access, actor: str) -> str:
 
 
 async def _usage(args: argparse.Namespace) -> int:
-    from serve_app.quota.keys import KeyNotFound, KeyStore
-    from serve_app.quota.usage import key_usage
+    """A key's today and month (``--key`` alone), or the usage report: the last
+    ``--days`` days by key and model, as OpenAI's usage API serves it, or as CSV."""
+    import time
 
-    redis = _redis(args)
-    try:
-        record = await KeyStore(redis).resolve(args.key)
-        _print({"key": record.name, "id": record.id, **await key_usage(redis, record.id)}, True)
-        return 0
-    except KeyNotFound as exc:
-        print(f"no such key: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        await redis.aclose()
+    from serve_app.quota import admin
+
+    async def work(access, actor) -> None:
+        key = await admin.show_key(access, args.key) if args.key else None
+        if key is not None and args.days is None and not args.csv:
+            _print(await admin.usage(access, key["id"]), True)
+            return
+        today = int(time.time()) // 86400 * 86400
+        params = {"start_time": [str(today - ((args.days or 7) - 1) * 86400)], "limit": [str(args.days or 7)],
+                  "group_by": args.by.split(","), "api_key_ids": [key["id"]] if key else []}
+        page = await admin.completions_usage(access, params)
+        if not args.csv:
+            _print(page, True)
+            return
+        names = {k["id"]: k["name"] for k in (await admin.list_keys(access))["data"]}
+        columns = ("date", "api_key_id", "key_name", "model", "num_model_requests", "input_tokens",
+                   "output_tokens", "reserved_tokens")
+        out = csv.writer(sys.stdout)
+        out.writerow(columns)
+        for bucket in page["data"]:
+            date = time.strftime("%Y-%m-%d", time.gmtime(bucket["start_time"]))
+            for result in bucket["results"]:
+                out.writerow([date, result["api_key_id"] or "", names.get(result["api_key_id"], ""),
+                              result["model"] or "", *(result[c] for c in columns[4:])])
+
+    return await _admin_command(args, work)
 
 
 async def _request(args: argparse.Namespace) -> int:
@@ -291,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--json", action="store_true")
     commands.choices["keys"].set_defaults(run=lambda a: asyncio.run(_keys(a)))
 
-    usage = commands.add_parser("usage", help="today's and this month's usage of a key")
-    usage.add_argument("--key", required=True, help="key id or name")
+    usage = commands.add_parser("usage", help="a key's usage today and this month, or the usage report by day")
+    usage.add_argument("--key", default=None, help="key id or name (alone: its today and month)")
+    usage.add_argument("--days", type=int, default=None, help="the report: the last N days (UTC), 1-31")
+    usage.add_argument("--by", default="api_key_id,model", help="the report's grouping: api_key_id, model or both")
+    usage.add_argument("--csv", action="store_true", help="the report as CSV, a row per day, key and model")
     usage.set_defaults(run=lambda a: asyncio.run(_usage(a)))
 
     requests = commands.add_parser("requests", help="request records").add_subparsers(dest="action", required=True)

@@ -383,6 +383,13 @@ class Ingress(HandlesRequests):
         await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.usage(self.access, key))
 
+    @route("GET", "/v1/organization/usage/completions", "admin")
+    async def organization_usage_completions(self, request: Request) -> JSONResponse:
+        """OpenAI's organization Usage API (an admin credential, as OpenAI's needs an
+        admin key): per day, by key and model (serve_app/quota/usage_report.py)."""
+        await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.completions_usage(self.access, request.query_params))
+
     @route("GET", "/admin/requests/{request_id}", "admin")
     async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
         await self.access.admin_actor(request.headers)

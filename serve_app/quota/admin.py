@@ -18,6 +18,7 @@ from contract.model_config import PriorityTier
 from serve_app.quota.admins import AdminNotFound
 from serve_app.quota.audit import changed
 from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyRecord
+from serve_app.quota import usage_report
 from serve_app.quota.usage import key_usage, request_state
 
 
@@ -97,6 +98,12 @@ async def revoke_key(access, id_or_name: str, actor: str) -> dict[str, Any]:
 async def usage(access, id_or_name: str) -> dict[str, Any]:
     record = await _key(access, id_or_name)
     return {"key": record.name, "id": record.id, **await key_usage(access.redis, record.id)}
+
+
+async def completions_usage(access, params) -> dict[str, Any]:
+    """OpenAI's organization Usage API for completions (usage_report.py), over every key."""
+    query = usage_report.parse_query(params)
+    return await usage_report.completions_usage(access.redis, await access.keys.list(), query)
 
 
 async def request(access, request_id: str, key: str | None = None) -> dict[str, Any]:

@@ -83,8 +83,16 @@ for _, id in ipairs(expired) do
   local rec = ARGV[13] .. id
   local status = redis.call('HGET', rec, 'status')
   if status == 'admitted' or status == 'running' then
+    local reserved = tonumber(redis.call('HGET', rec, 'reserved_tokens') or 0)
     redis.call('HSET', rec, 'status', 'abandoned', 'finished_ms', now, 'usage', 'reserved',
-      'total_tokens', redis.call('HGET', rec, 'reserved_tokens') or 0)
+      'total_tokens', reserved)
+    -- Its model's day counts it as settle.lua counts a request whose usage is unknown.
+    local rec_model, rec_day = redis.call('HGET', rec, 'model'), redis.call('HGET', rec, 'day')
+    if rec_model and rec_model ~= '' and rec_day then
+      local per_model = rec_day .. ':model:' .. rec_model .. ':'
+      redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
+      redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
+    end
   end
   redis.call('ZREM', KEYS[3], id)
 end

@@ -16,6 +16,23 @@
 -- id finds it and changes nothing (admit.lua), whatever order the calls arrive in.
 
 local WINDOW = 60000
+
+-- The usage API's counters (serve_app/quota/usage.py): per model and day, what each
+-- request of an inference model was charged: its real usage, or, when that is
+-- unknown (a stream the client cancelled), its reservation. A request charged
+-- nothing (refused by the model's queue, failed before it ran) is not counted.
+local function count_for_model(day, model, prompt, completion, reserved)
+  if model == nil or model == false or model == '' then return end
+  local per_model = day .. ':model:' .. model .. ':'
+  if prompt >= 0 then
+    if prompt + completion == 0 then return end
+    redis.call('HINCRBY', KEYS[4], per_model .. 'input_tokens', prompt)
+    redis.call('HINCRBY', KEYS[4], per_model .. 'output_tokens', completion)
+  else
+    redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
+  end
+  redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
+end
 local status = redis.call('HGET', KEYS[5], 'status')
 if not status then
   local t = redis.call('TIME')
@@ -31,6 +48,7 @@ if not status then
     end
     redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
       'total_tokens', prompt + completion)
+    count_for_model(ARGV[10], ARGV[9], prompt, completion, 0)
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
@@ -66,6 +84,8 @@ for _, period in ipairs({day, month}) do
     redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
   end
 end
+
+count_for_model(day, redis.call('HGET', KEYS[5], 'model'), prompt, completion, reserved)
 
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now)

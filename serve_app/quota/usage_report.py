@@ -1,0 +1,146 @@
+"""Usage in the shape of OpenAI's organization Usage API (``GET
+/v1/organization/usage/completions``), so the tools that read OpenAI's read ours:
+one-day buckets of what each key was charged per model, summed from the per-model
+day counters that settlement writes (lua/settle.lua, and admit.lua for a request
+whose ingress died), kept 35 days as the key's other day counters are.
+
+What a result counts: each request of a model that was charged anything, with its
+real ``input_tokens``/``output_tokens``; a request whose usage was never reported
+(a stream the client cancelled, one whose ingress died) was charged its
+reservation, reported apart as ``reserved_tokens`` (our field; OpenAI has none), so
+a day's ``input_tokens + output_tokens + reserved_tokens`` is what its keys were
+charged for inference."""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.errors import OpenAIError
+from serve_app.quota import redis_names
+from serve_app.quota.keys import KeyRecord
+
+DAY_S = 86400
+DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets
+GROUPS = ("api_key_id", "model")  # what a result may be grouped by here
+COUNTERS = ("requests", "input_tokens", "output_tokens", "reserved_tokens")
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    start_time: int
+    end_time: int | None = None
+    group_by: tuple[str, ...] = ()
+    api_key_ids: frozenset[str] | None = None
+    models: frozenset[str] | None = None
+    limit: int = DEFAULT_BUCKETS
+    page: int | None = None  # the first bucket's start (a next_page cursor)
+
+
+def parse_query(params) -> UsageQuery:
+    """The query of OpenAI's usage endpoint (a starlette ``QueryParams`` or a
+    mapping of lists); a 400 names the parameter it cannot take."""
+    def many(name: str) -> list[str]:
+        getlist = getattr(params, "getlist", None)
+        values = [*getlist(name), *getlist(name + "[]")] if getlist else [*params.get(name, []),
+                                                                          *params.get(name + "[]", [])]
+        return [part for value in values for part in str(value).split(",") if part]
+
+    def one(name: str) -> str | None:
+        values = many(name)
+        if len(values) > 1:
+            raise OpenAIError(400, f"'{name}' takes one value.", param=name)
+        return values[0] if values else None
+
+    def integer(name: str, low: int, high: int) -> int | None:
+        value = one(name)
+        if value is None:
+            return None
+        if not value.isdigit() or not low <= int(value) <= high:
+            raise OpenAIError(400, f"'{name}' must be an integer from {low} to {high}.", param=name)
+        return int(value)
+
+    start_time = integer("start_time", 0, 2**40)
+    if start_time is None:
+        raise OpenAIError(400, "'start_time' (Unix seconds) is required.", param="start_time")
+    end_time = integer("end_time", start_time + 1, 2**40)
+    width = one("bucket_width") or "1d"
+    if width != "1d":
+        raise OpenAIError(400, f"bucket_width '{width}' is not served here: usage is counted per day ('1d').",
+                          param="bucket_width")
+    group_by = tuple(dict.fromkeys(many("group_by")))
+    unknown = [name for name in group_by if name not in GROUPS]
+    if unknown:
+        raise OpenAIError(400, f"group_by {unknown} is not served here; group by {list(GROUPS)}.", param="group_by")
+    limit = integer("limit", 1, MAX_BUCKETS) or DEFAULT_BUCKETS
+    page = integer("page", 0, 2**40)
+    keys, models = many("api_key_ids"), many("models")
+    return UsageQuery(start_time, end_time, group_by, frozenset(keys) if keys else None,
+                      frozenset(models) if models else None, limit, page)
+
+
+async def completions_usage(redis, keys: list[KeyRecord], query: UsageQuery,
+                            now: float | None = None) -> dict[str, Any]:
+    """OpenAI's ``page`` of ``bucket``s of ``organization.usage.completions.result``."""
+    now = now if now is not None else datetime.datetime.now(datetime.timezone.utc).timestamp()
+    first = (query.page if query.page is not None else query.start_time) // DAY_S * DAY_S
+    end = query.end_time if query.end_time is not None else int(now) + 1
+    days = list(range(first, end, DAY_S))
+    shown, more = days[:query.limit], days[query.limit:]
+    wanted = {_day_field(day): day for day in shown}
+    sums: dict[int, dict[tuple, dict[str, int]]] = {day: defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+                                                   for day in shown}
+    for key in keys:
+        if query.api_key_ids is not None and key.id not in query.api_key_ids:
+            continue
+        for field, value in (await redis.hgetall(redis_names.usage(key.id))).items():
+            parsed = _model_counter(_text(field))
+            if parsed is None or parsed[0] not in wanted:
+                continue
+            day_field, model, counter = parsed
+            if query.models is not None and model not in query.models:
+                continue
+            group = tuple((name, key.id if name == "api_key_id" else model) for name in query.group_by)
+            sums[wanted[day_field]][group][counter] += int(value)
+    buckets = [{"object": "bucket", "start_time": day, "end_time": day + DAY_S,
+                "results": [_result(dict(group), counts) for group, counts in sorted(sums[day].items())]}
+               for day in shown]
+    return {"object": "page", "data": buckets, "has_more": bool(more), "next_page": str(more[0]) if more else None}
+
+
+def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:
+    return {
+        "object": "organization.usage.completions.result",
+        "input_tokens": counts["input_tokens"],
+        "output_tokens": counts["output_tokens"],
+        "input_cached_tokens": 0,  # vLLM's prefix cache hits are not counted apart here
+        "input_audio_tokens": 0,
+        "output_audio_tokens": 0,
+        "num_model_requests": counts["requests"],
+        "reserved_tokens": counts["reserved_tokens"],
+        "project_id": None,
+        "user_id": None,
+        "api_key_id": group.get("api_key_id"),
+        "model": group.get("model"),
+        "batch": None,
+        "service_tier": None,
+    }
+
+
+def _day_field(day_start: int) -> str:
+    return datetime.datetime.fromtimestamp(day_start, datetime.timezone.utc).strftime("d:%Y%m%d")
+
+
+def _model_counter(field: str) -> tuple[str, str, str] | None:
+    """``d:YYYYMMDD:model:<model>:<counter>`` → (``d:YYYYMMDD``, model, counter)."""
+    day, sep, rest = field[:10], field[10:17], field[17:]
+    if not field.startswith("d:") or sep != ":model:":
+        return None
+    model, _, counter = rest.rpartition(":")
+    return (day, model, counter) if model and counter in COUNTERS else None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,62 @@
+"""OpenAI's organization Usage API on the real stack (Redis Cluster, Ray Serve, vLLM):
+a key's chat, embeddings and a stream it hangs up on appear per model in
+``GET /v1/organization/usage/completions``, in OpenAI's shape (the spec), summing to
+what the key's request records say it was charged; only an admin credential reads it,
+and `llmctl usage --csv` prints the same figures."""
+
+from __future__ import annotations
+
+import csv
+import io
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+import openai_spec
+from settled import inference, wait_until_settled
+from stack import BIN, create_key
+
+pytestmark = pytest.mark.e2e
+
+TODAY = int(time.time()) // 86400 * 86400
+
+
+def test_a_keys_requests_appear_per_model_and_sum_to_what_its_records_charged(base_url, redis_server, redis,
+                                                                             admin_token):
+    key_id, secret = create_key(redis_server.url, "usage-api")
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    for _ in range(2):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    client.embeddings.create(model="minilm", input=["one", "two"])
+    # A stream the client hangs up on: its usage is never reported, its reservation is charged.
+    with client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "go"}],
+                                        max_tokens=400, stream=True,
+                                        extra_body={"min_tokens": 400, "ignore_eos": True}) as stream:
+        next(iter(stream))
+    records = inference(wait_until_settled(redis, key_id, timeout_s=30))
+    assert len(records) == 4
+
+    params = {"start_time": TODAY, "group_by": ["api_key_id", "model"], "api_key_ids": key_id}
+    assert httpx.get(base_url + "/v1/organization/usage/completions", params=params, timeout=30,
+                     headers={"authorization": f"Bearer {secret}"}).status_code == 401  # an API key is no admin
+    page = httpx.get(base_url + "/v1/organization/usage/completions", params=params, timeout=30,
+                     headers={"authorization": f"Bearer {admin_token}"}).json()
+    openai_spec.validate(page, "UsageResponse")
+    [bucket] = page["data"]
+    results = {r["model"]: r for r in bucket["results"]}
+    assert set(results) == {"tiny-llama", "minilm"} and {r["api_key_id"] for r in results.values()} == {key_id}
+    assert results["tiny-llama"]["num_model_requests"] == 3 and results["minilm"]["num_model_requests"] == 1
+    assert results["minilm"]["output_tokens"] == 0 and results["minilm"]["input_tokens"] > 0
+    charged = sum(int(r["total_tokens"]) for r in records)
+    assert charged == sum(r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in results.values())
+    reserved = [r for r in records if r.get("usage") == "reserved"]
+    assert results["tiny-llama"]["reserved_tokens"] == sum(int(r["total_tokens"]) for r in reserved) > 0
+
+    shown = subprocess.run([str(BIN / "llmctl"), "usage", "--key", "usage-api", "--days", "1", "--csv"],
+                           env={"REDIS_URL": redis_server.url}, capture_output=True, text=True, timeout=60, check=True)
+    rows = {row["model"]: row for row in csv.DictReader(io.StringIO(shown.stdout))}
+    assert {model: int(row["num_model_requests"]) for model, row in rows.items()} == {"tiny-llama": 3, "minilm": 1}
+    assert rows["tiny-llama"]["key_name"] == "usage-api"

@@ -1,0 +1,124 @@
+"""The usage API in OpenAI's shape (serve_app/quota/usage_report.py) on a real Redis
+(one node, a Cluster, Sentinel): what settlement counts per model and day, that the
+sums equal what the request records say was charged, the wire format against
+OpenAI's spec, and the queries a hostile admin tool might send."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from starlette.datastructures import QueryParams
+
+import openai_spec
+from serve_app.errors import OpenAIError
+from serve_app.quota import redis_names
+from serve_app.quota.admission import Admission
+from serve_app.quota.keys import KeyRecord
+from serve_app.quota.usage_report import completions_usage, parse_query
+
+_ids = iter(range(10**9))
+TODAY = int(time.time()) // 86400 * 86400
+
+
+def key(key_id: str) -> KeyRecord:
+    return KeyRecord(id=key_id, name=key_id, created_at=0)
+
+
+async def run(adm: Admission, k: KeyRecord, model: str, reserve: int, status: str, prompt: int, completion: int):
+    rid = f"{k.id}-{next(_ids):016x}"
+    assert (await adm.admit(k, rid, model, reserve)).admitted
+    await adm.settle(k, rid, status, prompt, completion, "r1", model)
+    return rid
+
+
+def query(**params) -> QueryParams:
+    return QueryParams([(name, str(v)) for name, values in params.items()
+                        for v in (values if isinstance(values, list) else [values])])
+
+
+async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_was_charged(redis):
+    adm = Admission(redis, lease_s=0.3, retention_s=3600)
+    a, b = key("kusagea"), key("kusageb")
+    await run(adm, a, "chat", 50, "completed", 12, 30)
+    await run(adm, a, "chat", 50, "completed", 8, 2)
+    await run(adm, a, "embed", 20, "completed", 9, 0)
+    await run(adm, a, "chat", 40, "cancelled", -1, -1)  # usage never reported: its reservation is charged
+    await run(adm, a, "chat", 40, "overloaded", 0, 0)  # refused by the model's queue: charged nothing
+    await run(adm, a, "", 0, "completed", 0, 0)  # a Files/Batch route: no model, no inference
+    await run(adm, b, "chat", 10, "completed", 3, 4)
+    # A request whose ingress died: its lease expires and the next admission reaps it.
+    rid = f"{b.id}-{next(_ids):016x}"
+    assert (await adm.admit(b, rid, "chat", 25)).admitted
+    await asyncio.sleep(0.4)
+    await run(adm, b, "embed", 5, "completed", 5, 0)
+    # Admitted without Redis (an outage): only its settlement reaches Redis.
+    await adm.settle(b, f"{b.id}-{next(_ids):016x}", "completed", 6, 1, "r1", "chat")
+
+    page = await completions_usage(redis, [a, b], parse_query(query(start_time=TODAY, group_by=["api_key_id", "model"])))
+    openai_spec.validate(page, "UsageResponse")
+    [bucket] = page["data"]
+    assert (bucket["start_time"], bucket["end_time"], page["has_more"]) == (TODAY, TODAY + 86400, False)
+    got = {(r["api_key_id"], r["model"]): (r["num_model_requests"], r["input_tokens"], r["output_tokens"],
+                                            r["reserved_tokens"]) for r in bucket["results"]}
+    assert got == {("kusagea", "chat"): (3, 20, 32, 40), ("kusagea", "embed"): (1, 9, 0, 0),
+                   ("kusageb", "chat"): (3, 9, 5, 25), ("kusageb", "embed"): (1, 5, 0, 0)}
+    # What each key was charged today, by its own counter and by its records, is the sum.
+    day = time.strftime("d:%Y%m%d", time.gmtime())
+    for k in (a, b):
+        charged = int(await redis.hget(redis_names.usage(k.id), f"{day}:tokens"))
+        mine = [r for r in bucket["results"] if r["api_key_id"] == k.id]
+        assert charged == sum(r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in mine)
+
+    by_model = await completions_usage(redis, [a, b], parse_query(query(start_time=TODAY, group_by="model",
+                                                                         models="chat")))
+    assert [(r["model"], r["api_key_id"], r["num_model_requests"]) for r in by_model["data"][0]["results"]] == [
+        ("chat", None, 6)]
+    only_b = await completions_usage(redis, [a, b], parse_query(query(start_time=TODAY, api_key_ids=b.id)))
+    [total] = only_b["data"][0]["results"]
+    assert (total["num_model_requests"], total["input_tokens"], total["model"]) == (4, 14, None)
+
+
+async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_bucket(redis):
+    adm = Admission(redis, lease_s=60, retention_s=3600)
+    k = key("kusagepage")
+    await run(adm, k, "chat", 10, "completed", 1, 1)
+    start = TODAY - 9 * 86400
+    first = await completions_usage(redis, [k], parse_query(query(start_time=start + 3600, limit=4)))
+    openai_spec.validate(first, "UsageResponse")
+    assert [b["start_time"] for b in first["data"]] == [start + n * 86400 for n in range(4)]
+    assert all(b["results"] == [] for b in first["data"]) and first["has_more"]
+    pages, cursor = [first], first["next_page"]
+    while cursor:
+        page = await completions_usage(redis, [k], parse_query(query(start_time=start, limit=4, page=cursor)))
+        pages.append(page)
+        cursor = page["next_page"]
+    days = [b for page in pages for b in page["data"]]
+    assert len(days) == 10 and days[-1]["start_time"] == TODAY and days[-1]["results"][0]["num_model_requests"] == 1
+
+
+@pytest.mark.parametrize("params, param", [
+    ({}, "start_time"),
+    ({"start_time": "yesterday"}, "start_time"),
+    ({"start_time": "-5"}, "start_time"),
+    ({"start_time": "1" * 30}, "start_time"),
+    ({"start_time": ["1", "2"]}, "start_time"),
+    ({"start_time": "100", "end_time": "50"}, "end_time"),
+    ({"start_time": "100", "bucket_width": "1h"}, "bucket_width"),
+    ({"start_time": "100", "group_by": "project_id"}, "group_by"),
+    ({"start_time": "100", "group_by": "x'); DROP"}, "group_by"),
+    ({"start_time": "100", "limit": "0"}, "limit"),
+    ({"start_time": "100", "limit": "32"}, "limit"),
+    ({"start_time": "100", "limit": "1e3"}, "limit"),
+    ({"start_time": "100", "page": "next"}, "page"),
+])
+def test_a_query_it_cannot_serve_is_a_400_naming_the_parameter(params, param):
+    with pytest.raises(OpenAIError) as caught:
+        parse_query(query(**params))
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_group_by_in_either_list_form_and_comma_separated():
+    assert parse_query(query(start_time=0, **{"group_by[]": ["model", "api_key_id"]})).group_by == ("model", "api_key_id")
+    assert parse_query(query(start_time=0, group_by="model,api_key_id,model")).group_by == ("model", "api_key_id")
