@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.model_config import ModelConfig
 from serve_app.quota import redis_client
+from serve_app.quota.keys import KeyLimits
 
 
 class IngressConfig(BaseModel):
@@ -175,6 +176,45 @@ class StoreConfig(BaseModel):
     )
 
 
+class JwtConfig(BaseModel):
+    """Identity from the company's OIDC provider: ``Authorization: Bearer <JWT>``
+    (serve_app/quota/jwt_auth.py). Each user (``user_claim``) is admitted with its own
+    limits, exactly as a key is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    issuer: str = Field(description="The `iss` every token must carry (the provider's issuer URL).")
+    audience: str = Field(description="The `aud` every token must name (this gateway's client id).")
+    jwks_url: str = Field(description="Where the provider publishes its signing keys (JWKS), http(s).")
+    algorithms: list[Literal["RS256", "RS384", "RS512", "ES256", "ES384", "PS256"]] = Field(
+        ["RS256", "ES256"], min_length=1, description="Signature algorithms accepted (never `none` or HMAC).")
+    user_claim: str = Field("sub", description="The claim that names the user (`sub`, `email`): its limits' owner.")
+    tier_claim: str | None = Field(None, description="A claim naming the user's priority tier (high|normal|low).")
+    models_claim: str | None = Field(None, description="A claim listing the models the user may use "
+                                                       "(within `limits.models`).")
+    limits: KeyLimits = Field(default_factory=KeyLimits, description="Every user's limits, as a key's.")
+    leeway_s: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on `exp` and `nbf`.")
+    jwks_cache_s: float = Field(3600.0, gt=0, description="How long fetched signing keys are trusted.")
+    jwks_refresh_min_s: float = Field(30.0, ge=0, description="An unknown `kid` fetches the JWKS again at "
+                                                              "most this often (a flood of made-up kids cannot).")
+    jwks_timeout_s: float = Field(3.0, gt=0, description="A JWKS fetch gives up after this.")
+
+    @field_validator("jwks_url")
+    @classmethod
+    def _web_url(cls, url: str) -> str:
+        if not url.startswith(("https://", "http://")):
+            raise ValueError("jwks_url must be an http(s) URL")
+        return url
+
+
+class AuthConfig(BaseModel):
+    """Who may send requests besides API keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jwt: JwtConfig | None = Field(None, description="Tokens of an OIDC provider; unset = API keys only.")
+
+
 class AppSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
@@ -184,6 +224,7 @@ class AppSettings(BaseSettings):
                                       description="The served models, one deployment each (below).")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

@@ -23,6 +23,7 @@ from contract.replica_wire import Usage
 from serve_app.quota import admin
 from serve_app.quota.access import Access
 from serve_app.quota.admission import Refusal
+from serve_app.quota.jwt_auth import is_jwt_identity
 from serve_app.wire.api_requests import list_params, parse_json_object
 from serve_app.stored import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
@@ -239,6 +240,11 @@ class Ingress(HandlesRequests):
     @route("POST", "/v1/batches", "key")
     async def create_batch(self, request: Request) -> Response:
         async def create(key: KeyRecord) -> dict[str, Any]:
+            if is_jwt_identity(key.id):
+                # Its runner reads the key again before each request; a token's user is
+                # in no store to read (and its token expires long before 24 h).
+                raise OpenAIError(403, "Batches need an API key: an identity token cannot run a batch.",
+                                  code="batch_needs_api_key")
             return await self.batches.create(key.id, parse_json_object(await self._read_body(request)))
 
         return await self._stored(request, create)

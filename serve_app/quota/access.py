@@ -42,6 +42,7 @@ from serve_app.quota.admission import Admission, Decision, Refusal
 from serve_app.quota.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
 from serve_app.quota.admins import AdminStore
 from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog
+from serve_app.quota.jwt_auth import JwtAuthenticator, is_jwt_identity, looks_like_jwt
 from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
 from serve_app.quota.local_limits import LocalLimiter
@@ -96,6 +97,8 @@ class Access:
         self.keys = KeyStore(self.redis)
         self.audit = AuditLog(self.redis)  # admin actions (quota/admin.py writes it)
         self.admins = AdminStore(self.redis)  # named admin credentials
+        # Tokens of the company's identity provider, besides API keys (jwt_auth.py).
+        self.jwt = JwtAuthenticator(settings.auth.jwt) if settings.auth.jwt is not None else None
         self.admission = Admission(
             self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
             replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
@@ -128,6 +131,8 @@ class Access:
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>', 'api-key: <key>' or 'x-api-key: <key>'.",
                 code="invalid_api_key",
             )
+        if self.jwt is not None and looks_like_jwt(secret):
+            return await self.jwt.authenticate(secret)  # checked in memory: no Redis, no cache
         hashed = digest(secret)
         hit, record = self._cache.get(hashed)
         if not hit:
@@ -369,7 +374,8 @@ class Access:
         Returns how many were marked."""
         running: dict[str, list[Ticket]] = {}
         for ticket in self._leased.values():
-            if not ticket.revoked:
+            # A JWT user is not in the key store: its token's expiry is its revocation.
+            if not ticket.revoked and not is_jwt_identity(ticket.key.id):
                 running.setdefault(ticket.key.id, []).append(ticket)
         marked = 0
         for key_id, tickets in running.items():

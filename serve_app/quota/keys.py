@@ -26,11 +26,11 @@ class KeyLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: list[str] | None = Field(None, description="Models this key may use; null = all.")
-    requests_per_minute: int = Field(0, ge=0)
-    tokens_per_minute: int = Field(0, ge=0)
-    max_concurrent: int = Field(0, ge=0)
-    daily_token_budget: int = Field(0, ge=0)
-    monthly_token_budget: int = Field(0, ge=0)
+    requests_per_minute: int = Field(0, ge=0, description="Requests admitted per minute (GCRA: a burst of this many).")
+    tokens_per_minute: int = Field(0, ge=0, description="Tokens reserved per minute (prompt estimate plus max_tokens).")
+    max_concurrent: int = Field(0, ge=0, description="Requests running at once.")
+    daily_token_budget: int = Field(0, ge=0, description="Tokens per UTC day.")
+    monthly_token_budget: int = Field(0, ge=0, description="Tokens per UTC month.")
     priority: PriorityTier = Field(
         "normal",
         description="Scheduling tier: high, normal or low. Under load a model's engine runs higher tiers "

@@ -86,8 +86,10 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 # it (ops: the local stack builds the app's config) and llmctl (cli).
 LAYERS = {"errors": 0, "settings": 0, "telemetry": 0, "wire": 1, "quota": 2, "pipeline": 3, "dialects": 3,
           "stored": 4, "http": 5, "app": 6, "ops": 7, "cli": 8}
-# settings validates redis_url with the client's own parser (quota/redis_client.py).
-ALLOWED_UPWARD = {("serve_app.settings", "serve_app.quota"), ("serve_app.settings", "serve_app.quota.redis_client")}
+# settings validates redis_url with the client's own parser (quota/redis_client.py), and
+# the limits of JWT users with the keys' own model (quota/keys.py KeyLimits).
+ALLOWED_UPWARD = {("serve_app.settings", "serve_app.quota"), ("serve_app.settings", "serve_app.quota.redis_client"),
+                  ("serve_app.settings", "serve_app.quota.keys"), ("serve_app.settings", "serve_app.quota.keys.KeyLimits")}
 
 
 def part_of(name: str) -> str:

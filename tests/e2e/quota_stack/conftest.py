@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from http_checks import free_port
+from jwks_server import Jwks
 from quota_stack.stack_args import app_args
 from redis_server import running_redis
 from stack import serve_stack
@@ -20,6 +21,15 @@ def redis_server():
 
 
 @pytest.fixture(scope="package")
-def base_url(redis_server):
-    with serve_stack(app_args(redis_server.url), port=free_port()) as url:
+def jwks():
+    """The identity provider whose tokens the stack accepts (one RS256 key, "k1")."""
+    server = Jwks()
+    server.add("k1")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def base_url(redis_server, jwks):
+    with serve_stack(app_args(redis_server.url, jwks.url), port=free_port()) as url:
         yield url

@@ -1,5 +1,5 @@
 """The application this package's stack runs: the demo chat model behind two
-ingress replicas, with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per key, and a narrow copy of it for the backpressure tests
+ingress replicas, identity tokens of a test-run OIDC provider, with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per key, and a narrow copy of it for the backpressure tests
 (one request at a time per replica, a queue of one, its own alias)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import tempfile
 from copy import deepcopy
 
+from jwks_server import AUDIENCE, ISSUER
 from stack import local_app_args
 
 MODEL = "tiny-llama"
@@ -20,7 +21,10 @@ STORED_BYTES = 2 * 1024 * 1024  # what one key's stored responses and batch reco
 FILES_DIR = tempfile.mkdtemp(prefix="llm-files-quota-")  # the stack's files, where the tests can see them
 
 
-def app_args(redis_url: str) -> dict:
+JWT_REQUESTS_PER_MINUTE = 3  # each identity-token user's limit (auth.jwt.limits)
+
+
+def app_args(redis_url: str, jwks_url: str | None = None) -> dict:
     args = local_app_args(only=[MODEL])
     args["ingress"]["deployment"]["num_replicas"] = 2
     # Redis timeout 1 s: on this loaded 2-core box a 16-client flood can delay answers
@@ -33,6 +37,9 @@ def app_args(redis_url: str) -> dict:
     args["batch"].update(max_file_bytes=MAX_FILE_BYTES, max_bytes_per_key=KEY_FILE_BYTES, files_dir=FILES_DIR,
                          max_active_per_key=MAX_ACTIVE_BATCHES)
     args["store"] = {"max_bytes_per_key": STORED_BYTES}
+    if jwks_url is not None:  # the test's own identity provider (tests/jwks_server.py)
+        args["auth"] = {"jwt": {"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": jwks_url,
+                                "limits": {"requests_per_minute": JWT_REQUESTS_PER_MINUTE}}}
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)
     narrow["deployment"] = {**narrow["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
