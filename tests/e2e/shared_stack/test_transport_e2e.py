@@ -46,7 +46,8 @@ def charged(redis, key_id: str, requests: int) -> dict[str, int]:
     """Today's counters of ``key_id`` once its ``requests`` are settled."""
     wait_until_settled(redis, key_id, records_expected=requests)
     usage = {k.decode(): int(v) for k, v in redis.hgetall(redis_names.usage(key_id)).items()}
-    return {name: sum(v for k, v in usage.items() if k.startswith("d:") and k.endswith(":" + name))
+    # The key's own day counters, d:<day>:<name> (not the usage API's per-model ones, d:<day>:model:<m>:<name>).
+    return {name: sum(v for k, v in usage.items() if k.startswith("d:") and k.count(":") == 2 and k.endswith(":" + name))
             for name in ("requests", "tokens", "prompt_tokens", "completion_tokens")}
 
 
