@@ -19,7 +19,11 @@ from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage_report import completions_usage, parse_query
 
 _ids = iter(range(10**9))
-TODAY = int(time.time()) // 86400 * 86400
+
+
+def today() -> int:
+    """Today's start (UTC), read when asked: a suite may run across midnight."""
+    return int(time.time()) // 86400 * 86400
 
 
 def key(key_id: str) -> KeyRecord:
@@ -56,10 +60,10 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
     # Admitted without Redis (an outage): only its settlement reaches Redis.
     await adm.settle(b, f"{b.id}-{next(_ids):016x}", "completed", 6, 1, "r1", "chat")
 
-    page = await completions_usage(redis, [a, b], parse_query(query(start_time=TODAY, group_by=["api_key_id", "model"])))
+    page = await completions_usage(redis, [a, b], parse_query(query(start_time=today(), group_by=["api_key_id", "model"])))
     openai_spec.validate(page, "UsageResponse")
     [bucket] = page["data"]
-    assert (bucket["start_time"], bucket["end_time"], page["has_more"]) == (TODAY, TODAY + 86400, False)
+    assert (bucket["start_time"], bucket["end_time"], page["has_more"]) == (today(), today() + 86400, False)
     got = {(r["api_key_id"], r["model"]): (r["num_model_requests"], r["input_tokens"], r["output_tokens"],
                                             r["reserved_tokens"]) for r in bucket["results"]}
     assert got == {("kusagea", "chat"): (3, 20, 32, 40), ("kusagea", "embed"): (1, 9, 0, 0),
@@ -71,11 +75,11 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
         mine = [r for r in bucket["results"] if r["api_key_id"] == k.id]
         assert charged == sum(r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in mine)
 
-    by_model = await completions_usage(redis, [a, b], parse_query(query(start_time=TODAY, group_by="model",
+    by_model = await completions_usage(redis, [a, b], parse_query(query(start_time=today(), group_by="model",
                                                                          models="chat")))
     assert [(r["model"], r["api_key_id"], r["num_model_requests"]) for r in by_model["data"][0]["results"]] == [
         ("chat", None, 6)]
-    only_b = await completions_usage(redis, [a, b], parse_query(query(start_time=TODAY, api_key_ids=b.id)))
+    only_b = await completions_usage(redis, [a, b], parse_query(query(start_time=today(), api_key_ids=b.id)))
     [total] = only_b["data"][0]["results"]
     assert (total["num_model_requests"], total["input_tokens"], total["model"]) == (4, 14, None)
 
@@ -84,7 +88,7 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
     adm = Admission(redis, lease_s=60, retention_s=3600)
     k = key("kusagepage")
     await run(adm, k, "chat", 10, "completed", 1, 1)
-    start = TODAY - 9 * 86400
+    start = today() - 9 * 86400
     first = await completions_usage(redis, [k], parse_query(query(start_time=start + 3600, limit=4)))
     openai_spec.validate(first, "UsageResponse")
     assert [b["start_time"] for b in first["data"]] == [start + n * 86400 for n in range(4)]
@@ -95,7 +99,7 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
         pages.append(page)
         cursor = page["next_page"]
     days = [b for page in pages for b in page["data"]]
-    assert len(days) == 10 and days[-1]["start_time"] == TODAY and days[-1]["results"][0]["num_model_requests"] == 1
+    assert len(days) == 10 and days[-1]["start_time"] == today() and days[-1]["results"][0]["num_model_requests"] == 1
 
 
 @pytest.mark.parametrize("params, param", [
