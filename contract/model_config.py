@@ -195,6 +195,19 @@ class LoraSettings(BaseModel):
         return self
 
 
+class Pricing(BaseModel):
+    """What a model's tokens cost (US dollars per million), recorded at every settlement
+    (serve_app/quota/costs.py) and served as OpenAI's Costs API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_per_million: float = Field(0.0, ge=0, le=1_000_000, description="USD per million prompt tokens.")
+    completion_per_million: float = Field(0.0, ge=0, le=1_000_000,
+                                          description="USD per million completion tokens.")
+    batch_discount: float = Field(0.0, ge=0, le=1, description="Share taken off a batch request's cost "
+                                                               "(0.5: half price, as OpenAI's Batch API).")
+
+
 class ModelConfig(BaseModel):
     """One served model. Several of these make a cluster's config."""
 
@@ -246,6 +259,7 @@ class ModelConfig(BaseModel):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     priority: PrioritySettings = Field(default_factory=PrioritySettings)
     fair_share: FairShareSettings = Field(default_factory=FairShareSettings)
+    pricing: Pricing = Field(default_factory=Pricing)
     queue_timeout_s: float = Field(
         60.0,
         gt=0,

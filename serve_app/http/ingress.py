@@ -396,6 +396,12 @@ class Ingress(HandlesRequests):
         await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.completions_usage(self.access, request.query_params))
 
+    @route("GET", "/v1/organization/costs", "admin")
+    async def organization_costs(self, request: Request) -> JSONResponse:
+        """OpenAI's organization Costs API: per day, by key and line item ("<model>, input")."""
+        await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.costs(self.access, request.query_params))
+
     @route("GET", "/admin/requests/{request_id}", "admin")
     async def admin_request(self, request_id: str, request: Request) -> JSONResponse:
         await self.access.admin_actor(request.headers)

@@ -31,6 +31,7 @@ from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
 from serve_app.quota.access import Access, Ticket
 from serve_app.quota.admission import Refusal
+from serve_app.quota.costs import Rates
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import new_request_id
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -192,6 +193,9 @@ class Gateway:
                 self.telemetry.started_early(model, "withdrawn")
             raise render_refusal(admitted)
         ticket = admitted
+        # Priced at settlement (quota/costs.py): a batch request at the model's batch discount.
+        ticket.rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
+        ticket.reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)
         if early is not None:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)

@@ -42,6 +42,7 @@ from serve_app.quota.admission import Admission, Decision, Refusal
 from serve_app.quota.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
 from serve_app.quota.admins import AdminStore
 from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog
+from serve_app.quota.costs import Cost, Rates
 from serve_app.quota.jwt_auth import JwtAuthenticator, is_jwt_identity, looks_like_jwt
 from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
@@ -84,6 +85,10 @@ class Ticket:
     revoked: bool = False
     # Called once when it is marked revoked (a unary call cancels itself with it).
     on_revoke: Callable[[], None] | None = None
+    # Its model's prices for it (set by the gateway once admitted; None: not priced)
+    # and its reservation as (prompt, completion) tokens, which price an unknown usage.
+    rates: Rates | None = None
+    reserved: tuple[int, int] = (0, 0)
 
 
 class Access:
@@ -285,15 +290,16 @@ class Access:
         prompt = completion = -1
         if usage is not None:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        cost = Cost.of(ticket.rates, prompt, completion, *ticket.reserved)
         if ticket.local:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.
-            self._settle_later(ticket.key, ticket.request_id, ticket.model, status, prompt, completion, replica)
+            self._settle_later(ticket.key, ticket.request_id, ticket.model, status, prompt, completion, replica, cost)
             return
         if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
             self.overlap.ended(ticket.key.id)
         self._spawn(self._settle_now(
-            (ticket.key, ticket.request_id, status, prompt, completion, replica, ticket.model)
+            (ticket.key, ticket.request_id, status, prompt, completion, replica, ticket.model, cost)
         ))
 
     async def _settle_now(self, settlement: tuple) -> None:
@@ -302,15 +308,15 @@ class Access:
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("accounting")
             logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
-            key, request_id, status, prompt, completion, replica, model = settlement
-            self._settle_later(key, request_id, model, status, prompt, completion, replica)
+            key, request_id, status, prompt, completion, replica, model, cost = settlement
+            self._settle_later(key, request_id, model, status, prompt, completion, replica, cost)
 
-    def _settle_later(self, key, request_id, model, status, prompt, completion, replica="") -> None:
+    def _settle_later(self, key, request_id, model, status, prompt, completion, replica="", cost=Cost()) -> None:
         if len(self._unsettled) >= MAX_UNSETTLED:
             dropped = next(iter(self._unsettled))
             del self._unsettled[dropped]
             logger.warning("settlement backlog full: dropped %s (its lease expires instead)", dropped)
-        self._unsettled[request_id] = (key, request_id, status, prompt, completion, replica, model)
+        self._unsettled[request_id] = (key, request_id, status, prompt, completion, replica, model, cost)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(self._logged(coroutine))

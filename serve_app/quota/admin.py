@@ -106,6 +106,12 @@ async def completions_usage(access, params) -> dict[str, Any]:
     return await usage_report.completions_usage(access.redis, await access.keys.list(), query)
 
 
+async def costs(access, params) -> dict[str, Any]:
+    """OpenAI's organization Costs API (usage_report.py), over every key."""
+    query = usage_report.parse_query(params, usage_report.COST_GROUPS)
+    return await usage_report.costs(access.redis, await access.keys.list(), query)
+
+
 async def request(access, request_id: str, key: str | None = None) -> dict[str, Any]:
     """A request's record; ``key`` (id or name) looks an x-request-id up among that key's requests."""
     key_id = (await _key(access, key)).id if key is not None else None

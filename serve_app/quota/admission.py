@@ -28,6 +28,7 @@ from importlib import resources
 
 from serve_app.quota import redis_names
 from serve_app.quota.auto_pipeline import AutoPipeline
+from serve_app.quota.costs import Cost
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import key_id_of
 
@@ -174,25 +175,28 @@ class Admission:
         completion_tokens: int = 0,
         replica: str = "",
         model: str = "",
+        cost: Cost = Cost(),
     ) -> int | None:
         """Final accounting; returns tokens charged beyond the reservation (or None
         if the request was already settled). Idempotent: safe to retry."""
         return await self.pipeline.call(self._settle, redis_names.admission_keys(key.id, request_id),
                                         self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
-                                                          replica, model))
+                                                          replica, model, cost))
 
-    def _settle_args(self, key, request_id, status, prompt_tokens, completion_tokens, replica, model) -> list:
+    def _settle_args(self, key, request_id, status, prompt_tokens, completion_tokens, replica, model,
+                     cost: Cost = Cost()) -> list:
         now = datetime.datetime.now(datetime.timezone.utc)
         return [request_id, status, prompt_tokens, completion_tokens, key.tokens_per_minute,
-                self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"), now.strftime("m:%Y%m")]
+                self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"), now.strftime("m:%Y%m"),
+                cost.input_nanos, cost.output_nanos, cost.reserved_nanos]
 
     async def settle_many(self, settlements: list[tuple]) -> list[bool]:
         """Settle several requests in one pipeline (retries after Redis was
         unreachable); each item is ``settle``'s arguments. Returns, per item,
         whether Redis answered for it (an answered settle is done, whatever it did)."""
         calls = [(self._settle, redis_names.admission_keys(key.id, request_id),
-                  self._settle_args(key, request_id, status, prompt, completion, replica, model))
-                 for key, request_id, status, prompt, completion, replica, model in settlements]
+                  self._settle_args(key, request_id, status, prompt, completion, replica, model, *cost))
+                 for key, request_id, status, prompt, completion, replica, model, *cost in settlements]
         replies = await self._script_batch(calls)
         return [not isinstance(reply, BaseException) for reply in replies]
 

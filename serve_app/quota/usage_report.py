@@ -20,12 +20,16 @@ from typing import Any
 
 from serve_app.errors import OpenAIError
 from serve_app.quota import redis_names
+from serve_app.quota.costs import NANOS_PER_USD
 from serve_app.quota.keys import KeyRecord
 
 DAY_S = 86400
 DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets
-GROUPS = ("api_key_id", "model")  # what a result may be grouped by here
-COUNTERS = ("requests", "input_tokens", "output_tokens", "reserved_tokens")
+GROUPS = ("api_key_id", "model")  # what a usage result may be grouped by here
+COST_GROUPS = ("api_key_id", "line_item")  # and a cost result (a line item: "<model>, input")
+COST_PARTS = ("input", "output", "reserved")
+COUNTERS = ("requests", "input_tokens", "output_tokens", "reserved_tokens",
+            *(f"cost_{part}_nanos" for part in COST_PARTS))
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,10 @@ class UsageQuery:
     page: int | None = None  # the first bucket's start (a next_page cursor)
 
 
-def parse_query(params) -> UsageQuery:
-    """The query of OpenAI's usage endpoint (a starlette ``QueryParams`` or a
-    mapping of lists); a 400 names the parameter it cannot take."""
+def parse_query(params, groups: tuple[str, ...] = GROUPS) -> UsageQuery:
+    """The query of OpenAI's usage (or, with ``COST_GROUPS``, costs) endpoint (a
+    starlette ``QueryParams`` or a mapping of lists); a 400 names the parameter it
+    cannot take."""
     def many(name: str) -> list[str]:
         getlist = getattr(params, "getlist", None)
         values = [*getlist(name), *getlist(name + "[]")] if getlist else [*params.get(name, []),
@@ -71,9 +76,9 @@ def parse_query(params) -> UsageQuery:
         raise OpenAIError(400, f"bucket_width '{width}' is not served here: usage is counted per day ('1d').",
                           param="bucket_width")
     group_by = tuple(dict.fromkeys(many("group_by")))
-    unknown = [name for name in group_by if name not in GROUPS]
+    unknown = [name for name in group_by if name not in groups]
     if unknown:
-        raise OpenAIError(400, f"group_by {unknown} is not served here; group by {list(GROUPS)}.", param="group_by")
+        raise OpenAIError(400, f"group_by {unknown} is not served here; group by {list(groups)}.", param="group_by")
     limit = integer("limit", 1, MAX_BUCKETS) or DEFAULT_BUCKETS
     page = integer("page", 0, 2**40)
     keys, models = many("api_key_ids"), many("models")
@@ -84,14 +89,42 @@ def parse_query(params) -> UsageQuery:
 async def completions_usage(redis, keys: list[KeyRecord], query: UsageQuery,
                             now: float | None = None) -> dict[str, Any]:
     """OpenAI's ``page`` of ``bucket``s of ``organization.usage.completions.result``."""
+    shown, more, rows = await _rows(redis, keys, query, now)
+    sums: dict[int, dict[tuple, dict[str, int]]] = {day: defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+                                                   for day in shown}
+    for day, key_id, model, counter, value in rows:
+        group = tuple((name, key_id if name == "api_key_id" else model) for name in query.group_by)
+        sums[day][group][counter] += value
+    return _page(shown, more, {day: [_result(dict(group), counts) for group, counts in sorted(sums[day].items())]
+                               for day in shown})
+
+
+async def costs(redis, keys: list[KeyRecord], query: UsageQuery, now: float | None = None) -> dict[str, Any]:
+    """OpenAI's Costs API (``organization.costs.result`` buckets), in US dollars: what
+    settlement priced at each model's ``pricing``; a line item is ``"<model>, input"``,
+    ``"<model>, output"`` or ``"<model>, reserved"`` (usage never reported)."""
+    shown, more, rows = await _rows(redis, keys, query, now)
+    sums: dict[int, dict[tuple, int]] = {day: defaultdict(int) for day in shown}
+    for day, key_id, model, counter, value in rows:
+        if not counter.startswith("cost_"):
+            continue
+        part = counter.removeprefix("cost_").removesuffix("_nanos")
+        group = tuple((name, key_id if name == "api_key_id" else f"{model}, {part}") for name in query.group_by)
+        sums[day][group] += value
+    return _page(shown, more, {day: [_cost_result(dict(group), nanos) for group, nanos in sorted(sums[day].items())]
+                               for day in shown})
+
+
+async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | None):
+    """The days of this page, whether more follow, and every per-model counter of
+    those days the query selects: (day start, key id, model, counter, value)."""
     now = now if now is not None else datetime.datetime.now(datetime.timezone.utc).timestamp()
     first = (query.page if query.page is not None else query.start_time) // DAY_S * DAY_S
     end = query.end_time if query.end_time is not None else int(now) + 1
     days = list(range(first, end, DAY_S))
     shown, more = days[:query.limit], days[query.limit:]
     wanted = {_day_field(day): day for day in shown}
-    sums: dict[int, dict[tuple, dict[str, int]]] = {day: defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
-                                                   for day in shown}
+    rows = []
     for key in keys:
         if query.api_key_ids is not None and key.id not in query.api_key_ids:
             continue
@@ -100,14 +133,20 @@ async def completions_usage(redis, keys: list[KeyRecord], query: UsageQuery,
             if parsed is None or parsed[0] not in wanted:
                 continue
             day_field, model, counter = parsed
-            if query.models is not None and model not in query.models:
-                continue
-            group = tuple((name, key.id if name == "api_key_id" else model) for name in query.group_by)
-            sums[wanted[day_field]][group][counter] += int(value)
-    buckets = [{"object": "bucket", "start_time": day, "end_time": day + DAY_S,
-                "results": [_result(dict(group), counts) for group, counts in sorted(sums[day].items())]}
+            if query.models is None or model in query.models:
+                rows.append((wanted[day_field], key.id, model, counter, int(value)))
+    return shown, more, rows
+
+
+def _page(shown: list[int], more: list[int], results: dict[int, list]) -> dict[str, Any]:
+    buckets = [{"object": "bucket", "start_time": day, "end_time": day + DAY_S, "results": results[day]}
                for day in shown]
     return {"object": "page", "data": buckets, "has_more": bool(more), "next_page": str(more[0]) if more else None}
+
+
+def _cost_result(group: dict[str, str], nanos: int) -> dict[str, Any]:
+    return {"object": "organization.costs.result", "amount": {"value": nanos / NANOS_PER_USD, "currency": "usd"},
+            "line_item": group.get("line_item"), "project_id": None, "api_key_id": group.get("api_key_id")}
 
 
 def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:

@@ -16,7 +16,13 @@ from serve_app.errors import OpenAIError
 from serve_app.quota import redis_names
 from serve_app.quota.admission import Admission
 from serve_app.quota.keys import KeyRecord
-from serve_app.quota.usage_report import completions_usage, parse_query
+from contract.model_config import Pricing
+from contract.replica_wire import Usage
+from serve_app.quota.access import Access
+from serve_app.quota.costs import Cost, Rates
+from serve_app.quota.usage_report import COST_GROUPS, completions_usage, costs, parse_query
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
 
 _ids = iter(range(10**9))
 
@@ -126,3 +132,51 @@ def test_a_query_it_cannot_serve_is_a_400_naming_the_parameter(params, param):
 def test_group_by_in_either_list_form_and_comma_separated():
     assert parse_query(query(start_time=0, **{"group_by[]": ["model", "api_key_id"]})).group_by == ("model", "api_key_id")
     assert parse_query(query(start_time=0, group_by="model,api_key_id,model")).group_by == ("model", "api_key_id")
+
+
+# -- costs ------------------------------------------------------------------------
+
+
+def test_a_cost_is_its_tokens_priced_and_a_batch_pays_the_discounted_price():
+    pricing = Pricing(prompt_per_million=0.15, completion_per_million=0.6, batch_discount=0.5)
+    assert Cost.of(Rates.of(pricing), 1000, 500, 10, 10) == Cost(input_nanos=150_000, output_nanos=300_000)
+    assert Cost.of(Rates.of(pricing, batch=True), 1000, 500, 10, 10) == Cost(75_000, 150_000)
+    # Usage never reported: the reservation (prompt estimate, max completion) is priced.
+    assert Cost.of(Rates.of(pricing), -1, -1, 100, 1000) == Cost(reserved_nanos=15_000 + 600_000)
+    assert Cost.of(None, 1000, 500, 0, 0) == Cost()  # not priced
+    assert Cost.of(Rates.of(Pricing(prompt_per_million=0.0375)), 3, 0, 0, 0) == Cost(input_nanos=112)  # rounded
+
+
+async def test_costs_are_recorded_at_settlement_and_served_in_openais_shape(redis_url, redis):
+    access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+    try:
+        k = key("kcosts")
+        rates = Rates.of(Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5))
+        for usage, batch in ((Usage(prompt_tokens=1000, completion_tokens=500), False),
+                             (Usage(prompt_tokens=1000, completion_tokens=500), True),
+                             (None, False)):  # a stream its client hung up on
+            ticket = await access.admit(k, "chat", 1200)
+            ticket.rates = Rates.of(Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5),
+                                    batch=batch)
+            ticket.reserved = (200, 1000)
+            access.settle(ticket, "completed" if usage else "cancelled", usage)
+        while access._background:
+            await asyncio.sleep(0.01)
+        assert rates.prompt == 2000
+        page = await completions_usage(redis, [k], parse_query(query(start_time=today())))
+        assert page["data"][0]["results"][0]["num_model_requests"] == 3
+        costs_page = await costs(redis, [k], parse_query(query(start_time=today(), group_by=["line_item", "api_key_id"]),
+                                                         COST_GROUPS))
+        openai_spec.validate(costs_page, "UsageResponse")
+        got = {r["line_item"]: r["amount"] for r in costs_page["data"][0]["results"]}
+        assert got == {"chat, input": {"value": 0.002 + 0.001, "currency": "usd"},
+                       "chat, output": {"value": 0.004 + 0.002, "currency": "usd"},
+                       "chat, reserved": {"value": 0.0004 + 0.008, "currency": "usd"}}
+        day, month = time.strftime("d:%Y%m%d", time.gmtime()), time.strftime("m:%Y%m", time.gmtime())
+        totals = [int(await redis.hget(redis_names.usage(k.id), f"{period}:cost_nanos")) for period in (day, month)]
+        assert totals == [3_000_000 + 6_000_000 + 8_400_000] * 2
+        with pytest.raises(OpenAIError) as caught:
+            parse_query(query(start_time=0, group_by="model"), COST_GROUPS)
+        assert caught.value.param == "group_by"
+    finally:
+        await access.redis.aclose()

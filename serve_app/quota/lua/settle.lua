@@ -6,7 +6,8 @@
 -- ARGV: 1 request id, 2 final status (completed|failed|cancelled|overloaded), 3 prompt tokens,
 --       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica,
 --       8 key id, 9 model, 10 day field, 11 month field (both by the ingress's clock:
---       used only for a request admitted without Redis, see below)
+--       used only for a request admitted without Redis, see below),
+--       12-14 its cost in nano-dollars: input, output, reserved (serve_app/quota/costs.py)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done.
 --
@@ -21,7 +22,8 @@ local WINDOW = 60000
 -- request of an inference model was charged: its real usage, or, when that is
 -- unknown (a stream the client cancelled), its reservation. A request charged
 -- nothing (refused by the model's queue, failed before it ran) is not counted.
-local function count_for_model(day, model, prompt, completion, reserved)
+-- Its cost likewise, per model and day and in the day's and month's totals.
+local function count_for_model(day, month, model, prompt, completion, reserved)
   if model == nil or model == false or model == '' then return end
   local per_model = day .. ':model:' .. model .. ':'
   if prompt >= 0 then
@@ -32,6 +34,18 @@ local function count_for_model(day, model, prompt, completion, reserved)
     redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
   end
   redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
+  local total = 0
+  for i, part in ipairs({'input', 'output', 'reserved'}) do
+    local nanos = tonumber(ARGV[11 + i] or 0)
+    if nanos > 0 then  -- as sent (a string): Lua would print a large number as 1e+15
+      redis.call('HINCRBY', KEYS[4], per_model .. 'cost_' .. part .. '_nanos', ARGV[11 + i])
+      total = total + nanos
+    end
+  end
+  if total > 0 then
+    redis.call('HINCRBY', KEYS[4], day .. ':cost_nanos', total)
+    redis.call('HINCRBY', KEYS[4], month .. ':cost_nanos', total)
+  end
 end
 local status = redis.call('HGET', KEYS[5], 'status')
 if not status then
@@ -48,7 +62,7 @@ if not status then
     end
     redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
       'total_tokens', prompt + completion)
-    count_for_model(ARGV[10], ARGV[9], prompt, completion, 0)
+    count_for_model(ARGV[10], ARGV[11], ARGV[9], prompt, completion, 0)
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
@@ -85,7 +99,7 @@ for _, period in ipairs({day, month}) do
   end
 end
 
-count_for_model(day, redis.call('HGET', KEYS[5], 'model'), prompt, completion, reserved)
+count_for_model(day, month, redis.call('HGET', KEYS[5], 'model'), prompt, completion, reserved)
 
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now)

@@ -1,8 +1,9 @@
-"""OpenAI's organization Usage API on the real stack (Redis Cluster, Ray Serve, vLLM):
-a key's chat, embeddings and a stream it hangs up on appear per model in
+"""OpenAI's organization Usage and Costs APIs on the real stack (Redis Cluster, Ray
+Serve, vLLM): a key's chat, embeddings and a stream it hangs up on appear per model in
 ``GET /v1/organization/usage/completions``, in OpenAI's shape (the spec), summing to
-what the key's request records say it was charged; only an admin credential reads it,
-and `llmctl usage --csv` prints the same figures."""
+what the key's request records say it was charged, and priced at the config's prices in
+``GET /v1/organization/costs``; only an admin credential reads them, and `llmctl usage
+--csv` prints the same figures."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def test_a_keys_requests_appear_per_model_and_sum_to_what_its_records_charged(ba
     assert charged == sum(r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in results.values())
     reserved = [r for r in records if r.get("usage") == "reserved"]
     assert results["tiny-llama"]["reserved_tokens"] == sum(int(r["total_tokens"]) for r in reserved) > 0
+
+    # What it cost, at configs/local.yaml's prices (0.10 / 0.40 per million for tiny-llama, 0.02 for minilm).
+    spent = httpx.get(base_url + "/v1/organization/costs", timeout=30, headers={"authorization": f"Bearer {admin_token}"},
+                      params={"start_time": today(), "group_by": ["line_item", "api_key_id"], "api_key_ids": key_id}).json()
+    openai_spec.validate(spent, "UsageResponse")
+    amounts = {r["line_item"]: r["amount"]["value"] for r in spent["data"][0]["results"]}
+    chat, embed = results["tiny-llama"], results["minilm"]
+    expected = {"tiny-llama, input": chat["input_tokens"] * 0.10e-6, "tiny-llama, output": chat["output_tokens"] * 0.40e-6,
+                "minilm, input": embed["input_tokens"] * 0.02e-6}
+    for line, value in expected.items():
+        assert amounts[line] == pytest.approx(value, abs=1e-9), (line, amounts)
+    # The hung-up stream's reservation is priced too (its prompt estimate and max_tokens).
+    assert amounts["tiny-llama, reserved"] > 400 * 0.40e-6
 
     shown = subprocess.run([str(BIN / "llmctl"), "usage", "--key", "usage-api", "--days", "1", "--csv"],
                            env={"REDIS_URL": redis_server.url}, capture_output=True, text=True, timeout=60, check=True)

@@ -1,0 +1,47 @@
+"""What a request cost, in nano-dollars (integers, so Redis adds them exactly): its
+model's prices (``ModelConfig.pricing``, USD per million tokens) times the tokens it
+was charged, less the model's batch discount for a batch request. Recorded at
+settlement per key, model and day (lua/settle.lua), served as OpenAI's Costs API
+(usage_report.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contract.model_config import Pricing
+
+NANOS_PER_USD = 10**9
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Nano-dollars per token."""
+
+    prompt: float
+    completion: float
+
+    @classmethod
+    def of(cls, pricing: Pricing, batch: bool = False) -> "Rates":
+        factor = 1 - pricing.batch_discount if batch else 1.0
+        # USD per million tokens = nano-dollars per token × 1,000.
+        return cls(pricing.prompt_per_million * 1000 * factor, pricing.completion_per_million * 1000 * factor)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A settled request's cost: its real usage priced (input, output), or, when its
+    usage was never reported, its reservation priced (reserved)."""
+
+    input_nanos: int = 0
+    output_nanos: int = 0
+    reserved_nanos: int = 0
+
+    @classmethod
+    def of(cls, rates: Rates | None, prompt: int, completion: int, reserved_prompt: int,
+           reserved_completion: int) -> "Cost":
+        """``prompt`` -1: usage unknown, the reservation is what was charged."""
+        if rates is None:
+            return cls()
+        if prompt < 0:
+            return cls(reserved_nanos=round(reserved_prompt * rates.prompt + reserved_completion * rates.completion))
+        return cls(round(prompt * rates.prompt), round(completion * rates.completion))
