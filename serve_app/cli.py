@@ -138,6 +138,8 @@ async def _usage(args: argparse.Namespace) -> int:
     ``--days`` days by key and model, as OpenAI's usage API serves it, or as CSV."""
     import time
 
+    from starlette.datastructures import QueryParams
+
     from serve_app.quota import admin
 
     async def work(access, actor) -> None:
@@ -146,8 +148,8 @@ async def _usage(args: argparse.Namespace) -> int:
             _print(await admin.usage(access, key["id"]), True)
             return
         today = int(time.time()) // 86400 * 86400
-        params = {"start_time": [str(today - ((args.days or 7) - 1) * 86400)], "limit": [str(args.days or 7)],
-                  "group_by": args.by.split(","), "api_key_ids": [key["id"]] if key else []}
+        params = QueryParams({"start_time": today - ((args.days or 7) - 1) * 86400, "limit": args.days or 7,
+                              "group_by": args.by, **({"api_key_ids": key["id"]} if key else {})})
         page = await admin.completions_usage(access, params)
         if not args.csv:
             _print(page, True)

@@ -14,6 +14,7 @@ import time
 from pydantic import BaseModel
 
 from serve_app.quota import redis_names
+from serve_app.quota.redis_client import as_text
 from serve_app.quota.keys import digest
 
 SECRET_PREFIX = "sk-admin-"
@@ -54,7 +55,7 @@ class AdminStore:
         if name is None:
             return None
         try:
-            return await self.get(_text(name))
+            return await self.get(as_text(name))
         except AdminNotFound:
             return None
 
@@ -66,7 +67,7 @@ class AdminStore:
 
     async def list(self) -> list[AdminRecord]:
         records = []
-        for name in sorted(_text(n) for n in await self.redis.smembers(redis_names.ADMIN_INDEX)):
+        for name in sorted(as_text(n) for n in await self.redis.smembers(redis_names.ADMIN_INDEX)):
             try:
                 records.append(await self.get(name))
             except AdminNotFound:
@@ -78,7 +79,7 @@ class AdminStore:
         record = await self.get(name)
         stored = await self.redis.get(redis_names.admin_secret_digest(name))
         if stored is not None:
-            await self.redis.delete(redis_names.admin_digest(_text(stored)))
+            await self.redis.delete(redis_names.admin_digest(as_text(stored)))
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(redis_names.admin_record(name))
             pipe.delete(redis_names.admin_secret_digest(name))
@@ -86,6 +87,3 @@ class AdminStore:
             await pipe.execute()
         return record
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from serve_app.quota import redis_names
+from serve_app.quota.redis_client import as_text
 
 RETENTION_S = 400 * 86400  # a year and a month: last year's audit is still there
 MAX_ENTRIES = 20_000
@@ -59,7 +60,7 @@ class AuditLog:
             pipe.xadd(redis_names.AUDIT_LOG, fields, minid=oldest_ms, approximate=False)
             pipe.xtrim(redis_names.AUDIT_LOG, maxlen=MAX_ENTRIES, approximate=False)
             entry_id, _ = await pipe.execute()
-        return _text(entry_id)
+        return as_text(entry_id)
 
     async def read(self, limit: int = 100, before: str | None = None, actor: str | None = None,
                    target: str | None = None) -> dict[str, Any]:
@@ -79,19 +80,16 @@ class AuditLog:
                         break
             if len(rows) < _SCAN_BATCH:
                 break
-            upper = f"({_text(rows[-1][0])}"
+            upper = f"({as_text(rows[-1][0])}"
         more = bool(page) and bool(await self.redis.xrevrange(redis_names.AUDIT_LOG, max=f"({page[-1]['id']}",
                                                               min="-", count=1))
         return {"object": "list", "data": page, "has_more": len(page) == limit and more}
 
 
 def _entry(entry_id, fields: dict) -> dict[str, Any]:
-    values = {_text(name): _text(value) for name, value in fields.items()}
-    entry_id = _text(entry_id)
+    values = {as_text(name): as_text(value) for name, value in fields.items()}
+    entry_id = as_text(entry_id)
     return {"id": entry_id, "at": int(entry_id.split("-")[0]) / 1000, "actor": values["actor"],
             "action": values["action"], "target": values["target"],
             "before": json.loads(values["before"]), "after": json.loads(values["after"])}
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -18,8 +18,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.datastructures import QueryParams
+
 from serve_app.errors import OpenAIError
 from serve_app.quota import redis_names
+from serve_app.quota.redis_client import as_text
 from serve_app.quota.costs import NANOS_PER_USD
 from serve_app.quota.keys import KeyRecord
 
@@ -43,15 +46,12 @@ class UsageQuery:
     page: int | None = None  # the first bucket's start (a next_page cursor)
 
 
-def parse_query(params, groups: tuple[str, ...] = GROUPS) -> UsageQuery:
-    """The query of OpenAI's usage (or, with ``COST_GROUPS``, costs) endpoint (a
-    starlette ``QueryParams`` or a mapping of lists); a 400 names the parameter it
-    cannot take."""
+def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQuery:
+    """The query of OpenAI's usage (or, with ``COST_GROUPS``, costs) endpoint; a 400
+    names the parameter it cannot take."""
     def many(name: str) -> list[str]:
-        getlist = getattr(params, "getlist", None)
-        values = [*getlist(name), *getlist(name + "[]")] if getlist else [*params.get(name, []),
-                                                                          *params.get(name + "[]", [])]
-        return [part for value in values for part in str(value).split(",") if part]
+        values = [*params.getlist(name), *params.getlist(name + "[]")]
+        return [part for value in values for part in value.split(",") if part]
 
     def one(name: str) -> str | None:
         values = many(name)
@@ -129,7 +129,7 @@ async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
         if query.api_key_ids is not None and key.id not in query.api_key_ids:
             continue
         for field, value in (await redis.hgetall(redis_names.usage(key.id))).items():
-            parsed = _model_counter(_text(field))
+            parsed = _model_counter(as_text(field))
             if parsed is None or parsed[0] not in wanted:
                 continue
             day_field, model, counter = parsed
@@ -180,6 +180,3 @@ def _model_counter(field: str) -> tuple[str, str, str] | None:
     model, _, counter = rest.rpartition(":")
     return (day, model, counter) if model and counter in COUNTERS else None
 
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
