@@ -15,6 +15,13 @@ export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 export RAY_SERVE_HAPROXY_BINARY_PATH ?= $(abspath $(VENV))/bin/llm-haproxy
 export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
+# An ingress replica that stops (a rollout, a scale-down, `serve shutdown`) stays
+# reachable this long before it refuses new connections (Ray's default, 30 s, is for
+# an external load balancer to deregister it). Here Ray's own HAProxy is in front: the
+# controller updates it within a second or two, and it retries a refused connection on
+# another replica, so 5 s is enough; Ray's 30 s made every stop and every ingress
+# rollout wait 30 s for nothing (docs/operating.md, "Rolling out").
+export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S ?= 5
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 HAPROXY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 _GUARD = Path(sys.executable).with_name("llm-haproxy")
 GUARD_ENV = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(_GUARD)} if _GUARD.exists() else {}
-MAKEFILE_ENV = {**HAPROXY_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", **GUARD_ENV}
+MAKEFILE_ENV = {**HAPROXY_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", **GUARD_ENV}
 # The previous default: Ray's Python proxy in place of HAProxy.
 RAY_PROXY_ENV = {**MAKEFILE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
 # Ray Serve LLM's defaults: nothing of ours may leak into its run.
