@@ -34,10 +34,14 @@ LIMIT_FLAGS = {
     "daily_tokens": "daily_token_budget",
     "monthly_tokens": "monthly_token_budget",
 }
+MONEY_FLAGS = {"daily_usd": "daily_cost_budget_usd", "monthly_usd": "monthly_cost_budget_usd"}
 
 
 def _limit_changes(args: argparse.Namespace) -> dict:
-    changes = {field: getattr(args, flag) for flag, field in LIMIT_FLAGS.items() if getattr(args, flag) is not None}
+    changes = {field: getattr(args, flag) for flag, field in {**LIMIT_FLAGS, **MONEY_FLAGS}.items()
+               if getattr(args, flag) is not None}
+    if getattr(args, "team", None) is not None:
+        changes["team"] = args.team
     if args.models is not None:
         changes["models"] = None if args.models in ("", "*") else args.models.split(",")
     if args.priority is not None:
@@ -62,7 +66,10 @@ def _admin_access(redis):
     from serve_app.quota.audit import AuditLog
     from serve_app.quota.keys import KeyStore
 
-    return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis), admins=AdminStore(redis))
+    from serve_app.quota.teams import TeamStore
+
+    return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis), admins=AdminStore(redis),
+                           teams=TeamStore(redis))
 
 
 async def _admin_command(args: argparse.Namespace, work) -> int:
@@ -103,6 +110,27 @@ async def _keys(args: argparse.Namespace) -> int:
             _print(await admin.revoke_key(access, args.key, actor), args.json)
         elif args.action == "ensure-dev":
             print(await _ensure_dev_key(access, actor))
+
+    return await _admin_command(args, work)
+
+
+async def _teams(args: argparse.Namespace) -> int:
+    from serve_app.quota import admin
+
+    async def work(access, actor) -> None:
+        if args.action == "create":
+            _print(await admin.create_team(access, {"name": args.name, **_limit_changes(args)}, actor), args.json)
+        elif args.action == "list":
+            _print((await admin.list_teams(access))["data"], args.json)
+        elif args.action == "show":
+            _print(await admin.show_team(access, args.team), True)
+        elif args.action == "update":
+            changes = _limit_changes(args)
+            if args.enable is not None:
+                changes["enabled"] = args.enable
+            _print(await admin.update_team(access, args.team, changes, actor), args.json)
+        elif args.action == "revoke":
+            _print(await admin.revoke_team(access, args.team, actor), args.json)
 
     return await _admin_command(args, work)
 
@@ -272,6 +300,9 @@ def _stop_local(_: argparse.Namespace) -> int:
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     for flag in LIMIT_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None)
+    for flag in MONEY_FLAGS:
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=float, default=None,
+                            help="spend budget in USD at the models' prices")
     parser.add_argument("--models", default=None, help="comma-separated model names; '*' = all")
     parser.add_argument("--priority", default=None, choices=PRIORITY_TIERS,
                         help="scheduling tier under load (default normal)")
@@ -298,18 +329,36 @@ def main(argv: list[str] | None = None) -> int:
     create = keys.add_parser("create", help="create a key; prints its secret once")
     create.add_argument("name")
     _add_limit_flags(create)
+    create.add_argument("--team", default=None, help="the team (id or name) the key belongs to")
     keys.add_parser("list")
     for action in ("show", "revoke"):
         keys.add_parser(action).add_argument("key", help="key id or name")
     update = keys.add_parser("update")
     update.add_argument("key", help="key id or name")
     _add_limit_flags(update)
+    update.add_argument("--team", default=None, help="move the key to this team (id or name)")
     update.add_argument("--enable", dest="enable", action="store_true", default=None)
     update.add_argument("--disable", dest="enable", action="store_false")
     keys.add_parser("ensure-dev", help="make sure the local development key exists; print its secret")
     for sub in keys.choices.values():
         sub.add_argument("--json", action="store_true")
     commands.choices["keys"].set_defaults(run=lambda a: asyncio.run(_keys(a)))
+
+    teams = commands.add_parser("teams", help="manage teams (limits over their keys)").add_subparsers(
+        dest="action", required=True)
+    _add_limit_flags(teams_create := teams.add_parser("create", help="create a team"))
+    teams_create.add_argument("name")
+    teams.add_parser("list")
+    for action in ("show", "revoke"):
+        teams.add_parser(action).add_argument("team", help="team id or name")
+    teams_update = teams.add_parser("update")
+    teams_update.add_argument("team", help="team id or name")
+    _add_limit_flags(teams_update)
+    teams_update.add_argument("--enable", dest="enable", action="store_true", default=None)
+    teams_update.add_argument("--disable", dest="enable", action="store_false")
+    for sub in teams.choices.values():
+        sub.add_argument("--json", action="store_true")
+    commands.choices["teams"].set_defaults(run=lambda a: asyncio.run(_teams(a)))
 
     usage = commands.add_parser("usage", help="a key's usage today and this month, or the usage report by day")
     usage.add_argument("--key", default=None, help="key id or name (alone: its today and month)")

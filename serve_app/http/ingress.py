@@ -389,6 +389,31 @@ class Ingress(HandlesRequests):
         await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.usage(self.access, key))
 
+    @route("POST", "/admin/teams", "admin")
+    async def admin_create_team(self, request: Request) -> JSONResponse:
+        actor, body = await self._admin_json(request)
+        return JSONResponse(await admin.create_team(self.access, body, actor), status_code=201)
+
+    @route("GET", "/admin/teams", "admin")
+    async def admin_list_teams(self, request: Request) -> JSONResponse:
+        await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.list_teams(self.access))
+
+    @route("GET", "/admin/teams/{team}", "admin")
+    async def admin_show_team(self, team: str, request: Request) -> JSONResponse:
+        await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.show_team(self.access, team))
+
+    @route("PATCH", "/admin/teams/{team}", "admin")
+    async def admin_update_team(self, team: str, request: Request) -> JSONResponse:
+        actor, body = await self._admin_json(request)
+        return JSONResponse(await admin.update_team(self.access, team, body, actor))
+
+    @route("DELETE", "/admin/teams/{team}", "admin")
+    async def admin_revoke_team(self, team: str, request: Request) -> JSONResponse:
+        actor = await self.access.admin_actor(request.headers)
+        return JSONResponse(await admin.revoke_team(self.access, team, actor))
+
     @route("GET", "/v1/organization/usage/completions", "admin")
     async def organization_usage_completions(self, request: Request) -> JSONResponse:
         """OpenAI's organization Usage API (an admin credential, as OpenAI's needs an

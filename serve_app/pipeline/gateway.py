@@ -31,7 +31,7 @@ from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
 from serve_app.quota.access import Access, Ticket
 from serve_app.quota.admission import Refusal
-from serve_app.quota.costs import Rates
+from serve_app.quota.costs import Rates, reservation_nanos
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import new_request_id
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -170,6 +170,10 @@ class Gateway:
         queue_full = self._queue_full(model, queue_limit)
         early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation)
                  if self.start_early and plan.streaming and not queue_full else None)
+        # Priced (quota/costs.py): a batch request at the model's batch discount. The
+        # reservation's cost is held against money budgets until settlement.
+        rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
+        reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)
         self._admitting[model] += 1
         try:
             admitted = await self.access.admit(
@@ -179,6 +183,7 @@ class Gateway:
                 # Ray Serve's id for this HTTP request: it answers it as x-request-id.
                 record.request_id,
                 request_id=early.request_id if early else None,
+                reserve_nanos=reservation_nanos(rates, *reserved),
             )
         except BaseException:
             if early is not None:
@@ -193,9 +198,7 @@ class Gateway:
                 self.telemetry.started_early(model, "withdrawn")
             raise render_refusal(admitted)
         ticket = admitted
-        # Priced at settlement (quota/costs.py): a batch request at the model's batch discount.
-        ticket.rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
-        ticket.reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)
+        ticket.rates, ticket.reserved = rates, reserved
         if early is not None:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)

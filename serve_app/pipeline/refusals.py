@@ -10,14 +10,17 @@ import math
 
 from serve_app.errors import OpenAIError
 from serve_app.quota.admission import REFUSALS, Decision, Refusal
+from serve_app.quota.costs import NANOS_PER_USD
 from serve_app.quota.keys import KeyRecord
 
 
 def render(refused: Refusal) -> OpenAIError:
-    """The 429 a refusal answers, Redis' or the local limits'."""
+    """The 429 a refusal answers, Redis' or the local limits'. It names the level that
+    refused (the API key or its team) in its message and in ``x-ratelimit-scope``."""
     if refused.decision is None:
         return local_refusal(refused.key, refused.kind, refused.retry_s)
-    return refusal(refused.key, refused.decision, refused.reserved, refused.headers)
+    return refusal(refused.key, refused.decision, refused.reserved, refused.headers, refused.level,
+                   refused.reserved_nanos)
 
 
 def local_refusal(key: KeyRecord, kind: str, retry_s: float) -> OpenAIError:
@@ -32,8 +35,25 @@ def local_refusal(key: KeyRecord, kind: str, retry_s: float) -> OpenAIError:
     )
 
 
-def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str]) -> OpenAIError:
+def _usd(nanos: float) -> str:
+    return f"${nanos / NANOS_PER_USD:,.6f}".rstrip("0").rstrip(".")
+
+
+def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str], level: str = "key",
+            reserved_nanos: int = 0) -> OpenAIError:
     kind_type, code = REFUSALS[decision.kind]
+    who = f"team '{key.name}'" if level == "team" else f"API key '{key.name}'"
+    if decision.kind.endswith("_cost_budget"):
+        budget = key.daily_cost_budget_usd if decision.kind == "daily_cost_budget" else key.monthly_cost_budget_usd
+        period = decision.kind.split("_")[0]
+        if decision.retry_ms < 0:
+            message = (f"Request too large for {who}: its reservation costs up to {_usd(reserved_nanos)}, more than "
+                       f"the whole {period} spend budget of ${budget:,.2f}. Lower max_tokens.")
+        else:
+            message = (f"You exceeded the {period} spend budget of {who} (${budget:,.2f}; spent "
+                       f"{_usd(int(decision.detail))}, this request reserves {_usd(reserved_nanos)}). "
+                       f"It renews in {decision.retry_ms / 1000:.0f}s.")
+        return OpenAIError(429, message, type=kind_type, code=code, headers=headers)
     limit = {
         "requests": f"{key.requests_per_minute} requests per minute",
         "tokens": f"{key.tokens_per_minute} tokens per minute",
@@ -44,22 +64,22 @@ def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str
     }[decision.kind]
     if decision.kind == "tokens_too_large":
         message = (
-            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
+            f"Request too large for {who}: it needs up to {reserved} tokens "
             f"(prompt estimate plus max_tokens × n × prompts) and the limit is {limit}. Lower max_tokens."
         )
     elif decision.kind.endswith("_budget") and decision.retry_ms < 0:
         message = (
-            f"Request too large for API key '{key.name}': it needs up to {reserved} tokens "
+            f"Request too large for {who}: it needs up to {reserved} tokens "
             f"(prompt estimate plus max_tokens × n × prompts), more than its whole {limit}. Lower max_tokens."
         )
     elif decision.kind.endswith("_budget"):
         message = (
-            f"You exceeded your token quota on API key '{key.name}' ({limit}; used {decision.detail}, "
+            f"You exceeded your token quota on {who} ({limit}; used {decision.detail}, "
             f"this request reserves {reserved}). It renews in {decision.retry_ms / 1000:.0f}s."
         )
     elif decision.kind == "concurrency":
         message = (
-            f"Rate limit reached for concurrent requests on API key '{key.name}': limit {limit}, "
+            f"Rate limit reached for concurrent requests on {who}: limit {limit}, "
             f"running {decision.detail}. Please try again when one finishes."
         )
     else:
@@ -69,7 +89,7 @@ def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str
             else (key.tokens_per_minute, decision.tokens_remaining, reserved)
         )
         message = (
-            f"Rate limit reached for {kind_type} on API key '{key.name}': limit {limit}, "
+            f"Rate limit reached for {kind_type} on {who}: limit {limit}, "
             f"used {quota - max(remaining, 0)}, requested {requested}. "
             f"Please try again in {decision.retry_ms / 1000:.3g}s."
         )

@@ -18,11 +18,17 @@ from contract.model_config import PriorityTier
 from serve_app.quota.admins import AdminNotFound
 from serve_app.quota.audit import changed
 from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyRecord
+from serve_app.quota.teams import TeamNotFound, TeamRecord
 from serve_app.quota import usage_report
 from serve_app.quota.usage import key_usage, request_state
 
 
 class NewKey(KeyLimits):
+    name: str
+    team: str | None = None  # a team's id or name
+
+
+class NewTeam(KeyLimits):
     name: str
 
 
@@ -32,7 +38,7 @@ class NewAdmin(BaseModel):
     name: str
 
 
-class KeyChanges(BaseModel):
+class TeamChanges(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: list[str] | None = None
@@ -43,6 +49,12 @@ class KeyChanges(BaseModel):
     monthly_token_budget: int | None = None
     priority: PriorityTier | None = None
     enabled: bool | None = None
+    daily_cost_budget_usd: float | None = None
+    monthly_cost_budget_usd: float | None = None
+
+
+class KeyChanges(TeamChanges):
+    team: str | None = None  # a team's id or name; null: no team (moving a key between teams)
 
 
 def _parse(model: type[BaseModel], body: Any) -> BaseModel:
@@ -59,12 +71,26 @@ async def _key(access, id_or_name: str) -> KeyRecord:
         raise OpenAIError(404, f"No API key '{id_or_name}'.", code="key_not_found") from None
 
 
+async def _team(access, id_or_name: str) -> TeamRecord:
+    try:
+        return await access.teams.resolve(id_or_name)
+    except TeamNotFound:
+        raise OpenAIError(404, f"No team '{id_or_name}'.", param="team", code="team_not_found") from None
+
+
 async def create_key(access, body: Any, actor: str) -> dict[str, Any]:
     new = _parse(NewKey, body)
+    limits = new.model_dump(exclude={"name", "team"})
+    team = await _team(access, new.team) if new.team is not None else None
+    if team is not None and "priority" not in new.model_fields_set:
+        limits["priority"] = team.priority  # the team's default tier
     try:
-        record, secret = await access.keys.create(new.name, KeyLimits(**new.model_dump(exclude={"name"})))
+        record, secret = await access.keys.create(new.name, KeyLimits(**limits))
     except ValueError as exc:
         raise OpenAIError(409, str(exc), param="name", code="key_exists") from None
+    if team is not None:
+        record = await access.keys.update(record.id, team=team.id)
+        await access.teams.set_membership(record.id, None, team.id)
     await access.audit.record(actor, "key.create", record.id, after=record.model_dump())
     return {**record.model_dump(), "secret": secret}
 
@@ -80,10 +106,16 @@ async def show_key(access, id_or_name: str) -> dict[str, Any]:
 async def update_key(access, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
     changes = _parse(KeyChanges, body).model_dump(exclude_unset=True)
     record = await _key(access, id_or_name)
+    if changes.get("team") is not None:
+        changes["team"] = (await _team(access, changes["team"])).id
     try:
         updated = await access.keys.update(record.id, **changes)
     except ValidationError as exc:
         raise invalid_request(exc) from None
+    if updated.team != record.team:
+        # Admission reads the key record (within key_cache_ttl_s at every ingress): from
+        # then on the new team's limits apply; requests running stay counted where admitted.
+        await access.teams.set_membership(record.id, record.team, updated.team)
     await access.audit.record(actor, "key.update", record.id, *changed(record.model_dump(), updated.model_dump()))
     return updated.model_dump()
 
@@ -92,6 +124,46 @@ async def revoke_key(access, id_or_name: str, actor: str) -> dict[str, Any]:
     record = await _key(access, id_or_name)
     revoked = await access.keys.revoke(record.id)
     await access.audit.record(actor, "key.revoke", record.id, *changed(record.model_dump(), revoked.model_dump()))
+    return revoked.model_dump()
+
+
+async def create_team(access, body: Any, actor: str) -> dict[str, Any]:
+    new = _parse(NewTeam, body)
+    try:
+        record = await access.teams.create(new.name, KeyLimits(**new.model_dump(exclude={"name"})))
+    except ValueError as exc:
+        raise OpenAIError(409, str(exc), param="name", code="team_exists") from None
+    await access.audit.record(actor, "team.create", record.id, after=record.model_dump())
+    return record.model_dump()
+
+
+async def list_teams(access) -> dict[str, Any]:
+    return {"object": "list", "data": [r.model_dump() for r in await access.teams.list()]}
+
+
+async def show_team(access, id_or_name: str) -> dict[str, Any]:
+    team = await _team(access, id_or_name)
+    return {**team.model_dump(), "keys": await access.teams.members(team.id),
+            "usage": await key_usage(access.redis, team.id)}
+
+
+async def update_team(access, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
+    changes = _parse(TeamChanges, body).model_dump(exclude_unset=True)
+    team = await _team(access, id_or_name)
+    try:
+        updated = await access.teams.update(team.id, **changes)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+    await access.audit.record(actor, "team.update", team.id, *changed(team.model_dump(), updated.model_dump()))
+    return updated.model_dump()
+
+
+async def revoke_team(access, id_or_name: str, actor: str) -> dict[str, Any]:
+    """Disable a team: every key of it stops (interactive requests within
+    key_cache_ttl_s, running streams and batches at their next check)."""
+    team = await _team(access, id_or_name)
+    revoked = await access.teams.update(team.id, enabled=False)
+    await access.audit.record(actor, "team.revoke", team.id, *changed(team.model_dump(), revoked.model_dump()))
     return revoked.model_dump()
 
 

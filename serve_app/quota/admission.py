@@ -1,8 +1,9 @@
 """Admission and accounting of requests against a key's quotas, in Redis.
 
-Four scripts (``lua/``), each loaded once and called by SHA, each touching only
+Five scripts (``lua/``), each loaded once and called by SHA, each touching only
 the key's own hash-tagged keys; the calls of one event-loop turn share a round
-trip (serve_app/quota/auto_pipeline.py):
+trip (serve_app/quota/auto_pipeline.py). A team is admitted by the same scripts
+as a key (its record has a key record's limits: quota/teams.py):
 
 - ``admit``: concurrency lease, requests/min, tokens/min reservation, daily and
   monthly token budgets, and the request record — all decided and written
@@ -12,6 +13,7 @@ trip (serve_app/quota/auto_pipeline.py):
   the record is final (idempotent; also closes the id of a request admitted
   without Redis, so a late admit of it changes nothing).
 - ``renew``: an ingress keeps the leases of its running requests alive.
+- ``release``: undo an admission that another level of the request refused.
 
 Limits use GCRA over 60 s (see admit.lua): a key with L/min may burst L at
 once, then gets one more every 60/L s. Over any span of s seconds it is
@@ -28,7 +30,7 @@ from importlib import resources
 
 from serve_app.quota import redis_names
 from serve_app.quota.auto_pipeline import AutoPipeline
-from serve_app.quota.costs import Cost
+from serve_app.quota.costs import NANOS_PER_USD, Cost
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import key_id_of
 
@@ -43,7 +45,10 @@ REFUSALS = {
     "concurrency": ("concurrency", "rate_limit_exceeded"),
     "daily_budget": ("daily_token_budget", "insufficient_quota"),
     "monthly_budget": ("monthly_token_budget", "insufficient_quota"),
+    "daily_cost_budget": ("daily_cost_budget", "insufficient_quota"),
+    "monthly_cost_budget": ("monthly_cost_budget", "insufficient_quota"),
 }
+
 
 
 @dataclass(frozen=True)
@@ -84,20 +89,29 @@ class Decision:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Admission said no: which limit (a ``REFUSALS`` kind) refused which key, as a
-    value the caller renders (serve_app/pipeline/refusals.py). ``decision`` is Redis'
-    (the headers are its own); None when the local limits of an outage decided,
-    which know only when to retry (``retry_s``)."""
+    """Admission said no: which limit (a ``REFUSALS`` kind) of which level refused, as
+    a value the caller renders (serve_app/pipeline/refusals.py). ``key`` is the
+    level that refused: the API key, or its team (``level`` "team", a TeamRecord).
+    ``decision`` is Redis' (the headers are its own); None when the local limits of
+    an outage decided, which know only when to retry (``retry_s``)."""
 
     key: KeyRecord
     kind: str
     reserved: int  # the tokens the request asked to reserve
     decision: Decision | None = None
     retry_s: float = 0.0
+    level: str = "key"  # key | team
+    reserved_nanos: int = 0  # its reserved cost (money budgets)
 
     @property
     def headers(self) -> dict[str, str]:
-        return self.decision.headers(self.key) if self.decision is not None else {}
+        headers = self.decision.headers(self.key) if self.decision is not None else {}
+        return {**headers, "x-ratelimit-scope": self.level}
+
+
+def usd_nanos(usd: float) -> str:
+    """A budget in USD as the integer string of nano-dollars the scripts compare."""
+    return str(round(usd * NANOS_PER_USD))
 
 
 def duration(ms: int) -> str:
@@ -136,22 +150,33 @@ class Admission:
         self._running = redis.register_script((SCRIPTS / "running.lua").read_text())
         self._settle = redis.register_script((SCRIPTS / "settle.lua").read_text())
         self._renew = redis.register_script((SCRIPTS / "renew.lua").read_text())
+        self._release = redis.register_script((SCRIPTS / "release.lua").read_text())
 
     async def admit(
-        self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = ""
+        self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = "",
+        reserve_nanos: int = 0,
     ) -> Decision:
         """One EVALSHA. ``http_request_id`` is stored in the record when indexable
-        (``index_http_id`` writes its lookup key, off the request path)."""
+        (``index_http_id`` writes its lookup key, off the request path);
+        ``reserve_nanos``: the request's reserved cost, for the money budgets."""
         keys = redis_names.admission_keys(key.id, request_id)
         args = [
             request_id, model, key.requests_per_minute, key.tokens_per_minute,
             key.max_concurrent, key.daily_token_budget, key.monthly_token_budget,
             reserve_tokens, self.lease_ms, self.retention_s, key.id, indexable_http_id(http_request_id),
             redis_names.request_record_prefix(key.id),
+            usd_nanos(key.daily_cost_budget_usd), usd_nanos(key.monthly_cost_budget_usd), str(int(reserve_nanos)),
         ]
         reply = await self.pipeline.call(self._admit, keys, args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply
         return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail))
+
+    async def release(self, key: KeyRecord, request_id: str, refused_by: str) -> bool:
+        """Undo ``request_id``'s admission at ``key``'s level (another level refused
+        it: ``refused_by`` names that level's limit, e.g. ``team_requests``)."""
+        reply = await self.pipeline.call(self._release, redis_names.admission_keys(key.id, request_id),
+                                         [request_id, key.requests_per_minute, key.tokens_per_minute, refused_by])
+        return bool(reply)
 
     async def index_http_id(self, http_request_id: str, request_id: str) -> None:
         """Let ``requests show <x-request-id>`` find an admitted request (the index

@@ -45,3 +45,10 @@ class Cost:
         if prompt < 0:
             return cls(reserved_nanos=round(reserved_prompt * rates.prompt + reserved_completion * rates.completion))
         return cls(round(prompt * rates.prompt), round(completion * rates.completion))
+
+
+def reservation_nanos(rates: Rates | None, reserved_prompt: int, reserved_completion: int) -> int:
+    """What a request's reservation costs: the money budgets hold this at admission
+    (lua/admit.lua) until settlement puts the real cost in its place. The same
+    amount ``Cost.of`` charges when the usage is never known."""
+    return Cost.of(rates, -1, 0, reserved_prompt, reserved_completion).reserved_nanos

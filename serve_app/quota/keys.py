@@ -31,6 +31,9 @@ class KeyLimits(BaseModel):
     max_concurrent: int = Field(0, ge=0, description="Requests running at once.")
     daily_token_budget: int = Field(0, ge=0, description="Tokens per UTC day.")
     monthly_token_budget: int = Field(0, ge=0, description="Tokens per UTC month.")
+    daily_cost_budget_usd: float = Field(
+        0, ge=0, le=1e6, description="Spend per UTC day in USD at the models' prices (reserved at admission).")
+    monthly_cost_budget_usd: float = Field(0, ge=0, le=1e6, description="Spend per UTC month in USD.")
     priority: PriorityTier = Field(
         "normal",
         description="Scheduling tier: high, normal or low. Under load a model's engine runs higher tiers "
@@ -44,6 +47,8 @@ class KeyRecord(KeyLimits):
     name: str
     enabled: bool = True
     created_at: int
+    team: str | None = Field(None, description="The id of the team the key belongs to (quota/teams.py); "
+                                                "its limits apply on top of the key's own.")
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -92,12 +97,17 @@ class KeyStore:
         return KeyRecord.model_validate_json(raw)
 
     async def active(self, key_id: str) -> KeyRecord | None:
-        """The key as it is now, or None once it is revoked (gone) or disabled: what
-        running work asks before it goes on (a batch's next request, a running call)."""
+        """The key as it is now, or None once it or its team is revoked (gone) or
+        disabled: what running work asks before it goes on (a batch's next request,
+        a running call)."""
         try:
             key = await self.get(key_id)
         except KeyNotFound:
             return None
+        if key.team is not None:
+            raw = await self.redis.get(redis_names.team_record(key.team))
+            if raw is None or not KeyRecord.model_validate_json(raw).enabled:
+                return None
         return key if key.enabled else None
 
     async def resolve(self, id_or_name: str) -> KeyRecord:

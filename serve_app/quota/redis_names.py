@@ -2,6 +2,8 @@
 
 Keys that belong to one API key share the hash tag ``{k:<key_id>}`` so each
 script touching them runs on one slot of a Redis Cluster (docs/architecture.md, State).
+A team is admitted like a key (quota/teams.py): its limits' state has the same
+names under its team id (``t…``, so ``{k:t…}``), one slot per team.
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ def key_name(name: str) -> str:
 
 
 KEY_INDEX = f"{PREFIX}:keys"
+
+
+def team_record(team_id: str) -> str:
+    return f"{PREFIX}:team:{tag(team_id)}"
+
+
+def team_name(name: str) -> str:
+    """Team name → team id (names are unique)."""
+    return f"{PREFIX}:teamname:{name}"
+
+
+def team_members(team_id: str) -> str:
+    """Set of the ids of the team's keys."""
+    return f"{PREFIX}:teamkeys:{tag(team_id)}"
+
+
+TEAM_INDEX = f"{PREFIX}:teams"
 
 # The audit trail of admin actions: one stream (serve_app/quota/audit.py).
 AUDIT_LOG = f"{PREFIX}:audit"

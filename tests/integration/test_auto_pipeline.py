@@ -109,7 +109,8 @@ async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, red
             break
         await asyncio.sleep(0.01)
     assert await redis.zcard(leases) == 1
-    [(request_id, settlement)] = access._unsettled.items()
+    [settlement] = access._unsettled.values()
+    request_id = settlement[1]
     await access.flush_unsettled()  # ...and its settlement frees it
     assert await redis.zcard(leases) == 0
     assert await redis.hget(redis_names.request_record(key.id, request_id), "status") == b"cancelled"

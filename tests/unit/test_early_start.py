@@ -43,7 +43,7 @@ class Access:
     def may_start_before_admission(self, key, tokens):
         return self.may_start_early
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None):
+    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0):
         self.events.append("admission asked")
         refused = await self.decision  # a limit's kind, or None
         if refused is not None:

@@ -7,8 +7,11 @@
 --       6 daily token budget, 7 monthly token budget, 8 tokens to reserve,
 --       9 concurrency lease ms, 10 record retention s, 11 key id, 12 HTTP x-request-id
 --       (already checked: ours or a short plain id; '' otherwise),
---       13 prefix of this key's request records (for leases that expired)
--- A limit of 0 means unlimited.
+--       13 prefix of this key's request records (for leases that expired),
+--       14 daily and 15 monthly money budget, 16 this request's reserved cost (all three
+--       in nano-dollars, sent as integer strings)
+-- A limit of 0 means unlimited. A team is admitted with this script too (its id for the
+-- key id): quota/teams.py.
 --
 -- Rate limits are GCRA over a 60 s window: a limit L/min admits a burst of L,
 -- then one every 60/L s; a request of cost c (1 request, or its reserved
@@ -36,6 +39,8 @@ local rid, model = ARGV[1], ARGV[2]
 local rpm, tpm, max_conc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local daily, monthly = tonumber(ARGV[6]), tonumber(ARGV[7])
 local estimate, lease_ms, retention = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local daily_cost, monthly_cost = tonumber(ARGV[14] or 0), tonumber(ARGV[15] or 0)
+local cost = tonumber(ARGV[16] or 0)
 
 -- Days since 1970-01-01 <-> civil date (H. Hinnant's algorithms), UTC.
 local function civil_from_days(z)
@@ -92,6 +97,10 @@ for _, id in ipairs(expired) do
       local per_model = rec_day .. ':model:' .. rec_model .. ':'
       redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
       redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
+      local reserved_nanos = redis.call('HGET', rec, 'reserved_nanos')
+      if reserved_nanos and reserved_nanos ~= '0' then
+        redis.call('HINCRBY', KEYS[4], per_model .. 'cost_reserved_nanos', reserved_nanos)
+      end
     end
   end
   redis.call('ZREM', KEYS[3], id)
@@ -157,6 +166,19 @@ if monthly > 0 then
   if estimate > monthly then refuses('monthly_budget', -1, tostring(month_used))
   elseif month_used + estimate > monthly then refuses('monthly_budget', next_month_ms - now, tostring(month_used)) end
 end
+-- Money budgets: the day's and month's cost so far (reservations of requests still
+-- running included) plus this request's reserved cost.
+local function nanos(value) return string.format('%.0f', value) end
+if daily_cost > 0 then
+  local spent = tonumber(redis.call('HGET', KEYS[4], day_field .. ':cost_nanos') or 0)
+  if cost > daily_cost then refuses('daily_cost_budget', -1, nanos(spent))
+  elseif spent + cost > daily_cost then refuses('daily_cost_budget', next_day_ms - now, nanos(spent)) end
+end
+if monthly_cost > 0 then
+  local spent = tonumber(redis.call('HGET', KEYS[4], month_field .. ':cost_nanos') or 0)
+  if cost > monthly_cost then refuses('monthly_cost_budget', -1, nanos(spent))
+  elseif spent + cost > monthly_cost then refuses('monthly_cost_budget', next_month_ms - now, nanos(spent)) end
+end
 if max_conc > 0 then
   local running = redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')
   -- No clock says when a running request ends: 1 s is a polling hint.
@@ -181,11 +203,15 @@ day_used = redis.call('HINCRBY', KEYS[4], day_field .. ':tokens', estimate)
 if redis.call('HINCRBY', KEYS[4], day_field .. ':requests', 1) == 1 then prune_usage() end
 month_used = redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
 redis.call('HINCRBY', KEYS[4], month_field .. ':requests', 1)
+if cost > 0 then  -- settle.lua replaces it with the real cost
+  redis.call('HINCRBY', KEYS[4], day_field .. ':cost_nanos', ARGV[16])
+  redis.call('HINCRBY', KEYS[4], month_field .. ':cost_nanos', ARGV[16])
+end
 if not r.unlimited then redis.call('SET', KEYS[1], tostring(r.new_tat), 'PX', math.ceil(r.new_tat - now) + WINDOW) end
 if not k.unlimited then redis.call('SET', KEYS[2], tostring(k.new_tat), 'PX', math.ceil(k.new_tat - now) + WINDOW) end
 redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
   'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
-  'http_request_id', ARGV[12])
+  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0')
 redis.call('EXPIRE', KEYS[5], retention)
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)
 redis.call('PEXPIRE', KEYS[3], lease_ms + WINDOW)

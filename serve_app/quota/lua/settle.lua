@@ -22,8 +22,16 @@ local WINDOW = 60000
 -- request of an inference model was charged: its real usage, or, when that is
 -- unknown (a stream the client cancelled), its reservation. A request charged
 -- nothing (refused by the model's queue, failed before it ran) is not counted.
--- Its cost likewise, per model and day and in the day's and month's totals.
-local function count_for_model(day, month, model, prompt, completion, reserved)
+-- Its cost likewise, per model and day; and in the day's and month's totals (the
+-- money budgets' counters) less what its admission reserved there (``reserved_nanos``).
+local function count_for_model(day, month, model, prompt, completion, reserved, reserved_nanos)
+  local total = 0
+  for i = 1, 3 do total = total + tonumber(ARGV[11 + i] or 0) end
+  local delta = total - reserved_nanos
+  if delta ~= 0 then
+    redis.call('HINCRBY', KEYS[4], day .. ':cost_nanos', string.format('%.0f', delta))
+    redis.call('HINCRBY', KEYS[4], month .. ':cost_nanos', string.format('%.0f', delta))
+  end
   if model == nil or model == false or model == '' then return end
   local per_model = day .. ':model:' .. model .. ':'
   if prompt >= 0 then
@@ -34,17 +42,10 @@ local function count_for_model(day, month, model, prompt, completion, reserved)
     redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
   end
   redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
-  local total = 0
   for i, part in ipairs({'input', 'output', 'reserved'}) do
-    local nanos = tonumber(ARGV[11 + i] or 0)
-    if nanos > 0 then  -- as sent (a string): Lua would print a large number as 1e+15
+    if tonumber(ARGV[11 + i] or 0) > 0 then  -- as sent (a string): Lua would print a large number as 1e+15
       redis.call('HINCRBY', KEYS[4], per_model .. 'cost_' .. part .. '_nanos', ARGV[11 + i])
-      total = total + nanos
     end
-  end
-  if total > 0 then
-    redis.call('HINCRBY', KEYS[4], day .. ':cost_nanos', total)
-    redis.call('HINCRBY', KEYS[4], month .. ':cost_nanos', total)
   end
 end
 local status = redis.call('HGET', KEYS[5], 'status')
@@ -62,7 +63,7 @@ if not status then
     end
     redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
       'total_tokens', prompt + completion)
-    count_for_model(ARGV[10], ARGV[11], ARGV[9], prompt, completion, 0)
+    count_for_model(ARGV[10], ARGV[11], ARGV[9], prompt, completion, 0, 0)
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
@@ -99,7 +100,8 @@ for _, period in ipairs({day, month}) do
   end
 end
 
-count_for_model(day, month, redis.call('HGET', KEYS[5], 'model'), prompt, completion, reserved)
+count_for_model(day, month, redis.call('HGET', KEYS[5], 'model'), prompt, completion, reserved,
+  tonumber(redis.call('HGET', KEYS[5], 'reserved_nanos') or 0))
 
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now)

@@ -1,0 +1,50 @@
+-- Take back an admission that another level of the same request refused (a key
+-- admitted, its team not, or the reverse: quota/access.py admits every level at
+-- once). Everything admit.lua committed for it is undone, as if it had been
+-- refused here: its requests/min and tokens/min cost, its token and money
+-- reservations, its lease and its record (a refusal stores nothing: admit.lua);
+-- the request counts as refused. Nothing calls admit for the id again, and a
+-- settle of it (a client that left meanwhile) finds no record and counts no usage.
+--
+-- KEYS: as admit.lua (1 requests GCRA, 2 tokens GCRA, 3 leases, 4 usage, 5 record,
+--       6 refusal counters per minute)
+-- ARGV: 1 request id, 2 requests/min, 3 tokens/min (the limits it was admitted
+--       under), 4 the refusal kind, as the other level's ('team_requests', ...),
+--       5 record retention s
+-- Returns 1 if it undid an admission, 0 if there was none to undo.
+
+local WINDOW = 60000
+local status = redis.call('HGET', KEYS[5], 'status')
+if status ~= 'admitted' and status ~= 'running' then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+-- GCRA: the theoretical arrival time moves back by what this request added.
+local function give_back(key, limit, cost)
+  if limit <= 0 or cost <= 0 then return end
+  local tat = tonumber(redis.call('GET', key) or now) - cost * (WINDOW / limit)
+  if tat > now then
+    redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil(tat - now) + WINDOW)
+  else
+    redis.call('DEL', key)
+  end
+end
+
+local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
+give_back(KEYS[1], tonumber(ARGV[2]), 1)
+give_back(KEYS[2], tonumber(ARGV[3]), reserved)
+
+local reserved_nanos = redis.call('HGET', KEYS[5], 'reserved_nanos') or '0'
+for _, period in ipairs({redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', KEYS[5], 'month')}) do
+  redis.call('HINCRBY', KEYS[4], period .. ':tokens', -reserved)
+  redis.call('HINCRBY', KEYS[4], period .. ':requests', -1)
+  if reserved_nanos ~= '0' then redis.call('HINCRBY', KEYS[4], period .. ':cost_nanos', '-' .. reserved_nanos) end
+end
+redis.call('HINCRBY', KEYS[4], redis.call('HGET', KEYS[5], 'day') .. ':refused', 1)
+local minute = math.floor(now / 60000)
+redis.call('HINCRBY', KEYS[6], minute .. ':' .. ARGV[4], 1)
+redis.call('EXPIRE', KEYS[6], 3660)
+
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[5])
+return 1

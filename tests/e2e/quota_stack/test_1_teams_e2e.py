@@ -1,0 +1,179 @@
+"""Teams on the real stack (two ingress replicas, the admin API): two keys of one
+team hammering together with 16 clients and mixed request shapes never exceed
+the team's limits nor their own, every 429 names its level, and what the team
+was charged in tokens and money is what the clients were answered; a key moved
+to another team takes that team's limits; revoking a team stops its keys'
+interactive requests and their running batch within seconds. Every change is in
+the audit trail."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+
+from quota_stack.stack_args import ADMIN, CACHE_TTL_S, MODEL
+from quota_stack.test_1_batches_e2e import chat_line, sdk, start, wait_for
+from serve_app.quota import redis_names
+from settled import inference, wait_until_settled
+from stack import local_app_args
+
+pytestmark = pytest.mark.e2e
+
+ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN}"}
+HELLO = [{"role": "user", "content": "Tell me about the license."}]
+TEAM_RPM, KEY_RPM = 8, 6
+CLIENTS, FLOOD_S = 16, 6.0
+
+
+def admin(method: str, base_url: str, path: str, **body) -> dict:
+    response = httpx.request(method, base_url + path, headers=ADMIN_HEADERS, timeout=30, **({"json": body}
+                                                                                           if body else {}))
+    assert response.status_code in (200, 201), response.text
+    return response.json()
+
+
+def today() -> str:
+    return time.strftime("d:%Y%m%d", time.gmtime())
+
+
+def counters(redis, account_id: str) -> dict[str, int]:
+    """The account's counters of today (requests, tokens, cost_nanos, refused, ...)."""
+    prefix = today() + ":"
+    return {name.decode()[len(prefix):]: int(value) for name, value in redis.hgetall(redis_names.usage(account_id)).items()
+            if name.decode().startswith(prefix) and name.decode().count(":") == 2}
+
+
+def prices() -> tuple[int, int]:
+    """The stack's prices of the model, nano-dollars per prompt and completion token."""
+    [model] = [m for m in local_app_args([MODEL])["models"] if m["name"] == MODEL]
+    return round(model["pricing"]["prompt_per_million"] * 1000), round(model["pricing"]["completion_per_million"] * 1000)
+
+
+def test_two_keys_of_a_team_hammering_together_never_exceed_the_team_nor_their_own(base_url, redis):
+    tag = f"{time.monotonic_ns()}"
+    team = admin("POST", base_url, "/admin/teams", name=f"flood-{tag}", requests_per_minute=TEAM_RPM,
+                 daily_cost_budget_usd=1.0)
+    keys = [admin("POST", base_url, "/admin/keys", name=f"flood-{tag}-{i}", team=team["name"],
+                  requests_per_minute=KEY_RPM) for i in range(2)]
+    assert {k["team"] for k in keys} == {team["id"]}
+    outcomes: list[tuple[str, int, dict, str]] = []  # (key id, status, usage, scope)
+    lock, stop = threading.Lock(), threading.Event()
+
+    def hammer(n: int) -> None:
+        key = keys[n % 2]
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=key["secret"], max_retries=0, timeout=120)
+        shape = n % 4
+        while not stop.is_set():
+            try:
+                if shape == 0:
+                    usage = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8).usage
+                elif shape == 1:
+                    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stream=True,
+                                                            stream_options={"include_usage": True})
+                    usage = [chunk.usage for chunk in stream if chunk.usage][-1]
+                elif shape == 2:
+                    usage = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4).usage
+                else:
+                    usage = client.chat.completions.create(model=MODEL, messages=HELLO * 3, max_tokens=2, n=2).usage
+                outcome = (key["id"], 200, {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}, "")
+            except openai.RateLimitError as exc:
+                outcome = (key["id"], 429, {}, exc.response.headers.get("x-ratelimit-scope", ""))
+                time.sleep(0.05)
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=hammer, args=(n,)) for n in range(CLIENTS)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    time.sleep(FLOOD_S)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    took = time.monotonic() - started
+
+    admitted = [o for o in outcomes if o[1] == 200]
+    refused = [o for o in outcomes if o[1] == 429]
+    # GCRA: a burst of the limit, then one every 60/limit s.
+    assert len(admitted) <= TEAM_RPM + int(TEAM_RPM * took / 60) + 1, (len(admitted), took)
+    assert len(admitted) >= TEAM_RPM  # the team's burst is used: the keys' refusals took nothing of it
+    per_key = Counter(o[0] for o in admitted)
+    assert all(n <= KEY_RPM + int(KEY_RPM * took / 60) + 1 for n in per_key.values()), per_key
+    scopes = Counter(o[3] for o in refused)
+    assert set(scopes) <= {"key", "team"} and scopes["team"] > 0, scopes
+    # Charged what the clients were answered, at each level, in tokens and money.
+    for key in keys:
+        wait_until_settled(redis, key["id"])
+    wait_until_settled(redis, team["id"])
+    prompt = sum(o[2]["prompt"] for o in admitted)
+    completion = sum(o[2]["completion"] for o in admitted)
+    per_prompt, per_completion = prices()
+    team_counters = counters(redis, team["id"])
+    assert team_counters["requests"] == len(admitted)
+    assert team_counters["tokens"] == prompt + completion
+    assert team_counters["cost_nanos"] == prompt * per_prompt + completion * per_completion
+    for key in keys:
+        own = counters(redis, key["id"])
+        assert own["requests"] == per_key[key["id"]] and own.get("tokens", 0) == sum(
+            o[2]["prompt"] + o[2]["completion"] for o in admitted if o[0] == key["id"])
+    assert redis.zcard(redis_names.concurrency(team["id"])) == 0
+    shown = admin("GET", base_url, f"/admin/teams/{team['id']}")
+    assert sorted(shown["keys"]) == sorted(k["id"] for k in keys)
+
+
+def test_a_key_moved_to_another_team_takes_its_limits(base_url, redis):
+    tag = f"{time.monotonic_ns()}"
+    strict = admin("POST", base_url, "/admin/teams", name=f"strict-{tag}", requests_per_minute=1)
+    roomy = admin("POST", base_url, "/admin/teams", name=f"roomy-{tag}", requests_per_minute=100)
+    key = admin("POST", base_url, "/admin/keys", name=f"mover-{tag}", team=strict["id"])
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key["secret"], max_retries=0, timeout=120)
+    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    assert refused.value.response.headers["x-ratelimit-scope"] == "team"
+    assert f"team '{strict['name']}'" in refused.value.message
+    moved = admin("PATCH", base_url, f"/admin/keys/{key['id']}", team=roomy["name"])
+    assert moved["team"] == roomy["id"]
+    time.sleep(CACHE_TTL_S + 0.5)  # every ingress reads the key again
+    for _ in range(4):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    wait_until_settled(redis, roomy["id"])
+    assert counters(redis, roomy["id"])["requests"] == 4 and counters(redis, strict["id"])["requests"] == 1
+    trail = admin("GET", base_url, "/admin/audit?target=" + key["id"])["data"]
+    assert any(e["action"] == "key.update" and e["after"] == {"team": roomy["id"]} for e in trail), trail
+
+
+def test_revoking_a_team_stops_its_keys_requests_and_batches_within_seconds(base_url, redis):
+    tag = f"{time.monotonic_ns()}"
+    team = admin("POST", base_url, "/admin/teams", name=f"gone-{tag}")
+    key = admin("POST", base_url, "/admin/keys", name=f"gone-{tag}", team=team["id"])
+    client = sdk(base_url, key["secret"])
+    batch = start(client, [chat_line(f"g-{i}", max_tokens=8) for i in range(120)])
+    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 4)
+    revoked = admin("DELETE", base_url, f"/admin/teams/{team['id']}")
+    assert revoked["enabled"] is False
+    revoked_at = time.monotonic()
+    while True:  # interactive requests: refused once each ingress reads the team again
+        response = httpx.post(base_url + "/v1/chat/completions", timeout=60,
+                              headers={"authorization": f"Bearer {key['secret']}"},
+                              json={"model": MODEL, "messages": HELLO, "max_tokens": 1})
+        if response.status_code == 401:
+            assert response.json()["error"]["code"] == "team_disabled"
+            break
+        assert time.monotonic() - revoked_at < 10, response.text
+        time.sleep(0.2)
+    deadline = revoked_at + 10
+    while (state := admin("GET", base_url, "/admin/batches?key=" + key["id"])["data"][0])["status"] not in (
+            "cancelled", "completed"):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    assert state["status"] == "cancelled"
+    wait_until_settled(redis, key["id"])
+    assert len(inference(wait_until_settled(redis, key["id"]))) < 120
+    trail = admin("GET", base_url, "/admin/audit?target=" + team["id"])["data"]
+    assert [e["action"] for e in trail][:1] == ["team.revoke"]
