@@ -123,14 +123,14 @@ async def _teams(args: argparse.Namespace) -> int:
         elif args.action == "list":
             _print((await admin.list_teams(access))["data"], args.json)
         elif args.action == "show":
-            _print(await admin.show_team(access, args.team), True)
+            _print(await admin.show_team(access, args.which), True)
         elif args.action == "update":
             changes = _limit_changes(args)
             if args.enable is not None:
                 changes["enabled"] = args.enable
-            _print(await admin.update_team(access, args.team, changes, actor), args.json)
+            _print(await admin.update_team(access, args.which, changes, actor), args.json)
         elif args.action == "revoke":
-            _print(await admin.revoke_team(access, args.team, actor), args.json)
+            _print(await admin.revoke_team(access, args.which, actor), args.json)
 
     return await _admin_command(args, work)
 
@@ -172,26 +172,33 @@ async def _usage(args: argparse.Namespace) -> int:
 
     async def work(access, actor) -> None:
         key = await admin.show_key(access, args.key) if args.key else None
+        team = await admin.show_team(access, args.team) if args.team else None
         if key is not None and args.days is None and not args.csv:
             _print(await admin.usage(access, key["id"]), True)
             return
+        if team is not None and args.days is None and not args.csv:
+            _print({"team": team["name"], "id": team["id"], "keys": team["keys"], **team["usage"]}, True)
+            return
         today = int(time.time()) // 86400 * 86400
         params = QueryParams({"start_time": today - ((args.days or 7) - 1) * 86400, "limit": args.days or 7,
-                              "group_by": args.by, **({"api_key_ids": key["id"]} if key else {})})
+                              "group_by": args.by, **({"api_key_ids": key["id"]} if key else {}),
+                              **({"project_ids": team["id"]} if team else {})})
         page = await admin.completions_usage(access, params)
         if not args.csv:
             _print(page, True)
             return
         names = {k["id"]: k["name"] for k in (await admin.list_keys(access))["data"]}
-        columns = ("date", "api_key_id", "key_name", "model", "num_model_requests", "input_tokens",
+        teams = {t["id"]: t["name"] for t in (await admin.list_teams(access))["data"]}
+        columns = ("date", "team", "api_key_id", "key_name", "model", "num_model_requests", "input_tokens",
                    "output_tokens", "reserved_tokens")
         out = csv.writer(sys.stdout)
         out.writerow(columns)
         for bucket in page["data"]:
             date = time.strftime("%Y-%m-%d", time.gmtime(bucket["start_time"]))
             for result in bucket["results"]:
-                out.writerow([date, result["api_key_id"] or "", names.get(result["api_key_id"], ""),
-                              result["model"] or "", *(result[c] for c in columns[4:])])
+                out.writerow([date, teams.get(result["project_id"], ""), result["api_key_id"] or "",
+                              names.get(result["api_key_id"], ""), result["model"] or "",
+                              *(result[c] for c in columns[5:])])
 
     return await _admin_command(args, work)
 
@@ -350,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     teams_create.add_argument("name")
     teams.add_parser("list")
     for action in ("show", "revoke"):
-        teams.add_parser(action).add_argument("team", help="team id or name")
+        teams.add_parser(action).add_argument("which", metavar="team", help="team id or name")
     teams_update = teams.add_parser("update")
-    teams_update.add_argument("team", help="team id or name")
+    teams_update.add_argument("which", metavar="team", help="team id or name")
     _add_limit_flags(teams_update)
     teams_update.add_argument("--enable", dest="enable", action="store_true", default=None)
     teams_update.add_argument("--disable", dest="enable", action="store_false")
@@ -363,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     usage = commands.add_parser("usage", help="a key's usage today and this month, or the usage report by day")
     usage.add_argument("--key", default=None, help="key id or name (alone: its today and month)")
     usage.add_argument("--days", type=int, default=None, help="the report: the last N days (UTC), 1-31")
-    usage.add_argument("--by", default="api_key_id,model", help="the report's grouping: api_key_id, model or both")
+    usage.add_argument("--team", default=None, help="team id or name (alone: its today and month; with --days "
+                                                    "or --csv: the report of its keys)")
+    usage.add_argument("--by", default="project_id,api_key_id,model",
+                       help="the report's grouping: any of project_id (the team), api_key_id, model")
     usage.add_argument("--csv", action="store_true", help="the report as CSV, a row per day, key and model")
     usage.set_defaults(run=lambda a: asyncio.run(_usage(a)))
 

@@ -192,6 +192,11 @@ class JwtConfig(BaseModel):
     tier_claim: str | None = Field(None, description="A claim naming the user's priority tier (high|normal|low).")
     models_claim: str | None = Field(None, description="A claim listing the models the user may use "
                                                        "(within `limits.models`).")
+    team_claim: str | None = Field(None, description="A claim naming the user's team, or listing its groups "
+                                                     "(the first that `teams` maps): the user is admitted and "
+                                                     "charged as a key of that team.")
+    teams: dict[str, str] = Field(default_factory=dict, description="`team_claim` values → team names; empty: "
+                                                                    "the claim's value is the team's name.")
     limits: KeyLimits = Field(default_factory=KeyLimits, description="Every user's limits, as a key's.")
     leeway_s: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on `exp` and `nbf`.")
     jwks_cache_s: float = Field(3600.0, gt=0, description="How long fetched signing keys are trusted.")

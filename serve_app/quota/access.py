@@ -48,7 +48,7 @@ from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
 from serve_app.quota.local_limits import LocalLimiter
 from serve_app.quota.overlap import OverlapGuard
-from serve_app.quota.teams import TeamNotFound, TeamRecord, TeamStore
+from serve_app.quota.teams import TeamNotFound, TeamRecord, TeamStore, is_team_id
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from serve_app.quota.usage import new_request_id
@@ -312,7 +312,8 @@ class Access:
         cached = self._team_cache.get(key.team)
         if cached is None or time.monotonic() - cached[0] > self._team_ttl_s:
             try:
-                team = await self.teams.get(key.team)
+                # By id (a key's), or by name (an identity token's team claim, jwt_auth.py).
+                team = await self.teams.resolve(key.team)
             except TeamNotFound:
                 team = None
             except REDIS_FAILED:
@@ -327,7 +328,8 @@ class Access:
         else:
             team = cached[1]
         if team is None or not team.enabled:
-            raise OpenAIError(401, f"The team of API key '{key.name}' is disabled.", code="team_disabled")
+            raise OpenAIError(401, f"The team of API key '{key.name}' is disabled or does not exist.",
+                              code="team_disabled")
         if model and not team.allows_model(model):
             raise OpenAIError(403, f"The team '{team.name}' of this API key may not use model '{model}'.",
                               param="model", code="model_not_allowed")
@@ -465,13 +467,24 @@ class Access:
         Returns how many were marked."""
         running: dict[str, list[Ticket]] = {}
         for ticket in self._leased.values():
-            # A JWT user is not in the key store: its token's expiry is its revocation.
-            if not ticket.revoked and not is_jwt_identity(ticket.key.id):
+            if ticket.revoked:
+                continue
+            # A JWT user is not in the key store (its token's expiry is its revocation):
+            # only its team is read again.
+            if not is_jwt_identity(ticket.key.id):
                 running.setdefault(ticket.key.id, []).append(ticket)
+            elif ticket.team is not None:
+                running.setdefault(ticket.team.id, []).append(ticket)
         marked = 0
-        for key_id, tickets in running.items():
+        for account_id, tickets in running.items():
             try:
-                gone = await self.keys.active(key_id) is None
+                if is_team_id(account_id):
+                    team = await self.teams.get(account_id)
+                    gone = not team.enabled
+                else:
+                    gone = await self.keys.active(account_id) is None
+            except TeamNotFound:
+                gone = True
             except REDIS_FAILED:
                 return marked  # unknown now: the next check
             if gone:

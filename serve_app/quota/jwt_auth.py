@@ -114,7 +114,22 @@ class JwtAuthenticator:
             limits["models"] = [m for m in granted if allowed is None or m in allowed]
         # One id per user of one issuer: its limits' state in Redis, its usage and records.
         key_id = "j" + hashlib.sha256(f"{config.issuer}\n{user}".encode()).hexdigest()[:16]
-        return KeyRecord(id=key_id, name=f"jwt:{user}", created_at=0, **limits)
+        return KeyRecord(id=key_id, name=f"jwt:{user}", created_at=0, team=self._team(claims), **limits)
+
+    def _team(self, claims: dict[str, Any]) -> str | None:
+        """The team's name the claims map to (Access.team_of finds the team by it), or None."""
+        if self.config.team_claim is None:
+            return None
+        value = claims.get(self.config.team_claim)
+        values = value if isinstance(value, list) else [value]
+        for candidate in values:
+            if not isinstance(candidate, str) or not candidate or len(candidate) > MAX_USER_CHARS:
+                continue
+            if not self.config.teams:
+                return candidate
+            if candidate in self.config.teams:
+                return self.config.teams[candidate]
+        return None
 
     async def _key(self, kid: str) -> jwt.PyJWK | None:
         now = self.clock()

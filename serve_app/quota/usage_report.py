@@ -9,7 +9,10 @@ real ``input_tokens``/``output_tokens``; a request whose usage was never reporte
 (a stream the client cancelled, one whose ingress died) was charged its
 reservation, reported apart as ``reserved_tokens`` (our field; OpenAI has none), so
 a day's ``input_tokens + output_tokens + reserved_tokens`` is what its keys were
-charged for inference."""
+charged for inference.
+
+A team is OpenAI's project here: ``project_id`` is the key's team id (null for a
+key with none), to group by (``group_by=project_id``) or select (``project_ids``)."""
 
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from serve_app.quota.keys import KeyRecord
 
 DAY_S = 86400
 DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets
-GROUPS = ("api_key_id", "model")  # what a usage result may be grouped by here
-COST_GROUPS = ("api_key_id", "line_item")  # and a cost result (a line item: "<model>, input")
+GROUPS = ("project_id", "api_key_id", "model")  # what a usage result may be grouped by here
+COST_GROUPS = ("project_id", "api_key_id", "line_item")  # and a cost result (a line item: "<model>, input")
 COST_PARTS = ("input", "output", "reserved")
 COUNTERS = ("requests", "input_tokens", "output_tokens", "reserved_tokens",
             *(f"cost_{part}_nanos" for part in COST_PARTS))
@@ -42,6 +45,7 @@ class UsageQuery:
     group_by: tuple[str, ...] = ()
     api_key_ids: frozenset[str] | None = None
     models: frozenset[str] | None = None
+    project_ids: frozenset[str] | None = None  # teams
     limit: int = DEFAULT_BUCKETS
     page: int | None = None  # the first bucket's start (a next_page cursor)
 
@@ -81,9 +85,9 @@ def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQ
         raise OpenAIError(400, f"group_by {unknown} is not served here; group by {list(groups)}.", param="group_by")
     limit = integer("limit", 1, MAX_BUCKETS) or DEFAULT_BUCKETS
     page = integer("page", 0, 2**40)
-    keys, models = many("api_key_ids"), many("models")
+    keys, models, projects = many("api_key_ids"), many("models"), many("project_ids")
     return UsageQuery(start_time, end_time, group_by, frozenset(keys) if keys else None,
-                      frozenset(models) if models else None, limit, page)
+                      frozenset(models) if models else None, frozenset(projects) if projects else None, limit, page)
 
 
 async def completions_usage(redis, keys: list[KeyRecord], query: UsageQuery,
@@ -92,10 +96,11 @@ async def completions_usage(redis, keys: list[KeyRecord], query: UsageQuery,
     shown, more, rows = await _rows(redis, keys, query, now)
     sums: dict[int, dict[tuple, dict[str, int]]] = {day: defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
                                                    for day in shown}
-    for day, key_id, model, counter, value in rows:
-        group = tuple((name, key_id if name == "api_key_id" else model) for name in query.group_by)
+    for day, key_id, team, model, counter, value in rows:
+        by = {"project_id": team, "api_key_id": key_id, "model": model}
+        group = tuple((name, by[name]) for name in query.group_by)
         sums[day][group][counter] += value
-    return _page(shown, more, {day: [_result(dict(group), counts) for group, counts in sorted(sums[day].items())]
+    return _page(shown, more, {day: [_result(dict(group), counts) for group, counts in _sorted(sums[day])]
                                for day in shown})
 
 
@@ -105,19 +110,25 @@ async def costs(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
     ``"<model>, output"`` or ``"<model>, reserved"`` (usage never reported)."""
     shown, more, rows = await _rows(redis, keys, query, now)
     sums: dict[int, dict[tuple, int]] = {day: defaultdict(int) for day in shown}
-    for day, key_id, model, counter, value in rows:
+    for day, key_id, team, model, counter, value in rows:
         if not counter.startswith("cost_"):
             continue
         part = counter.removeprefix("cost_").removesuffix("_nanos")
-        group = tuple((name, key_id if name == "api_key_id" else f"{model}, {part}") for name in query.group_by)
+        by = {"project_id": team, "api_key_id": key_id, "line_item": f"{model}, {part}"}
+        group = tuple((name, by[name]) for name in query.group_by)
         sums[day][group] += value
-    return _page(shown, more, {day: [_cost_result(dict(group), nanos) for group, nanos in sorted(sums[day].items())]
+    return _page(shown, more, {day: [_cost_result(dict(group), nanos) for group, nanos in _sorted(sums[day])]
                                for day in shown})
+
+
+def _sorted(groups: dict[tuple, Any]) -> list[tuple[tuple, Any]]:
+    """Groups in a stable order (a key without a team groups under None)."""
+    return sorted(groups.items(), key=lambda item: tuple((name, value or "") for name, value in item[0]))
 
 
 async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | None):
     """The days of this page, whether more follow, and every per-model counter of
-    those days the query selects: (day start, key id, model, counter, value)."""
+    those days the query selects: (day start, key id, its team, model, counter, value)."""
     now = now if now is not None else datetime.datetime.now(datetime.timezone.utc).timestamp()
     first = (query.page if query.page is not None else query.start_time) // DAY_S * DAY_S
     end = query.end_time if query.end_time is not None else int(now) + 1
@@ -128,13 +139,15 @@ async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
     for key in keys:
         if query.api_key_ids is not None and key.id not in query.api_key_ids:
             continue
+        if query.project_ids is not None and key.team not in query.project_ids:
+            continue
         for field, value in (await redis.hgetall(redis_names.usage(key.id))).items():
             parsed = _model_counter(as_text(field))
             if parsed is None or parsed[0] not in wanted:
                 continue
             day_field, model, counter = parsed
             if query.models is None or model in query.models:
-                rows.append((wanted[day_field], key.id, model, counter, int(value)))
+                rows.append((wanted[day_field], key.id, key.team, model, counter, int(value)))
     return shown, more, rows
 
 
@@ -146,7 +159,8 @@ def _page(shown: list[int], more: list[int], results: dict[int, list]) -> dict[s
 
 def _cost_result(group: dict[str, str], nanos: int) -> dict[str, Any]:
     return {"object": "organization.costs.result", "amount": {"value": nanos / NANOS_PER_USD, "currency": "usd"},
-            "line_item": group.get("line_item"), "project_id": None, "api_key_id": group.get("api_key_id")}
+            "line_item": group.get("line_item"), "project_id": group.get("project_id"),
+            "api_key_id": group.get("api_key_id")}
 
 
 def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:
@@ -159,7 +173,7 @@ def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:
         "output_audio_tokens": 0,
         "num_model_requests": counts["requests"],
         "reserved_tokens": counts["reserved_tokens"],
-        "project_id": None,
+        "project_id": group.get("project_id"),
         "user_id": None,
         "api_key_id": group.get("api_key_id"),
         "model": group.get("model"),

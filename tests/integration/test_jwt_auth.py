@@ -50,8 +50,9 @@ class Clock:
 
 
 def config(jwks: Jwks, **changes) -> JwtConfig:
-    return JwtConfig(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url, tier_claim="tier", models_claim="models",
-                     limits={"requests_per_minute": 2, "models": ["tiny-llama", "minilm"]}, **changes)
+    return JwtConfig(**{"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": jwks.url, "tier_claim": "tier",
+                        "models_claim": "models",
+                        "limits": {"requests_per_minute": 2, "models": ["tiny-llama", "minilm"]}, **changes})
 
 
 async def refused(auth: JwtAuthenticator, token: str) -> str:
@@ -149,5 +150,34 @@ async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, red
         assert not isinstance(await access.admit(other, "tiny-llama", 10), Refusal)
         # Its running requests are not "revoked" for want of a stored key.
         assert await access.stop_revoked() == 0
+    finally:
+        await access.redis.aclose()
+
+
+async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_it(jwks, redis_url):
+    from serve_app.quota import admin, redis_names
+    from serve_app.quota.access import Ticket
+
+    jwks.add("k1")
+    team_name = f"ml-{time.monotonic_ns()}"
+    settings = AppSettings(redis_url=redis_url, auth={"jwt": config(
+        jwks, team_claim="groups", teams={"grp-ml": team_name}, limits={"requests_per_minute": 10}).model_dump()})
+    access = Access(settings, Telemetry(False, False))
+    try:
+        team = await admin.create_team(access, {"name": team_name, "requests_per_minute": 2}, "admin:test")
+        token = jwks.token("k1", sub=f"hana-{time.monotonic_ns()}", groups=["grp-other", "grp-ml"])
+        user = await access.authenticate({"authorization": f"Bearer {token}"})
+        assert user.team == team_name
+        outcomes = [await access.admit(user, "tiny-llama", 10) for _ in range(3)]  # the team's 2/min
+        assert [type(o) for o in outcomes] == [Ticket, Ticket, Refusal] and outcomes[2].level == "team"
+        assert outcomes[0].team.id == team["id"]
+        day = time.strftime("d:%Y%m%d", time.gmtime())
+        assert int(await access.redis.hget(redis_names.usage(team["id"]), f"{day}:requests")) == 2
+        # Its team disabled: the user's running requests stop and new ones are refused.
+        await admin.revoke_team(access, team["id"], "admin:test")
+        assert await access.stop_revoked() == 2
+        # A group no team is mapped to: the user's own limits only.
+        loner = await access.authenticate({"authorization": f"Bearer {jwks.token('k1', groups=['grp-other'])}"})
+        assert loner.team is None and isinstance(await access.admit(loner, "tiny-llama", 10), Ticket)
     finally:
         await access.redis.aclose()

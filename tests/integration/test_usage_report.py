@@ -90,6 +90,25 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
     assert (total["num_model_requests"], total["input_tokens"], total["model"]) == (4, 14, None)
 
 
+async def test_teams_are_projects_grouped_and_selected_by_project_id(redis):
+    adm = Admission(redis, lease_s=60, retention_s=3600)
+    eng1, eng2, solo = (KeyRecord(id=i, name=i, created_at=0, team=t)
+                        for i, t in (("kteam1", "teng"), ("kteam2", "teng"), ("ksolo", None)))
+    await run(adm, eng1, "chat", 50, "completed", 10, 20)
+    await run(adm, eng2, "chat", 50, "completed", 1, 2)
+    await run(adm, solo, "chat", 50, "completed", 100, 200)
+    page = await completions_usage(redis, [eng1, eng2, solo], parse_query(query(start_time=today(),
+                                                                               group_by="project_id")))
+    openai_spec.validate(page, "UsageResponse")
+    got = {r["project_id"]: (r["num_model_requests"], r["input_tokens"], r["output_tokens"])
+           for r in page["data"][0]["results"]}
+    assert got == {"teng": (2, 11, 22), None: (1, 100, 200)}
+    only = await completions_usage(redis, [eng1, eng2, solo], parse_query(query(start_time=today(),
+                                                                               project_ids="teng")))
+    [total] = only["data"][0]["results"]
+    assert (total["num_model_requests"], total["input_tokens"], total["project_id"]) == (2, 11, None)
+
+
 async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_bucket(redis):
     adm = Admission(redis, lease_s=60, retention_s=3600)
     k = key("kusagepage")
@@ -116,7 +135,7 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
     ({"start_time": ["1", "2"]}, "start_time"),
     ({"start_time": "100", "end_time": "50"}, "end_time"),
     ({"start_time": "100", "bucket_width": "1h"}, "bucket_width"),
-    ({"start_time": "100", "group_by": "project_id"}, "group_by"),
+    ({"start_time": "100", "group_by": "user_id"}, "group_by"),
     ({"start_time": "100", "group_by": "x'); DROP"}, "group_by"),
     ({"start_time": "100", "limit": "0"}, "limit"),
     ({"start_time": "100", "limit": "32"}, "limit"),

@@ -1,5 +1,5 @@
 """The application this package's stack runs: the demo chat model behind two
-ingress replicas, identity tokens of a test-run OIDC provider, with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per key, and a narrow copy of it for the backpressure tests
+ingress replicas, identity tokens of a test-run OIDC provider (a `team` claim names the user's team), with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per key, and a narrow copy of it for the backpressure tests
 (one request at a time per replica, a queue of one, its own alias)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ FILES_DIR = tempfile.mkdtemp(prefix="llm-files-quota-")  # the stack's files, wh
 
 
 JWT_REQUESTS_PER_MINUTE = 3  # each identity-token user's limit (auth.jwt.limits)
+TEAM_CLAIM = "team"  # an identity token's claim naming its user's team
 
 
 def app_args(redis_url: str, jwks_url: str | None = None) -> dict:
@@ -38,7 +39,7 @@ def app_args(redis_url: str, jwks_url: str | None = None) -> dict:
                          max_active_per_key=MAX_ACTIVE_BATCHES)
     args["store"] = {"max_bytes_per_key": STORED_BYTES}
     if jwks_url is not None:  # the test's own identity provider (tests/jwks_server.py)
-        args["auth"] = {"jwt": {"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": jwks_url,
+        args["auth"] = {"jwt": {"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": jwks_url, "team_claim": TEAM_CLAIM,
                                 "limits": {"requests_per_minute": JWT_REQUESTS_PER_MINUTE}}}
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)

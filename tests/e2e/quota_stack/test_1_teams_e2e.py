@@ -3,8 +3,9 @@ team hammering together with 16 clients and mixed request shapes never exceed
 the team's limits nor their own, every 429 names its level, and what the team
 was charged in tokens and money is what the clients were answered; a key moved
 to another team takes that team's limits; revoking a team stops its keys'
-interactive requests and their running batch within seconds. Every change is in
-the audit trail."""
+interactive requests and their running batch within seconds; an identity token
+whose claim names a team admits as a key of that team and is charged to it. Every
+change is in the audit trail."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from quota_stack.stack_args import ADMIN, CACHE_TTL_S, MODEL
+from quota_stack.stack_args import ADMIN, CACHE_TTL_S, JWT_REQUESTS_PER_MINUTE, MODEL, TEAM_CLAIM
 from quota_stack.test_1_batches_e2e import chat_line, sdk, start, wait_for
 from serve_app.quota import redis_names
 from settled import inference, wait_until_settled
@@ -177,3 +178,25 @@ def test_revoking_a_team_stops_its_keys_requests_and_batches_within_seconds(base
     assert len(inference(wait_until_settled(redis, key["id"]))) < 120
     trail = admin("GET", base_url, "/admin/audit?target=" + team["id"])["data"]
     assert [e["action"] for e in trail][:1] == ["team.revoke"]
+
+
+def test_an_identity_token_of_a_team_admits_as_a_key_of_it_and_is_charged_to_it(base_url, jwks, redis):
+    tag = f"{time.monotonic_ns()}"
+    team = admin("POST", base_url, "/admin/teams", name=f"idp-{tag}", requests_per_minute=2)
+    assert JWT_REQUESTS_PER_MINUTE > 2  # the team's limit is the tighter one here
+    token = jwks.token("k1", sub=f"ines-{tag}@example.com", **{TEAM_CLAIM: team["name"]})
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=token, max_retries=0, timeout=120)
+    answers = [client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3) for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+    assert refused.value.response.headers["x-ratelimit-scope"] == "team"
+    wait_until_settled(redis, team["id"])
+    charged = counters(redis, team["id"])
+    assert charged["requests"] == 2
+    assert charged["tokens"] == sum(a.usage.total_tokens for a in answers)
+    # A token naming a team that does not exist is refused, never admitted on the user's limits alone.
+    stray = openai.OpenAI(base_url=base_url + "/v1", max_retries=0, timeout=120,
+                          api_key=jwks.token("k1", sub=f"stray-{tag}", **{TEAM_CLAIM: f"no-team-{tag}"}))
+    with pytest.raises(openai.AuthenticationError) as unknown:
+        stray.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    assert unknown.value.response.json()["error"]["code"] == "team_disabled"
