@@ -25,7 +25,7 @@ export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S ?= 5
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 
-.PHONY: setup redis prometheus demo-model run stop metrics dashboards test test-fast unit bench
+.PHONY: setup redis prometheus browser demo-model run stop metrics dashboards test test-fast unit bench
 
 setup: $(STAMP)
 $(STAMP):
@@ -37,6 +37,9 @@ redis:
 
 prometheus:
 	scripts/ensure_prometheus.sh
+
+browser:
+	scripts/ensure_chromium.sh
 
 demo-model: setup
 	$(VENV)/bin/llmctl demo-model
@@ -65,7 +68,7 @@ dashboards: setup
 PYTEST_ARGS ?= -q -rfE --durations=15
 
 # Everything, slowest tests listed at the end.
-test: setup redis prometheus demo-model
+test: setup redis prometheus browser demo-model
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Unit + integration + the core end-to-end path (openai SDK → ingress → vLLM, one stack).

@@ -1,5 +1,6 @@
 """Admissions per second and admission latency: one Redis node vs a Redis Cluster,
-from 1 and from 4 gateway processes.
+from 1 and from 4 gateway processes, for keys alone (one level) and for keys in
+teams (two levels: each key's and its team's limits, serve_app/quota/teams.py).
 
 Each process runs what an ingress replica runs per request (serve_app.quota.access:
 ``Access.admit`` — one EVALSHA of the admit script — then ``Access.settle``, off
@@ -10,7 +11,11 @@ more in flight measures throughput (latency then includes the queue). Redis serv
 replicas). Latency is the ``admit`` call as the gateway sees it, client CPU
 included; the load generator shares the box with Redis.
 
-    .venv/bin/python bench/admission_throughput.py [--duration 8] [--points 1x1 1x64 4x64]
+    .venv/bin/python bench/admission_throughput.py [--duration 8] [--points 1x1 1x64 4x64] [--levels 1 2]
+
+There is no third level to measure: the hierarchy is team → key (docs/quotas.md,
+"Teams"); each level is one more admit script in its own round trip, so a third
+would add what the second adds.
 """
 
 from __future__ import annotations
@@ -30,11 +35,16 @@ from redis_server import running_redis, running_redis_cluster  # noqa: E402
 KEYS = 1000
 
 
-def run_process(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int = 0) -> None:
-    asyncio.run(_drive(url, duration_s, concurrency, seed, results, acknowledge))
+TEAMS = 10  # with two levels: the keys spread over this many teams
 
 
-async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int) -> None:
+def run_process(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int = 0,
+                levels: int = 1) -> None:
+    asyncio.run(_drive(url, duration_s, concurrency, seed, results, acknowledge, levels))
+
+
+async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int,
+                 levels: int) -> None:
     from contract.replica_wire import Usage
     from serve_app.quota.access import Access
     from serve_app.quota.keys import KeyRecord
@@ -43,8 +53,15 @@ async def _drive(url: str, duration_s: float, concurrency: int, seed: int, resul
 
     quota = {"redis_timeout_s": 2, "replicas_to_acknowledge": acknowledge, "replica_ack_timeout_ms": 1000}
     gate = Access(AppSettings(redis_url=url, quota=quota), Telemetry(False, False))
-    keys = [KeyRecord(id=f"kb{seed}x{i}", name=f"bench-{seed}-{i}", created_at=0, requests_per_minute=10**7,
-                      tokens_per_minute=10**9, max_concurrent=10**4) for i in range(KEYS)]
+    generous = {"requests_per_minute": 10**7, "tokens_per_minute": 10**9, "max_concurrent": 10**4}
+    teams = []
+    if levels == 2:
+        from serve_app.quota.keys import KeyLimits
+
+        teams = [(await gate.teams.create(f"bench-{seed}-{time.monotonic_ns()}-{j}", KeyLimits(**generous))).id
+                 for j in range(TEAMS)]
+    keys = [KeyRecord(id=f"kb{seed}x{i}", name=f"bench-{seed}-{i}", created_at=0,
+                      team=teams[i % TEAMS] if teams else None, **generous) for i in range(KEYS)]
     usage = Usage(prompt_tokens=20, completion_tokens=40)
     for key in keys[:concurrency]:  # scripts loaded, connections open
         gate.settle(await gate.admit(key, "m", 60), "completed", usage)
@@ -88,11 +105,12 @@ def redis_cpu_s(ports: list[int]) -> float:
 
 
 def measure(url: str, ports: list[int], processes: int, duration_s: float, concurrency: int,
-            acknowledge: int = 0) -> dict:
+            acknowledge: int = 0, levels: int = 1) -> dict:
     redis_before = redis_cpu_s(ports)
     results = multiprocessing.get_context("spawn").Queue()
     workers = [multiprocessing.get_context("spawn").Process(
-        target=run_process, args=(url, duration_s, concurrency, n, results, acknowledge)) for n in range(processes)]
+        target=run_process, args=(url, duration_s, concurrency, n, results, acknowledge, levels))
+        for n in range(processes)]
     for worker in workers:
         worker.start()
     parts = [results.get(timeout=duration_s + 120) for _ in workers]
@@ -113,25 +131,32 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per point")
     parser.add_argument("--points", nargs="+", default=["1x1", "1x64", "4x64"],
                         help="PROCESSESxIN_FLIGHT per process: 1x1 is the bare round trip, the others throughput")
+    parser.add_argument("--levels", nargs="+", type=int, default=[1, 2], choices=[1, 2],
+                        help="1: keys alone; 2: keys in teams")
+    parser.add_argument("--no-wait", action="store_true", help="leave out the WAIT-for-a-replica cluster rows")
     args = parser.parse_args()
     points = [tuple(int(n) for n in point.split("x")) for point in args.points]
     rows = []
     with running_redis() as node, running_redis_cluster() as cluster:
         cluster_ports = [n.port for n in cluster.nodes]
-        targets = (("one node", node.url, [node.port], 0),
+        targets = [("one node", node.url, [node.port], 0),
                    ("cluster, 3 primaries", cluster.url, cluster_ports, 0),
-                   ("cluster, 3 primaries, WAIT 1 replica", cluster.url, cluster_ports, 1))
+                   ("cluster, 3 primaries, WAIT 1 replica", cluster.url, cluster_ports, 1)]
+        if args.no_wait:
+            targets.pop()
         for name, url, ports, acknowledge in targets:
-            for processes, in_flight in points:
-                rows.append((name, processes, in_flight,
-                             measure(url, ports, processes, args.duration, in_flight, acknowledge)))
-    print(f"\nadmit (one EVALSHA) + settle per request, {args.duration:.0f} s per point, {KEYS} keys; "
+            for levels in args.levels:
+                for processes, in_flight in points:
+                    rows.append((name, levels, processes, in_flight,
+                                 measure(url, ports, processes, args.duration, in_flight, acknowledge, levels)))
+    print(f"\nadmit (one EVALSHA per level) + settle per request, {args.duration:.0f} s per point, {KEYS} keys; "
           f"CPU per admitted request: the gateway processes' and every redis-server's (replicas included)\n")
-    print("| Redis | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms "
+    print("| Redis | levels | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms "
           "| gateway CPU µs | Redis CPU µs |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, processes, in_flight, figures in rows:
-        print(f"| {name} | {processes} | {in_flight} | {figures['admissions/s']:,.0f} | {figures['p50 ms']:.2f} | "
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, levels, processes, in_flight, figures in rows:
+        print(f"| {name} | {levels} | {processes} | {in_flight} | {figures['admissions/s']:,.0f} | "
+              f"{figures['p50 ms']:.2f} | "
               f"{figures['p99 ms']:.2f} | {figures['gateway us']:.0f} | {figures['redis us']:.0f} |")
 
 

@@ -35,6 +35,7 @@ from serve_app.stored.files_api import PURPOSES, FileStore, safe_filename, stora
 from serve_app.pipeline.gateway import Gateway
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.quota.keys import KeyRecord
+from serve_app.http.console import Console
 from serve_app.http.readiness import Readiness
 from serve_app.http.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
 from serve_app.settings import AppSettings
@@ -53,10 +54,14 @@ app = openai_app("llm-cluster")
 # "admin": the admin token. Every route the app serves is declared so
 # (tests/unit/test_route_access.py), and tests/e2e/shared_stack/test_security_e2e.py
 # calls each "key" route for a model the key may not use.
-ROUTE_ACCESS: dict[tuple[str, str], Literal["probe", "key", "admin"]] = {}
+# Who may call a route: probes anyone, "key" an API key (or identity token), "admin" an
+# admin credential, "console" the operator console's session (an admin credential at
+# /console/login: serve_app/http/console.py).
+Access_ = Literal["probe", "key", "admin", "console"]
+ROUTE_ACCESS: dict[tuple[str, str], Access_] = {}
 
 
-def route(method: str, path: str, access: Literal["probe", "key", "admin"]):
+def route(method: str, path: str, access: Access_):
     """``app``'s route for ``method`` and ``path``, with who may call it."""
     ROUTE_ACCESS[(method, path)] = access
     return getattr(app, method.lower())(path)
@@ -85,6 +90,7 @@ class Ingress(HandlesRequests):
         self.telemetry.models_served(deployments)
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
         self.access = Access(settings, self.telemetry)
+        self.console = Console(self.access)
         self.access.start_maintenance()  # lease renewal, settlements Redis missed
         describers = {name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()}
         self.gateway = Gateway(self.access, models, settings.models, self.telemetry, describers)
@@ -413,6 +419,36 @@ class Ingress(HandlesRequests):
     async def admin_revoke_team(self, team: str, request: Request) -> JSONResponse:
         actor = await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.revoke_team(self.access, team, actor))
+
+    # -- the operator console (server-rendered pages: serve_app/http/console.py) --
+
+    @route("GET", "/console", "console")
+    async def console_page(self, request: Request) -> Response:
+        return await self.console.page(request)
+
+    @route("POST", "/console/login", "console")
+    async def console_login(self, request: Request) -> Response:
+        return await self.console.login(request)
+
+    @route("POST", "/console/logout", "console")
+    async def console_logout(self, request: Request) -> Response:
+        return await self.console.logout(request)
+
+    @route("POST", "/console/teams", "console")
+    async def console_create_team(self, request: Request) -> Response:
+        return await self.console.act(request, "team")
+
+    @route("POST", "/console/keys", "console")
+    async def console_create_key(self, request: Request) -> Response:
+        return await self.console.act(request, "key")
+
+    @route("POST", "/console/keys/{key}/revoke", "console")
+    async def console_revoke_key(self, key: str, request: Request) -> Response:
+        return await self.console.act(request, "revoke", key)
+
+    @route("POST", "/console/keys/{key}/limits", "console")
+    async def console_key_limits(self, key: str, request: Request) -> Response:
+        return await self.console.act(request, "limits", key)
 
     @route("GET", "/v1/organization/usage/completions", "admin")
     async def organization_usage_completions(self, request: Request) -> JSONResponse:

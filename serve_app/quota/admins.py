@@ -18,6 +18,7 @@ from serve_app.quota.redis_client import as_text
 from serve_app.quota.keys import digest
 
 SECRET_PREFIX = "sk-admin-"
+SESSION_S = 8 * 3600  # an operator console session lasts a working day
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
 
 
@@ -87,3 +88,28 @@ class AdminStore:
             await pipe.execute()
         return record
 
+
+    # -- operator console sessions (serve_app/http/console.py) ----------------------
+
+    async def open_session(self, actor: str) -> str:
+        """A session for ``actor`` (as Access.admin_actor names it); its token goes in a
+        cookie, its digest in Redis, expiring after ``SESSION_S``."""
+        token = secrets.token_urlsafe(32)
+        await self.redis.set(redis_names.console_session(digest(token)), actor, ex=SESSION_S)
+        return token
+
+    async def session_actor(self, token: str) -> str | None:
+        """Who a session acts for, or None (unknown, expired, or its named admin revoked)."""
+        actor = await self.redis.get(redis_names.console_session(digest(token)))
+        if actor is None:
+            return None
+        actor = as_text(actor)
+        if actor.startswith("admin:"):
+            try:
+                await self.get(actor.removeprefix("admin:"))
+            except AdminNotFound:
+                return None
+        return actor
+
+    async def close_session(self, token: str) -> None:
+        await self.redis.delete(redis_names.console_session(digest(token)))

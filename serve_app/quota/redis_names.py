@@ -76,6 +76,11 @@ def admin_digest(digest: str) -> str:
 ADMIN_INDEX = f"{PREFIX}:admins"
 
 
+def console_session(token_digest: str) -> str:
+    """An operator console session (its cookie's digest) → the admin it acts for."""
+    return f"{PREFIX}:consolesession:{token_digest}"
+
+
 def requests_rate(key_id: str) -> str:
     return f"{PREFIX}:rpm:{tag(key_id)}"
 

@@ -70,7 +70,7 @@ async def key_usage(redis, key_id: str, now: datetime.datetime | None = None) ->
     now = now or datetime.datetime.now(datetime.timezone.utc)
     raw = {_text(k): int(v) for k, v in (await redis.hgetall(redis_names.usage(key_id))).items()}
     periods = {"today": now.strftime("d:%Y%m%d"), "month": now.strftime("m:%Y%m")}
-    counters = ("requests", "tokens", "prompt_tokens", "completion_tokens")
+    counters = ("requests", "tokens", "prompt_tokens", "completion_tokens", "cost_nanos")
     usage: dict[str, Any] = {
         label: {counter: raw.get(f"{period}:{counter}", 0) for counter in counters}
         for label, period in periods.items()

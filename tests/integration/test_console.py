@@ -1,0 +1,147 @@
+"""The operator console (serve_app/http/console.py) in a real headless browser
+(tests/browser.py) against a real Redis: the console's pages served by uvicorn
+with the same ``Console`` the ingress routes to (the ingress' own routes are
+driven end to end in tests/e2e/shared_stack/test_console_e2e.py). Log in, create
+a team and a key, see the key's first request in the usage; a wrong credential,
+a form from another site, a revoked admin's session."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from browser import headless_chromium
+from http_checks import free_port
+from serve_app.http.console import Console
+from serve_app.quota import admin
+from serve_app.quota.access import Access
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+
+ADMIN_TOKEN = "console-test-admin-token"
+
+
+@pytest.fixture
+def console_url(redis_server):
+    """The console's routes on a server of their own, on the session's one-node Redis
+    (its ``Access`` used on the server's loop only; the test reads Redis with its own)."""
+    console = Console(make_access(redis_server.url))
+
+    def act(action):
+        async def handler(request):
+            return await console.act(request, action, request.path_params.get("key", ""))
+        return handler
+
+    app = Starlette(routes=[
+        Route("/console", console.page),
+        Route("/console/login", console.login, methods=["POST"]),
+        Route("/console/logout", console.logout, methods=["POST"]),
+        Route("/console/teams", act("team"), methods=["POST"]),
+        Route("/console/keys", act("key"), methods=["POST"]),
+        Route("/console/keys/{key}/revoke", act("revoke"), methods=["POST"]),
+        Route("/console/keys/{key}/limits", act("limits"), methods=["POST"]),
+    ])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", redis_server.url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def make_access(redis_url: str) -> Access:
+    return Access(AppSettings(redis_url=redis_url, admin_token=ADMIN_TOKEN), Telemetry(False, False))
+
+
+def aside(redis_url: str, work):
+    """``await work(access)`` with an Access of the test's own (its own loop and connections)."""
+    async def run():
+        access = make_access(redis_url)
+        try:
+            return await work(access)
+        finally:
+            await access.redis.aclose()
+    return asyncio.run(run())
+
+
+def log_in(driver, url: str, credential: str) -> None:
+    driver.get(url + "/console")
+    driver.find_element(By.ID, "credential").send_keys(credential)
+    driver.find_element(By.ID, "login").click()
+
+
+async def charge_one_request(access: Access, key_id: str) -> None:
+    """What the ingress does for one request of the key: admitted, then settled."""
+    ticket = await access.admit(await access.keys.get(key_id), "tiny-llama", 20)
+    for level in ticket.levels():
+        await access.admission.settle(level, ticket.request_id, "completed", 5, 7, "", "tiny-llama")
+
+
+def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(console_url):
+    url, redis_url = console_url
+    tag = str(time.monotonic_ns())
+    with headless_chromium() as driver:
+        log_in(driver, url, "not-a-credential")
+        assert "That is not an admin credential." in driver.page_source
+        log_in(driver, url, ADMIN_TOKEN)
+        assert driver.find_element(By.TAG_NAME, "h1").text == "Operator console"
+
+        driver.find_element(By.ID, "team-name").send_keys(f"console-team-{tag}")
+        driver.find_element(By.CSS_SELECTOR, "form[action='/console/teams'] input[name=requests_per_minute]").send_keys("50")
+        driver.find_element(By.ID, "create-team").click()
+        teams = driver.find_element(By.ID, "teams").text
+        assert f"console-team-{tag}" in teams and "50/min" in teams
+
+        driver.find_element(By.ID, "key-name").send_keys(f"console-key-{tag}")
+        Select(driver.find_element(By.ID, "key-team")).select_by_visible_text(f"console-team-{tag}")
+        driver.find_element(By.ID, "create-key").click()
+        secret = driver.find_element(By.ID, "new-secret").text
+        assert secret.startswith("sk-llm-")
+        key = next(k for k in aside(redis_url, lambda a: a.keys.list()) if k.name == f"console-key-{tag}")
+        assert aside(redis_url, lambda a: a.keys.authenticate(secret)).id == key.id and key.team is not None
+
+        aside(redis_url, lambda a: charge_one_request(a, key.id))
+        driver.get(url + "/console")
+        row = next(r for r in driver.find_elements(By.CSS_SELECTOR, "#keys tr") if f"console-key-{tag}" in r.text)
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        assert cells[4:6] == ["1", "12"]  # requests and tokens today
+        usage = driver.find_element(By.ID, "usage").text
+        assert f"console-team-{tag} tiny-llama 1 12" in usage
+        assert driver.find_element(By.ID, "usage-chart").find_elements(By.TAG_NAME, "rect")
+        audit = driver.find_element(By.ID, "audit").text
+        assert "key.create" in audit and "team.create" in audit and "admin-token" in audit
+
+        driver.find_element(By.ID, f"revoke-{key.id}").click()
+        assert aside(redis_url, lambda a: a.keys.get(key.id)).enabled is False
+        driver.find_element(By.CSS_SELECTOR, "header button").click()  # log out
+        driver.get(url + "/console")
+        assert driver.find_elements(By.ID, "credential")
+
+
+def test_a_form_from_another_site_and_a_revoked_admins_session_do_nothing(console_url):
+    url, redis_url = console_url
+    name = f"ops-{time.monotonic_ns()}"
+    made = aside(redis_url, lambda a: admin.create_admin(a, {"name": name}, "admin-token"))
+    with httpx.Client(base_url=url, follow_redirects=False) as http:
+        assert http.post("/console/login", data={"credential": made["secret"]}).status_code == 303
+        assert "llm_console" in http.cookies
+        forged = http.post("/console/teams", data={"name": f"forged-{name}"}, headers={"origin": "https://evil.example"})
+        assert forged.status_code == 403
+        assert f"forged-{name}" not in [t.name for t in aside(redis_url, lambda a: a.teams.list())]
+        assert http.get("/console").text.count("Log out") == 1
+        aside(redis_url, lambda a: admin.revoke_admin(a, name, "admin-token"))
+        assert "credential" in http.get("/console").text  # the session ended with its admin
+        assert http.post("/console/teams", data={"name": f"late-{name}"}).status_code == 303
+        assert f"late-{name}" not in [t.name for t in aside(redis_url, lambda a: a.teams.list())]
