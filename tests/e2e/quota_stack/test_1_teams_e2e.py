@@ -127,6 +127,56 @@ def test_two_keys_of_a_team_hammering_together_never_exceed_the_team_nor_their_o
     assert sorted(shown["keys"]) == sorted(k["id"] for k in keys)
 
 
+@pytest.mark.parametrize("limit, value, refusal", [
+    ("tokens_per_minute", 300, "tokens"),
+    ("daily_token_budget", 400, "daily_token_budget"),
+    ("daily_cost_budget_usd", 60_000 / 1e9, "daily_cost_budget"),  # 60,000 nano-dollars
+])
+def test_a_teams_token_and_money_limits_hold_against_both_keys_flooding(base_url, redis, limit, value, refusal):
+    tag = f"{time.monotonic_ns()}"
+    team = admin("POST", base_url, "/admin/teams", name=f"{limit}-{tag}", **{limit: value})
+    keys = [admin("POST", base_url, "/admin/keys", name=f"{limit}-{tag}-{i}", team=team["id"]) for i in range(2)]
+    seen: list[str] = []
+    lock, stop = threading.Lock(), threading.Event()
+
+    def flood(n: int) -> None:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=keys[n % 2]["secret"], max_retries=0, timeout=120)
+        while not stop.is_set():
+            try:
+                if n % 2:
+                    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24)
+                else:
+                    list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, stream=True))
+                outcome = "200"
+            except openai.RateLimitError as exc:
+                outcome = f"{exc.response.headers.get('x-ratelimit-scope')}:{exc.response.json()['error']['type']}"
+                time.sleep(0.05)
+            with lock:
+                seen.append(outcome)
+
+    threads = [threading.Thread(target=flood, args=(n,)) for n in range(CLIENTS)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    time.sleep(4)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    took = time.monotonic() - started
+    assert f"team:{refusal}" in seen, Counter(seen)  # the team's limit is what refused
+    for account in [team["id"], *(k["id"] for k in keys)]:
+        wait_until_settled(redis, account)
+    charged = counters(redis, team["id"])
+    if limit == "tokens_per_minute":  # what was reserved bounds what was charged; GCRA refills value/min
+        assert charged["tokens"] <= value + value * took / 60, (charged, took)
+    elif limit == "daily_token_budget":
+        assert charged["tokens"] <= value, charged
+    else:
+        assert charged["cost_nanos"] <= 60_000, charged
+    assert charged["requests"] == seen.count("200") > 0
+    assert sum(counters(redis, k["id"]).get("requests", 0) for k in keys) == seen.count("200")
+
+
 def test_a_key_moved_to_another_team_takes_its_limits(base_url, redis):
     tag = f"{time.monotonic_ns()}"
     strict = admin("POST", base_url, "/admin/teams", name=f"strict-{tag}", requests_per_minute=1)
