@@ -78,10 +78,19 @@ async def _team(access, id_or_name: str) -> TeamRecord:
         raise OpenAIError(404, f"No team '{id_or_name}'.", param="team", code="team_not_found") from None
 
 
+async def _team_to_join(access, id_or_name: str) -> TeamRecord:
+    """A team a key may be put in: an enabled one."""
+    team = await _team(access, id_or_name)
+    if not team.enabled:
+        raise OpenAIError(400, f"The team '{team.name}' is disabled: no key can join it.", param="team",
+                          code="team_disabled")
+    return team
+
+
 async def create_key(access, body: Any, actor: str) -> dict[str, Any]:
     new = _parse(NewKey, body)
     limits = new.model_dump(exclude={"name", "team"})
-    team = await _team(access, new.team) if new.team is not None else None
+    team = await _team_to_join(access, new.team) if new.team is not None else None
     if team is not None and "priority" not in new.model_fields_set:
         limits["priority"] = team.priority  # the team's default tier
     try:
@@ -107,7 +116,7 @@ async def update_key(access, id_or_name: str, body: Any, actor: str) -> dict[str
     changes = _parse(KeyChanges, body).model_dump(exclude_unset=True)
     record = await _key(access, id_or_name)
     if changes.get("team") is not None:
-        changes["team"] = (await _team(access, changes["team"])).id
+        changes["team"] = (await _team_to_join(access, changes["team"])).id
     try:
         updated = await access.keys.update(record.id, **changes)
     except ValidationError as exc:

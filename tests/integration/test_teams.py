@@ -180,6 +180,9 @@ async def test_a_revoked_team_stops_its_keys(redis_url, redis):
     await admin.revoke_team(access, team.name, ACTOR)
     assert await access.keys.active(k.id) is None  # running streams and batches stop at their next check
     assert await access.stop_revoked() == 1 and running.revoked
+    with pytest.raises(OpenAIError) as joining:  # no key joins a disabled team
+        await admin.create_key(access, {"name": f"late-{k.id}", "team": team.id}, ACTOR)
+    assert joining.value.status == 400 and joining.value.code == "team_disabled"
     await asyncio.sleep(0.3)  # the team cache's TTL
     with pytest.raises(OpenAIError) as refused:
         await access.admit(k, "m", 1)
