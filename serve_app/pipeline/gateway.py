@@ -245,7 +245,7 @@ class Gateway:
             # A cancelled call returns nothing, so what the engine generated before the
             # cut is not known here: the key is charged its prompt, never its reservation.
             self.access.settle(ticket, "failed", Usage(prompt_tokens=plan.reservation.prompt))
-            raise OpenAIError(401, "This API key was revoked or disabled while the request ran.",
+            raise OpenAIError(401, "This API key (or its team) was revoked or disabled while the request ran.",
                               type="authentication_error", code="invalid_api_key", headers=ticket.headers) from None
         except Exception:
             # The call failed between ingress and replica (the transport refused a

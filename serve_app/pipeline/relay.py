@@ -21,7 +21,7 @@ STREAM_FAILED = (
     '"param": null, "code": null}}\n\n'
 )
 KEY_REVOKED = (
-    'data: {"error": {"message": "This API key was revoked or disabled while the stream ran.", '
+    'data: {"error": {"message": "This API key (or its team) was revoked or disabled while the stream ran.", '
     '"type": "authentication_error", "param": null, "code": "invalid_api_key"}}\n\n'
 )
 

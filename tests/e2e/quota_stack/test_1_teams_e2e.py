@@ -213,9 +213,11 @@ def test_revoking_a_team_stops_its_keys_requests_and_batches_within_seconds(base
         response = httpx.post(base_url + "/v1/chat/completions", timeout=60,
                               headers={"authorization": f"Bearer {key['secret']}"},
                               json={"model": MODEL, "messages": HELLO, "max_tokens": 1})
-        if response.status_code == 401:
-            assert response.json()["error"]["code"] == "team_disabled"
+        # One admitted just before its ingress read the team again is cut as it runs (401
+        # invalid_api_key, "revoked or disabled while the request ran"); then team_disabled.
+        if response.status_code == 401 and response.json()["error"]["code"] == "team_disabled":
             break
+        assert response.status_code in (200, 401), response.text
         assert time.monotonic() - revoked_at < 10, response.text
         time.sleep(0.2)
     deadline = revoked_at + 10
