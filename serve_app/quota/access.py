@@ -158,8 +158,9 @@ class Access:
             except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
                 record = self._fallback(hashed, exc)
-            except REDIS_FAILED:
+            except REDIS_FAILED as exc:
                 self.telemetry.redis_failed("authenticate")
+                logger.error("Redis refused to look a key up: %r", exc)
                 raise quota_store_error() from None
             else:
                 self._cache.put(hashed, record)
