@@ -261,7 +261,8 @@ def _chart(daily: dict, team_names: dict) -> str:
     for i, day in enumerate(per_day):
         y = height + 16
         for team in teams:
-            h = round(day[team] / top * height)
+            # At least a pixel for any use: a small team beside a big one stays visible (and hoverable).
+            h = max(1, round(day[team] / top * height)) if day[team] else 0
             if h:
                 y -= h
                 color = PALETTE[teams.index(team) % len(PALETTE)]
