@@ -125,10 +125,9 @@ class Access:
         self.local = LocalLimiter(self.ingress_replicas.count)
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
         self._cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
-        # Team records, read again after key_cache_ttl_s (a disabled team stops its keys as fast
-        # as a revoked key stops): team id -> (read at, record or None when gone).
-        self._team_cache: dict[str, tuple[float, TeamRecord | None]] = {}
-        self._team_ttl_s = quota.key_cache_ttl_s
+        # Team records by id (or an identity token's team name), cached as key records are:
+        # a disabled team stops its keys as fast as a revoked key stops.
+        self._team_cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
         # How often the keys of running requests are read again (a revoked key's streams stop).
         self.revocation_check_s = max(quota.key_cache_ttl_s, MAINTENANCE_TICK_S)
         self._background: set[asyncio.Task] = set()
@@ -270,18 +269,16 @@ class Access:
                 self._settle_later(level, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
             raise quota_store_error() from None
         self.telemetry.admission_took(time.perf_counter() - started)
-        decision = decisions[0]
+        decision, last = decisions[0], decisions[-1]
         self._record_budget_use(key, decision)
-        if any(d.kind == "duplicate" for d in decisions):  # a 64-bit random id seen before: never in practice
+        if last.kind == "duplicate":  # a 64-bit random id seen before: never in practice
             raise quota_store_error()
-        refused = next(((level, d) for level, d in zip(levels, decisions) if not d.admitted), None)
-        if refused is not None:
+        if not last.admitted:  # the level that refused is the last one asked
             self._no_overlap(key)
-            by, by_decision = refused
-            kind = by_decision.kind if by is key else "team_" + by_decision.kind
-            await self._release(levels, decisions, request_id, model, kind)
-            return Refusal(by, by_decision.kind, reserve_tokens, by_decision,
-                           level="key" if by is key else "team", reserved_nanos=reserve_nanos)
+            if len(decisions) > 1:  # the team: the key's admission is taken back
+                await self._release(levels[0], request_id, model, "team_" + last.kind)
+            return Refusal(levels[len(decisions) - 1], last.kind, reserve_tokens, last,
+                           level="key" if len(decisions) == 1 else "team", reserved_nanos=reserve_nanos)
         if self.overlap is not None:
             self.overlap.admitted(key, decision)
         ticket = Ticket(key, request_id, model, decision.headers(key), team=team)
@@ -290,44 +287,40 @@ class Access:
             self._spawn(self.admission.index_http_id(http_request_id, request_id))
         return ticket
 
-    async def _release(self, levels: list[KeyRecord], decisions: list[Decision], request_id: str, model: str,
-                       refused_by: str) -> None:
-        """Take back the admissions of the levels that admitted a request another level
-        refused. One that Redis does not take now is settled as failed later (its
-        reservation given back; its request stays counted)."""
-        for level, decision in zip(levels, decisions):  # the levels before the one that refused
-            if decision.admitted:
-                try:
-                    await self.admission.release(level, request_id, refused_by)
-                except REDIS_FAILED:
-                    self.telemetry.redis_failed("admit")
-                    self._settle_later(level, request_id, model, "failed", 0, 0)
+    async def _release(self, level: KeyRecord, request_id: str, model: str, refused_by: str) -> None:
+        """Take back a level's admission of a request another level refused. If Redis
+        does not take it now, it is settled as failed later (its reservation given
+        back; its request stays counted)."""
+        try:
+            await self.admission.release(level, request_id, refused_by)
+        except REDIS_FAILED:
+            self.telemetry.redis_failed("admit")
+            self._settle_later(level, request_id, model, "failed", 0, 0)
 
     async def team_of(self, key: KeyRecord, model: str = "") -> TeamRecord | None:
         """The key's team as admission applies it (cached for ``key_cache_ttl_s``), or
         None for a key without one. A team disabled or gone refuses its keys (401);
-        a model the team may not use, 403. While Redis cannot be read, the last
-        record read stands in (fail_mode open) or the request gets a 503."""
+        a model the team may not use, 403. While Redis is unreachable, a record it
+        confirmed within ``key_stale_max_s`` stands in (fail_mode open), or a 503."""
         if key.team is None:
             return None
-        cached = self._team_cache.get(key.team)
-        if cached is None or time.monotonic() - cached[0] > self._team_ttl_s:
+        hit, team = self._team_cache.get(key.team)
+        if not hit:
             try:
                 # By id (a key's), or by name (an identity token's team claim, jwt_auth.py).
                 team = await self.teams.resolve(key.team)
             except TeamNotFound:
                 team = None
+            except UNREACHABLE:
+                self.telemetry.redis_failed("authenticate")
+                team = self._team_cache.fallback(key.team) if self.fail_open else None
+                if team is None:
+                    raise quota_store_unavailable() from None
             except REDIS_FAILED:
                 self.telemetry.redis_failed("authenticate")
-                if cached is None or not self.fail_open:
-                    raise quota_store_unavailable() from None
-                team = cached[1]
+                raise quota_store_error() from None
             else:
-                if len(self._team_cache) > 10_000:
-                    self._team_cache.clear()
-                self._team_cache[key.team] = (time.monotonic(), team)
-        else:
-            team = cached[1]
+                self._team_cache.put(key.team, team)
         if team is None or not team.enabled:
             raise OpenAIError(401, f"The team of API key '{key.name}' is disabled or does not exist.",
                               code="team_disabled")
