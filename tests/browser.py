@@ -31,3 +31,23 @@ def headless_chromium() -> Iterator:
         yield driver
     finally:
         driver.quit()
+
+
+def click_and_wait(driver, element, timeout_s: float = 30) -> None:
+    """Click what submits a form and wait for the next page, loaded: a click returns
+    before the browser has navigated, and the old page would still answer the next lookup."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = driver.find_element(By.TAG_NAME, "html")
+
+    def next_page_loaded(_) -> bool:
+        try:
+            old.is_enabled()  # raises once the old document is gone
+            return False
+        except WebDriverException:  # stale, or Chromium's "node does not belong to the document"
+            return driver.execute_script("return document.readyState") == "complete"
+
+    element.click()
+    WebDriverWait(driver, timeout_s).until(next_page_loaded)

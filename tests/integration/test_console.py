@@ -19,7 +19,7 @@ from selenium.webdriver.support.ui import Select
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from browser import headless_chromium
+from browser import click_and_wait, headless_chromium
 from http_checks import free_port
 from serve_app.http.console import Console
 from serve_app.quota import admin
@@ -79,7 +79,7 @@ def aside(redis_url: str, work):
 def log_in(driver, url: str, credential: str) -> None:
     driver.get(url + "/console")
     driver.find_element(By.ID, "credential").send_keys(credential)
-    driver.find_element(By.ID, "login").click()
+    click_and_wait(driver, driver.find_element(By.ID, "login"))
 
 
 async def charge_one_request(access: Access, key_id: str) -> None:
@@ -100,13 +100,13 @@ def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(c
 
         driver.find_element(By.ID, "team-name").send_keys(f"console-team-{tag}")
         driver.find_element(By.CSS_SELECTOR, "form[action='/console/teams'] input[name=requests_per_minute]").send_keys("50")
-        driver.find_element(By.ID, "create-team").click()
+        click_and_wait(driver, driver.find_element(By.ID, "create-team"))
         teams = driver.find_element(By.ID, "teams").text
         assert f"console-team-{tag}" in teams and "50/min" in teams
 
         driver.find_element(By.ID, "key-name").send_keys(f"console-key-{tag}")
         Select(driver.find_element(By.ID, "key-team")).select_by_visible_text(f"console-team-{tag}")
-        driver.find_element(By.ID, "create-key").click()
+        click_and_wait(driver, driver.find_element(By.ID, "create-key"))
         secret = driver.find_element(By.ID, "new-secret").text
         assert secret.startswith("sk-llm-")
         key = next(k for k in aside(redis_url, lambda a: a.keys.list()) if k.name == f"console-key-{tag}")
@@ -123,9 +123,9 @@ def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(c
         audit = driver.find_element(By.ID, "audit").text
         assert "key.create" in audit and "team.create" in audit and "admin-token" in audit
 
-        driver.find_element(By.ID, f"revoke-{key.id}").click()
+        click_and_wait(driver, driver.find_element(By.ID, f"revoke-{key.id}"))
         assert aside(redis_url, lambda a: a.keys.get(key.id)).enabled is False
-        driver.find_element(By.CSS_SELECTOR, "header button").click()  # log out
+        click_and_wait(driver, driver.find_element(By.CSS_SELECTOR, "header button"))  # log out
         driver.get(url + "/console")
         assert driver.find_elements(By.ID, "credential")
 

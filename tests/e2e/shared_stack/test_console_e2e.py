@@ -15,7 +15,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from browser import headless_chromium
+from browser import click_and_wait, headless_chromium
 
 pytestmark = pytest.mark.e2e
 
@@ -28,14 +28,14 @@ def test_log_in_create_a_team_and_a_key_and_see_its_first_request_in_usage(base_
     with headless_chromium() as driver:
         driver.get(base_url + "/console")
         driver.find_element(By.ID, "credential").send_keys(admin_token)
-        driver.find_element(By.ID, "login").click()
+        click_and_wait(driver, driver.find_element(By.ID, "login"))
         assert driver.find_element(By.TAG_NAME, "h1").text == "Operator console"
         driver.find_element(By.ID, "team-name").send_keys(team)
-        driver.find_element(By.ID, "create-team").click()
+        click_and_wait(driver, driver.find_element(By.ID, "create-team"))
         assert team in driver.find_element(By.ID, "teams").text
         driver.find_element(By.ID, "key-name").send_keys(key)
         Select(driver.find_element(By.ID, "key-team")).select_by_visible_text(team)
-        driver.find_element(By.ID, "create-key").click()
+        click_and_wait(driver, driver.find_element(By.ID, "create-key"))
         secret = driver.find_element(By.ID, "new-secret").text
 
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
