@@ -1,6 +1,6 @@
 """The direct route's pure parts: the in-process handle the gateway calls the
 replica through, and the application builders. (The route itself, with Redis,
-Serve, HAProxy and vLLM: tests/e2e/test_direct_route_e2e.py.)"""
+Serve, HAProxy and vLLM: tests/e2e/direct_route_stack/test_2_direct_route_e2e.py.)"""
 
 import asyncio
 from types import SimpleNamespace

@@ -5,7 +5,7 @@ or a client gone while Redis decides ends the call and frees its fair-share
 place; for a key without room, or with no free place, the request waits for
 its admission first; on an idle model it starts early only with
 ``start_early_when_idle`` (the default setting), and without it, in a burst on
-an idle model only the first request waits. (The real path, engine and Redis: tests/e2e/test_direct_route_e2e.py.)"""
+an idle model only the first request waits. (The real path, engine and Redis: tests/e2e/direct_route_stack/test_2_direct_route_e2e.py.)"""
 
 import asyncio
 from types import SimpleNamespace

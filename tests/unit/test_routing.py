@@ -1,6 +1,6 @@
 """Prefix affinity's pure parts (serve_app/pipeline/routing.py): what part of a request
 decides, how replicas are ranked for it, and when load overrides it. The router
-itself runs under real Serve in tests/e2e/test_routing_e2e.py."""
+itself runs under real Serve in tests/e2e/test_scheduling_e2e.py."""
 
 import collections
 import random

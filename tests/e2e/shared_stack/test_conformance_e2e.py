@@ -49,7 +49,7 @@ def _served(body, model):
     """Point the case at a served model and cap its token counts (LMI's among its parameters).
     A chat or completion case without a cap gets one: left out, vLLM generates up
     to the context (seconds per case). The uncapped default has its own tests
-    (test_api_surface_e2e, the hostile shapes of test_quota_adversarial_e2e)."""
+    (test_api_surface_e2e, the hostile shapes of direct_route_stack/test_1_quota_adversarial_e2e)."""
     if not isinstance(body, dict):
         return body
     if "model" in body:

@@ -21,31 +21,16 @@ import openai
 import pytest
 
 import openai_spec
+from direct_route_stack.stack_args import LEASE_S, MODEL
 from contract.model_config import direct_app_name, direct_route_prefix
 from http_checks import assert_error_envelope, free_port
 from serve_app.quota import redis_names
 from settled import wait_until_settled
-from stack import call_replica, create_key, local_app_args, serve_stack
+from stack import call_replica, create_key
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "tiny-llama"
-LEASE_S = 1.0  # short: a stream outliving it holds its place only if the replica renews it
 HELLO = [{"role": "user", "content": "Tell me about the license."}]
-
-
-@pytest.fixture(scope="module")
-def base_url(redis_server):
-    args = local_app_args(only=[MODEL])
-    args["redis_url"] = redis_server.url
-    args["models"][0]["direct_route"] = True
-    args["quota"] = {"concurrency_lease_s": LEASE_S}
-    with serve_stack(args, port=free_port()) as url:
-        deadline = time.monotonic() + 300
-        while httpx.get(url + "/ready", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "the stack never became ready"
-            time.sleep(0.5)
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ Serve, the vLLM CPU engine, httpx and the openai SDK as clients.
 
 Every test asserts on what was generated and charged (usage the clients saw,
 Redis' own counters and records) and on what was left behind (leases, records
-not final), not only on status codes."""
+not final), not only on status codes. The stack: stack_args.py (one ingress
+replica, autoscaled; a 1 s lease; fail_mode open)."""
 
 from __future__ import annotations
 
@@ -18,33 +19,15 @@ import httpx
 import openai
 import pytest
 
+from direct_route_stack.stack_args import LEASE_S, MODEL
 from http_checks import free_port
 from settled import records, wait_until_settled
-from stack import create_key, local_app_args, serve_stack
+from stack import create_key
 from serve_app.quota import redis_names
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "tiny-llama"
-LEASE_S = 2.0  # short, so that streams outlive it and renewal must hold them
-INGRESS_MAX = 4
 HELLO = [{"role": "user", "content": "Tell me about the license."}]
-
-
-@pytest.fixture(scope="module")
-def base_url(redis_server):
-    args = local_app_args(only=[MODEL])
-    args["redis_url"] = redis_server.url
-    # redis_timeout_s: short enough for the stalled-Redis test, long enough that a busy
-    # 2-core box does not turn a slow answer into a fail-open admission mid-test.
-    args["quota"] = {"concurrency_lease_s": LEASE_S, "redis_timeout_s": 1.0, "fail_mode": "open"}
-    # An autoscaled ingress (it stays at one replica: the target is never reached):
-    # its fail-open share must follow the running count Serve reports, not the maximum.
-    deployment = args["ingress"]["deployment"]
-    deployment.pop("num_replicas", None)
-    deployment["autoscaling_config"] = {"min_replicas": 1, "max_replicas": INGRESS_MAX, "target_ongoing_requests": 1000}
-    with serve_stack(args, port=free_port()) as url:
-        yield url
 
 
 def post(base_url, secret, path, body, **headers) -> httpx.Response:
