@@ -147,15 +147,22 @@ def serve_stack(
 
 
 def stop_serve_and_ray() -> None:
-    """Serve, then this process' Ray, then wait until no vLLM engine is left."""
-    import ray
-    from ray import serve
+    """This process' Ray, with Serve in it; then wait until no vLLM engine is left.
 
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-        wait_for_no_engines()
+    Not `serve.shutdown()` first: it drains every replica one deployment after the
+    other (15 s for one model, more per model) for a stack about to vanish with its
+    Redis. Ending Ray kills the replicas; their engines and HAProxy die with them
+    (replicas/engine_guard.py, cluster/haproxy_guard.py), which wait_for_no_engines
+    checks. The graceful stop is tested where users meet it: `make stop` and Ctrl-C
+    (tests/e2e/local_stack, test_chaos_e2e.py)."""
+    import ray
+
+    ray.shutdown()
+    wait_for_no_engines()
+    deadline = time.monotonic() + 30
+    while haproxy_processes():
+        assert time.monotonic() < deadline, f"HAProxy outlived its stack: {haproxy_processes()}"
+        time.sleep(0.5)
 
 
 # `make stop` ends the stack within this (serve_app/ops/local_stack.py STOP_BOUND_S).
