@@ -204,6 +204,9 @@ class Pricing(BaseModel):
     prompt_per_million: float = Field(0.0, ge=0, le=1_000_000, description="USD per million prompt tokens.")
     completion_per_million: float = Field(0.0, ge=0, le=1_000_000,
                                           description="USD per million completion tokens.")
+    cached_prompt_per_million: float | None = Field(
+        None, ge=0, le=1_000_000, description="USD per million prompt tokens the engine found in its prefix cache "
+        "(vLLM's `prompt_tokens_details.cached_tokens`); unset: the prompt price.")
     batch_discount: float = Field(0.0, ge=0, le=1, description="Share taken off a batch request's cost "
                                                                "(0.5: half price, as OpenAI's Batch API).")
 

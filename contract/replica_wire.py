@@ -38,28 +38,36 @@ REPLICA_OPERATIONS: frozenset[str] = frozenset(get_args(ReplicaOperation))
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens a request used, as settled against the key's quotas."""
+    """Tokens a request used, as settled against the key's quotas. ``cached_prompt_tokens``
+    is the part of the prompt the engine found in its prefix cache (priced apart)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
     @classmethod
     def from_openai(cls, usage: Mapping[str, Any] | None) -> Usage | None:
         """From an OpenAI ``usage`` object; None when there is none."""
         if not usage:
             return None
-        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        details = usage.get("prompt_tokens_details") or {}
+        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                   int(details.get("cached_tokens") or 0))
 
     @classmethod
     def from_input_output(cls, usage: Mapping[str, Any] | None) -> Usage | None:
         """From an ``input_tokens``/``output_tokens`` usage object (OpenAI's Responses
         API, Anthropic's Messages API): the prompt is the input tokens and the cached
-        ones Anthropic counts apart; None when there is none."""
+        ones Anthropic counts apart; None when there is none. Cached: OpenAI's
+        ``input_tokens_details.cached_tokens`` (part of ``input_tokens``), or
+        Anthropic's ``cache_read_input_tokens``."""
         if not usage:
             return None
         prompt = sum(int(usage.get(name) or 0)
                      for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
-        return cls(prompt, int(usage.get("output_tokens") or 0))
+        details = usage.get("input_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or usage.get("cache_read_input_tokens") or 0)
+        return cls(prompt, int(usage.get("output_tokens") or 0), cached)
 
 
 @dataclass(frozen=True, slots=True)

@@ -283,10 +283,13 @@ def per_model() -> Dashboard:
 def quotas() -> Dashboard:
     per_key = ("Each ingress replica names its first telemetry.per_key_max_keys keys (100); later ones count as "
                "'(other keys)'. Exact figures: llmctl usage.")
+    per_team = ("Each ingress replica names its first telemetry.per_key_max_keys teams (100); later ones count as "
+                "'(other teams)'. Exact figures: llmctl usage --team, GET /v1/organization/costs.")
     return (
         dashboard(
             "llm-cluster-quotas", "LLM cluster / Quotas",
-            "Who is being refused and why, which keys use the most, how close budgets are, is Redis healthy.",
+            "Who is being refused and why, which keys and teams use and spend the most, how close budgets are, "
+            "is Redis healthy.",
         )
         .with_row(Row("Refusals"))
         .with_panel(timeseries(
@@ -323,6 +326,29 @@ def quotas() -> Dashboard:
             f"key gets 429 insufficient_quota. {per_key}", "percentunit",
             target(top_keys("max by (key_name, period) (ray_llm_gateway_key_budget_used_ratio)"),
                    "{{key_name}} {{period}}"),
+        ))
+        .with_row(Row("Teams"))
+        .with_panel(timeseries(
+            "429s by level", "Whose limit refused: the key's own, or its team's (the 429's x-ratelimit-scope).",
+            "reqps", target(rate("ray_llm_gateway_rate_limit_refusals_total", by="level"), "{{level}}"), width=6,
+        ))
+        .with_panel(timeseries(
+            "Share of tokens charged, per team", f"Each team's share of the tokens charged to teams' keys (the 10 "
+            f"largest). {per_team}", "percentunit",
+            target(top_keys(f"{rate('ray_llm_gateway_team_tokens_total', by='team')} / "
+                            f"scalar({rate('ray_llm_gateway_team_tokens_total')})"), "{{team}}"), width=6,
+        ))
+        .with_panel(timeseries(
+            "Spend per team", f"What each team's requests cost at their models' prices (models' pricing), in USD "
+            f"per hour (the 10 largest). {per_team}", "currencyUSD",
+            target(top_keys(f"{rate('ray_llm_gateway_team_spend_usd_total', by='team')} * 3600"), "{{team}}"),
+            width=6,
+        ))
+        .with_panel(timeseries(
+            "Team refusals by level", f"429s of each team's keys: refused by the key's own limit, or by the "
+            f"team's (the 10 most refused). {per_team}", "reqps",
+            target(top_keys(rate("ray_llm_gateway_team_refusals_total", by="team, level")), "{{team}} {{level}}"),
+            width=6,
         ))
         .with_row(Row("Quota backend (Redis)"))
         .with_panel(timeseries(

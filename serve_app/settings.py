@@ -108,7 +108,8 @@ class TelemetryConfig(BaseModel):
         100, ge=1, le=10_000,
         description="Key names an ingress replica labels metrics with: the first this many it "
         "sees; later keys count together as '(other keys)', so minted keys cannot grow the "
-        "series without bound. Exact per-key usage is in Redis (`llmctl usage`).",
+        "series without bound. Team names (the team metrics, always on) are bounded the same "
+        "way, under '(other teams)'. Exact per-key usage is in Redis (`llmctl usage`).",
     )
     access_log: bool = Field(True, description="One JSON line per request on the ingress's stdout.")
 

@@ -4,9 +4,10 @@ line and Prometheus metrics, both from the same per-request record.
 Metrics go through Ray's metrics system (``ray.util.metrics``), so every node's
 Ray metrics endpoint serves them beside Ray Serve's and vLLM's; Ray prefixes
 their names with ``ray_``. Labels stay low-cardinality: model, route (the API
-dialect), status code, limit kind. Key names label the per-key metrics for a
-bounded number of keys (``KeyLabels``; ``telemetry.per_key_max_keys``); exact
-per-key usage is in Redis (``llmctl usage``). The access log never holds prompt
+dialect), status code, limit kind and level. Key names label the per-key metrics for a
+bounded number of keys (``KeyLabels``; ``telemetry.per_key_max_keys``), team names
+the per-team ones (tokens, spend, refusals) for as many teams; exact per-key and
+per-team usage is in Redis (``llmctl usage``). The access log never holds prompt
 or completion text.
 
 Cost per request: a handful of metric updates and one ``json.dumps``; nothing
@@ -44,6 +45,8 @@ LIMIT_KINDS = {
     "concurrency": "concurrency",
     "daily_token_budget": "budget",
     "monthly_token_budget": "budget",
+    "daily_cost_budget": "budget",
+    "monthly_cost_budget": "budget",
 }
 
 
@@ -62,6 +65,7 @@ class RequestRecord:
     status: int = 0
     error_code: str | None = None
     limit: str | None = None  # which quota refused it (429)
+    level: str = "key"  # and whose: the key's own, or its team's (x-ratelimit-scope)
     retry_after: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -75,24 +79,25 @@ class RequestRecord:
         self.retry_after = headers.get("retry-after")
         if status == 429:
             self.limit = LIMIT_KINDS.get(error_type, error_type)
+            self.level = headers.get("x-ratelimit-scope", "key")
 
     def used(self, usage: Usage | None) -> None:
         if usage is not None:
             self.prompt_tokens, self.completion_tokens = usage.prompt_tokens, usage.completion_tokens
 
 
-OTHER_KEYS = "(other keys)"
+OTHER_KEYS, OTHER_TEAMS = "(other keys)", "(other teams)"
 
 
 class KeyLabels:
-    """API key names as metric labels, bounded: the first ``limit`` keys an ingress
-    replica sees keep a series of their own, every later key is counted under
-    OTHER_KEYS. A tenant minting keys (or a platform with thousands) then costs
+    """API key (or team) names as metric labels, bounded: the first ``limit`` names an
+    ingress replica sees keep a series of their own, every later one is counted under
+    ``other``. A tenant minting keys (or a platform with thousands) then costs
     Prometheus at most ``limit`` + 1 series per metric and replica; the exact
     per-key figures stay in Redis (`llmctl usage`)."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, other: str = OTHER_KEYS):
+        self.limit, self.other = limit, other
         self._named: set[str] = set()
 
     def label(self, key_name: str) -> str:
@@ -101,7 +106,7 @@ class KeyLabels:
         if len(self._named) < self.limit:
             self._named.add(key_name)
             return key_name
-        return OTHER_KEYS
+        return self.other
 
 
 class Telemetry:
@@ -110,12 +115,27 @@ class Telemetry:
     def __init__(self, per_key_metrics: bool = False, access_log: bool = True, per_key_max_keys: int = 100):
         self.per_key = per_key_metrics
         self.key_labels = KeyLabels(per_key_max_keys)
+        self.team_labels = KeyLabels(per_key_max_keys, OTHER_TEAMS)
         self.access_log = _access_logger() if access_log else None
         self.requests = Counter(
             "llm_gateway_requests", "Requests answered, by model, route and HTTP status.", ("model", "route", "status")
         )
         self.refusals = Counter(
-            "llm_gateway_rate_limit_refusals", "429s by model and the limit that refused them.", ("model", "limit")
+            "llm_gateway_rate_limit_refusals", "429s by model, the limit that refused them and its level "
+            "(the key's own, or its team's).", ("model", "limit", "level")
+        )
+        # Teams (serve_app/quota/teams.py): what each charged and spent, and its keys'
+        # refusals by level. Team names are bounded as key names are (KeyLabels).
+        self.team_tokens = Counter(
+            "llm_gateway_team_tokens", "Tokens charged to a team's keys, by kind (prompt, completion, or reserved: "
+            "a stream whose usage never came) (bounded: KeyLabels).", ("team", "kind")
+        )
+        self.team_spend = Counter(
+            "llm_gateway_team_spend_usd", "What a team's requests cost at their models' prices, USD.", ("team",)
+        )
+        self.team_refusals = Counter(
+            "llm_gateway_team_refusals", "429s of a team's keys, by the level that refused: the key's own limit, "
+            "or the team's.", ("team", "level")
         )
         self.duration = Histogram(
             "llm_gateway_request_duration_seconds", "End-to-end request latency at the ingress.",
@@ -221,6 +241,19 @@ class Telemetry:
             self.key_budget.set(used / budget, tags={"key_name": key_name, "period": period})
             self._budgets[key_name, period] = (used / budget, time.monotonic())
 
+    def team_charged(self, team_name: str, prompt: int, completion: int, reserved: int, cost_nanos: int) -> None:
+        """A request of a team's key settled: the tokens charged (``reserved`` when its
+        usage never came) and what they cost."""
+        team = self.team_labels.label(team_name)
+        for kind, count in (("prompt", prompt), ("completion", completion), ("reserved", reserved)):
+            if count > 0:
+                self.team_tokens.inc(count, tags={"team": team, "kind": kind})
+        if cost_nanos > 0:
+            self.team_spend.inc(cost_nanos / 1e9, tags={"team": team})
+
+    def team_refused(self, team_name: str, level: str) -> None:
+        self.team_refusals.inc(tags={"team": self.team_labels.label(team_name), "level": level})
+
     def redis_failed(self, operation: str) -> None:
         self.redis_errors.inc(tags={"operation": operation})
 
@@ -238,7 +271,7 @@ class Telemetry:
         self.requests.inc(tags={"model": model, "route": record.route, "status": status})
         self.duration.observe(now - record.started, tags={"model": model, "route": record.route})
         if record.limit:
-            self.refusals.inc(tags={"model": model, "limit": record.limit})
+            self.refusals.inc(tags={"model": model, "limit": record.limit, "level": record.level})
         if record.prompt_tokens:
             self.prompt_tokens.inc(record.prompt_tokens, tags={"model": model})
         if record.completion_tokens:

@@ -277,6 +277,8 @@ class Access:
             self._no_overlap(key)
             if len(decisions) > 1:  # the team: the key's admission is taken back
                 await self._release(levels[0], request_id, model, "team_" + last.kind)
+            if team is not None:
+                self.telemetry.team_refused(team.name, "key" if len(decisions) == 1 else "team")
             return Refusal(levels[len(decisions) - 1], last.kind, reserve_tokens, last,
                            level="key" if len(decisions) == 1 else "team", reserved_nanos=reserve_nanos)
         if self.overlap is not None:
@@ -367,9 +369,14 @@ class Access:
         if ticket.on_settle is not None:
             ticket.on_settle()
         prompt = completion = -1
+        cached = 0
         if usage is not None:
-            prompt, completion = usage.prompt_tokens, usage.completion_tokens
-        cost = Cost.of(ticket.rates, prompt, completion, *ticket.reserved)
+            prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens
+        cost = Cost.of(ticket.rates, prompt, completion, *ticket.reserved, cached_prompt=cached)
+        if ticket.team is not None:
+            reserved = sum(ticket.reserved) if prompt < 0 else 0
+            self.telemetry.team_charged(ticket.team.name, max(prompt, 0), max(completion, 0), reserved,
+                                        cost.input_nanos + cost.output_nanos + cost.reserved_nanos)
         if ticket.local:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.

@@ -213,7 +213,7 @@ class Admission:
         now = datetime.datetime.now(datetime.timezone.utc)
         return [request_id, status, prompt_tokens, completion_tokens, key.tokens_per_minute,
                 self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"), now.strftime("m:%Y%m"),
-                cost.input_nanos, cost.output_nanos, cost.reserved_nanos]
+                cost.input_nanos, cost.output_nanos, cost.reserved_nanos, cost.cached_prompt_tokens]
 
     async def settle_many(self, settlements: list[tuple]) -> list[bool]:
         """Settle several requests in one pipeline (retries after Redis was

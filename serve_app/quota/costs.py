@@ -19,32 +19,42 @@ class Rates:
 
     prompt: float
     completion: float
+    cached_prompt: float
 
     @classmethod
     def of(cls, pricing: Pricing, batch: bool = False) -> "Rates":
         factor = 1 - pricing.batch_discount if batch else 1.0
+        cached = pricing.prompt_per_million if pricing.cached_prompt_per_million is None \
+            else pricing.cached_prompt_per_million
         # USD per million tokens = nano-dollars per token × 1,000.
-        return cls(pricing.prompt_per_million * 1000 * factor, pricing.completion_per_million * 1000 * factor)
+        return cls(pricing.prompt_per_million * 1000 * factor, pricing.completion_per_million * 1000 * factor,
+                   cached * 1000 * factor)
 
 
 @dataclass(frozen=True)
 class Cost:
     """A settled request's cost: its real usage priced (input, output), or, when its
-    usage was never reported, its reservation priced (reserved)."""
+    usage was never reported, its reservation priced (reserved). ``cached_prompt_tokens``:
+    the prompt tokens priced at the cached rate (the usage API counts them apart)."""
 
     input_nanos: int = 0
     output_nanos: int = 0
     reserved_nanos: int = 0
+    cached_prompt_tokens: int = 0
 
     @classmethod
     def of(cls, rates: Rates | None, prompt: int, completion: int, reserved_prompt: int,
-           reserved_completion: int) -> "Cost":
-        """``prompt`` -1: usage unknown, the reservation is what was charged."""
+           reserved_completion: int, cached_prompt: int = 0) -> "Cost":
+        """``prompt`` -1: usage unknown, the reservation is what was charged (at the
+        full prompt price: what admission reserved). ``cached_prompt``: how many of
+        ``prompt`` the engine had cached (never more than ``prompt``)."""
+        cached = max(0, min(cached_prompt, prompt))
         if rates is None:
-            return cls()
+            return cls(cached_prompt_tokens=cached)
         if prompt < 0:
             return cls(reserved_nanos=round(reserved_prompt * rates.prompt + reserved_completion * rates.completion))
-        return cls(round(prompt * rates.prompt), round(completion * rates.completion))
+        return cls(round((prompt - cached) * rates.prompt + cached * rates.cached_prompt),
+                   round(completion * rates.completion), cached_prompt_tokens=cached)
 
 
 def reservation_nanos(rates: Rates | None, reserved_prompt: int, reserved_completion: int) -> int:

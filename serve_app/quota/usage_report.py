@@ -9,7 +9,8 @@ real ``input_tokens``/``output_tokens``; a request whose usage was never reporte
 (a stream the client cancelled, one whose ingress died) was charged its
 reservation, reported apart as ``reserved_tokens`` (our field; OpenAI has none), so
 a day's ``input_tokens + output_tokens + reserved_tokens`` is what its keys were
-charged for inference.
+charged for inference. ``input_cached_tokens``: the part of ``input_tokens`` the
+engine found in its prefix cache (a model's ``cached_prompt_per_million`` prices it).
 
 A team is OpenAI's project here: ``project_id`` is the key's team id (null for a
 key with none), to group by (``group_by=project_id``) or select (``project_ids``)."""
@@ -34,7 +35,7 @@ DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets
 GROUPS = ("project_id", "api_key_id", "model")  # what a usage result may be grouped by here
 COST_GROUPS = ("project_id", "api_key_id", "line_item")  # and a cost result (a line item: "<model>, input")
 COST_PARTS = ("input", "output", "reserved")
-COUNTERS = ("requests", "input_tokens", "output_tokens", "reserved_tokens",
+COUNTERS = ("requests", "input_tokens", "input_cached_tokens", "output_tokens", "reserved_tokens",
             *(f"cost_{part}_nanos" for part in COST_PARTS))
 
 
@@ -168,7 +169,7 @@ def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:
         "object": "organization.usage.completions.result",
         "input_tokens": counts["input_tokens"],
         "output_tokens": counts["output_tokens"],
-        "input_cached_tokens": 0,  # vLLM's prefix cache hits are not counted apart here
+        "input_cached_tokens": counts["input_cached_tokens"],  # part of input_tokens, as OpenAI counts it
         "input_audio_tokens": 0,
         "output_audio_tokens": 0,
         "num_model_requests": counts["requests"],

@@ -16,6 +16,7 @@ from serve_app.errors import OpenAIError
 from serve_app.quota import redis_names
 from serve_app.quota.admission import Admission
 from serve_app.quota.keys import KeyRecord
+from serve_app.quota.redis_client import as_text
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
 from serve_app.quota.access import Access
@@ -164,6 +165,68 @@ def test_a_cost_is_its_tokens_priced_and_a_batch_pays_the_discounted_price():
     assert Cost.of(Rates.of(pricing), -1, -1, 100, 1000) == Cost(reserved_nanos=15_000 + 600_000)
     assert Cost.of(None, 1000, 500, 0, 0) == Cost()  # not priced
     assert Cost.of(Rates.of(Pricing(prompt_per_million=0.0375)), 3, 0, 0, 0) == Cost(input_nanos=112)  # rounded
+
+
+def test_cached_prompt_tokens_pay_the_cached_price_and_never_more_than_the_prompt():
+    pricing = Pricing(prompt_per_million=1.0, completion_per_million=4.0, cached_prompt_per_million=0.25,
+                      batch_discount=0.5)
+    assert Cost.of(Rates.of(pricing), 1000, 10, 0, 0, cached_prompt=800) == Cost(
+        input_nanos=200 * 1000 + 800 * 250, output_nanos=40_000, cached_prompt_tokens=800)
+    assert Cost.of(Rates.of(pricing, batch=True), 1000, 0, 0, 0, cached_prompt=800) == Cost(
+        input_nanos=(200_000 + 200_000) // 2, cached_prompt_tokens=800)
+    # A count past the prompt (or below zero) is clamped: no negative cost, no discount beyond the prompt.
+    assert Cost.of(Rates.of(pricing), 100, 0, 0, 0, cached_prompt=10**9) == Cost(input_nanos=25_000,
+                                                                                     cached_prompt_tokens=100)
+    assert Cost.of(Rates.of(pricing), 100, 0, 0, 0, cached_prompt=-5) == Cost(input_nanos=100_000)
+    # No cached price: cached tokens cost what any prompt token does (and are still counted).
+    plain = Rates.of(Pricing(prompt_per_million=1.0))
+    assert Cost.of(plain, 1000, 0, 0, 0, cached_prompt=800) == Cost(input_nanos=1_000_000, cached_prompt_tokens=800)
+    # Usage never reported: the reservation at the full prompt price (what admission held).
+    assert Cost.of(Rates.of(pricing), -1, -1, 100, 10, cached_prompt=50) == Cost(reserved_nanos=100_000 + 40_000)
+
+
+@pytest.mark.parametrize("usage, expected", [
+    ({"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 256}}, (300, 2, 256)),
+    ({"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": None}, (300, 2, 0)),
+    ({"prompt_tokens": 300, "completion_tokens": 2}, (300, 2, 0)),
+])
+def test_the_cached_count_is_read_from_openais_usage(usage, expected):
+    got = Usage.from_openai(usage)
+    assert (got.prompt_tokens, got.completion_tokens, got.cached_prompt_tokens) == expected
+
+
+def test_the_cached_count_is_read_from_responses_and_anthropic_usage():
+    responses = Usage.from_input_output({"input_tokens": 300, "output_tokens": 4,
+                                         "input_tokens_details": {"cached_tokens": 256}})
+    assert (responses.prompt_tokens, responses.cached_prompt_tokens) == (300, 256)
+    # Anthropic counts cache reads apart from input_tokens.
+    anthropic = Usage.from_input_output({"input_tokens": 44, "cache_read_input_tokens": 256, "output_tokens": 4})
+    assert (anthropic.prompt_tokens, anthropic.cached_prompt_tokens) == (300, 256)
+
+
+async def test_cached_tokens_are_counted_apart_and_priced_at_settlement(redis_url, redis):
+    access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+    try:
+        k = key("kcached")
+        for cached in (256, 0):
+            ticket = await access.admit(k, "chat", 400)
+            ticket.rates = Rates.of(Pricing(prompt_per_million=1.0, completion_per_million=4.0,
+                                            cached_prompt_per_million=0.25))
+            ticket.reserved = (300, 100)
+            access.settle(ticket, "completed", Usage(prompt_tokens=300, completion_tokens=10,
+                                                      cached_prompt_tokens=cached))
+        while access._background:
+            await asyncio.sleep(0.01)
+        [row] = (await completions_usage(redis, [k], parse_query(query(start_time=today()))))["data"][0]["results"]
+        assert (row["input_tokens"], row["input_cached_tokens"], row["output_tokens"]) == (600, 256, 20)
+        costs_page = await costs(redis, [k], parse_query(query(start_time=today(), group_by="line_item"), COST_GROUPS))
+        got = {r["line_item"]: r["amount"]["value"] for r in costs_page["data"][0]["results"]}
+        assert got == {"chat, input": (44 * 1000 + 256 * 250 + 300 * 1000) / 1e9, "chat, output": 80_000 / 1e9}
+        names = [name async for name in redis.scan_iter(match=redis_names.request_record_prefix(k.id) + "*")]
+        records = [{as_text(f): as_text(v) for f, v in (await redis.hgetall(name)).items()} for name in names]
+        assert sorted(int(r["cached_tokens"]) for r in records) == [0, 256]
+    finally:
+        await access.redis.aclose()
 
 
 async def test_costs_are_recorded_at_settlement_and_served_in_openais_shape(redis_url, redis):

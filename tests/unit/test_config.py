@@ -54,8 +54,12 @@ def test_engine_kwargs_become_vllm_serve_flags():
         "--enforce-eager",
         "--no-enable-prefix-caching",
         "--limit-mm-per-prompt", '{"image": 0}',
+        "--enable-prompt-tokens-details",  # usage names the cached prompt tokens (their price)
         "--allowed-media-domains", NO_MEDIA_DOMAIN,
     ]
+    # A model that says otherwise keeps its word.
+    quiet = vllm_cli_args(ModelConfig(name="m", engine_kwargs={"enable_prompt_tokens_details": False}), "/m")
+    assert "--no-enable-prompt-tokens-details" in quiet and "--enable-prompt-tokens-details" not in quiet
 
 
 def test_served_name_is_not_set_twice():

@@ -41,7 +41,8 @@ def test_an_anthropic_stream_is_charged_the_usage_of_its_message_delta_cached_in
     shape = STREAM_SHAPES["anthropic"]
     assert shape.usage(DELTA, keep=False) == (DELTA, None)  # content: not parsed
     item = DELTA + MESSAGE_DELTA
-    assert shape.usage(item, keep=False) == (item, Usage(10, 2))  # always kept: Anthropic's client reads it
+    # Always kept: Anthropic's client reads it. Its cache reads are part of the prompt, and cached.
+    assert shape.usage(item, keep=False) == (item, Usage(10, 2, cached_prompt_tokens=3))
     assert shape.usage(STOP, keep=False) == (STOP, None)
 
 

@@ -4,7 +4,7 @@ an operator needs) and how a refusal is classified for metrics."""
 import json
 
 from contract.replica_wire import Usage
-from serve_app.telemetry import OTHER_KEYS, KeyLabels, RequestRecord, access_line
+from serve_app.telemetry import OTHER_KEYS, OTHER_TEAMS, KeyLabels, RequestRecord, access_line
 
 
 def test_access_line_is_one_json_object_with_the_request_outcome():
@@ -32,6 +32,15 @@ def test_refusals_carry_the_limit_kind_and_retry_after():
         record = RequestRecord("openai")
         record.refused(429, "rate_limit_exceeded", error_type, {"retry-after": "1"})
         assert record.limit == limit
+    for error_type in ("daily_cost_budget", "monthly_cost_budget", "monthly_token_budget"):
+        record = RequestRecord("openai")
+        record.refused(429, "insufficient_quota", error_type, {"retry-after": "60"})
+        assert record.limit == "budget"
+    # The level that refused, from the 429's scope header: the key's own unless it says team.
+    assert record.level == "key"
+    team = RequestRecord("openai")
+    team.refused(429, "rate_limit_exceeded", "requests", {"retry-after": "1", "x-ratelimit-scope": "team"})
+    assert (team.limit, team.level) == ("requests", "team")
     overloaded = RequestRecord("openai")
     overloaded.refused(503, "model_overloaded", "service_unavailable_error", {"retry-after": "1"})
     assert overloaded.limit is None and overloaded.retry_after == "1"  # 503 is the cluster, not a quota
@@ -55,3 +64,8 @@ def test_key_labels_name_the_first_keys_and_pool_the_rest():
     minted = {labels.label(f"minted-{n}") for n in range(10_000)}  # a tenant minting keys
     assert minted == {OTHER_KEYS}
     assert [labels.label(name) for name in ("c", "b", "a")] == ["c", "b", "a"]  # the named keep their series
+
+
+def test_team_labels_are_bounded_under_their_own_name():
+    labels = KeyLabels(limit=2, other=OTHER_TEAMS)
+    assert [labels.label(name) for name in ("ml", "search", "ads", "ml")] == ["ml", "search", OTHER_TEAMS, "ml"]

@@ -7,7 +7,8 @@
 --       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica,
 --       8 key id, 9 model, 10 day field, 11 month field (both by the ingress's clock:
 --       used only for a request admitted without Redis, see below),
---       12-14 its cost in nano-dollars: input, output, reserved (serve_app/quota/costs.py)
+--       12-14 its cost in nano-dollars: input, output, reserved (serve_app/quota/costs.py),
+--       15 how many of its prompt tokens the engine had cached (priced apart; counted per model)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done.
 --
@@ -38,6 +39,8 @@ local function count_for_model(day, month, model, prompt, completion, reserved, 
     if prompt + completion == 0 then return end
     redis.call('HINCRBY', KEYS[4], per_model .. 'input_tokens', prompt)
     redis.call('HINCRBY', KEYS[4], per_model .. 'output_tokens', completion)
+    local cached = tonumber(ARGV[15] or 0)
+    if cached > 0 then redis.call('HINCRBY', KEYS[4], per_model .. 'input_cached_tokens', cached) end
   else
     redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
   end
@@ -62,7 +65,7 @@ if not status then
       redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
     end
     redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
-      'total_tokens', prompt + completion)
+      'total_tokens', prompt + completion, 'cached_tokens', tonumber(ARGV[15] or 0))
     count_for_model(ARGV[10], ARGV[11], ARGV[9], prompt, completion, 0, 0)
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
@@ -107,7 +110,7 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now)
 if known then
   redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
-    'total_tokens', prompt + completion)
+    'total_tokens', prompt + completion, 'cached_tokens', tonumber(ARGV[15] or 0))
 else
   redis.call('HSET', KEYS[5], 'total_tokens', reserved, 'usage', 'reserved')
 end

@@ -2,7 +2,8 @@
 (configs/local.yaml unchanged: no autoscaling, per-key metrics as shipped).
 
 Two waves of mixed load (JSON answers, streams, a cancelled stream, 429s from
-a rate limit and a budget, a 401, a 404, requests during a Redis outage) with a
+a rate limit and a budget, two keys of a team refused by their own limit and by
+the team's, a 401, a 404, requests during a Redis outage) with a
 real Prometheus (Debian's package, the shipped dashboards/prometheus.yml)
 scraping Ray's metrics endpoints meanwhile. Then: every PromQL expression of
 every generated Grafana panel must parse and return data; metric names and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ import openai
 import pytest
 
 from prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusError, has_values, running_prometheus
-from stack import REPO, create_key
+from stack import BIN, REPO, create_key
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +44,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 DASHBOARDS = REPO / "dashboards" / "grafana"
 TTFT_COUNT = "ray_llm_gateway_time_to_first_token_seconds_count"
+TRICKLE_TEAM = "telemetry-trickle-team"
 KEY_CACHE_TTL_S = 5  # quota.key_cache_ttl_s default: past it, a Redis outage needs the stale cached key
 
 
@@ -92,8 +95,16 @@ class Load:
     streams: int = 0  # streams answered 200 (the cancelled ones included)
     cancelled: int = 0
     refused: collections.Counter = field(default_factory=collections.Counter)  # 429s by limit kind
+    team_refused: collections.Counter = field(default_factory=collections.Counter)  # (team, level) -> 429s
+    teams: list = field(default_factory=list)  # the teams the waves made
     samples: list = field(default_factory=list)  # Ray's metrics endpoint once Prometheus has it all
     baseline: list = field(default_factory=list)  # the same, before the load
+
+
+def llmctl(redis_server, *args: str) -> dict:
+    shown = subprocess.run([str(BIN / "llmctl"), *args, "--json"], env={"REDIS_URL": redis_server.url},
+                           capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(shown.stdout)
 
 
 def wave(load: Load, base_url: str, redis_server, secret: str, number: int) -> None:
@@ -134,6 +145,16 @@ def wave(load: Load, base_url: str, redis_server, secret: str, number: int) -> N
         load.refused["budget"] += budget.count(429)
         assert send("nope") == 401
         assert send(model="nope") == 404
+
+        # A team of 2 requests/min and two of its keys: the first's own 1/min refuses
+        # its second request (level key), the team refuses the other key's second.
+        team = llmctl(redis_server, "teams", "create", f"telemetry-team-{number}", "--rpm", "2")["name"]
+        own_limit = llmctl(redis_server, "keys", "create", f"{team}-a", "--team", team, "--rpm", "1")["secret"]
+        teammate = llmctl(redis_server, "keys", "create", f"{team}-b", "--team", team)["secret"]
+        assert [send(own_limit), send(own_limit), send(teammate), send(teammate)] == [200, 429, 200, 429]
+        load.refused["requests"] += 2
+        load.team_refused.update({(team, "key"): 1, (team, "team"): 1})
+        load.teams.append(team)
 
         # Redis down: fail-open admits on the replica's local limits, then (past the
         # key cache) on the stale cached key record.
@@ -199,7 +220,10 @@ def load(base_url, redis_server, prometheus) -> Load:
     load = Load(started=time.time(), baseline=samples(ray_metrics()))
     before = total(load.baseline, "ray_llm_gateway_requests_total")
     _, secret = create_key(redis_server.url, "telemetry")
-    _, trickle_secret = create_key(redis_server.url, "telemetry-trickle")
+    # The trickle's key is in a team: its tokens and spend grow all along, as a team's in
+    # use do (the waves' teams are charged once each: their series never change rate).
+    llmctl(redis_server, "teams", "create", TRICKLE_TEAM)
+    trickle_secret = llmctl(redis_server, "keys", "create", "telemetry-trickle", "--team", TRICKLE_TEAM)["secret"]
     trickle = Trickle(base_url, trickle_secret)
     trickle.start()
     answered = "sum(ray_llm_gateway_requests_total)"
@@ -362,8 +386,24 @@ def test_labels_stay_low_cardinality(load):
         extra = set(labels) - ray_added - allowed
         if name.startswith("ray_llm_gateway_key_"):  # per-key metrics (on in the local config)
             assert extra <= {"key_name", "period"}, (name, labels)
+        elif name.startswith("ray_llm_gateway_team_"):  # team names, bounded as key names are
+            assert extra <= {"team", "level"}, (name, labels)
+        elif name.startswith("ray_llm_gateway_rate_limit_refusals"):
+            assert extra <= {"level"} and labels.get("level") in ("key", "team"), (name, labels)
         else:
             assert not extra, (name, labels)
+
+
+def test_team_metrics_count_what_each_team_was_charged_spent_and_refused(load):
+    refusals = "ray_llm_gateway_rate_limit_refusals_total"
+    assert delta(load, refusals, model=MODEL, level="team") == len(load.teams)
+    for (team, level), count in load.team_refused.items():
+        assert delta(load, "ray_llm_gateway_team_refusals_total", team=team, level=level) == count
+    for team in load.teams:  # two requests of 4 tokens at most, priced (configs/local.yaml)
+        assert 0 < delta(load, "ray_llm_gateway_team_tokens_total", team=team, kind="completion") <= 8
+        assert delta(load, "ray_llm_gateway_team_tokens_total", team=team, kind="prompt") > 0
+        assert 0 < delta(load, "ray_llm_gateway_team_spend_usd_total", team=team) < 1e-4
+    assert delta(load, "ray_llm_gateway_team_tokens_total", team=TRICKLE_TEAM, kind="completion") >= load.streams // 2
 
 
 def test_per_key_metrics_on_the_local_config(load):

@@ -23,6 +23,15 @@ from streaming_load import StreamingLoad
 pytestmark = pytest.mark.e2e
 
 
+def still_running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie; a process that ends while it is asked (a run saw one go
+    between the two questions) is not running."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_ctrl_c_ends_the_whole_stack_within_its_bound(stack, redis_server):
     _, secret = create_key(redis_server.url, "ctrl-c")
     stack.wait_serving(secret)
@@ -38,7 +47,7 @@ def test_ctrl_c_ends_the_whole_stack_within_its_bound(stack, redis_server):
     assert stack.proc.wait(timeout=STACK_STOP_S + 10) == 0, stack.log_tail()
     took = time.monotonic() - pressed_at
     assert took <= STACK_STOP_S, f"the stack took {took:.1f} s to stop"
-    alive = [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in members if still_running(p)]
     assert not alive, alive
     assert not engine_processes() and not ray_processes()
     with pytest.raises(OSError):
