@@ -42,7 +42,7 @@ from replicas.sources import resolve_source  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
 from serving_overhead import bench_api_key, serve_stack  # noqa: E402
 
-POLICIES = ["power_of_two", "prefix_affinity"]
+POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity"]
 METRICS = [("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
            ("output_throughput", "output tok/s")]
 
@@ -60,9 +60,9 @@ def stack_config(policy: str, kv_blocks: int, source: str) -> dict:
     return serve_config
 
 
-def prefix_cache_totals(model: str) -> tuple[int, int, int]:
-    """(queries, hits, replicas seen) summed over the model's two replicas, asked
-    through Serve (engine_load names its replica); waits until both answer."""
+def engine_loads(model: str) -> dict[str, dict]:
+    """Each of the model's two replicas' engine_load (its prefix-cache counters among
+    them), asked through Serve (engine_load names its replica); waits until both answer."""
     code = f"""
 import asyncio, json, ray
 from ray import serve
@@ -80,7 +80,12 @@ async def ask():
 print(json.dumps(asyncio.run(ask())))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO)
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def prefix_cache_totals(model: str) -> tuple[int, int, int]:
+    """(queries, hits, replicas seen) summed over the model's two replicas."""
+    seen = engine_loads(model)
     return (sum(v["prefix_cache_queries"] for v in seen.values()), sum(v["prefix_cache_hits"] for v in seen.values()),
             len(seen))
 

@@ -105,6 +105,7 @@ RECORDING_ENGINE = "replicas.rehearsal:start_recording"
 # serve_app/pipeline/routing.py, named here so this module imports nothing of Ray.
 PREFIX_AFFINITY_ROUTER = "serve_app.pipeline.routing:PrefixAffinityRouter"
 POWER_OF_TWO_ROUTER = "serve_app.pipeline.routing:PowerOfTwoRouter"
+CACHE_AFFINITY_ROUTER = "serve_app.pipeline.routing:CacheAffinityRouter"
 
 
 class RoutingSettings(BaseModel):
@@ -112,10 +113,12 @@ class RoutingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["prefix_affinity", "power_of_two"] = Field(
+    policy: Literal["prefix_affinity", "cache_affinity", "power_of_two"] = Field(
         "prefix_affinity",
         description="prefix_affinity: prompts that start alike go to the same replica (its prefix cache "
-        "serves the shared part), unless that replica is busier than the guard allows. power_of_two: "
+        "serves the shared part), unless that replica is busier than the guard allows. cache_affinity: "
+        "the replica holding the longest run of the whole prompt, as far as the router sent it there "
+        "(a conversation follows its own history), within the same guard. power_of_two: "
         "Serve's default, the less busy of two random replicas.",
     )
     prefix_chars: int = Field(
@@ -134,9 +137,28 @@ class RoutingSettings(BaseModel):
         "hot prefix queued much deeper costs more time than recomputing the prefix elsewhere.",
     )
 
+    block_chars: int = Field(
+        256, ge=16, le=65_536,
+        description="cache_affinity: characters per block of the prompt the router indexes (~64 tokens): "
+        "the grain at which it knows what a replica holds.",
+    )
+    max_blocks: int = Field(
+        100_000, ge=1, le=10_000_000,
+        description="cache_affinity: block hashes each ingress replica keeps per model (about 100 bytes "
+        "each), least recently used dropped first.",
+    )
+
     def serve_request_router_config(self) -> dict[str, Any]:
         if self.policy == "power_of_two":
             return {"request_router_class": POWER_OF_TWO_ROUTER}
+        if self.policy == "cache_affinity":
+            return {
+                "request_router_class": CACHE_AFFINITY_ROUTER,
+                "request_router_kwargs": {
+                    "prefix_chars": self.prefix_chars, "imbalance_threshold": self.imbalance_threshold,
+                    "block_chars": self.block_chars, "max_blocks": self.max_blocks,
+                },
+            }
         return {
             "request_router_class": PREFIX_AFFINITY_ROUTER,
             "request_router_kwargs": {

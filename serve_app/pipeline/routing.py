@@ -1,4 +1,5 @@
-"""Which replica of a model takes a request: prefix affinity with a load guard.
+"""Which replica of a model takes a request: prefix affinity (or cache affinity,
+``CacheAffinityRouter`` at the end) with a load guard.
 
 A Ray Serve request router (``request_router_config`` on a model's deployment,
 contract/model_config.py ``routing``); it runs in each ingress replica, inside
@@ -46,6 +47,7 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app.pipeline import fair_share
+from serve_app.pipeline.block_index import BlockIndex, block_hashes, prompt_text
 
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""
@@ -59,37 +61,7 @@ def prompt_prefix(body: Any, chars: int) -> str:
     """The first ``chars`` characters of what the engine will read first: the
     messages' roles and text in order, or the prompt. '' when there is none
     (then nothing is gained by affinity)."""
-    if not isinstance(body, Mapping):
-        return ""
-    parts: list[str] = []
-    size = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if not isinstance(message, Mapping):
-                continue
-            for text in (str(message.get("role", "")), "\x1f", *_texts(message.get("content")), "\x1e"):
-                parts.append(text)
-                size += len(text)
-                if size >= chars:
-                    return "".join(parts)[:chars]
-        return "".join(parts)[:chars]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt[:chars]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, int)):
-        # One prompt of token ids, or the first of a batch of prompts.
-        first = prompt if isinstance(prompt[0], int) else prompt[0]
-        return (first if isinstance(first, str) else ",".join(map(str, first)))[:chars]
-    return ""
-
-
-def _texts(content: Any) -> list[str]:
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str)]
-    return []
+    return prompt_text(body, chars)
 
 
 def rendezvous_order(prefix: str, replica_ids: Sequence[str]) -> list[str]:
@@ -111,6 +83,26 @@ def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], im
         if (queue_lens.get(rid) or 0) - least <= imbalance_threshold:
             return rid
     return None
+
+
+def cached_choice(order: Sequence[str], matched: Mapping[str, int], queue_lens: Mapping[str, int | None],
+                  imbalance_threshold: int) -> str | None:
+    """Among the replicas within the load guard (at most ``imbalance_threshold`` more
+    requests than the least busy), the one holding the longest cached run of the
+    prompt (``matched``: leading blocks held); of equals, the least busy, then the
+    first in ``order``. Nothing cached on any of them: the first of ``order`` within
+    the guard (every ingress replica agrees on a new prompt). None when no replica
+    is within the guard."""
+    least = min((length or 0 for length in queue_lens.values()), default=0)
+    eligible = [rid for rid in order if (queue_lens.get(rid) or 0) - least <= imbalance_threshold]
+    if not eligible:
+        return None
+    best = max(matched.get(rid, 0) for rid in eligible)
+    if best == 0:
+        return eligible[0]
+    rank = {rid: i for i, rid in enumerate(order)}
+    return min((rid for rid in eligible if matched.get(rid, 0) == best),
+               key=lambda rid: (queue_lens.get(rid) or 0, rank[rid]))
 
 
 class ChosenNotSent:
@@ -228,3 +220,51 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
             for replica, queue_len in await self._probe_queue_lens(unknown, 0):
                 lens[replica.replica_id.unique_id] = queue_len
         return {rid: (length or 0) + self._chosen_not_sent.count(rid) for rid, length in lens.items()}
+
+
+class CacheAffinityRouter(PrefixAffinityRouter):
+    """Routes on what each replica holds (``routing.policy: cache_affinity``): the
+    replica with the longest cached run of the whole prompt (block_index.py), within
+    the load guard. So a conversation follows its own history, which grows with every
+    turn, instead of its application's shared system prompt; and once a hot system
+    prompt has spilled past the guard onto several replicas, new conversations that
+    share it go to the least busy of them. Adapters: among their holders, as the
+    prefix router does. A prompt none of the eligible replicas holds goes where the
+    prefix router would send it, so ingress replicas agree on it."""
+
+    def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4, block_chars: int = 256,
+                         max_blocks: int = 100_000) -> None:
+        super().initialize_state(prefix_chars, imbalance_threshold)
+        self._block_chars = block_chars
+        self._index = BlockIndex(max_blocks)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._index.forget_others({replica.replica_id.unique_id for replica in replicas})
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        text = "" if pending_request is None or len(pending_request.args) < 2 else prompt_text(pending_request.args[1])
+        if not text or not candidate_replicas:
+            return await self._power_of_two(candidate_replicas, pending_request)
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        holders = list(by_id)
+        adapter = pending_request.metadata.multiplexed_model_id
+        if adapter:
+            held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
+            holders = [rid for rid in by_id if rid in held]
+            if not holders:  # nobody holds it yet: Serve's choice (fewest adapters loaded)
+                return await self._power_of_two(candidate_replicas, pending_request)
+        queue_lens = await self._queue_lens(candidate_replicas)
+        hashes = block_hashes(text, self._block_chars)
+        order = rendezvous_order(text[:self._prefix_chars], holders)
+        chosen = cached_choice(order, self._index.matched(hashes, holders), queue_lens, self._imbalance_threshold)
+        if chosen is None:  # every holder past the guard: the least busy replica of all (it will hold it)
+            chosen = min(by_id, key=lambda rid: (queue_lens.get(rid) or 0, rid))
+        self._chosen_not_sent.add(chosen)
+        # Where it runs unless that replica's queue is full; then the least busy of the
+        # rest, which the index does not learn (rare: the guard keeps queues level).
+        self._index.record(hashes, chosen)
+        rest = [by_id[rid] for rid in by_id if rid != chosen]
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]

@@ -130,10 +130,10 @@ def test_cluster_code_stands_apart(module, path):
 
 def test_every_import_path_a_config_names_resolves():
     from contract.autoscaling import POLICY_IMPORT_PATH
-    from contract.model_config import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER
+    from contract.model_config import CACHE_AFFINITY_ROUTER, POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER
 
-    for path in (POLICY_IMPORT_PATH, POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, "serve_app.app:build_app",
-                 "serve_app.app:build_direct_app", "serve_app.cli:main", "cluster.haproxy_guard:main",
+    for path in (POLICY_IMPORT_PATH, POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, CACHE_AFFINITY_ROUTER,
+                 "serve_app.app:build_app", "serve_app.app:build_direct_app", "serve_app.cli:main", "cluster.haproxy_guard:main",
                  "replicas.engine_guard:register"):
         module, _, attribute = path.partition(":")
         assert callable(getattr(importlib.import_module(module), attribute)), path

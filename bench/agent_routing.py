@@ -1,0 +1,155 @@
+"""Routing on an agent workload: many multi-turn conversations of a few applications,
+each application with its own long system prompt, one run per routing policy.
+
+The small demo chat model on two replicas behind this stack (as ``make run`` starts
+it, Makefile env; bench/prefix_routing.py's stack), once per ``routing.policy``
+(serve_app/pipeline/routing.py): ``power_of_two`` (Serve's default), ``prefix_affinity``
+(the first ``prefix_chars`` of the prompt decide) and ``cache_affinity`` (the replica
+holding the longest run of the whole prompt, as the router sent it there). Each policy
+gets a freshly started stack (empty prefix caches). ``--conversations`` conversations,
+spread over ``--apps`` applications, each run ``--turns`` turns in order (the model's
+answer appended to the history, as an agent loop does), ``--concurrency`` conversations
+at a time; every request streamed. Each replica's KV cache is capped (``--kv-blocks``
+blocks of 128 tokens) below what all conversations need, as on a busy cluster.
+
+Prints per policy: TTFT p50/p90 (ms), output tokens/s over the run, the engines'
+prefix-cache hit rate (prompt tokens found in the cache over those looked up, this
+run's requests only) and the load split (each replica's share of the prompt tokens it
+was sent, max over mean).
+
+    REDIS_URL=redis://127.0.0.1:6379/0 python bench/agent_routing.py [--conversations 64] [--turns 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from contract.model_config import ModelConfig  # noqa: E402
+from prefix_routing import engine_loads, stack_config  # noqa: E402
+from serve_env import MAKEFILE_ENV  # noqa: E402
+from serving_overhead import bench_api_key, serve_stack  # noqa: E402
+
+POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity"]
+WORDS = ("license grant patent copyright notice source object form work derivative contribution contributor "
+         "warranty liability trademark redistribution submission agreement").split()
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng: random.Random, args,
+                       samples: list[tuple[float, int]]) -> None:
+    """One agent loop: ``args.turns`` user turns, each answer appended to the history."""
+    messages = [{"role": "system", "content": system}]
+    for _ in range(args.turns):
+        messages.append({"role": "user", "content": words(rng, args.user_words)})
+        started = time.perf_counter()
+        first, text, tokens = None, [], 0
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=args.output_len, stream=True, temperature=0,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": args.output_len})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        samples.append(((first or time.perf_counter()) - started, tokens))
+        messages.append({"role": "assistant", "content": "".join(text)})
+
+
+async def run_load(url: str, model: str, args) -> tuple[list[tuple[float, int]], float]:
+    rng = random.Random(0)  # the same conversations for every policy
+    systems = [f"You are application {app}. " + words(rng, args.system_words) for app in range(args.apps)]
+    plans = [(systems[n % args.apps], random.Random(1000 + n)) for n in range(args.conversations)]
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ["OPENAI_API_KEY"], max_retries=0,
+                                timeout=600)
+    samples: list[tuple[float, int]] = []
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def one(system, conversation_rng):
+        async with gate:
+            await conversation(client, model, system, conversation_rng, args, samples)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(system, conversation_rng) for system, conversation_rng in plans))
+    return samples, time.perf_counter() - started
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--apps", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=1200, help="each application's system prompt")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--user-words", type=int, default=80)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16, help="conversations at a time")
+    parser.add_argument("--kv-blocks", type=int, default=128, help="KV-cache blocks (128 tokens) per replica")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
+    parser.add_argument("--source", default="demo:small", help="demo:small (default) or demo (the tiny model)")
+    args = parser.parse_args()
+
+    os.environ["OPENAI_API_KEY"] = bench_api_key()
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+        for policy in args.policies:
+            serve_config = stack_config(policy, args.kv_blocks, args.source)
+            config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
+            log = Path(tmp) / f"{policy}.log"
+            try:
+                with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
+                    before = engine_loads(config.name)
+                    samples, wall = asyncio.run(run_load(url, config.name, args))
+                    after = engine_loads(config.name)
+            except Exception:
+                print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
+                      file=sys.stderr)
+                raise
+            looked_up = {r: after[r]["prefix_cache_queries"] - before.get(r, {}).get("prefix_cache_queries", 0)
+                         for r in after}
+            hits = sum(after[r]["prefix_cache_hits"] - before.get(r, {}).get("prefix_cache_hits", 0) for r in after)
+            mean = statistics.mean(looked_up.values()) if looked_up else 0
+            ttfts = [ttft * 1000 for ttft, _ in samples]
+            rows[policy] = {
+                "TTFT p50 ms": percentile(ttfts, 0.5), "TTFT p90 ms": percentile(ttfts, 0.9),
+                "output tok/s": sum(tokens for _, tokens in samples) / wall,
+                "prefix-cache hit rate": hits / sum(looked_up.values()) if looked_up else 0.0,
+                "max/mean replica load": max(looked_up.values()) / mean if mean else 0.0,
+            }
+            print(f"{policy}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[policy].items()), file=sys.stderr,
+                  flush=True)
+
+    print(f"\n{args.source} model, 2 replicas ({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} "
+          f"applications with a {args.system_words}-word system prompt, {args.conversations} conversations x "
+          f"{args.turns} turns of {args.user_words} words, {args.output_len} output tokens, {args.concurrency} "
+          f"conversations at a time\n")
+    print("| metric | " + " | ".join(rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for metric in next(iter(rows.values())):
+        cells = [f"{row[metric]:.1%}" if metric == "prefix-cache hit rate" else f"{row[metric]:,.2f}"
+                 for row in rows.values()]
+        print(f"| {metric} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
