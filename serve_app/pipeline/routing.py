@@ -183,15 +183,11 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         if not prefix or not candidate_replicas:
             return await self._power_of_two(candidate_replicas, pending_request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        holders = by_id.keys()
-        adapter = pending_request.metadata.multiplexed_model_id
-        if adapter:
-            held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
-            holders = [rid for rid in by_id if rid in held]
-            if not holders:  # nobody holds it yet: Serve's choice (fewest adapters loaded)
-                return await self._power_of_two(candidate_replicas, pending_request)
+        holders = self._adapter_holders(by_id, pending_request)
+        if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
+            return await self._power_of_two(candidate_replicas, pending_request)
         queue_lens = await self._queue_lens(candidate_replicas)
-        chosen = affine_choice(rendezvous_order(prefix, list(holders)), queue_lens, self._imbalance_threshold)
+        chosen = affine_choice(rendezvous_order(prefix, holders), queue_lens, self._imbalance_threshold)
         if chosen is not None:
             self._chosen_not_sent.add(chosen)
             # The preferred replica first; if its queue is full, the least busy of the rest.
@@ -199,6 +195,15 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
             return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
         # Imbalanced: the less busy of two random replicas, adapter or not.
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def _adapter_holders(self, by_id: Mapping[str, RunningReplica], pending_request: PendingRequest) -> list[str]:
+        """The candidates that may take it: all of them, or for a LoRA adapter (Serve
+        multiplexing) those that hold it (none: nobody has loaded it yet)."""
+        adapter = pending_request.metadata.multiplexed_model_id
+        if not adapter:
+            return list(by_id)
+        held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
+        return [rid for rid in by_id if rid in held]
 
     def _prefix_of(self, pending_request: PendingRequest | None) -> str:
         if pending_request is None or len(pending_request.args) < 2:
@@ -249,13 +254,9 @@ class CacheAffinityRouter(PrefixAffinityRouter):
         if not text or not candidate_replicas:
             return await self._power_of_two(candidate_replicas, pending_request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        holders = list(by_id)
-        adapter = pending_request.metadata.multiplexed_model_id
-        if adapter:
-            held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
-            holders = [rid for rid in by_id if rid in held]
-            if not holders:  # nobody holds it yet: Serve's choice (fewest adapters loaded)
-                return await self._power_of_two(candidate_replicas, pending_request)
+        holders = self._adapter_holders(by_id, pending_request)
+        if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
+            return await self._power_of_two(candidate_replicas, pending_request)
         queue_lens = await self._queue_lens(candidate_replicas)
         hashes = block_hashes(text, self._block_chars)
         order = rendezvous_order(text[:self._prefix_chars], holders)
