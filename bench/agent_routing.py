@@ -98,10 +98,10 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--apps", type=int, default=4)
-    parser.add_argument("--system-words", type=int, default=1200, help="each application's system prompt")
+    parser.add_argument("--system-words", type=int, default=600, help="each application's system prompt (~1,000 tokens)")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--user-words", type=int, default=80)
+    parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16, help="conversations at a time")
     parser.add_argument("--kv-blocks", type=int, default=128, help="KV-cache blocks (128 tokens) per replica")
