@@ -47,7 +47,7 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app.pipeline import fair_share
-from serve_app.pipeline.block_index import BlockIndex, block_hashes, prompt_text
+from serve_app.pipeline.block_index import MAX_HASHED_CHARS, BlockIndex, block_hashes, prompt_text
 
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""
@@ -179,22 +179,30 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        prefix = self._prefix_of(pending_request)
-        if not prefix or not candidate_replicas:
+        has_body = pending_request is not None and len(pending_request.args) >= 2  # call(operation, body)
+        text = prompt_text(pending_request.args[1], self._text_chars()) if has_body else ""
+        if not text or not candidate_replicas:
             return await self._power_of_two(candidate_replicas, pending_request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         holders = self._adapter_holders(by_id, pending_request)
         if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
             return await self._power_of_two(candidate_replicas, pending_request)
         queue_lens = await self._queue_lens(candidate_replicas)
-        chosen = affine_choice(rendezvous_order(prefix, holders), queue_lens, self._imbalance_threshold)
-        if chosen is not None:
-            self._chosen_not_sent.add(chosen)
-            # The preferred replica first; if its queue is full, the least busy of the rest.
-            rest = [by_id[rid] for rid in by_id if rid != chosen]
-            return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
-        # Imbalanced: the less busy of two random replicas, adapter or not.
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        chosen = self._choose(text, holders, queue_lens)
+        if chosen is None:  # imbalanced: the less busy of two random replicas, adapter or not
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        self._chosen_not_sent.add(chosen)
+        # The chosen replica first; if its queue is full, the least busy of the rest.
+        rest = [by_id[rid] for rid in by_id if rid != chosen]
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def _text_chars(self) -> int:
+        """How much of the prompt the choice reads."""
+        return self._prefix_chars
+
+    def _choose(self, text: str, holders: list[str], queue_lens: dict[str, int]) -> str | None:
+        """The replica for a prompt starting with ``text`` among ``holders``; None past the guard."""
+        return affine_choice(rendezvous_order(text, holders), queue_lens, self._imbalance_threshold)
 
     def _adapter_holders(self, by_id: Mapping[str, RunningReplica], pending_request: PendingRequest) -> list[str]:
         """The candidates that may take it: all of them, or for a LoRA adapter (Serve
@@ -204,11 +212,6 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
             return list(by_id)
         held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
         return [rid for rid in by_id if rid in held]
-
-    def _prefix_of(self, pending_request: PendingRequest | None) -> str:
-        if pending_request is None or len(pending_request.args) < 2:
-            return ""
-        return prompt_prefix(pending_request.args[1], self._prefix_chars)  # call(operation, body)
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Requests each replica runs, from Serve's queue-length cache, probing
@@ -247,25 +250,16 @@ class CacheAffinityRouter(PrefixAffinityRouter):
         super().update_replicas(replicas)
         self._index.forget_others({replica.replica_id.unique_id for replica in replicas})
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> list[list[RunningReplica]]:
-        text = "" if pending_request is None or len(pending_request.args) < 2 else prompt_text(pending_request.args[1])
-        if not text or not candidate_replicas:
-            return await self._power_of_two(candidate_replicas, pending_request)
-        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        holders = self._adapter_holders(by_id, pending_request)
-        if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
-            return await self._power_of_two(candidate_replicas, pending_request)
-        queue_lens = await self._queue_lens(candidate_replicas)
+    def _text_chars(self) -> int:
+        return MAX_HASHED_CHARS  # the whole prompt, up to the index's bound
+
+    def _choose(self, text: str, holders: list[str], queue_lens: dict[str, int]) -> str:
         hashes = block_hashes(text, self._block_chars)
         order = rendezvous_order(text[:self._prefix_chars], holders)
         chosen = cached_choice(order, self._index.matched(hashes, holders), queue_lens, self._imbalance_threshold)
         if chosen is None:  # every holder past the guard: the least busy replica of all (it will hold it)
-            chosen = min(by_id, key=lambda rid: (queue_lens.get(rid) or 0, rid))
-        self._chosen_not_sent.add(chosen)
+            chosen = min(queue_lens, key=lambda rid: (queue_lens[rid], rid))
         # Where it runs unless that replica's queue is full; then the least busy of the
         # rest, which the index does not learn (rare: the guard keeps queues level).
         self._index.record(hashes, chosen)
-        rest = [by_id[rid] for rid in by_id if rid != chosen]
-        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+        return chosen

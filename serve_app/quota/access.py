@@ -375,8 +375,7 @@ class Access:
         cost = Cost.of(ticket.rates, prompt, completion, *ticket.reserved, cached_prompt=cached)
         if ticket.team is not None:
             reserved = sum(ticket.reserved) if prompt < 0 else 0
-            self.telemetry.team_charged(ticket.team.name, max(prompt, 0), max(completion, 0), reserved,
-                                        cost.input_nanos + cost.output_nanos + cost.reserved_nanos)
+            self.telemetry.team_charged(ticket.team.name, max(prompt, 0), max(completion, 0), reserved, cost.nanos)
         if ticket.local:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.

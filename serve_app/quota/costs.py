@@ -42,6 +42,11 @@ class Cost:
     reserved_nanos: int = 0
     cached_prompt_tokens: int = 0
 
+    @property
+    def nanos(self) -> int:
+        """All it cost (what settlement adds to the day's and month's spend)."""
+        return self.input_nanos + self.output_nanos + self.reserved_nanos
+
     @classmethod
     def of(cls, rates: Rates | None, prompt: int, completion: int, reserved_prompt: int,
            reserved_completion: int, cached_prompt: int = 0) -> "Cost":

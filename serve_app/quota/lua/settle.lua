@@ -18,6 +18,7 @@
 -- id finds it and changes nothing (admit.lua), whatever order the calls arrive in.
 
 local WINDOW = 60000
+local CACHED_PROMPT = tonumber(ARGV[15] or 0)  -- of the prompt, found in the engine's cache
 
 -- The usage API's counters (serve_app/quota/usage.py): per model and day, what each
 -- request of an inference model was charged: its real usage, or, when that is
@@ -39,8 +40,7 @@ local function count_for_model(day, month, model, prompt, completion, reserved, 
     if prompt + completion == 0 then return end
     redis.call('HINCRBY', KEYS[4], per_model .. 'input_tokens', prompt)
     redis.call('HINCRBY', KEYS[4], per_model .. 'output_tokens', completion)
-    local cached = tonumber(ARGV[15] or 0)
-    if cached > 0 then redis.call('HINCRBY', KEYS[4], per_model .. 'input_cached_tokens', cached) end
+    if CACHED_PROMPT > 0 then redis.call('HINCRBY', KEYS[4], per_model .. 'input_cached_tokens', CACHED_PROMPT) end
   else
     redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
   end
@@ -65,7 +65,7 @@ if not status then
       redis.call('HINCRBY', KEYS[4], period .. ':completion_tokens', completion)
     end
     redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
-      'total_tokens', prompt + completion, 'cached_tokens', tonumber(ARGV[15] or 0))
+      'total_tokens', prompt + completion, 'cached_tokens', CACHED_PROMPT)
     count_for_model(ARGV[10], ARGV[11], ARGV[9], prompt, completion, 0, 0)
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
@@ -110,7 +110,7 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HSET', KEYS[5], 'status', ARGV[2], 'finished_ms', now)
 if known then
   redis.call('HSET', KEYS[5], 'prompt_tokens', prompt, 'completion_tokens', completion,
-    'total_tokens', prompt + completion, 'cached_tokens', tonumber(ARGV[15] or 0))
+    'total_tokens', prompt + completion, 'cached_tokens', CACHED_PROMPT)
 else
   redis.call('HSET', KEYS[5], 'total_tokens', reserved, 'usage', 'reserved')
 end
