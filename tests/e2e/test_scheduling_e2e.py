@@ -33,7 +33,7 @@ import pytest
 import redis as redis_sync
 
 from http_checks import free_port
-from settled import wait_until_settled
+from settled import records as records_of, wait_until_settled
 from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
 from stack import APP_NAME, create_key, local_app_args, serve_stack
 
@@ -235,6 +235,42 @@ class Stream(threading.Thread):
         self.join(60)
 
 
+def at_replica(model: str, count: int) -> None:
+    """Wait until ``model``'s one replica holds ``count`` requests (a fixed sleep was
+    too short on a loaded box: a request still on its way counted in the gateway's
+    queue and shifted every tier's refusal by one)."""
+    import ray
+
+    from contract.model_config import deployment_name
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment_name(model)}#"
+    [name] = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+              if actor["name"].startswith(prefix)]
+    replica = ray.get_actor(name, namespace="serve")
+    deadline = time.monotonic() + 60
+    while (held := ray.get(replica.get_num_ongoing_requests.remote())) != count:
+        assert time.monotonic() < deadline, f"{model}'s replica holds {held}, not {count}"
+        time.sleep(0.05)
+
+
+def admitted(redis_url: str, key_id: str, count: int) -> None:
+    """Wait until ``key_id`` has ``count`` request records: its requests have passed
+    admission, and the gateway has counted each in its queue or refused it. Requests
+    sent from threads 50 ms apart reached the gateway out of order on a loaded box."""
+    redis = redis_sync.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    while (found := len(records_of(redis, key_id))) < count:
+        assert time.monotonic() < deadline, f"{found} of {count} requests of {key_id} admitted"
+        time.sleep(0.02)
+
+
+def stop_all(streams: list) -> None:
+    for stream in streams:
+        stream.stopping.set()
+    for stream in streams:
+        stream.join(60)
+
+
 def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: bool = True,
             model: str = TIERED) -> Stream:
     stream = Stream(base_url, secret, max_tokens, model)
@@ -247,9 +283,10 @@ def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: b
 def test_a_high_key_waiting_in_the_engine_runs_before_an_earlier_low_one(base_url, tier_keys):
     blocker = started(base_url, tier_keys["high"][1], BLOCKER_TOKENS)  # the engine's one sequence
     low = started(base_url, tier_keys["low"][1], 20, wait_for_first_chunk=False)
-    time.sleep(1.0)  # the low request is in the engine's waiting queue first
+    at_replica(TIERED, 2)
+    time.sleep(0.5)  # from the replica into the engine's waiting queue, first
     high = started(base_url, tier_keys["high"][1], 20, wait_for_first_chunk=False)
-    time.sleep(1.0)
+    at_replica(TIERED, 3)
     assert not low.first_chunk.is_set() and not high.first_chunk.is_set()  # both still wait
     blocker.stop()  # the engine takes the next waiting request: by priority, not by arrival
     for stream in (low, high):
@@ -264,14 +301,24 @@ def test_as_the_queue_fills_lower_tiers_are_refused_first(base_url, tier_keys, r
     # chunks would come one after another, so none is waited for.
     running = [started(base_url, tier_keys["high"][1], BLOCKER_TOKENS, wait_for_first_chunk=False)
                for _ in range(TIERED_ONGOING)]
-    time.sleep(1)  # all four at the replica
+    try:
+        _fill_the_queue_in_tier_order(base_url, tier_keys, redis_server, running)
+    finally:
+        stop_all(running)  # a failure here must not leave the next test a busy replica
+
+
+def _fill_the_queue_in_tier_order(base_url, tier_keys, redis_server, running) -> None:
+    at_replica(TIERED, TIERED_ONGOING)
     # Then, quickly and in this order (the first blocker runs for seconds yet): each
     # request either waits for a place or is refused at once.
     tiers = ["low", "low", "low", "normal", "normal", "high", "high"]
+    redis = redis_sync.Redis.from_url(redis_server.url)
+    sent = {tier: len(records_of(redis, key_id)) for tier, (key_id, _) in tier_keys.items()}
     offers = []
     for tier in tiers:
         offers.append(started(base_url, tier_keys[tier][1], 4, wait_for_first_chunk=False))
-        time.sleep(0.05)
+        sent[tier] += 1
+        admitted(redis_server.url, tier_keys[tier][0], sent[tier])  # one at a time, in this order
     time.sleep(1.5)
     outcome = [None if stream.is_alive() else stream.status for stream in offers]
     assert outcome == [None, None, 503, None, 503, None, 503], [s.body[:200] for s in offers]
@@ -279,15 +326,13 @@ def test_as_the_queue_fills_lower_tiers_are_refused_first(base_url, tier_keys, r
         if not stream.is_alive():
             error = json.loads(stream.body)["error"]
             assert error["code"] == "model_overloaded" and f"{tier}-priority" in error["message"], error
-    for stream in running:
-        stream.stop()
+    stop_all(running)
     for stream in offers:  # the waiting ones are served once the places are free
         stream.join(300)
         if stream.status == 503:
             continue
         assert stream.status == 200 and stream.body.endswith(b"data: [DONE]\n\n"), stream.body[-300:]
     # What each key was charged: the refused requests nothing, and no slot is left.
-    redis = redis_sync.Redis.from_url(redis_server.url)
     for tier in ("low", "normal", "high"):
         records = wait_until_settled(redis, tier_keys[tier][0])
         overloaded = [r for r in records if r["status"] == "overloaded"]
@@ -298,16 +343,24 @@ def test_as_the_queue_fills_lower_tiers_are_refused_first(base_url, tier_keys, r
 
 
 def test_a_light_keys_request_overtakes_a_heavy_keys_backlog(base_url, tier_keys, redis_server):
-    heavy = create_key(redis_server.url, "fair-heavy", priority="high")[1]
+    heavy_id, heavy = create_key(redis_server.url, "fair-heavy", priority="high")
     light = create_key(redis_server.url, "fair-light", priority="high")[1]  # same tier: only the counters differ
     blocker = started(base_url, heavy, BLOCKER_TOKENS)  # the engine's one sequence
     # Three more wait in the engine (the replica's four places), three at the
     # gateway: the model's queue is 3 of 4.
     backlog = []
-    for _ in range(TIERED_ONGOING - 1 + 3):
-        backlog.append(started(base_url, heavy, 20, wait_for_first_chunk=False))
-        time.sleep(0.1)
-    time.sleep(0.5)
+    try:
+        for _ in range(TIERED_ONGOING - 1 + 3):
+            backlog.append(started(base_url, heavy, 20, wait_for_first_chunk=False))
+            time.sleep(0.1)
+        at_replica(TIERED, TIERED_ONGOING)
+        admitted(redis_server.url, heavy_id, 1 + len(backlog))  # the other three wait at the gateway
+        _light_overtakes(base_url, light, blocker, backlog)
+    finally:
+        stop_all([blocker, *backlog])
+
+
+def _light_overtakes(base_url, light, blocker, backlog) -> None:
     late = started(base_url, light, 20, wait_for_first_chunk=False)
     time.sleep(0.5)
     early = [(stream.status, stream.body[-200:]) for stream in (*backlog, late) if stream.first_chunk.is_set()]
