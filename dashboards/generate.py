@@ -62,7 +62,10 @@ def share(part: str) -> str:
 
 
 def top_keys(expr: str) -> str:
-    return f"topk(10, {expr})"
+    """The 10 largest of ``expr``'s series (keys or teams: label sets only traffic
+    creates); one 0 series while there are none, so the panel reads 0, not "No data"
+    (``on()``: the 0 joins only an empty result)."""
+    return f"topk(10, {expr}) or on() vector(0)"
 
 
 def by_model(serve_metric: str, model_selector: str = "") -> str:

@@ -31,6 +31,7 @@ from replicas import reasoning
 from replicas.openai_json import (FINISH_STOP, FINISH_TOOL_CALLS, finish_named_tool_calls, is_error, names_a_tool,
                                   openai_json, responses_json, responses_sse, validation_error)
 from replicas.streaming import batch_tokens, coalesce
+from replicas.tracing import call_span, end_span
 from replicas.vllm_engine import engine_maker
 
 logger = logging.getLogger("ray.serve")
@@ -153,20 +154,32 @@ class VLLMReplica:
         return ReplicaAnswer(openai_json(response), Usage.from_openai(response.get("usage")), self.replica)
 
     async def call_streamed(
-        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None
+        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[ReplicaAnswer | ReplicaError]:
         """``call``'s answer as a stream of one item, which is how the gateway sends a
         unary call: Serve's gRPC transport hands a stream to its caller when a replica
         takes it (a unary call only when it has ended), so the queue timeout bounds the
         wait for a replica only, and a cancel (a key revoked, a client gone) reaches the
-        replica and the engine aborts the request."""
-        yield await self.call(operation, body, adapter)
+        replica and the engine aborts the request. ``trace``: the gateway's span
+        context (replicas/tracing.py)."""
+        span = call_span(trace, operation, self.config.name, self.replica)
+        try:
+            answer = await self.call(operation, body, adapter)
+            if span is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
+                span.set_attributes({"gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
+                                     "gen_ai.usage.output_tokens": answer.usage.completion_tokens})
+        finally:
+            end_span(span)
+        yield answer
 
     async def stream(
-        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None
+        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[StreamStart | str | ReplicaError]:
         # Counted from its start: a round of requests arriving together sees itself.
         self._streams += 1
+        span = call_span(trace, operation, self.config.name, self.replica)
         try:
             body = batch_tokens(operation, body, self.config.stream_batch_tokens, others=self._streams > 1)
             result = await self._start(operation, body, adapter)
@@ -179,10 +192,15 @@ class VLLMReplica:
             if operation == "responses":  # typed events: SSE as vLLM's own router writes them
                 result = responses_sse(result)
             named_tool = operation == "chat" and names_a_tool(body)
+            first = span is not None
             async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
+                if first:
+                    span.add_event("first token")  # the engine's queue and prefill are behind it
+                    first = False
                 yield item
         finally:
             self._streams -= 1
+            end_span(span)
 
     async def _relayed(self, events: AsyncIterator[str], named_tool: bool) -> AsyncIterator[str]:
         """vLLM's SSE events, coalesced for the hop, with this model's fix-ups.

@@ -30,28 +30,31 @@ INGRESS_ROLLOUT_DEFAULTS = {"graceful_shutdown_timeout_s": 300}
 TRANSPORT_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
 
 
-def with_transport_env(options: dict[str, Any]) -> dict[str, Any]:
-    """Serve ``options`` whose replicas run with ``TRANSPORT_ENV`` (beside any env vars they set)."""
+def with_transport_env(options: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Serve ``options`` whose replicas run with ``TRANSPORT_ENV`` and ``env`` (the
+    tracing variables), beside any env vars they set."""
     actor = dict(options.get("ray_actor_options") or {})
     runtime_env = dict(actor.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**TRANSPORT_ENV, **(runtime_env.get("env_vars") or {})}
+    runtime_env["env_vars"] = {**TRANSPORT_ENV, **(env or {}), **(runtime_env.get("env_vars") or {})}
     actor["runtime_env"] = runtime_env
     return {**options, "ray_actor_options": actor}
 
 
-def model_deployment(model: ModelConfig) -> Application:
+def model_deployment(model: ModelConfig, env: dict[str, str] | None = None) -> Application:
     """One model's replica deployment, as the application deploys it."""
-    return VLLMReplica.options(**with_transport_env(model.serve_options())).bind(model)
+    return VLLMReplica.options(**with_transport_env(model.serve_options(), env)).bind(model)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     settings = AppSettings(**(args or {}))
+    tracing = settings.telemetry.tracing
     models = {
-        model.name: model_deployment(model)
+        model.name: model_deployment(model, tracing.env(f"llm-model-{model.name}"))
         for model in settings.models
         if not model.direct_route  # in its own application (build_direct_app)
     }
-    ingress = with_transport_env({**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment})
+    ingress = with_transport_env({**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment},
+                                 tracing.env("llm-gateway"))
     return Ingress.options(**ingress).bind(settings, models)
 
 
@@ -69,7 +72,7 @@ def build_direct_app(args: dict[str, Any]) -> Application:
     from serve_app.http.direct import DirectModel
 
     model = chosen[0]
-    options = with_transport_env(model.serve_options())
+    options = with_transport_env(model.serve_options(), settings.telemetry.tracing.env(f"llm-model-{model.name}"))
     # HAProxy picks the replica of an application's ingress (Serve refuses a custom
     # router there); the ingress' handle calls to it use Serve's default router.
     options.pop("request_router_config", None)

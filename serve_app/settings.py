@@ -94,8 +94,39 @@ class QuotaConfig(BaseModel):
     )
 
 
+class TracingConfig(BaseModel):
+    """OpenTelemetry traces (docs/operating.md, "Traces"; serve_app/tracing.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint (an OpenTelemetry collector, Jaeger or Tempo), e.g. "
+        "http://collector:4318/v1/traces. Unset: no traces (nothing is recorded or sent).",
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="Share of requests traced when the client sent no traceparent; a client's sampled "
+        "flag is followed (parent-based sampling).",
+    )
+
+    def env(self, service: str) -> dict[str, str]:
+        """The OpenTelemetry SDK's standard variables for a process of ``service``
+        (every deployment's replicas get them): the SDK reads its exporter and
+        sampler from them, so the gateway and the replicas are configured alike."""
+        if not self.endpoint:
+            return {}
+        return {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.endpoint,
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": str(self.sample_ratio),
+            "OTEL_SERVICE_NAME": service,
+        }
+
+
 class TelemetryConfig(BaseModel):
-    """Metrics and access log (docs/operating.md, "Metrics and logs")."""
+    """Metrics, access log and traces (docs/operating.md, "Metrics and logs")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -112,6 +143,7 @@ class TelemetryConfig(BaseModel):
         "way, under '(other teams)'. Exact per-key usage is in Redis (`llmctl usage`).",
     )
     access_log: bool = Field(True, description="One JSON line per request on the ingress's stdout.")
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
 
 class BatchConfig(BaseModel):

@@ -22,6 +22,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
@@ -73,6 +74,13 @@ class RequestRecord:
     first_token_at: float | None = None
     cancelled: bool = False  # the client went away mid-stream
     in_flight: bool = False  # counted in the in-flight gauge
+    team: str | None = None  # the key's team id
+    tier: str = ""  # the priority tier it ran at
+    trace: Any = None  # its spans (serve_app/tracing.RequestTrace), when tracing is on
+
+    def for_key(self, key) -> None:
+        """Whose request it is (a ``KeyRecord``)."""
+        self.key_id, self.key_name, self.team, self.tier = key.id, key.name, key.team, key.priority
 
     def refused(self, status: int, code: str | None, error_type: str, headers: dict[str, str]) -> None:
         self.status, self.error_code = status, code
@@ -87,6 +95,20 @@ class RequestRecord:
 
 
 OTHER_KEYS, OTHER_TEAMS = "(other keys)", "(other teams)"
+
+# The closed label sets of the counters that count rare events: each series exists
+# at zero from the start, so a dashboard tells "none" from "not exported".
+REDIS_OPERATIONS = ("authenticate", "admit", "accounting", "renew")
+FALLBACK_KINDS = ("cached_key", "local_limits")
+REFUSAL_LEVELS = ("key", "team")
+EARLY_OUTCOMES = ("admitted", "withdrawn")
+
+
+def zero(counter: Counter, tags: dict[str, str]) -> None:
+    """Export ``counter``'s series for ``tags`` at 0. Ray's ``Counter.inc`` refuses 0;
+    its recording path (what ``inc`` calls) takes it, and the exporters then send the
+    series with value 0 (pinned by tests/unit/test_telemetry.py)."""
+    counter._record(0, tags=tags)
 
 
 class KeyLabels:
@@ -187,6 +209,10 @@ class Telemetry:
                 "Share of a key's token budget used this period, reservations included (named keys only).",
                 ("key_name", "period"),
             )
+        for operation in REDIS_OPERATIONS:
+            zero(self.redis_errors, {"operation": operation})
+        for kind in FALLBACK_KINDS:
+            zero(self.fallbacks, {"kind": kind})
         self._in_flight: dict[str, int] = {}
         self._deployments: dict[str, str] = {}
         self._budgets: dict[tuple[str, str], tuple[float, float]] = {}  # (key, period) -> (ratio, set at)
@@ -223,6 +249,13 @@ class Telemetry:
         self._deployments = dict(deployments)
         for model, deployment in deployments.items():
             self.model_info.set(1, tags={"model": model, "deployment": deployment})
+            for counter in (self.prompt_tokens, self.completion_tokens, self.disconnects):
+                zero(counter, {"model": model})
+            for outcome in EARLY_OUTCOMES:
+                zero(self.early_starts, {"model": model, "outcome": outcome})
+            for limit in sorted(set(LIMIT_KINDS.values())):
+                for level in REFUSAL_LEVELS:
+                    zero(self.refusals, {"model": model, "limit": limit, "level": level})
 
     # -- events ------------------------------------------------------------------
 
@@ -291,6 +324,8 @@ class Telemetry:
                     self.key_tokens.inc(count, tags={"key_name": key_name, "kind": kind})
         if self.access_log is not None:
             self.access_log.info(access_line(record, now))
+        if record.trace is not None:
+            record.trace.end(record)
 
     def started_early(self, model: str, outcome: str) -> None:
         """A stream sent before its admission was ``admitted`` or ``withdrawn``."""

@@ -102,11 +102,13 @@ class InProcessReplica:
 
     @property
     def call_streamed(self) -> _Method:
-        return _Method(lambda operation, body: _Stream(self._replica.call_streamed(operation, body, self._adapter)))
+        return _Method(lambda operation, body, trace=None: _Stream(
+            self._replica.call_streamed(operation, body, self._adapter, trace=trace)))
 
     @property
     def stream(self) -> _Method:
-        return _Method(lambda operation, body: _Stream(self._replica.stream(operation, body, self._adapter)))
+        return _Method(lambda operation, body, trace=None: _Stream(
+            self._replica.stream(operation, body, self._adapter, trace=trace)))
 
     @property
     def model_info(self) -> _Method:

@@ -23,6 +23,7 @@ from serve_app.http.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.quota.keys import KeyRecord
 from serve_app.telemetry import RequestRecord
+from serve_app.tracing import RequestTrace, now_ns
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,6 +66,13 @@ def serve_request_id(request: Request) -> str:
     return request.headers.get("x-request-id", "")
 
 
+def _span_name(request: Request) -> str:
+    """The route as declared (``/v1/chat/completions``, ``/openai/deployments/{deployment}/…``),
+    not the path a client sent: span names stay few."""
+    route = request.scope.get("route")
+    return f"{request.method} {getattr(route, 'path', request.url.path)}"
+
+
 class HandlesRequests:
     """Reading and answering inference requests; the class using it sets
     ``access``, ``gateway``, ``telemetry``, ``max_body_bytes`` and ``body_timeout_s``."""
@@ -95,17 +103,24 @@ class HandlesRequests:
 
     async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
         """The caller's key (checked first: no key, no parsing) and the JSON body."""
+        started = now_ns()
         key = await self.access.authenticate(request.headers)
-        record.key_id, record.key_name = key.id, key.name
+        record.for_key(key)
+        if record.trace is not None:
+            record.trace.stage("authenticate", started)
+            started = now_ns()
         raw = await self._read_body(request)
-        return key, parse_json_object(raw), len(raw)
+        body = parse_json_object(raw)
+        if record.trace is not None:
+            record.trace.stage("read body", started, **{"http.request.body.size": len(raw)})
+        return key, body, len(raw)
 
     async def _handle(self, route: str, request: Request, translate, on_error=None) -> Response:
         """One inference request by any route: read it, let ``translate`` turn
         the body into a ``Call`` of this route's dialect, run it, answer; every
         outcome is recorded once (access log + metrics, ``serve_app/telemetry.py``).
         ``on_error`` renders errors in the dialect's shape."""
-        record = RequestRecord(route, serve_request_id(request))
+        record = RequestRecord(route, serve_request_id(request), trace=RequestTrace.start(_span_name(request), request.headers))
         try:
             key, body, size = await self._read(request, record)
             call = await translate(body, key)
@@ -125,6 +140,8 @@ class HandlesRequests:
             record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500  # 499: client closed
             self.telemetry.finish(record)
             raise
+        if record.trace is not None:
+            response.headers.update(record.trace.response_headers())
         if not (record.stream and isinstance(response, StreamingResponse)):  # a stream finishes at its end
             record.status = response.status_code
             self.telemetry.finish(record)

@@ -35,6 +35,7 @@ from serve_app.quota.costs import Rates, reservation_nanos
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import new_request_id
 from serve_app.telemetry import RequestRecord, Telemetry
+from serve_app.tracing import RequestTrace, now_ns
 from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.wire.calls import Reply
 from serve_app.wire.media import check_media
@@ -168,13 +169,14 @@ class Gateway:
         model, body = plan.model, plan.body
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
-        early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation)
+        early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation, record.trace)
                  if self.start_early and plan.streaming and not queue_full else None)
         # Priced (quota/costs.py): a batch request at the model's batch discount. The
         # reservation's cost is held against money budgets until settlement.
         rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
         reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)
         self._admitting[model] += 1
+        admission_started = now_ns()
         try:
             admitted = await self.access.admit(
                 key,
@@ -192,6 +194,9 @@ class Gateway:
             raise
         finally:
             self._admitting[model] -= 1
+        if record.trace is not None:
+            record.trace.stage("admission", admission_started, **{"llm.early_start": early is not None,
+                                                                   "llm.admitted": not isinstance(admitted, Refusal)})
         if isinstance(admitted, Refusal):
             if early is not None:
                 early.withdraw()
@@ -225,7 +230,7 @@ class Gateway:
         try:
             if plan.streaming:
                 return await self._call_streamed(plan, ticket, record, early)
-            answer = await self._call_unary(plan, ticket)
+            answer = await self._call_unary(plan, ticket, record.trace)
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
@@ -266,14 +271,16 @@ class Gateway:
         record.used(answer.usage)
         return Reply(ticket.headers, body=answer.body)
 
-    async def _call_unary(self, plan: "_Plan", ticket: Ticket) -> ReplicaAnswer | ReplicaError:
+    async def _call_unary(self, plan: "_Plan", ticket: Ticket, trace: RequestTrace | None) -> ReplicaAnswer | ReplicaError:
         """A unary call travels as a stream of one item: over Serve's gRPC transport a
         unary call is known to be with a replica only once it has ended, so the queue
         timeout would bound the whole call and a cancel would never reach the replica."""
         op, body, handle = plan.op, plan.body, plan.handle
+        context = trace.replica_call(plan.model) if trace is not None else None
         response = await self._hand_on(
-            plan.model, ticket, lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body),
-            plan.config.queue_timeout_s, plan.rank)
+            plan.model, ticket,
+            lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body, trace=context),
+            plan.config.queue_timeout_s, plan.rank, trace=trace)
         # Its key revoked or disabled while it runs (Access.stop_revoked): the call is
         # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
         ticket.on_revoke = response.cancel
@@ -288,16 +295,19 @@ class Gateway:
         queue_timeout_s, rank, reservation = plan.config.queue_timeout_s, plan.rank, plan.reservation
         options = getattr(request, "stream_options", None)
         client_wants_usage = bool(options and options.include_usage)
+        trace = record.trace
         if early is None:
             _ask_for_usage(op, body)
+            context = trace.replica_call(body["model"]) if trace is not None else None
             chunks = await self._hand_on(
-                body["model"], ticket, lambda: handle.options(stream=True).stream.remote(op.replica_operation, body),
-                queue_timeout_s, rank)
+                body["model"], ticket,
+                lambda: handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context),
+                queue_timeout_s, rank, trace=trace)
             next_item = chunks.__anext__()
         else:
             try:
                 chunks = await self._hand_on(body["model"], ticket, lambda: early.chunks, queue_timeout_s, rank,
-                                             early.place)
+                                             early.place, trace)
             except BaseException:
                 early.withdraw()
                 raise
@@ -312,6 +322,8 @@ class Gateway:
             raise _engine_error(ticket, first)
         record.first_token_at = time.monotonic()
         record.stream = True
+        if trace is not None:
+            trace.first_token()
         self.catalog.describe_while_up(body["model"])
         relay = relay_stream(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat",
                              STREAM_SHAPES[op.streams_as], access=self.access, telemetry=self.telemetry,
@@ -323,7 +335,7 @@ class Gateway:
         return Reply(ticket.headers, stream=relay)
 
     def _start_early(self, handle, op: Operation, body: dict, key: KeyRecord, model: str,
-                     reservation: Reservation) -> "_EarlyStart | None":
+                     reservation: Reservation, trace: RequestTrace | None) -> "_EarlyStart | None":
         """Send a stream to ``model``'s replicas before its admission, if its key may
         (``Access.may_start_before_admission``), the fair-share gate has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
@@ -355,7 +367,8 @@ class Gateway:
         if op.carries_request_id:
             body["request_id"] = request_id
         _ask_for_usage(op, body)
-        chunks = handle.options(stream=True).stream.remote(op.replica_operation, body)
+        context = trace.replica_call(model) if trace is not None else None
+        chunks = handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context)
         # Pulling the first item is what starts an in-process replica's engine
         # request (a handle's call is already on its way to a replica).
         return _EarlyStart(request_id, chunks, asyncio.ensure_future(chunks.__anext__()), place)
@@ -364,7 +377,8 @@ class Gateway:
         """Whether ``model``'s queue holds ``limit`` waiting requests (a negative limit: unbounded)."""
         return 0 <= limit <= self._waiting[model]
 
-    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int, place=None):
+    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int, place=None,
+                       trace: RequestTrace | None = None):
         """``send()`` the request to ``model``'s replicas once the fair-share gate gives
         it a place (at once while the model has room) and wait until a replica takes
         it. The model's queue timeout bounds both waits: past it the call is withdrawn
@@ -381,10 +395,14 @@ class Gateway:
             ticket.on_settle = place.leave
 
         self._waiting[model] += 1
+        started = now_ns()
         try:
-            return await reach_replica(send, timeout_s, take_a_place if gate is not None else None)
+            response = await reach_replica(send, timeout_s, take_a_place if gate is not None else None)
         finally:
             self._waiting[model] -= 1
+        if trace is not None:  # the fair-share gate's wait and Serve's, until a replica took it
+            trace.stage("queue", started, **{"llm.fair_share": gate is not None})
+        return response
 
     def _served(self, model: str, key_id: str, usage: Usage | None) -> None:
         """What the request used, charged to its key's fair-share counter."""

@@ -52,6 +52,7 @@ from serve_app.pipeline.gateway import Gateway
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.redis_client import as_text
 from serve_app.settings import BatchConfig
+from serve_app.tracing import RequestTrace
 from serve_app.telemetry import RequestRecord, Telemetry
 
 logger = logging.getLogger("ray.serve")
@@ -327,8 +328,9 @@ class BatchJob:
             return self._answer(request, self._failed_line(request, line_id, error))
         while True:
             body = json.loads(json.dumps(request["body"]))  # the gateway edits what it is given
-            record = RequestRecord("batch", line_id)
-            record.key_id, record.key_name = key.id, key.name
+            # A batch line traces as a request does, its own trace (no client context).
+            record = RequestRecord("batch", line_id, trace=RequestTrace.start(f"batch {operation}", {}))
+            record.for_key(key)
             try:
                 reply = await self.runner.gateway.run(key, operation, body, len(json.dumps(body)), record,
                                                       background=True)

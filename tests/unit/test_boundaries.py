@@ -81,10 +81,10 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 
 
 # serve_app/ by role, each folder importing only the folders below it (docs/architecture.md,
-# "Who owns what"); the shared modules at the top (errors, settings, telemetry) are below
+# "Who owns what"); the shared modules at the top (errors, settings, telemetry, tracing) are below
 # them all; above the service, Serve's entry point (app), then what operators run beside
 # it (ops: the local stack builds the app's config) and llmctl (cli).
-LAYERS = {"errors": 0, "settings": 0, "telemetry": 0, "wire": 1, "quota": 2, "pipeline": 3, "dialects": 3,
+LAYERS = {"errors": 0, "settings": 0, "telemetry": 0, "tracing": 0, "wire": 1, "quota": 2, "pipeline": 3, "dialects": 3,
           "stored": 4, "http": 5, "app": 6, "ops": 7, "cli": 8}
 # settings validates redis_url with the client's own parser (quota/redis_client.py), and
 # the limits of JWT users with the keys' own model (quota/keys.py KeyLimits).

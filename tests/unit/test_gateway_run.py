@@ -84,7 +84,7 @@ class Handle:
 def run(response):
     """(the fake access, the coroutine of one chat request answered by ``response``)."""
     access = Access()
-    handle = Handle(lambda *_: response)
+    handle = Handle(lambda *_, **__: response)
     gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
                       Telemetry(False, False))
 
@@ -160,7 +160,7 @@ async def test_a_stream_whose_first_item_fails_on_its_way_is_a_502_charged_nothi
         def __anext__(self):
             return failing_chunks().__anext__()
 
-    stream_handle = SimpleNamespace(remote=lambda *_: Streamed())
+    stream_handle = SimpleNamespace(remote=lambda *_, **__: Streamed())
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=stream_handle))
     gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
                       Telemetry(False, False))
@@ -197,7 +197,7 @@ def tiered_gateway(engine_kwargs=None, max_queued=4):
         async def _fetch_future_result_async(self):
             await release.wait()
 
-    def remote(operation, body):
+    def remote(operation, body, trace=None):
         sent.append(body)
         return Waiting(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
@@ -300,7 +300,7 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
                 await asyncio.sleep(3600)
             await release.wait()
 
-    def remote(operation, body):
+    def remote(operation, body, trace=None):
         sent.append(body)
         return First(result=first_result) if len(sent) == 1 else Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
@@ -325,7 +325,7 @@ def recording_gateway(answer: ReplicaAnswer):
     """(a gateway whose replica answers ``answer``, its fake access, what each call sent)."""
     sent, access = [], Access()
 
-    def remote(*args):
+    def remote(*args, **kwargs):
         sent.append(args)
         return Response(result=answer)
 

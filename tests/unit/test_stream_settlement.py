@@ -78,7 +78,7 @@ RESERVED = Reservation(prompt=7, completion_per_choice=100, choices=1)
 
 
 def stream_once(gateway, chunks, ticket):
-    handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=lambda *a: chunks)))
+    handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=lambda *a, **k: chunks)))
     request = SimpleNamespace(stream_options=None)
     body = {"model": "tiny-llama", "messages": []}
     plan = _Plan(OPERATIONS["chat"], request, body, "tiny-llama", handle, ModelConfig(name="tiny-llama"), RESERVED,
@@ -184,7 +184,7 @@ async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_mes
     access, gateway, chunks, ticket = streaming_gateway(FakeChunks([delta * 3, end]))
     sent = []
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(
-        remote=lambda *args: sent.append(args) or chunks)))
+        remote=lambda *args, **kwargs: sent.append(args) or chunks)))
     body = {"model": "tiny-llama", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     plan = _Plan(OPERATIONS["messages"], SimpleNamespace(), body, "tiny-llama", handle, ModelConfig(name="tiny-llama"),
                  RESERVED, rank=1, tier="normal", streaming=True)

@@ -292,6 +292,38 @@ def panels_without_data(prometheus, start: float, end: float) -> list[str]:
     return failures
 
 
+# Counters of rare events and the series each must export at 0 before any happened.
+ZERO_SERIES = [
+    *(("ray_llm_gateway_redis_errors_total", {"operation": op}) for op in ("authenticate", "admit", "accounting")),
+    *(("ray_llm_gateway_redis_fallbacks_total", {"kind": kind}) for kind in ("cached_key", "local_limits")),
+    *(("ray_llm_gateway_client_disconnects_total", {"model": model}) for model in MODELS),
+    *(("ray_llm_gateway_rate_limit_refusals_total", {"model": model, "limit": limit, "level": level})
+      for model in MODELS for limit in ("requests", "tokens", "concurrency", "budget") for level in ("key", "team")),
+]
+
+
+def test_rare_event_counters_read_zero_before_any_event(prometheus):
+    """Before any Redis fault (this module's load brings them), the panels of Redis
+    errors and fail-open decisions show 0, not "No data": an operator must tell
+    "none happened" from "the metric is broken"."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = samples(ray_metrics())
+        missing = [(name, labels) for name, labels in ZERO_SERIES
+                   if not any(n == name and labels.items() <= l.items() for n, l, _ in found)]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"never exported: {missing}"
+        time.sleep(1)
+    assert total(found, "ray_llm_gateway_redis_errors_total") == 0
+    assert total(found, "ray_llm_gateway_redis_fallbacks_total") == 0
+    for name in ("ray_llm_gateway_redis_errors_total", "ray_llm_gateway_redis_fallbacks_total"):
+        [(_, _, expr)] = [q for q in dashboard_queries() if name in q[2]]
+        promql = expr.replace("$__rate_interval", "1m")
+        rates = prometheus.wait_until(promql, lambda value: value == value, timeout_s=90)  # a number, not NaN
+        assert rates == 0, (promql, rates)
+
+
 def test_every_dashboard_panel_returns_data(prometheus, load):
     assert len(list(dashboard_queries())) >= 40  # three dashboards; none silently lost
     end = time.time()
@@ -379,7 +411,7 @@ def test_in_flight_gauge_returns_to_zero_and_stays_exported(load):
 
 def test_labels_stay_low_cardinality(load):
     gateway = [(name, labels) for name, labels, _ in load.samples if name.startswith("ray_llm_gateway_")]
-    allowed = {"model", "route", "status", "limit", "operation", "kind", "le", "deployment"}
+    allowed = {"model", "route", "status", "limit", "operation", "kind", "outcome", "le", "deployment"}
     ray_added = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "ReplicaId", "JobId",
                  "otel_scope_name", "otel_scope_version", "otel_scope_schema_url"}
     for name, labels in gateway:

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from http_checks import free_port
+from otlp_receiver import running_otlp_receiver
 from redis_server import running_redis_cluster, sync_client
 from shared_stack.stack_models import RERANKER
 from stack import create_key, local_app_args, serve_stack
@@ -49,8 +50,18 @@ def admin_token():
 
 
 @pytest.fixture(scope="package")
-def base_url(redis_server):
+def otlp():
+    """Where the stack sends its traces (test_tracing_e2e.py)."""
+    with running_otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="package")
+def base_url(redis_server, otlp):
     args = {**local_app_args(), "redis_url": redis_server.url, "admin_token": ADMIN_TOKEN}
+    # Traces on, sampled only where a client asks (its traceparent's sampled flag):
+    # the other modules' requests take the unsampled path, as most would in production.
+    args["telemetry"] = {**args.get("telemetry", {}), "tracing": {"endpoint": otlp.endpoint, "sample_ratio": 0.0}}
     args["models"].append(RERANKER)
     with serve_stack(args, port=free_port()) as url:
         deadline = time.monotonic() + READY_TIMEOUT_S

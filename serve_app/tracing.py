@@ -1,0 +1,121 @@
+"""OpenTelemetry traces of requests at the ingress: one trace per request, a span
+per stage the gateway goes through, exported over OTLP/HTTP (``telemetry.tracing``).
+
+The root span opens when the request comes (continuing the client's W3C
+``traceparent``, which the answer carries back); its context travels with the call
+to the model's replica, whose span (replicas/tracing.py) is a child of the
+gateway's "replica call" span. Stages are written as they end, from times taken
+at their start, so no span object lives across an await but the root and the
+replica call. Attributes follow OpenTelemetry's GenAI conventions (model, token
+counts) plus the key id, team and tier; never the key's secret nor prompt text.
+
+Off (no endpoint) a request carries ``None`` and pays one attribute check per
+stage. The SDK reads its exporter, sampler and service name from the standard
+``OTEL_*`` variables, which the application builders set on every deployment
+(``TracingConfig.env``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_UNSET = object()
+_tracer: Any = _UNSET
+
+
+def process_tracer() -> Tracer | None:
+    """This process's tracer, made once from the ``OTEL_*`` variables; None when no
+    traces endpoint is set."""
+    global _tracer
+    if _tracer is _UNSET:
+        _tracer = None
+        if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            provider = TracerProvider()  # sampler and service name from the environment
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            _tracer = provider.get_tracer("llm_cluster.gateway")
+    return _tracer
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class RequestTrace:
+    """One request's spans at the ingress."""
+
+    def __init__(self, tracer: Tracer, name: str, headers: Mapping[str, str]):
+        self.tracer = tracer
+        self.root = tracer.start_span(name, context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER)
+        self.context = set_span_in_context(self.root)
+        self.call: Span | None = None
+
+    @classmethod
+    def start(cls, name: str, headers: Mapping[str, str]) -> "RequestTrace | None":
+        tracer = process_tracer()
+        return cls(tracer, name, headers) if tracer is not None else None
+
+    def stage(self, name: str, started_ns: int, **attributes: Any) -> None:
+        """A stage that began at ``started_ns`` and ends now."""
+        span = self.tracer.start_span(name, context=self.context, start_time=started_ns,
+                                      attributes=_attributes(attributes))
+        span.end()
+
+    def replica_call(self, model: str) -> dict[str, str]:
+        """Open the "replica call" span (once: an early start opens it before
+        admission) and return its context for the replica, as W3C headers."""
+        if self.call is None:
+            self.call = self.tracer.start_span("replica call", context=self.context, kind=SpanKind.CLIENT,
+                                               attributes={"gen_ai.request.model": model})
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=set_span_in_context(self.call))
+        return carrier
+
+    def first_token(self) -> None:
+        if self.call is not None:
+            self.call.add_event("first token")
+
+    def response_headers(self) -> dict[str, str]:
+        """The trace's context for the client: the root span as its parent."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=self.context)
+        return carrier
+
+    def end(self, record: Any) -> None:
+        """The request is over: its outcome on the root span (``record``: the
+        ``telemetry.RequestRecord``), and the replica call closed."""
+        attributes = _attributes({
+            "http.response.status_code": record.status,
+            "gen_ai.operation.name": record.operation,
+            "gen_ai.request.model": record.model,
+            "gen_ai.usage.input_tokens": record.prompt_tokens,
+            "gen_ai.usage.output_tokens": record.completion_tokens,
+            "llm.key.id": record.key_id,
+            "llm.key.team": record.team,
+            "llm.key.tier": record.tier,
+            "llm.stream": record.stream,
+            "llm.cancelled": record.cancelled,
+            "llm.limit": record.limit,
+            "error.type": record.error_code,
+        })
+        if self.call is not None:
+            self.call.set_attributes({k: v for k, v in attributes.items() if k.startswith("gen_ai.usage")})
+            self.call.end()
+        self.root.set_attributes(attributes)
+        if record.status >= 500:
+            self.root.set_status(Status(StatusCode.ERROR))
+        self.root.end()
+
+
+def _attributes(values: dict[str, Any]) -> dict[str, Any]:
+    """OpenTelemetry takes no None values: unset ones are left out."""
+    return {key: value for key, value in values.items() if value is not None and value != ""}

@@ -1,0 +1,140 @@
+"""Traces on the real stack (serve_app/tracing.py, replicas/tracing.py): the shared
+stack exports OTLP/HTTP to a receiver this test runs (tests/otlp_receiver.py,
+the official protobufs), sampling only what a client's traceparent asks for.
+
+- A stream's trace continues the client's traceparent: the ingress' request span
+  is its child, with the stages as children (authenticate, read body,
+  admission, queue, replica call), in order; the replica's span, in the model's
+  own process and service, is a child of the replica call. The stages up to the
+  first token cover the client's time to first token, less the edge's hop.
+- A unary call's replica span carries the usage the client got.
+- Attributes name the model, the usage and the key id, never the key's secret
+  nor the prompt's text.
+- A refused request (a wrong key) is a trace too, with its status.
+- A request without traceparent is not sampled at ratio 0, and its answer still
+  carries a (not sampled) traceparent.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-llama"
+STAGES = ["authenticate", "read body", "admission", "queue"]
+
+
+def client_context() -> tuple[str, str, str]:
+    """(traceparent, trace id, span id) of a sampled client span."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def by_name(spans) -> dict:
+    named = {}
+    for span in spans:
+        assert span.name not in named, f"two {span.name} spans: {spans}"
+        named[span.name] = span
+    return named
+
+
+def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http, api_key, otlp):
+    traceparent, trace_id, client_span = client_context()
+    marker = "zebra-" + secrets.token_hex(4)  # prompt text that must not reach a span
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say {marker}"}], "max_tokens": 8,
+            "stream": True, "stream_options": {"include_usage": True}}
+    http.post("/v1/chat/completions", json=body).raise_for_status()  # warm: the first call's costs are not the hop's
+    started = time.monotonic()
+    ttft = None
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json=body, headers={"traceparent": traceparent}) as response:
+        assert response.status_code == 200
+        answered = response.headers["traceparent"]
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                events.append(event)
+                if ttft is None and event["choices"] and event["choices"][0]["delta"].get("content") is not None:
+                    ttft = time.monotonic() - started
+    usage = events[-1]["usage"]
+    assert answered.split("-")[1] == trace_id and answered.endswith("-01")  # the client's trace goes on
+
+    spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", *STAGES, "replica call", "replica chat"})
+    named = by_name(spans)
+    root = named["POST /v1/chat/completions"]
+    assert root.parent_span_id == client_span and root.service == "llm-gateway"
+    assert answered.split("-")[2] == root.span_id  # the answer names the request span as the parent to go on from
+    for name in [*STAGES, "replica call"]:
+        assert named[name].parent_span_id == root.span_id and named[name].service == "llm-gateway", named[name]
+    replica = named["replica chat"]
+    assert replica.parent_span_id == named["replica call"].span_id  # across the process boundary
+    assert replica.service == f"llm-model-{MODEL}" and replica.attributes["llm.replica"]
+    assert "first token" in replica.events and "first token" in named["replica call"].events
+
+    # In order, within the request's span.
+    ends = [named[name] for name in STAGES]
+    for earlier, later in zip(ends, ends[1:]):
+        assert earlier.end_ns <= later.start_ns, (earlier, later)
+    assert root.start_ns <= named["authenticate"].start_ns and named["replica call"].end_ns <= root.end_ns
+    assert named["replica call"].start_ns >= named["admission"].end_ns
+    assert named["replica call"].start_ns <= replica.start_ns <= replica.events["first token"]
+
+    # The gateway's time to its first token, from its spans, against the client's.
+    traced_ttft = (named["replica call"].events["first token"] - root.start_ns) / 1e9
+    print(f"client TTFT {ttft * 1000:.1f} ms, traced {traced_ttft * 1000:.1f} ms; stages (ms): " + ", ".join(
+        f"{name} {named[name].seconds * 1000:.1f}" for name in [*STAGES, "replica call", "replica chat"]))
+    assert traced_ttft <= ttft + 0.005  # one clock on one machine
+    assert ttft - traced_ttft <= max(0.05, 0.3 * ttft), (ttft, traced_ttft)  # the edge's hop and the relay
+
+    attributes = root.attributes
+    assert attributes["gen_ai.request.model"] == MODEL and attributes["http.response.status_code"] == 200
+    assert attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert attributes["llm.key.id"] and attributes["llm.stream"] is True
+    everything = repr([(span.name, span.attributes) for span in spans])
+    assert api_key not in everything and marker not in everything
+
+
+def test_a_unary_calls_replica_span_carries_its_usage(http, otlp):
+    traceparent, trace_id, _ = client_context()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    response = http.post("/v1/chat/completions", json=body, headers={"traceparent": traceparent})
+    assert response.status_code == 200 and response.headers["traceparent"].split("-")[1] == trace_id
+    usage = response.json()["usage"]
+    named = by_name(otlp.wait_for(trace_id, {"POST /v1/chat/completions", "replica call", "replica chat"}))
+    replica = named["replica chat"]
+    assert replica.parent_span_id == named["replica call"].span_id
+    assert replica.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert replica.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+
+
+def test_a_refused_request_is_traced_with_its_status(base_url, otlp):
+    traceparent, trace_id, client_span = client_context()
+    response = httpx.post(base_url + "/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                          headers={"authorization": "Bearer sk-not-a-key", "traceparent": traceparent})
+    assert response.status_code == 401
+    [root] = otlp.wait_for(trace_id, {"POST /v1/chat/completions"})
+    assert root.parent_span_id == client_span
+    assert root.attributes["http.response.status_code"] == 401 and "sk-not-a-key" not in repr(root.attributes)
+
+
+def test_without_a_traceparent_nothing_is_sampled_at_ratio_zero(http, otlp):
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2})
+    assert response.status_code == 200
+    unsampled = response.headers["traceparent"]
+    assert int(unsampled.split("-")[3], 16) & 1 == 0  # a context to join, not recorded (W3C: bit 0 is sampled)
+    # A sampled request sent after it is exported; the unsampled one never is.
+    traceparent, trace_id, _ = client_context()
+    http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 2}, headers={"traceparent": traceparent})
+    otlp.wait_for(trace_id, {"POST /v1/chat/completions", "replica chat"})
+    time.sleep(1)
+    assert not otlp.trace(unsampled.split("-")[1])
