@@ -15,6 +15,9 @@ number a platform team sizes ingress CPUs by).
 
     REDIS_URL=redis://127.0.0.1:6379/0 python bench/gateway_capacity.py \
         [--tokens 64] [--concurrency 1 32] [--duration 15] [--targets shipped ray-proxy]
+
+Targets ``traced-unsampled`` and ``traced-all`` are ``shipped`` with traces sent
+to an OTLP sink (telemetry.tracing), nothing resp. every request sampled.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ sys.path.insert(0, str(REPO))
 # Ray's Python proxy instead of HAProxy (the default before).
 from serve_env import MAKEFILE_ENV, RAY_PROXY_ENV  # noqa: E402
 
-TARGETS = {"shipped": MAKEFILE_ENV, "ray-proxy": RAY_PROXY_ENV}
+TARGETS = {"shipped": MAKEFILE_ENV, "ray-proxy": RAY_PROXY_ENV,
+           "traced-unsampled": MAKEFILE_ENV, "traced-all": MAKEFILE_ENV}
+# Traces (serve_app/tracing.py) to an OTLP sink in this process: the sample ratio per
+# target (None: telemetry.tracing unset, as shipped). "traced-unsampled": an endpoint
+# set and nothing sampled (every request still carries an unsampled span context).
+TRACE_RATIO = {"traced-unsampled": 0.0, "traced-all": 1.0}
 MODEL = "fake"
 INSTANT_ENGINE = "replicas.instant_engine:start_instant"
 APP = "llm"
@@ -104,6 +112,27 @@ async def drive(url: str, secret: str, tokens: int, concurrency: int, duration_s
     }
 
 
+def otlp_sink() -> str:
+    """An OTLP/HTTP endpoint that takes every export and keeps nothing (a collector's
+    cost is not the gateway's); its URL."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+
 def run_target(args) -> None:
     """Child process: Ray and Serve with this process's environment, the loads, JSON on stdout."""
     import ray
@@ -115,12 +144,17 @@ def run_target(args) -> None:
     from serve_app.settings import AppSettings
     from serving_overhead import bench_api_key, free_port
 
+    from serve_app.settings import TracingConfig
+
+    ratio = TRACE_RATIO.get(args.run_target)
+    tracing = TracingConfig(endpoint=otlp_sink() if ratio is not None else None, sample_ratio=ratio or 0.0)
     model = ModelConfig(name=MODEL, queue_timeout_s=60, engine=INSTANT_ENGINE, cpus_per_replica=0.25,
                         stream_batch_interval_ms=args.batch_interval_ms,
                         deployment={"max_ongoing_requests": 1024, "max_queued_requests": 1024})
     settings = AppSettings(models=[model], redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    app = Ingress.options(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25}).bind(
-        settings, {MODEL: model_deployment(model)})
+    ingress_actor = {"num_cpus": 0.25, "runtime_env": {"env_vars": tracing.env("llm-gateway")}}
+    app = Ingress.options(num_replicas=1, max_ongoing_requests=1024, ray_actor_options=ingress_actor).bind(
+        settings, {MODEL: model_deployment(model, tracing.env(f"llm-model-{MODEL}"))})
     port = free_port()
     ray.init(log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
@@ -172,7 +206,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of load per concurrency")
     parser.add_argument("--batch-interval-ms", type=float, default=50.0,
                         help="the replica's stream_batch_interval_ms (configs/local.yaml: 50)")
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--targets", nargs="+", default=["shipped", "ray-proxy"], choices=list(TARGETS))
     parser.add_argument("--profile", metavar="DIR", help="one more load at the highest concurrency under py-spy "
                         "(bench/hop_profile.py): CPU per request/token per process, top functions")
     parser.add_argument("--run-target", help=argparse.SUPPRESS)

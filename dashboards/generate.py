@@ -258,6 +258,19 @@ def per_model() -> Dashboard:
         ))
         .with_row(Row("Streaming"))
         .with_panel(timeseries(
+            "Where the time to first token goes", "Medians: the whole at the ingress; the engine's part (vLLM's "
+            "own time to first token, its queue and its prefill); the rest is the gateway and the hops (auth, "
+            "admission, the fair-share gate, Serve's queue, the relay). One request's split: its trace "
+            "(telemetry.tracing, docs/operating.md \"Traces\").", "s",
+            target(quantile(0.5, "ray_llm_gateway_time_to_first_token_seconds", MODEL), "at the ingress"),
+            target(quantile(0.5, "ray_vllm_time_to_first_token_seconds", ENGINE_MODEL), "in the engine"),
+            target(quantile(0.5, "ray_vllm_request_queue_time_seconds", ENGINE_MODEL), "engine queue"),
+            target(quantile(0.5, "ray_vllm_request_prefill_time_seconds", ENGINE_MODEL), "prefill"),
+            target(f"{quantile(0.5, 'ray_llm_gateway_time_to_first_token_seconds', MODEL)} - scalar("
+                   f"{quantile(0.5, 'ray_vllm_time_to_first_token_seconds', ENGINE_MODEL)})", "gateway and hops"),
+            width=8,
+        ))
+        .with_panel(timeseries(
             "Time to first token", "Streams: request received to first chunk out, at the ingress.", "s",
             *percentiles("ray_llm_gateway_time_to_first_token_seconds", MODEL),
         ))

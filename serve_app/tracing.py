@@ -57,6 +57,9 @@ class RequestTrace:
         self.tracer = tracer
         self.root = tracer.start_span(name, context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER)
         self.context = set_span_in_context(self.root)
+        # Not sampled: the root's context still answers the client (and joins its
+        # trace); no stage, no replica span is made.
+        self.recording = self.root.is_recording()
         self.call: Span | None = None
 
     @classmethod
@@ -66,13 +69,18 @@ class RequestTrace:
 
     def stage(self, name: str, started_ns: int, **attributes: Any) -> None:
         """A stage that began at ``started_ns`` and ends now."""
+        if not self.recording:
+            return
         span = self.tracer.start_span(name, context=self.context, start_time=started_ns,
                                       attributes=_attributes(attributes))
         span.end()
 
-    def replica_call(self, model: str) -> dict[str, str]:
+    def replica_call(self, model: str) -> dict[str, str] | None:
         """Open the "replica call" span (once: an early start opens it before
-        admission) and return its context for the replica, as W3C headers."""
+        admission) and return its context for the replica, as W3C headers (None
+        when not sampled)."""
+        if not self.recording:
+            return None
         if self.call is None:
             self.call = self.tracer.start_span("replica call", context=self.context, kind=SpanKind.CLIENT,
                                                attributes={"gen_ai.request.model": model})
@@ -93,6 +101,9 @@ class RequestTrace:
     def end(self, record: Any) -> None:
         """The request is over: its outcome on the root span (``record``: the
         ``telemetry.RequestRecord``), and the replica call closed."""
+        if not self.recording:
+            self.root.end()
+            return
         attributes = _attributes({
             "http.response.status_code": record.status,
             "gen_ai.operation.name": record.operation,

@@ -166,3 +166,21 @@ def test_every_deployment_runs_with_the_raised_transport_limit_beside_its_own_en
         assert TRANSPORT_ENV.items() <= env.items(), deployment.name
     # A model's own env vars stay (configs/local.yaml's VLLM_CPU_KVCACHE_SPACE).
     assert minilm._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_with_a_traces_endpoint_every_deployment_exports_under_its_own_service_name():
+    args = {**direct_args(), "telemetry": {"tracing": {"endpoint": "http://collector:4318/v1/traces",
+                                                        "sample_ratio": 0.25}}}
+    ingress = build_app(args)._bound_deployment
+    [minilm] = ingress.init_args[1].values()
+    direct = build_direct_app(direct_apps(args)[0]["args"])._bound_deployment
+    services = {}
+    for deployment in (ingress, minilm._bound_deployment, direct):
+        env = deployment.ray_actor_options["runtime_env"]["env_vars"]
+        assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://collector:4318/v1/traces"
+        assert (env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.25")
+        services[deployment.name] = env["OTEL_SERVICE_NAME"]
+    assert services[ingress.name] == "llm-gateway" and len(set(services.values())) == 3
+    # Unset (as shipped): no OTEL_* variable at all, the SDK is never configured.
+    env = build_app(direct_args())._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert not [name for name in env if name.startswith("OTEL_")]
