@@ -272,11 +272,11 @@ def per_model() -> Dashboard:
         ))
         .with_panel(timeseries(
             "Time to first token", "Streams: request received to first chunk out, at the ingress.", "s",
-            *percentiles("ray_llm_gateway_time_to_first_token_seconds", MODEL),
+            *percentiles("ray_llm_gateway_time_to_first_token_seconds", MODEL), width=8,
         ))
         .with_panel(timeseries(
             "Time per output token", "Streams: generation speed after the first token.", "s",
-            *percentiles("ray_llm_gateway_time_per_output_token_seconds", MODEL),
+            *percentiles("ray_llm_gateway_time_per_output_token_seconds", MODEL), width=8,
         ))
         .with_row(Row("Autoscaling"))
         .with_panel(timeseries(

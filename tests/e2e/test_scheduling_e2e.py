@@ -21,7 +21,6 @@ four requests per replica and a Serve queue of four (tiers).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import threading
 import time
@@ -161,15 +160,24 @@ def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids,
     assert set(ran) == set(replica_ids)  # different prefixes use both replicas
 
 
-def test_a_flood_on_one_prefix_overflows_to_the_other_replica(client, replica_ids, redis_server, key):
+def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, replica_ids, redis_server, key):
     preferred = replica_ids[0]
     [system] = system_prompts_preferring(preferred, replica_ids, 1)
     streams = 12
-    # Long generations, so the first ones still run when the last ones are routed.
-    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        futures = [pool.submit(send, client, conversation(system, f"question {i}"), 200, min_tokens=200,
-                               ignore_eos=True) for i in range(streams)]
-        request_ids = [future.result() for future in futures]
+    # Long generations, each streaming before the next is sent, so every one is routed
+    # while the earlier ones run: the router sees the queues the guard is about (sent
+    # together from a thread pool, a loaded box spread them out and the first ones
+    # ended before the last were routed: 11 of 12 on one replica in a CI run).
+    flood = []
+    try:
+        for i in range(streams):
+            flood.append(started(base_url, key[1], 400, model=MODEL, messages=conversation(system, f"question {i}")))
+        for stream in flood:  # run to their end: each settles with the replica that ran it
+            stream.join(300)
+            assert stream.status == 200 and stream.body.endswith(b"data: [DONE]\n\n"), stream.body[-300:]
+    finally:
+        stop_all(flood)
+    request_ids = [stream.request_id for stream in flood]
     ran = replicas_that_ran(redis_server, key, request_ids)
     on_preferred = ran.count(preferred)
     print(f"flood of {streams}: {on_preferred} on the preferred replica")
@@ -203,9 +211,12 @@ class Stream(threading.Thread):
     """One streamed request in the background: its status, when its first
     chunk came, when it ended; ``stop`` hangs up."""
 
-    def __init__(self, base_url: str, secret: str, max_tokens: int, model: str = TIERED):
+    def __init__(self, base_url: str, secret: str, max_tokens: int, model: str = TIERED,
+                 messages: list[dict] | None = None):
         super().__init__(daemon=True)
         self.base_url, self.secret, self.max_tokens, self.model = base_url, secret, max_tokens, model
+        self.messages = messages or [{"role": "user", "content": "hi"}]
+        self.request_id = ""
         self.status: int | None = None
         self.body = b""
         self.first_chunk = threading.Event()
@@ -213,12 +224,13 @@ class Stream(threading.Thread):
         self.ended_at: float | None = None
 
     def run(self) -> None:
-        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": self.max_tokens,
+        body = {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
                 "min_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", self.base_url + "/v1/chat/completions", json=body, timeout=300,
                               headers={"authorization": f"Bearer {self.secret}"}) as response:
                 self.status = response.status_code
+                self.request_id = response.headers.get("x-request-id", "")
                 for chunk in response.iter_bytes():
                     self.first_chunk.set()
                     self.body += chunk
@@ -272,8 +284,8 @@ def stop_all(streams: list) -> None:
 
 
 def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: bool = True,
-            model: str = TIERED) -> Stream:
-    stream = Stream(base_url, secret, max_tokens, model)
+            model: str = TIERED, messages: list[dict] | None = None) -> Stream:
+    stream = Stream(base_url, secret, max_tokens, model, messages)
     stream.start()
     if wait_for_first_chunk:
         assert stream.first_chunk.wait(300)
