@@ -21,33 +21,16 @@ import importlib
 import os
 import statistics
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gateway_capacity import otlp_sink  # noqa: E402 - the same sink the whole-stack bench exports to
 from serve_app.telemetry import RequestRecord  # noqa: E402
 
 MODES = {"off": None, "unsampled": "0", "sampled": "1"}
 STAGES = ("authenticate", "read body", "admission", "queue")
-
-
-def sink() -> str:
-    class Sink(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers.get("content-length") or 0))
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *_):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
 
 
 def one_request(tracing, headers) -> None:
@@ -95,7 +78,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    endpoint = sink()
+    endpoint = otlp_sink()
     figures = {mode: [] for mode in MODES}
     for _ in range(args.repeats):
         for mode in MODES:  # interleaved: the box's drift falls on every mode alike

@@ -50,6 +50,11 @@ def now_ns() -> int:
     return time.time_ns()
 
 
+def replica_context(trace: "RequestTrace | None", model: str) -> dict[str, str] | None:
+    """What a call to ``model``'s replica carries of ``trace`` (None: not traced)."""
+    return trace.replica_call(model) if trace is not None else None
+
+
 class RequestTrace:
     """One request's spans at the ingress."""
 

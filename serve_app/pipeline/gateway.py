@@ -35,7 +35,7 @@ from serve_app.quota.costs import Rates, reservation_nanos
 from serve_app.quota.keys import KeyRecord
 from serve_app.quota.usage import new_request_id
 from serve_app.telemetry import RequestRecord, Telemetry
-from serve_app.tracing import RequestTrace, now_ns
+from serve_app.tracing import RequestTrace, now_ns, replica_context
 from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
 from serve_app.wire.calls import Reply
 from serve_app.wire.media import check_media
@@ -276,7 +276,7 @@ class Gateway:
         unary call is known to be with a replica only once it has ended, so the queue
         timeout would bound the whole call and a cancel would never reach the replica."""
         op, body, handle = plan.op, plan.body, plan.handle
-        context = trace.replica_call(plan.model) if trace is not None else None
+        context = replica_context(trace, plan.model)
         response = await self._hand_on(
             plan.model, ticket,
             lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body, trace=context),
@@ -298,7 +298,7 @@ class Gateway:
         trace = record.trace
         if early is None:
             _ask_for_usage(op, body)
-            context = trace.replica_call(body["model"]) if trace is not None else None
+            context = replica_context(trace, body["model"])
             chunks = await self._hand_on(
                 body["model"], ticket,
                 lambda: handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context),
@@ -367,7 +367,7 @@ class Gateway:
         if op.carries_request_id:
             body["request_id"] = request_id
         _ask_for_usage(op, body)
-        context = trace.replica_call(model) if trace is not None else None
+        context = replica_context(trace, model)
         chunks = handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context)
         # Pulling the first item is what starts an in-process replica's engine
         # request (a handle's call is already on its way to a replica).
