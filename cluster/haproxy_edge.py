@@ -14,8 +14,10 @@ through ``edge_config`` first:
   of Ray's plain-text "Internal Server Error" for all three. HAProxy 2.8 answers the
   errors it raises before a request is parsed (a 408 for headers too slow, a 400 for a
   request line past its buffer) with its own HTML whatever the config says (tried:
-  ``errorfile`` and ``http-error`` in the defaults and in the frontend); their status
-  is right, their body is not JSON.
+  ``errorfile`` and ``http-error`` in the defaults and in the frontend; its HTTP/1 mux,
+  ``h1_send_error``, writes the built-in ``http_err_msgs`` and reads the configured
+  error file only to see whether it is empty, which would close without an answer);
+  their status is right, their body is not JSON.
 """
 
 from __future__ import annotations

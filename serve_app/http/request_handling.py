@@ -125,7 +125,8 @@ class HandlesRequests:
             key, body, size = await self._read(request, record)
             call = await translate(body, key)
             try:
-                reply = await self.gateway.run(key, call.operation, call.body, size, record)
+                reply = await self.gateway.run(key, call.operation, call.body, size + call.bytes_once_admitted, record,
+                                               once_admitted=call.once_admitted)
             except BaseException:
                 if call.abandon is not None:
                     await asyncio.shield(call.abandon())

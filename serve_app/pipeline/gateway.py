@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +113,7 @@ class Gateway:
 
     async def run(
         self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, record: RequestRecord,
-        background: bool = False,
+        background: bool = False, once_admitted: Callable[[], Awaitable[None]] | None = None,
     ) -> Reply:
         """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``.
         ``record`` learns what telemetry needs; a streamed reply finishes it
@@ -122,9 +123,22 @@ class Gateway:
 
         Three stages: ``_plan`` (checks that need no Redis, the reservation),
         ``_admit`` (the key's quotas, the tier's share of the queue) and ``_call``
-        (a replica's answer, relayed or whole), which settles what ran."""
+        (a replica's answer, relayed or whole), which settles what ran.
+        ``once_admitted`` completes ``body`` between the last two (a Responses
+        follow-up's stored conversation, priced in ``raw_size``): work a refused
+        request never costs. Such a request never starts before its admission."""
         plan = self._plan(key, operation, body, raw_size, record, background)
-        ticket, early = await self._admit(key, plan, record)
+        ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
+        if once_admitted is not None:
+            try:
+                await once_admitted()
+            except OpenAIError as exc:  # nothing ran: nothing is charged
+                self.access.settle(ticket, "failed", Usage())
+                exc.headers = {**ticket.headers, **exc.headers}
+                raise
+            except BaseException:
+                self.access.settle(ticket, "failed", Usage())
+                raise
         return await self._call(plan, ticket, record, early)
 
     def _plan(self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int,
@@ -161,7 +175,8 @@ class Gateway:
         return _Plan(op, request, body, model, handle, config, reservation, rank, tier,
                      streaming=bool(getattr(request, "stream", False)))
 
-    async def _admit(self, key: KeyRecord, plan: "_Plan", record: RequestRecord) -> "tuple[Ticket, _EarlyStart | None]":
+    async def _admit(self, key: KeyRecord, plan: "_Plan", record: RequestRecord,
+                     may_start_early: bool = True) -> "tuple[Ticket, _EarlyStart | None]":
         """The key's quotas in Redis (a refusal rendered as its 429), then the tier's
         share of the model's queue (503 when full). A stream of a key with room to
         spare may start in the engine meanwhile (serve_app/quota/overlap.py); nothing
@@ -170,7 +185,7 @@ class Gateway:
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
         early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation, record.trace)
-                 if self.start_early and plan.streaming and not queue_full else None)
+                 if self.start_early and may_start_early and plan.streaming and not queue_full else None)
         # Priced (quota/costs.py): a batch request at the model's batch discount. The
         # reservation's cost is held against money budgets until settlement.
         rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)

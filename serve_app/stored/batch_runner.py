@@ -33,6 +33,8 @@ the error file, with the status and body a client would have got.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -40,6 +42,7 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,8 @@ MAX_RETRY_WAIT_S = 30.0
 # tomorrow still gets one admission a minute, not a runner's place all day).
 MAX_PARK_S = 60.0
 SWEEP_EVERY_S = 600.0
+# Input lines read ahead of the requests sent (each at most the body limit).
+_READ_AHEAD = 8
 
 # KEYS[1] the lease; ARGV: owner, ms. Renews the lease only if it is still ours.
 _RENEW = """
@@ -191,6 +196,7 @@ class BatchJob:
         self.ends = "completed"  # or expired: some requests never ran within the window
         self.park_s: float | None = None  # set by a refusal of the key: how long the batch waits, parked
         self.key_gone = False  # the key was revoked or disabled: the batch stops
+        self.input_lost: Exception | None = None  # its input file was deleted or changed while it ran
 
     async def run(self) -> None:
         fields = await self.store.fields(self.key_id, self.batch_id)
@@ -202,13 +208,14 @@ class BatchJob:
         if fields["status"] == "validating":
             await self.store.transition(self.key_id, self.batch_id, "in_progress", ("validating",))
         if fields["status"] != "finalizing":
-            requests = await self._requests(fixed)
-            if requests is None:
-                return
+            file_id = fixed["input_file_id"]
             done = await asyncio.to_thread(self._answered)
             await self.store.update(self.key_id, self.batch_id, **self.counts)
-            pending = [r for r in requests if r["custom_id"] not in done]
-            await self._send_all(ENDPOINTS[fixed["endpoint"]], pending)
+            # The input file is read as the requests are sent, a few lines ahead:
+            # a runner holds its batches' requests in flight, never their files.
+            await self._send_all(ENDPOINTS[fixed["endpoint"]], self._unanswered(file_id, done))
+            if self.input_lost is not None:
+                return await self._input_lost(self.input_lost)
             if self.lost:
                 return
             if self.key_gone:  # its work stops: what did not run is cancelled
@@ -217,34 +224,68 @@ class BatchJob:
             if status == "in_progress" and self.park_s is not None and time.time() < self.expires_at:
                 return  # parked: a later claim sends the rest
             self.park_s = None
-            unanswered = [r for r in pending if r["custom_id"] not in await asyncio.to_thread(self._answered)]
-            if unanswered:  # cancelled or expired: each one not run is a line of the error file
-                if status == "cancelling":
-                    code = "api_key_revoked" if self.key_gone else "batch_cancelled"
-                elif time.time() >= self.expires_at:
-                    code, self.ends = "batch_expired", "expired"
-                else:  # answers that could not be written (a full disk): the next claim runs them again
-                    logger.warning("batch %s: %d requests unanswered; it will be resumed", self.batch_id,
-                                   len(unanswered))
-                    return
-                for request in unanswered:
-                    self._write(self.err, self._error_line(request, code, _NOT_RUN[code]))
-                self.counts["failed"] += len(unanswered)
+            if status == "cancelling":
+                code = "api_key_revoked" if self.key_gone else "batch_cancelled"
+            elif time.time() >= self.expires_at:
+                code = "batch_expired"
+            else:
+                code = None
+            try:
+                not_run = await asyncio.to_thread(self._not_run, file_id, code)
+            except (OSError, OpenAIError) as exc:
+                return await self._input_lost(exc)
+            if not_run and code is None:  # answers that could not be written (a full disk): run again
+                logger.warning("batch %s: %d requests unanswered; it will be resumed", self.batch_id, not_run)
+                return
+            if not_run and code == "batch_expired":
+                self.ends = "expired"
         await self._finalize()
 
-    async def _requests(self, fixed: dict[str, Any]) -> list[dict[str, Any]] | None:
+    async def _unanswered(self, file_id: str, done: set[str]) -> AsyncIterator[dict[str, Any]]:
+        """The requests of the input file not in ``done``, read off the event loop
+        ``_READ_AHEAD`` at a time. A file gone or changed meanwhile ends them and
+        sets ``input_lost``."""
+        lines = self.store.lines(self.key_id, file_id)
+
+        def ahead() -> list[dict[str, Any]]:
+            return list(itertools.islice((r for r in lines if r["custom_id"] not in done), _READ_AHEAD))
+
         try:
-            return await self.store.requests(self.key_id, fixed["input_file_id"])
+            while chunk := await asyncio.to_thread(ahead):
+                for request in chunk:
+                    yield request
         except (OSError, OpenAIError) as exc:  # the input file was deleted (or replaced) meanwhile
-            message = exc.message if isinstance(exc, OpenAIError) else "The input file is no longer available."
-            await self.store.update(self.key_id, self.batch_id, errors=json.dumps(
-                [{"code": "invalid_input_file", "message": message, "param": "input_file_id", "line": None}]))
-            await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress",
-                                                                               "cancelling"))
-            await self.store.ended(self.key_id, self.batch_id)
-            for partial in (self.out, self.err):  # results of a batch that failed: never a file
-                partial.unlink(missing_ok=True)
-            return None
+            self.input_lost = exc
+        finally:
+            with contextlib.suppress(ValueError):  # cancelled while a thread reads it: closed when collected
+                lines.close()
+
+    def _not_run(self, file_id: str, code: str | None) -> int:
+        """How many of the input file's requests are unanswered; with ``code``
+        (cancelled, expired, the key revoked), each is written as a line of the
+        error file saying why it never ran."""
+        answered = self._answered()
+        count = 0
+        for request in self.store.lines(self.key_id, file_id):
+            if request["custom_id"] in answered:
+                continue
+            count += 1
+            if code is not None:
+                self._write(self.err, self._error_line(request, code, _NOT_RUN[code]))
+        if code is not None:
+            self.counts["failed"] += count
+        return count
+
+    async def _input_lost(self, exc: Exception) -> None:
+        """The batch fails: its input file was deleted or changed while it ran."""
+        message = exc.message if isinstance(exc, OpenAIError) else "The input file is no longer available."
+        await self.store.update(self.key_id, self.batch_id, errors=json.dumps(
+            [{"code": "invalid_input_file", "message": message, "param": "input_file_id", "line": None}]))
+        await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress",
+                                                                           "cancelling"))
+        await self.store.ended(self.key_id, self.batch_id)
+        for partial in (self.out, self.err):  # results of a batch that failed: never a file
+            partial.unlink(missing_ok=True)
 
     async def _key(self) -> KeyRecord | None:
         """The batch's key as it is now; None once revoked or disabled."""
@@ -296,21 +337,24 @@ class BatchJob:
             self.key_gone = True
         return key
 
-    async def _send_all(self, operation: str, pending: list[dict[str, Any]]) -> None:
+    async def _send_all(self, operation: str, pending: AsyncIterator[dict[str, Any]]) -> None:
         slots = asyncio.Semaphore(self.runner.config.concurrency)
         running: set[asyncio.Task] = set()
-        for request in pending:
-            await slots.acquire()
-            await self._yield_to_interactive(request["body"].get("model"))
-            key = await self._next_key()
-            if key is None:
-                slots.release()
-                break
-            task = asyncio.ensure_future(self._one(key, operation, request))
-            running.add(task)
-            task.add_done_callback(lambda t: (running.discard(t), slots.release()))
-        if running:
-            await asyncio.gather(*running, return_exceptions=True)
+        try:
+            async for request in pending:
+                await slots.acquire()
+                await self._yield_to_interactive(request["body"].get("model"))
+                key = await self._next_key()
+                if key is None:
+                    slots.release()
+                    break
+                task = asyncio.ensure_future(self._one(key, operation, request))
+                running.add(task)
+                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+        finally:
+            await pending.aclose()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
 
     async def _yield_to_interactive(self, model: Any) -> None:
         """Wait while interactive requests of ``model`` wait for a replica here."""

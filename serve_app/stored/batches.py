@@ -19,12 +19,13 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from serve_app.quota import redis_names
 from serve_app.wire.api_requests import check_metadata
 from serve_app.errors import OpenAIError, shown
-from serve_app.stored.files_api import FileStore, read_batch_requests
+from serve_app.stored.files_api import FileStore, batch_lines
 from serve_app.stored.listings import index_page
 from serve_app.quota.storage_account import StorageAccount
 from serve_app.quota.redis_client import as_text
@@ -125,7 +126,7 @@ class BatchStore:
                                    "uploaded with purpose 'batch'.", param="input_file_id", code="invalid_value")
         batch_id = "batch_" + uuid.uuid4().hex
         # A place among the key's active batches before its file is read (up to
-        # 200 MB parsed here): a key cannot queue batches, or this work, without bound.
+        # 200 MB read here): a key cannot queue batches, or this work, without bound.
         active = redis_names.active_batches_of(key_id)
         if not await self._take_active_place(keys=[active], args=[batch_id, time.time(), self.max_active_per_key,
                                                                    _ACTIVE_HORIZON_S]):
@@ -145,16 +146,13 @@ class BatchStore:
             await self.records.release(key_id, batch_id)
 
     async def _create(self, key_id: str, batch_id: str, endpoint: str, window: str, metadata, file_id: str):
-        requests = await self.requests(key_id, file_id)
+        total, errors = await asyncio.to_thread(self._scan, key_id, file_id, endpoint)
         now = int(time.time())
         fixed = {"id": batch_id, "object": "batch", "endpoint": endpoint, "input_file_id": file_id,
                  "completion_window": window, "created_at": now, "expires_at": now + COMPLETION_WINDOWS[window],
                  "metadata": metadata}
-        errors = [{"code": "invalid_url", "line": r["line"], "param": "url",
-                   "message": f"The request's url {shown(r['url'])} is not the batch's endpoint {endpoint!r}."}
-                  for r in requests if r["url"] != endpoint][:100]
         fields = {"fixed": json.dumps(fixed), "status": "failed" if errors else "validating",
-                  "total": len(requests), "completed": 0, "failed": 0}
+                  "total": total, "completed": 0, "failed": 0}
         if errors:
             fields.update(failed_at=now, errors=json.dumps(errors))
         record = redis_names.batch_record(key_id, batch_id)
@@ -223,10 +221,22 @@ class BatchStore:
 
     # -- what runners use ---------------------------------------------------------
 
-    async def requests(self, key_id: str, file_id: str) -> list[dict[str, Any]]:
-        """The requests of ``file_id`` (``read_batch_requests``), read off the event loop."""
-        return await asyncio.to_thread(read_batch_requests, self.files.path(key_id, file_id), self.max_requests,
-                                       self.max_line_bytes)
+    def lines(self, key_id: str, file_id: str) -> Iterator[dict[str, Any]]:
+        """The requests of ``file_id`` one at a time (``batch_lines``): blocking reads,
+        for a thread; the file is opened at the first."""
+        return batch_lines(self.files.path(key_id, file_id), self.max_requests, self.max_line_bytes)
+
+    def _scan(self, key_id: str, file_id: str, endpoint: str) -> tuple[int, list[dict[str, Any]]]:
+        """(how many requests ``file_id`` has, the first 100 whose url is not
+        ``endpoint``), reading one line at a time."""
+        total, errors = 0, []
+        for request in self.lines(key_id, file_id):
+            total += 1
+            if request["url"] != endpoint and len(errors) < 100:
+                errors.append({"code": "invalid_url", "line": request["line"], "param": "url",
+                               "message": f"The request's url {shown(request['url'])} is not the batch's "
+                                          f"endpoint {endpoint!r}."})
+        return total, errors
 
     async def status(self, key_id: str, batch_id: str) -> str | None:
         """The batch's status now (None: no such batch)."""

@@ -28,6 +28,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -242,14 +243,14 @@ def _copy_bounded(source: BinaryIO, target: Path, max_bytes: int) -> int:
     return size
 
 
-def read_batch_requests(path: Path, max_requests: int, max_line_bytes: int) -> list[dict[str, Any]]:
+def batch_lines(path: Path, max_requests: int, max_line_bytes: int) -> Iterator[dict[str, Any]]:
     """The requests of a batch input file (OpenAI's JSONL: one object per line with
-    ``custom_id``, ``method``, ``url`` and ``body``), or a 400 naming the first
-    line that is not one. Each line passes the checks a request body does
+    ``custom_id``, ``method``, ``url`` and ``body``), one at a time, or a 400 naming
+    the first line that is not one. Each line passes the checks a request body does
     (``parse_json_object``: depth, NaN and Infinity, lone surrogates) and is at
     most ``max_line_bytes`` (the request body limit: a line is a request).
-    ``custom_id``s must be unique: results are matched by them."""
-    requests: list[dict[str, Any]] = []
+    ``custom_id``s must be unique: results are matched by them. One line is held
+    at a time (a file may be 200 MB): what a reader keeps is its own choice."""
     seen: set[str] = set()
     with open(path, "rb") as lines:
         number = 0
@@ -264,6 +265,7 @@ def read_batch_requests(path: Path, max_requests: int, max_line_bytes: int) -> l
                 line = parse_json_object(raw)
             except OpenAIError as exc:
                 raise _bad_line(number, f"is not a valid request ({exc.message})") from None
+            del raw
             custom_id = line.get("custom_id")
             if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
                 raise _bad_line(number, "needs 'custom_id', a string of 1 to 512 characters")
@@ -275,14 +277,13 @@ def read_batch_requests(path: Path, max_requests: int, max_line_bytes: int) -> l
                 raise _bad_line(number, "needs 'url', the endpoint (e.g. '/v1/chat/completions')")
             if not isinstance(line.get("body"), dict):
                 raise _bad_line(number, "needs 'body', the request as a JSON object")
-            if len(requests) == max_requests:
+            if len(seen) == max_requests:
                 raise OpenAIError(400, f"The file has more than {max_requests} requests.", param="file",
                                   code="too_many_requests")
             seen.add(custom_id)
-            requests.append({"line": number, "custom_id": custom_id, "url": line["url"], "body": line["body"]})
-    if not requests:
+            yield {"line": number, "custom_id": custom_id, "url": line["url"], "body": line["body"]}
+    if not seen:
         raise OpenAIError(400, "The file has no requests.", param="file", code="invalid_file")
-    return requests
 
 
 def _bad_line(number: int, problem: str) -> OpenAIError:

@@ -52,19 +52,16 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
         raise OpenAIError(400, "'input' must be a non-empty string or list of items.", param="input",
                           code="missing_required_parameter" if value is None else "invalid_value")
     own = input_items(value)
-    history: list[Any] = []
-    if previous_id is not None:
-        stored = await _stored(store, key.id, previous_id)
-        if stored is None:
-            raise not_found(previous_id)
-        history = stored["context"] + as_input(stored["response"].get("output") or [])
-    context = history + own
+    history_bytes = 0
+    if previous_id is not None:  # its size now, the conversation itself once admitted
+        history_bytes = await _history_bytes(store, key.id, previous_id)
+    context = list(own)
     body["input"] = context
     body["store"] = False  # vLLM's own store, one process' memory, stays unused
     stamp = _Stamp(keep, previous_id)
     kept = _Kept(store, key.id)
+    context_bytes = history_bytes + len(json.dumps(own))
     if keep:
-        context_bytes = len(json.dumps(context))
         if context_bytes > MAX_STORED_BYTES:
             raise OpenAIError(400, f"The conversation is too long to store (over {MAX_STORED_BYTES} bytes); "
                                    "start a new one or send it with 'store': false.", param="input",
@@ -74,9 +71,17 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
         echoed = len(json.dumps({name: value for name, value in body.items() if name != "input"}))
         await kept.reserve(2 * context_bytes + echoed + ANSWER_ALLOWANCE_BYTES)
 
+    async def load_history() -> None:
+        """The stored conversation before the request's own input (its media was
+        checked when it was sent)."""
+        stored = await _stored(store, key.id, previous_id)
+        if stored is None:  # deleted since its size was read
+            raise not_found(previous_id)
+        context[:0] = stored["context"] + as_input(stored["response"].get("output") or [])
+
     async def keep_answer(response: dict[str, Any]) -> bool:
         return await kept.put({**response, "store": True, "previous_response_id": previous_id}, context,
-                              with_ids(own))
+                              with_ids(own), context_bytes)
 
     async def respond(reply: Reply) -> Response:
         if reply.stream is not None:
@@ -87,7 +92,8 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
         response.update(store=stored, previous_response_id=previous_id)
         return Response(json.dumps(response), media_type="application/json", headers=reply.headers)
 
-    return Call(OPERATIONS["responses"], body, respond, abandon=kept.release)
+    return Call(OPERATIONS["responses"], body, respond, abandon=kept.release,
+                once_admitted=load_history if previous_id is not None else None, bytes_once_admitted=history_bytes)
 
 
 # What a stored answer may add beyond its conversation and echoed fields, reserved
@@ -109,12 +115,12 @@ class _Kept:
         except RedisError:
             raise _store_unavailable("stored") from None
 
-    async def put(self, response: dict[str, Any], context: list, own: list) -> bool:
+    async def put(self, response: dict[str, Any], context: list, own: list, context_bytes: int) -> bool:
         if self.pending is None:
             return False
         pending, self.pending = self.pending, None
         try:
-            await self.store.put(self.key_id, response, context, own, pending)
+            await self.store.put(self.key_id, response, context, own, pending, context_bytes)
             return True
         except RedisError:
             logger.exception("could not store response %s", response.get("id"))
@@ -169,6 +175,16 @@ async def _stored(store: ResponseStore, key_id: str, response_id: str) -> dict[s
         return await store.get(key_id, response_id)
     except RedisError:
         raise _store_unavailable("read") from None
+
+
+async def _history_bytes(store: ResponseStore, key_id: str, response_id: str) -> int:
+    try:
+        size = await store.history_bytes(key_id, response_id)
+    except RedisError:
+        raise _store_unavailable("read") from None
+    if size is None:
+        raise not_found(response_id)
+    return size
 
 
 async def retrieve(store: ResponseStore, key: KeyRecord, response_id: str) -> dict[str, Any]:

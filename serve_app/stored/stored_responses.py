@@ -29,6 +29,8 @@ RETENTION_S = 30 * 24 * 3600
 MAX_STORED_BYTES = 8 * 1024 * 1024  # as a request body may be
 
 
+_SIZE_FIELD = '{"history_bytes": '  # how every record starts (json.dumps, key order kept)
+
 # A reservation for a response being generated holds this long at most (its
 # ingress died before storing or releasing it).
 PENDING_S = 3600
@@ -52,6 +54,20 @@ class ResponseStore:
         raw = await self.redis.get(redis_names.stored_response(key_id, response_id))
         return json.loads(raw) if raw else None
 
+    async def history_bytes(self, key_id: str, response_id: str) -> int | None:
+        """The bytes a follow-up of ``response_id`` adds to its input (the
+        conversation and the answer, as JSON), read without reading them: a record
+        starts with it. None: no such response."""
+        name = redis_names.stored_response(key_id, response_id)
+        head = await self.redis.getrange(name, 0, len(_SIZE_FIELD) + 20)
+        if not head:
+            return None
+        head = head.decode() if isinstance(head, bytes) else head
+        digits = head[len(_SIZE_FIELD):].partition(",")[0] if head.startswith(_SIZE_FIELD) else ""
+        if digits.isascii() and digits.isdigit():
+            return int(digits)
+        return await self.redis.strlen(name)  # stored before records said it: at most the whole record
+
     async def reserve(self, key_id: str, size: int) -> str:
         """Room in the key's account for a response of up to ``size`` bytes, before
         it runs (a refusal runs nothing); the reservation's id."""
@@ -64,11 +80,15 @@ class ResponseStore:
         await self.space.release(key_id, pending)
 
     async def put(self, key_id: str, response: dict[str, Any], context: list[dict], own: list[dict],
-                  pending: str) -> None:
+                  pending: str, context_bytes: int) -> None:
         """Keep ``response``, the ``context`` it answered (history and its own input,
-        as sent to the engine) and its own input items with their listed ids; what
-        it really holds replaces its reservation ``pending`` in the key's account."""
-        record = json.dumps({"response": response, "context": context, "input_items": own})
+        as sent to the engine; ``context_bytes`` as JSON) and its own input items
+        with their listed ids; what it really holds replaces its reservation
+        ``pending`` in the key's account."""
+        history = context_bytes + len(json.dumps(as_input(response.get("output") or [])))
+        # The history's size first (``history_bytes``): a follow-up is priced and
+        # admitted before the conversation is read.
+        record = json.dumps({"history_bytes": history, "response": response, "context": context, "input_items": own})
         await self.redis.set(redis_names.stored_response(key_id, response["id"]), record, ex=RETENTION_S)
         await self.space.record(key_id, response["id"], len(record), time.time() + RETENTION_S)
         await self.space.release(key_id, pending)

@@ -41,6 +41,11 @@ class Call:
     # What undoes the translation's side effects when the gateway answers no Reply
     # (a refusal, an error): the Responses API gives back the storage it reserved.
     abandon: Callable[[], Awaitable[None]] | None = None
+    # What the body still needs once the key's quotas let it through (a Responses
+    # follow-up's stored conversation, read only for a request admitted), and the
+    # bytes it adds to the body, priced before it is read.
+    once_admitted: Callable[[], Awaitable[None]] | None = None
+    bytes_once_admitted: int = 0
 
 
 class ModelRegistry(Protocol):

@@ -17,7 +17,7 @@ import openai_spec
 from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
 from serve_app.stored.batches import as_batch
 from serve_app.errors import OpenAIError
-from serve_app.stored.files_api import FILE_ID, FileStore, read_batch_requests
+from serve_app.stored.files_api import FILE_ID, FileStore, batch_lines
 
 
 def line(custom_id: str, **changes) -> dict:
@@ -32,7 +32,7 @@ def write_lines(path, lines) -> None:
 def test_a_batch_file_is_read_request_by_request_skipping_blank_lines(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps(line("a")) + "\n\n" + json.dumps(line("b")))  # no final newline
-    assert [(r["line"], r["custom_id"]) for r in read_batch_requests(path, 10, 1 << 20)] == [(1, "a"), (3, "b")]
+    assert [(r["line"], r["custom_id"]) for r in batch_lines(path, 10, 1 << 20)] == [(1, "a"), (3, "b")]
 
 
 @pytest.mark.parametrize("lines, problem", [
@@ -48,7 +48,7 @@ def test_a_file_that_is_no_batch_names_its_first_bad_line(tmp_path, lines, probl
     path = tmp_path / "in.jsonl"
     write_lines(path, lines)
     with pytest.raises(OpenAIError) as caught:
-        read_batch_requests(path, 3, 1 << 20)
+        list(batch_lines(path, 3, 1 << 20))
     assert caught.value.status == 400 and problem in caught.value.message
 
 
@@ -70,7 +70,7 @@ def test_a_batch_line_passes_the_checks_a_request_body_does(tmp_path, raw, probl
     path = tmp_path / "in.jsonl"
     path.write_bytes(json.dumps(line("ok")).encode() + b"\n" + raw + b"\n")
     with pytest.raises(OpenAIError) as caught:
-        read_batch_requests(path, 10, 4096)
+        list(batch_lines(path, 10, 4096))
     assert caught.value.status == 400 and caught.value.message.startswith("Line 2 of the file")
     assert problem in caught.value.message and len(caught.value.message) < 300
 
@@ -79,9 +79,9 @@ def test_a_line_exactly_at_the_bound_is_read(tmp_path):
     raw = json.dumps(line("a")).encode()
     path = tmp_path / "in.jsonl"
     path.write_bytes(raw + b"\n")
-    assert read_batch_requests(path, 10, len(raw) + 1)[0]["custom_id"] == "a"  # the newline counts
+    assert next(batch_lines(path, 10, len(raw) + 1))["custom_id"] == "a"  # the newline counts
     with pytest.raises(OpenAIError):
-        read_batch_requests(path, 10, len(raw) - 1)
+        list(batch_lines(path, 10, len(raw) - 1))
 
 
 class SpaceLedger:
@@ -225,8 +225,8 @@ class MemoryBatches:
     async def ended(self, key_id, batch_id):
         self.ended_calls += 1
 
-    async def requests(self, key_id, file_id):
-        return read_batch_requests(self.files.path(key_id, file_id), 50_000, 1 << 20)
+    def lines(self, key_id, file_id):
+        return batch_lines(self.files.path(key_id, file_id), 50_000, 1 << 20)
 
 
 class LocalFiles(FileStore):
@@ -261,16 +261,18 @@ class AnsweringGateway:
         return SimpleNamespace(body=json.dumps({"id": "x", "object": "chat.completion", "usage": usage}).encode())
 
 
-def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3, keys=None):
+def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3, keys=None, pad: int = 0):
     """(the job, its store, its files); ``keys``: what each read of the key returns
-    in turn (the last one from then on), a KeyRecord or None for a revoked key."""
+    in turn (the last one from then on), a KeyRecord or None for a revoked key;
+    ``pad``: characters of ``user`` in every request (a big file)."""
     from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore
 
     files = LocalFiles(tmp_path)
     input_id = "file-" + "1" * 32
     files.path("k1", input_id).parent.mkdir(parents=True, exist_ok=True)
     write_lines(files.path("k1", input_id), [
-        {**line(f"r{i}"), "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}]}}
+        {**line(f"r{i}"), "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}],
+                                   **({"user": "x" * pad} if pad else {})}}
         for i in range(requests)])
     fixed = {"id": "batch_1", "object": "batch", "endpoint": "/v1/chat/completions", "input_file_id": input_id,
              "completion_window": "24h", "created_at": 0, "expires_at": expires_at}
@@ -425,3 +427,41 @@ def test_a_file_name_is_kept_without_what_could_break_a_header_or_a_path(name, k
     from serve_app.stored.files_api import safe_filename
 
     assert safe_filename(name) == kept
+
+
+async def test_a_runner_holds_the_requests_in_flight_never_its_whole_input_file(tmp_path):
+    import tracemalloc
+
+    # 400 requests of 50 KB: a 20 MB input file, read as the requests are sent.
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=400, pad=50_000)
+    tracemalloc.start()
+    try:
+        await job.run()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(gateway.sent) == 400 and store.fields_["status"] == "completed"
+    assert peak < 4_000_000, peak  # read whole and parsed, it was more than 20 MB
+
+
+async def test_a_new_batch_counts_its_file_one_line_at_a_time(tmp_path):
+    import tracemalloc
+
+    from serve_app.stored.batches import BatchStore
+
+    files = LocalFiles(tmp_path)
+    path = files.path("k1", "file-" + "2" * 32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_lines(path, [{**line(f"r{i}"), "url": "/v1/embeddings" if i % 7 == 0 else "/v1/chat/completions",
+                        "body": {"model": "m", "user": "x" * 50_000}} for i in range(400)])
+    store = BatchStore.__new__(BatchStore)
+    store.files, store.max_requests, store.max_line_bytes = files, 50_000, 1 << 20
+    tracemalloc.start()
+    try:
+        total, errors = store._scan("k1", "file-" + "2" * 32, "/v1/chat/completions")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert total == 400 and [error["line"] for error in errors] == list(range(1, 401, 7))
+    assert peak < 2_000_000, peak

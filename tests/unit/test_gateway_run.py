@@ -391,3 +391,29 @@ async def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_and_char
     [(status, usage)] = access.settled
     # The prompt as reserved (its 100 bytes of body at 4 per token), nothing of the 4 max tokens.
     assert status == "failed" and usage == Usage(prompt_tokens=25, completion_tokens=0)
+
+
+async def test_what_completes_a_body_once_admitted_runs_after_admission_and_its_refusal_charges_nothing():
+    calls = []
+    access = Access()
+    handle = Handle(lambda operation, body, **_: calls.append(body) or Response(
+        result=ReplicaAnswer(b"{}", USAGE, "r1")))
+    gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
+                      Telemetry(False, False))
+
+    async def history_gone():
+        assert access.admitted and not calls  # admitted, nothing sent yet
+        raise OpenAIError(404, "No response found.", code="response_not_found")
+
+    with pytest.raises(OpenAIError) as caught:
+        await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"), once_admitted=history_gone)
+    assert caught.value.status == 404 and caught.value.headers["x-ratelimit-limit-requests"] == "10"
+    assert access.settled == [("failed", Usage())] and calls == []
+
+    body = dict(CHAT)
+
+    async def complete():
+        body["messages"] = [{"role": "user", "content": "earlier"}, *body["messages"]]
+
+    await gateway.run(KEY, "chat", body, 100, RequestRecord("openai", "y"), once_admitted=complete)
+    assert [m["content"] for m in calls[0]["messages"]] == ["earlier", "hi"]  # sent as completed

@@ -24,9 +24,19 @@ ANSWER = {"id": "resp_1", "object": "response", "store": False, "previous_respon
 class FakeRedis:
     def __init__(self):
         self.values = {}
+        self.reads = []  # (command, name)
 
     async def get(self, name):
+        self.reads.append(("GET", name))
         return self.values.get(name)
+
+    async def getrange(self, name, start, end):  # Redis': ``end`` included
+        self.reads.append(("GETRANGE", name))
+        return self.values.get(name, "")[start:end + 1]
+
+    async def strlen(self, name):
+        self.reads.append(("STRLEN", name))
+        return len(self.values.get(name, ""))
 
     async def set(self, name, value, ex):
         assert ex == stored_responses.RETENTION_S
@@ -64,6 +74,8 @@ def store():
 
 async def answered(store, body, key=KEY, answer=ANSWER):
     call = await responses_api.translate(body, key, store)
+    if call.once_admitted is not None:  # as the gateway does, once the key's quotas admit it
+        await call.once_admitted()
     response = await call.respond(Reply(body=json.dumps(answer).encode()))
     return call, json.loads(response.body)
 
@@ -94,6 +106,42 @@ async def test_a_follow_up_sends_the_whole_conversation_and_names_its_previous_r
     stored = await store.get("k1", "resp_2")
     assert [item["content"] for item in stored["input_items"]] == ["And you?"]  # its own input only
     assert len(stored["context"]) == 3
+
+
+async def test_a_follow_up_is_priced_by_its_history_and_reads_it_only_once_admitted(store):
+    await answered(store, {"model": "m", "input": "x" * 30_000})
+    name = stored_responses.redis_names.stored_response("k1", "resp_1")
+    store.redis.reads.clear()
+    call = await responses_api.translate({"model": "m", "input": "And you?", "previous_response_id": "resp_1"},
+                                         KEY, store)
+    assert store.redis.reads == [("GETRANGE", name)]  # its size, not the conversation
+    stored = json.loads(store.redis.values[name])
+    history = stored["context"] + stored_responses.as_input(stored["response"]["output"])
+    assert call.bytes_once_admitted == stored["history_bytes"]
+    assert abs(call.bytes_once_admitted - len(json.dumps(history))) <= 4  # the JSON list's separators
+    assert len(call.body["input"]) == 1  # its own input until admitted
+    await call.once_admitted()
+    assert store.redis.reads[-1] == ("GET", name) and len(call.body["input"]) == 3
+
+
+async def test_a_response_stored_before_records_said_their_size_is_priced_by_its_length(store):
+    name = stored_responses.redis_names.stored_response("k1", "resp_old")
+    store.redis.values[name] = json.dumps({"response": ANSWER, "context": [], "input_items": []})
+    call = await responses_api.translate({"model": "m", "input": "more", "previous_response_id": "resp_old"},
+                                         KEY, store)
+    assert call.bytes_once_admitted == len(store.redis.values[name])
+    await call.once_admitted()
+    assert call.body["input"][0] == ANSWER["output"][0]
+
+
+async def test_a_follow_up_whose_history_was_deleted_after_its_size_was_read_is_a_404(store):
+    await answered(store, {"model": "m", "input": "Hi"})
+    call = await responses_api.translate({"model": "m", "input": "more", "previous_response_id": "resp_1"},
+                                         KEY, store)
+    await responses_api.delete(store, KEY, "resp_1")
+    with pytest.raises(OpenAIError) as caught:
+        await call.once_admitted()
+    assert caught.value.status == 404 and caught.value.code == "response_not_found"
 
 
 async def test_another_keys_response_is_not_found(store):

@@ -9,8 +9,10 @@ records, bytes in Redis and what ran, not only on statuses."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -114,6 +116,46 @@ def test_stored_responses_are_bounded_per_key_refused_before_they_run_and_freed_
         for metadata in ({"k": "v" * 513}, {str(i): "v" for i in range(17)}, {"k" * 65: "v"}):
             response = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "metadata": metadata})
             assert response.status_code == 400 and response.json()["error"]["param"] == "metadata"
+
+
+def test_a_refused_follow_up_never_reads_its_stored_conversation(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "hostile-follow-up", requests_per_minute=2)
+    junk = {"type": "message", "role": "user", "content": "hi", "note": "n" * (256 * 1024)}
+    with httpx.Client(base_url=base_url, headers=bearer(secret), timeout=120) as http:
+        first = http.post("/v1/responses", json={"model": MODEL, "max_output_tokens": 2, "input": [junk]})
+        assert first.status_code == 200, first.text
+        name = redis_names.stored_response(key_id, first.json()["id"])
+        assert http.get(f"/v1/responses/{first.json()['id']}").status_code == 200  # the minute's second request
+        follow_up = {"model": MODEL, "max_output_tokens": 2, "input": "more",
+                     "previous_response_id": first.json()["id"]}
+        with watching(redis) as seen:
+            refused = [http.post("/v1/responses", json=follow_up) for _ in range(3)]
+    assert [r.status_code for r in refused] == [429] * 3 and refused[0].json()["error"]["type"] == "requests"
+    # Each refusal read the record's first bytes (the history's size, to price it), never the whole record.
+    on_it = [command.split()[0].upper() for command in seen if name in command]
+    assert on_it == ["GETRANGE"] * 3, on_it
+    assert len(inference(wait_until_settled(redis, key_id))) == 1  # only the first one ran
+
+
+@contextlib.contextmanager
+def watching(redis):
+    """Every command the Redis server runs meanwhile (MONITOR), as text."""
+    seen: list[str] = []
+    marker = f"watch-ended-{time.time_ns()}"
+    with redis.monitor() as monitor:  # on from here: MONITOR answered before it returns
+
+        def read() -> None:
+            while marker not in (command := monitor.next_command()["command"]):
+                seen.append(command)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            yield seen
+        finally:
+            redis.echo(marker)
+            reader.join(30)
+    assert not reader.is_alive(), "MONITOR never saw the marker"
 
 
 @pytest.mark.parametrize("path", ["/v1/files", "/v1/batches", "/v1/responses/resp_x/input_items"])
