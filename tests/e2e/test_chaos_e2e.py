@@ -44,7 +44,7 @@ from http_checks import free_port
 from redis_server import RedisServer
 from settled import wait_until_settled
 from stack import (
-    LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, eager_engines, engine_processes,
+    LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, quick_engines, engine_processes,
     haproxy_processes, ray_processes,
 )
 
@@ -91,7 +91,7 @@ def chaos_config(redis_url: str) -> dict:
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     config["http_options"]["port"] = free_port()
     args = config["applications"][0]["args"]
-    args["models"] = eager_engines([m for m in args["models"] if m["name"] == MODEL])
+    args["models"] = quick_engines([m for m in args["models"] if m["name"] == MODEL], one_process=False)
     args["models"][0]["queue_timeout_s"] = QUEUE_TIMEOUT_S
     args["ingress"]["deployment"]["num_replicas"] = 2
     args["redis_url"] = redis_url

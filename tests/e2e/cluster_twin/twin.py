@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from stack import REPO, eager_engines
+from stack import REPO, quick_engines
 
 BIN = Path(sys.executable).parent
 DASHBOARD = "http://127.0.0.1:8265"
@@ -68,7 +68,7 @@ def twin_config(tmp_path: Path, port: int, adapter_dir: Path, only: list[str] | 
     """configs/multi.yaml as shipped, but for: the port, an adapter folder for
     small-llama (so '<model>:<folder>' adapters are tested), a "thinking" variant
     of the demo model for vLLM's reasoning parser, engines eager
-    (stack.eager_engines), and ``changes`` per model (a rollout's new version);
+    (stack.quick_engines), and ``changes`` per model (a rollout's new version);
     ``only``: these models alone (the others are removed from the deployment)."""
     config = yaml.safe_load((REPO / "configs" / "multi.yaml").read_text())
     config["http_options"]["port"] = port
@@ -92,7 +92,7 @@ def twin_config(tmp_path: Path, port: int, adapter_dir: Path, only: list[str] | 
         by_name[name].update(change)
     if only is not None:
         models[:] = [model for model in models if model["name"] in only]
-    eager_engines(models)
+    quick_engines(models)
     path = tmp_path / f"multi-{len(changes)}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
