@@ -203,14 +203,22 @@ async def _usage(args: argparse.Namespace) -> int:
     return await _admin_command(args, work)
 
 
+def _default_records_dir() -> str:
+    from serve_app.settings import RecordsConfig
+
+    return os.environ.get("LLM_CLUSTER_RECORDS__SINK_DIR", RecordsConfig().sink_dir or "")
+
+
 async def _request(args: argparse.Namespace) -> int:
     from serve_app.quota.keys import KeyNotFound, KeyStore
+    from serve_app.quota.record_sink import RecordSink
     from serve_app.quota.usage import request_state
 
     redis = _redis(args)
+    sink = RecordSink(args.records_dir, retention_s=0) if args.records_dir else None  # retention: never swept here
     try:
         key_id = (await KeyStore(redis).resolve(args.key)).id if args.key else None
-        state = await request_state(redis, args.request_id, key_id)
+        state = await request_state(redis, args.request_id, key_id, sink)
     except (ValueError, KeyNotFound) as exc:
         print(str(exc), file=sys.stderr)
         return 1
@@ -381,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     show = requests.add_parser("show", help="by request id, completion id or x-request-id")
     show.add_argument("request_id")
     show.add_argument("--key", default=None, help="look an x-request-id up among this key's requests (id or name)")
+    show.add_argument("--records-dir", default=_default_records_dir(),
+                      help="the record sink (records.sink_dir), read for records no longer in Redis; "
+                           "'' for Redis only (default: $LLM_CLUSTER_RECORDS__SINK_DIR or the config default)")
     commands.choices["requests"].set_defaults(run=lambda a: asyncio.run(_request(a)))
 
     batches = commands.add_parser("batches", help="any key's batches").add_subparsers(dest="action", required=True)

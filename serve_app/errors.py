@@ -140,5 +140,11 @@ def quota_store_unavailable() -> OpenAIError:
     return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
 
 
+def records_backlog() -> OpenAIError:
+    """The record sink has not taken ``records.max_backlog`` final records: no new request until it does."""
+    return _quota_store_503("The service cannot record requests right now (its record sink is behind).",
+                            "records_backlog")
+
+
 def _quota_store_503(message: str, code: str) -> OpenAIError:
     return OpenAIError(503, f"{message} Please retry shortly.", code=code, headers=dict(RETRY_HEADERS))

@@ -209,6 +209,31 @@ class StoreConfig(BaseModel):
     )
 
 
+class RecordsConfig(BaseModel):
+    """Where request records live (docs/operating.md, "Request records"): Redis keeps the
+    requests in flight and the last ``recent_s`` of final records; every final record
+    is appended to hourly JSONL files under ``sink_dir``, where ``llmctl requests show``
+    and ``GET /admin/requests/{id}`` find it for ``quota.request_retention_s``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sink_dir: str | None = Field(
+        "~/.llm-cluster/records",
+        description="The directory final request records are appended to (`<day>/<hour>/<writer>.jsonl`, "
+        "kept quota.request_retention_s). Every ingress node must see the same directory, as batch.files_dir: "
+        "on a cluster a shared mount. Unset (null): records stay in Redis for the whole retention.",
+    )
+    recent_s: int = Field(
+        3600, gt=0, description="How long a final record stays in Redis too (the quick lookups of the last "
+        "hour); Redis holds about this long of traffic instead of the whole retention.",
+    )
+    max_backlog: int = Field(
+        100_000, gt=0, description="Final records waiting for the sink (a Redis stream) past which new "
+        "requests are refused, 503 records_backlog, until the sink takes them: a sink that is down stops the "
+        "service after this many requests rather than losing records or growing Redis without bound.",
+    )
+
+
 class JwtConfig(BaseModel):
     """Identity from the company's OIDC provider: ``Authorization: Bearer <JWT>``
     (serve_app/quota/jwt_auth.py). Each user (``user_claim``) is admitted with its own
@@ -266,6 +291,7 @@ class AppSettings(BaseSettings):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    records: RecordsConfig = Field(default_factory=RecordsConfig)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
         description="One node, a Redis Cluster or a Sentinel's primary: serve_app/quota/redis_client.py.",

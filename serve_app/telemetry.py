@@ -192,6 +192,16 @@ class Telemetry:
             ("model", "outcome"),
         )
         self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
+        # Final request records on their way to the record sink (quota/record_shipper.py).
+        self.record_backlog = Gauge(
+            "llm_gateway_request_records_backlog", "Final request records waiting in Redis for the record sink "
+            "(records.max_backlog refuses new requests).")
+        self.records_written = Counter("llm_gateway_request_records_shipped",
+                                       "Final request records written to the record sink.")
+        self.record_bytes = Counter("llm_gateway_request_record_bytes", "Bytes written to the record sink.")
+        self.record_failures = Counter(
+            "llm_gateway_request_record_failures", "Record shipping attempts that failed, by stage: redis, sink "
+            "(retried), lost (Redis refused a record and the ingress' own buffer was full).", ("stage",))
         # An info metric: joins Serve's per-deployment metrics (replicas, autoscaling
         # target) to model names in PromQL (`* on(deployment) group_left(model)`).
         self.model_info = Gauge(
@@ -213,6 +223,10 @@ class Telemetry:
             zero(self.redis_errors, {"operation": operation})
         for kind in FALLBACK_KINDS:
             zero(self.fallbacks, {"kind": kind})
+        zero(self.records_written, {})
+        zero(self.record_bytes, {})
+        for stage in ("redis", "sink", "lost"):
+            zero(self.record_failures, {"stage": stage})
         self._in_flight: dict[str, int] = {}
         self._deployments: dict[str, str] = {}
         self._budgets: dict[tuple[str, str], tuple[float, float]] = {}  # (key, period) -> (ratio, set at)
@@ -289,6 +303,16 @@ class Telemetry:
 
     def redis_failed(self, operation: str) -> None:
         self.redis_errors.inc(tags={"operation": operation})
+
+    def records_backlog(self, waiting: int) -> None:
+        self.record_backlog.set(waiting)
+
+    def records_shipped(self, count: int, written_bytes: int) -> None:
+        self.records_written.inc(count)
+        self.record_bytes.inc(written_bytes)
+
+    def records_ship_failed(self, stage: str) -> None:
+        self.record_failures.inc(tags={"stage": stage})
 
     def fell_back(self, kind: str) -> None:
         self.fallbacks.inc(tags={"kind": kind})

@@ -66,6 +66,7 @@ def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
     quick_engines(args["models"])
     # Batch files in a directory of this test run, batches resumed fast after a runner dies.
     args["batch"] = {"files_dir": tempfile.mkdtemp(prefix="llm-files-"), "lease_s": 3.0, "poll_s": 0.2}
+    args["records"] = {"sink_dir": tempfile.mkdtemp(prefix="llm-records-")}  # this run's request records
     return args
 
 

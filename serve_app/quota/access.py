@@ -36,7 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from contract.replica_wire import Usage
-from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable
+from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable, records_backlog
 from serve_app.quota import redis_client
 from serve_app.quota.admission import Admission, Decision, Refusal
 from serve_app.quota.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
@@ -48,6 +48,8 @@ from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
 from serve_app.quota.local_limits import LocalLimiter
 from serve_app.quota.overlap import OverlapGuard
+from serve_app.quota.record_shipper import RecordShipper
+from serve_app.quota.record_sink import RecordSink
 from serve_app.quota.teams import TeamNotFound, TeamRecord, TeamStore, is_team_id
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -112,8 +114,14 @@ class Access:
         self.admins = AdminStore(self.redis)  # named admin credentials
         # Tokens of the company's identity provider, besides API keys (jwt_auth.py).
         self.jwt = JwtAuthenticator(settings.auth.jwt) if settings.auth.jwt is not None else None
+        # Final records to the record sink (record_shipper.py); Redis keeps them recent_s.
+        records = settings.records
+        self.records = (RecordShipper(self.redis, RecordSink(records.sink_dir, quota.request_retention_s),
+                                      records.max_backlog, telemetry)
+                        if records.sink_dir else None)
         self.admission = Admission(
             self.redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
+            settled_s=records.recent_s if self.records is not None else None,
             replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
         )
         self.fail_open = quota.fail_mode == "open"
@@ -221,6 +229,8 @@ class Access:
         ``request_id``: the id the request was already sent to the engine under (an
         overlapped admission); a new one otherwise. ``reserve_nanos``: the cost of
         the reservation, held against the money budgets."""
+        if self.records is not None and self.records.backlogged:
+            raise records_backlog()  # back-pressure: the sink is down, Redis holds its bound of records
         request_id = request_id or new_request_id(key.id)
         team = await self.team_of(key, model)
         levels = [key] if team is None else [key, team]
@@ -391,12 +401,15 @@ class Access:
 
     async def _settle_now(self, settlement: tuple) -> None:
         try:
-            await self.admission.settle(*settlement)
+            settled = await self.admission.settle(*settlement)
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("accounting")
             logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
             key, request_id, status, prompt, completion, replica, model, cost = settlement
             self._settle_later(key, request_id, model, status, prompt, completion, replica, cost)
+            return
+        if settled is not None and settled.record is not None and self.records is not None:
+            await self.records.ship(settled.record)
 
     def _settle_later(self, key, request_id, model, status, prompt, completion, replica="", cost=Cost()) -> None:
         if len(self._unsettled) >= MAX_UNSETTLED:
@@ -424,6 +437,8 @@ class Access:
         """Start the loop on the running event loop (Serve runs ``__init__`` on it)."""
         if self._maintainer is None:
             self._maintainer = asyncio.get_running_loop().create_task(self.maintain())
+            if self.records is not None:
+                self.records.start()
 
     async def maintain(self) -> None:
         if self.ingress_replicas.autoscaled:
@@ -455,10 +470,12 @@ class Access:
             answered = await self.admission.settle_many(batch)
         except REDIS_FAILED:
             return 0  # still unreachable: next tick
-        for settlement, done in zip(batch, answered):
+        for settlement, (done, settled) in zip(batch, answered):
             if done:
                 self._unsettled.pop(f"{settlement[0].id}/{settlement[1]}", None)
-        return sum(answered)
+            if settled is not None and settled.record is not None and self.records is not None:
+                await self.records.ship(settled.record)
+        return sum(done for done, _ in answered)
 
     async def stop_revoked(self) -> int:
         """Read the keys of the requests running here again and mark those of a key

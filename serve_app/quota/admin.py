@@ -197,7 +197,8 @@ async def request(access, request_id: str, key: str | None = None) -> dict[str, 
     """A request's record; ``key`` (id or name) looks an x-request-id up among that key's requests."""
     key_id = (await _key(access, key)).id if key is not None else None
     try:
-        state = await request_state(access.redis, request_id, key_id)
+        sink = access.records.sink if access.records is not None else None  # records past Redis' recent window
+        state = await request_state(access.redis, request_id, key_id, sink)
     except ValueError:
         state = None
     if state is None:

@@ -26,13 +26,14 @@ import datetime
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 from importlib import resources
 
 from serve_app.quota import redis_names
 from serve_app.quota.auto_pipeline import AutoPipeline
 from serve_app.quota.costs import NANOS_PER_USD, Cost
 from serve_app.quota.keys import KeyRecord
-from serve_app.quota.usage import key_id_of
+from serve_app.quota.usage import as_state, key_id_of
 
 # The Lua scripts' folder (this module's four; files_api's file space).
 SCRIPTS = resources.files("serve_app.quota") / "lua"
@@ -137,11 +138,16 @@ def indexable_http_id(http_request_id: str) -> str:
 
 
 class Admission:
-    def __init__(self, redis, *, lease_s: float, retention_s: int, replicas_to_acknowledge: int = 0,
+    def __init__(self, redis, *, lease_s: float, retention_s: int, settled_s: int | None = None,
+                 replicas_to_acknowledge: int = 0,
                  acknowledge_timeout_ms: int = 100):
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retention_s = retention_s
+        # With a record sink (record_shipper.py): how long a final record stays in
+        # Redis, and settlement hands the record on to the sink; None: no sink, a
+        # record stays its whole retention.
+        self.settled_s = settled_s
         # Called by EVALSHA, through the auto-pipeline (its module says how a
         # missing script is loaded, and how replicas acknowledge).
         self.pipeline = AutoPipeline(redis, replicas_to_acknowledge=replicas_to_acknowledge,
@@ -185,8 +191,9 @@ class Admission:
             key_id, _ = key_id_of(request_id)
             # The first request to use an id keeps the global entry (NX): a tenant that
             # reuses another's x-request-id never takes over its lookup; per key, the last.
-            await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=self.retention_s, nx=True)
-            await self.redis.set(redis_names.http_request(http_request_id, key_id), request_id, ex=self.retention_s)
+            kept_s = self.settled_s or self.retention_s  # past it, the record sink answers the lookup
+            await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=kept_s, nx=True)
+            await self.redis.set(redis_names.http_request(http_request_id, key_id), request_id, ex=kept_s)
 
     async def running(self, key_id: str, request_id: str, replica: str = "") -> None:
         await self.pipeline.call(self._running, redis_names.admission_keys(key_id, request_id), [replica])
@@ -201,29 +208,34 @@ class Admission:
         replica: str = "",
         model: str = "",
         cost: Cost = Cost(),
-    ) -> int | None:
-        """Final accounting; returns tokens charged beyond the reservation (or None
-        if the request was already settled). Idempotent: safe to retry."""
-        return await self.pipeline.call(self._settle, redis_names.admission_keys(key.id, request_id),
-                                        self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
-                                                          replica, model, cost))
+    ) -> Settled | None:
+        """Final accounting. Idempotent: safe to retry; None when the request was
+        settled already."""
+        reply = await self.pipeline.call(self._settle, redis_names.admission_keys(key.id, request_id),
+                                         self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
+                                                           replica, model, cost))
+        return _settled(request_id, reply)
 
     def _settle_args(self, key, request_id, status, prompt_tokens, completion_tokens, replica, model,
                      cost: Cost = Cost()) -> list:
         now = datetime.datetime.now(datetime.timezone.utc)
+        ship = self.settled_s is not None and key_id_of(request_id)[0] == key.id
         return [request_id, status, prompt_tokens, completion_tokens, key.tokens_per_minute,
-                self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"), now.strftime("m:%Y%m"),
-                cost.input_nanos, cost.output_nanos, cost.reserved_nanos, cost.cached_prompt_tokens]
+                self.settled_s or self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"),
+                now.strftime("m:%Y%m"), cost.input_nanos, cost.output_nanos, cost.reserved_nanos,
+                cost.cached_prompt_tokens, "1" if ship else "0"]
 
-    async def settle_many(self, settlements: list[tuple]) -> list[bool]:
+    async def settle_many(self, settlements: list[tuple]) -> list[tuple[bool, Settled | None]]:
         """Settle several requests in one pipeline (retries after Redis was
         unreachable); each item is ``settle``'s arguments. Returns, per item,
-        whether Redis answered for it (an answered settle is done, whatever it did)."""
+        whether Redis answered for it (an answered settle is done, whatever it did)
+        and what ``settle`` returns."""
         calls = [(self._settle, redis_names.admission_keys(key.id, request_id),
                   self._settle_args(key, request_id, status, prompt, completion, replica, model, *cost))
                  for key, request_id, status, prompt, completion, replica, model, *cost in settlements]
         replies = await self._script_batch(calls)
-        return [not isinstance(reply, BaseException) for reply in replies]
+        return [(False, None) if isinstance(reply, BaseException) else (True, _settled(item[1], reply))
+                for item, reply in zip(settlements, replies)]
 
     async def renew(self, running: dict[str, list[str]]) -> int:
         """Renew the leases of running requests, ``{key id: [request ids]}``, in
@@ -248,6 +260,24 @@ class Admission:
         for start in range(0, len(calls), self.pipeline.max_pipeline):
             replies += await self.pipeline.run(calls[start:start + self.pipeline.max_pipeline])
         return replies
+
+@dataclass(frozen=True)
+class Settled:
+    delta: int  # tokens charged beyond the reservation (negative: given back)
+    # The final record for the record sink (record_shipper.py): only with a sink,
+    # only at the request's own key's level (a team's copy stays in Redis settled_s).
+    record: dict[str, Any] | None = None
+
+
+def _settled(request_id: str, reply) -> Settled | None:
+    """settle.lua's reply: false (settled already), the delta, or {delta, the record's fields}."""
+    if reply is None or reply is False:
+        return None
+    if isinstance(reply, list):
+        fields = reply[1]
+        return Settled(int(reply[0]), as_state(request_id, dict(zip(fields[::2], fields[1::2]))))
+    return Settled(int(reply))
+
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

@@ -192,3 +192,5 @@ def batch_lease(key_id: str, batch_id: str) -> str:
 
 # Set of "<key id>/<batch id>" of the batches not finished yet: what runners look at.
 ACTIVE_BATCHES = f"{PREFIX}:batches:active"
+# Final request records on their way to the record sink (record_shipper.py): a stream.
+RECORD_OUTBOX = f"{PREFIX}:records:outbox"

@@ -8,15 +8,19 @@ the response's ``x-request-id`` (Ray Serve's id, indexed at admission).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import re
 import secrets
+import time
 from typing import Any
 
 from serve_app.quota import redis_names
 
 _COMPLETION_PREFIXES = ("chatcmpl-", "cmpl-")
-_OUR_ID = re.compile(r"^k[0-9a-z]+-[0-9a-f]{16}$")
+# ``<key id>-<8 hex: the second it was made><16 hex random>``; ids made before they
+# carried their time are 16 random hex digits.
+_OUR_ID = re.compile(r"^k[0-9a-z]+-(?:[0-9a-f]{8})?[0-9a-f]{16}$")
 _INT_FIELDS = {
     "received_ms", "first_token_ms", "finished_ms", "reserved_tokens",
     "prompt_tokens", "completion_tokens", "total_tokens",
@@ -24,7 +28,20 @@ _INT_FIELDS = {
 
 
 def new_request_id(key_id: str) -> str:
-    return f"{key_id}-{secrets.token_hex(8)}"
+    """A request id: its key's id (its record's hash tag), the second it was made
+    (where the record sink files it: record_sink.py) and 64 random bits."""
+    return f"{key_id}-{int(time.time()):08x}{secrets.token_hex(8)}"
+
+
+def id_time(request_id: str) -> int | None:
+    """When ``request_id`` was made, in ms (None: an id without its time)."""
+    _, _, tail = request_id.rpartition("-")
+    if len(tail) != 24:
+        return None
+    try:
+        return int(tail[:8], 16) * 1000
+    except ValueError:
+        return None
 
 
 def key_id_of(request_id: str) -> tuple[str, str]:
@@ -38,26 +55,37 @@ def key_id_of(request_id: str) -> tuple[str, str]:
     return key_id, request_id
 
 
-async def request_state(redis, request_id: str, key_id: str | None = None) -> dict[str, Any] | None:
+async def request_state(redis, request_id: str, key_id: str | None = None, sink=None) -> dict[str, Any] | None:
     """The record of a request, by completion id, request id or x-request-id; an
     x-request-id is looked up among ``key_id``'s requests when given (a client may
-    reuse another's id), else it names the first request that used it."""
+    reuse another's id), else it names the first request that used it. Redis
+    first (requests in flight, the recent ones), then ``sink`` (a ``RecordSink``:
+    final records for the whole retention), read off the event loop."""
     bare = request_id
     for prefix in _COMPLETION_PREFIXES:
         bare = bare.removeprefix(prefix)
     if not _OUR_ID.match(bare):
         indexed = await redis.get(redis_names.http_request(request_id, key_id))
         if indexed is None:
-            return None
+            if sink is None:
+                return None
+            return await asyncio.to_thread(sink.find, http_request_id=request_id, key_id=key_id)
         bare = _text(indexed)
     owner, bare = key_id_of(bare)
     if key_id is not None and owner != key_id:
         return None
-    key_id = owner
-    raw = await redis.hgetall(redis_names.request_record(key_id, bare))
-    if not raw:
+    raw = await redis.hgetall(redis_names.request_record(owner, bare))
+    if raw:
+        return as_state(bare, raw)
+    if sink is None:
         return None
-    state: dict[str, Any] = {"id": bare}
+    return await asyncio.to_thread(sink.find, bare)
+
+
+def as_state(request_id: str, raw: dict) -> dict[str, Any]:
+    """A request record as Redis holds it (a hash of strings) → its id first, then
+    its fields, counts as numbers: what ``requests show`` prints and the sink keeps."""
+    state: dict[str, Any] = {"id": request_id}
     for name, value in raw.items():
         name, value = _text(name), _text(value)
         state[name] = int(value) if name in _INT_FIELDS else value

@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ def chaos_config(redis_url: str) -> dict:
     args["models"][0]["queue_timeout_s"] = QUEUE_TIMEOUT_S
     args["ingress"]["deployment"]["num_replicas"] = 2
     args["redis_url"] = redis_url
+    args["records"] = {"sink_dir": tempfile.mkdtemp(prefix="llm-records-")}  # this run's request records
     args["quota"] = {"concurrency_lease_s": LEASE_S, "redis_timeout_s": 0.3, "fail_mode": "open"}
     return config
 

@@ -64,7 +64,7 @@ async def test_settle_refunds_unused_reservation(redis):
     _, d2 = await admit(adm, k, tokens=400)
     _, d3 = await admit(adm, k, tokens=400)
     assert d1.admitted and d2.admitted and not d3.admitted
-    assert await adm.settle(k, first, "completed", prompt_tokens=60, completion_tokens=40) == -300
+    assert (await adm.settle(k, first, "completed", prompt_tokens=60, completion_tokens=40)).delta == -300
     assert (await admit(adm, k, tokens=400))[1].admitted
 
 
@@ -123,7 +123,7 @@ async def test_request_record_lifecycle_and_usage_counters(redis):
     assert (await redis.hget(record, "status")) == b"admitted"
     await adm.running(k.id, rid, "replica-1")
     assert (await redis.hget(record, "status")) == b"running"
-    assert await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30, replica="replica-1") == -450
+    assert (await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30, replica="replica-1")).delta == -450
     assert await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30) is None  # idempotent
     await adm.running(k.id, rid)  # never moves a settled request back
     fields = {key.decode(): value.decode() for key, value in (await redis.hgetall(record)).items()}
@@ -190,7 +190,7 @@ async def test_scripts_are_called_by_sha(redis):
 async def test_unknown_usage_keeps_the_reservation_charged(redis):
     adm, k = admission(redis), key(tokens_per_minute=1000, max_concurrent=1)
     rid, _ = await admit(adm, k, tokens=600)
-    assert await adm.settle(k, rid, "cancelled", -1, -1) == 0
+    assert (await adm.settle(k, rid, "cancelled", -1, -1)).delta == 0
     fields = await redis.hgetall(redis_names.request_record(k.id, rid))
     assert fields[b"status"] == b"cancelled" and fields[b"total_tokens"] == b"600"
     assert (await admit(adm, k, tokens=600))[1].kind == "tokens"  # slot free, tokens still spent

@@ -66,7 +66,7 @@ async def test_scripts_flushed_from_redis_are_loaded_again(redis):
     assert all(decision.admitted for decision in decisions)
     await redis.script_flush()
     settled = await adm.settle_many([(key, rid, "completed", 1, 1, "", "m") for key, rid in zip(tenants, request_ids)])
-    assert settled == [True] * len(tenants)
+    assert [done for done, _ in settled] == [True] * len(tenants)
     for key, rid in zip(tenants, request_ids):
         assert (await redis.hget(redis_names.request_record(key.id, rid), "status")) == b"completed"
     assert sum([await redis.zcard(redis_names.concurrency(key.id)) for key in tenants]) == 1  # the first one's

@@ -103,7 +103,7 @@ async def test_a_late_admit_after_its_settlement_changes_nothing(redis):
     # settled it; the admit call then arrives. It must not take a slot or charge.
     adm, k = admission(redis), key(max_concurrent=1, daily_token_budget=1000)
     rid = "khard-00000000000000aa"
-    assert await adm.settle(k, rid, "completed", 7, 5, "", "m") == 0
+    assert (await adm.settle(k, rid, "completed", 7, 5, "", "m")).delta == 0
     late = await adm.admit(k, rid, "m", 500)
     assert not late.admitted and late.kind == "duplicate"
     assert await redis.zcard(redis_names.concurrency(k.id)) == 0

@@ -8,9 +8,11 @@
 --       8 key id, 9 model, 10 day field, 11 month field (both by the ingress's clock:
 --       used only for a request admitted without Redis, see below),
 --       12-14 its cost in nano-dollars: input, output, reserved (serve_app/quota/costs.py),
---       15 how many of its prompt tokens the engine had cached (priced apart; counted per model)
+--       15 how many of its prompt tokens the engine had cached (priced apart; counted per model),
+--       16 '1': the final record goes on to the record sink (serve_app/quota/record_shipper.py)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
--- Returns the token delta charged (actual - reserved), or false if nothing was done.
+-- Returns the token delta charged (actual - reserved), or false if nothing was done;
+-- with ARGV[16] '1', {delta, the final record's fields} (one read, in the same script).
 --
 -- No record: the request was admitted on the ingress's local limits because
 -- Redis did not answer (or its admit call is still on its way). Its real usage
@@ -19,6 +21,7 @@
 
 local WINDOW = 60000
 local CACHED_PROMPT = tonumber(ARGV[15] or 0)  -- of the prompt, found in the engine's cache
+local SHIP = ARGV[16] == '1'
 
 -- The usage API's counters (serve_app/quota/usage.py): per model and day, what each
 -- request of an inference model was charged: its real usage, or, when that is
@@ -70,6 +73,7 @@ if not status then
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
+  if SHIP then return {0, redis.call('HGETALL', KEYS[5])} end
   return 0
 end
 if status ~= 'admitted' and status ~= 'running' then return false end
@@ -116,4 +120,5 @@ else
 end
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], 'replica', ARGV[7]) end
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
+if SHIP then return {delta, redis.call('HGETALL', KEYS[5])} end
 return delta

@@ -93,6 +93,8 @@ def twin_config(tmp_path: Path, port: int, adapter_dir: Path, only: list[str] | 
     if only is not None:
         models[:] = [model for model in models if model["name"] in only]
     quick_engines(models)
+    # This run's request records: the package's folder, never the home directory's.
+    config["applications"][0]["args"]["records"] = {"sink_dir": str(tmp_path / "records")}
     path = tmp_path / f"multi-{len(changes)}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

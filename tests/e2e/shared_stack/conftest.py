@@ -57,13 +57,24 @@ def otlp():
 
 
 @pytest.fixture(scope="package")
-def base_url(redis_server, otlp):
+def stack_args(redis_server, otlp):
     args = {**local_app_args(), "redis_url": redis_server.url, "admin_token": ADMIN_TOKEN}
     # Traces on, sampled only where a client asks (its traceparent's sampled flag):
     # the other modules' requests take the unsampled path, as most would in production.
     args["telemetry"] = {**args.get("telemetry", {}), "tracing": {"endpoint": otlp.endpoint, "sample_ratio": 0.0}}
     args["models"].append(RERANKER)
-    with serve_stack(args, port=free_port()) as url:
+    return args
+
+
+@pytest.fixture(scope="package")
+def records_dir(stack_args):
+    """The stack's record sink (records.sink_dir, a directory of this run)."""
+    return stack_args["records"]["sink_dir"]
+
+
+@pytest.fixture(scope="package")
+def base_url(stack_args):
+    with serve_stack(stack_args, port=free_port()) as url:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while httpx.get(url + "/ready", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "the stack never became ready"

@@ -1,0 +1,127 @@
+"""Final request records leave Redis for the record sink (serve_app/quota/record_shipper.py)
+against a real Redis (one node, a cluster, Sentinel), through the real admission and
+settlement scripts: every settled record reaches the sink once, Redis keeps it only
+``records.recent_s``, a lookup finds it after Redis forgot it, a sink that is down
+loses nothing and stops admissions at the backlog bound, and a shipper that died
+with records read leaves them to another."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_app.errors import OpenAIError
+from serve_app.quota import admin, record_shipper, redis_names
+from serve_app.quota.access import Access
+from serve_app.quota.keys import KeyStore
+from serve_app.quota.record_shipper import RecordShipper
+from serve_app.quota.usage import request_state
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+
+RECENT_S = 120
+
+
+def access_for(redis_url: str, sink_dir, max_backlog: int = 1000) -> Access:
+    settings = AppSettings(redis_url=redis_url, records={"sink_dir": str(sink_dir), "recent_s": RECENT_S,
+                                                         "max_backlog": max_backlog})
+    return Access(settings, Telemetry(False, False))
+
+
+async def settled_requests(access: Access, key, count: int) -> list[str]:
+    """``count`` requests admitted and settled, as the gateway does (settlement runs off the request path)."""
+    ids = []
+    for i in range(count):
+        ticket = await access.admit(key, "chat", 20, http_request_id=f"client-{key.id}-{i}")
+        access.settle(ticket, "completed")
+        ids.append(ticket.request_id)
+    while access._background:
+        await asyncio.sleep(0.01)
+    return ids
+
+
+async def drain(shipper: RecordShipper) -> None:
+    while await shipper.ship_once():
+        pass
+
+
+def sink_lines(sink_dir) -> list[dict]:
+    return [json.loads(line) for path in sorted(sink_dir.rglob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+async def test_settled_records_reach_the_sink_once_and_stay_in_redis_only_a_recent_while(redis, redis_url, tmp_path):
+    access = access_for(redis_url, tmp_path)
+    key, _ = await KeyStore(redis).create("shipped")
+    ids = await settled_requests(access, key, 30)
+    assert await redis.xlen(redis_names.RECORD_OUTBOX) == 30
+    await drain(access.records)
+    lines = sink_lines(tmp_path)
+    assert sorted(line["id"] for line in lines) == sorted(ids) and access.records.backlog == 0
+    for request_id in ids:  # the sink holds what Redis holds, and Redis holds it a recent while only
+        name = redis_names.request_record(key.id, request_id)
+        assert 0 < await redis.ttl(name) <= RECENT_S
+        assert await request_state(redis, request_id) == next(line for line in lines if line["id"] == request_id)
+    assert 0 < await redis.ttl(redis_names.http_request(f"client-{key.id}-3")) <= RECENT_S
+    # Past Redis' window, the sink answers, by request id and by x-request-id.
+    await redis.delete(redis_names.request_record(key.id, ids[3]), redis_names.http_request(f"client-{key.id}-3"),
+                       redis_names.http_request(f"client-{key.id}-3", key.id))
+    assert await request_state(redis, ids[3]) is None
+    found = await request_state(redis, ids[3], sink=access.records.sink)
+    assert found["id"] == ids[3] and found["status"] == "completed" and found["key_id"] == key.id
+    by_client_id = await request_state(redis, f"client-{key.id}-3", sink=access.records.sink)
+    assert by_client_id["id"] == ids[3]
+    await access.redis.aclose()
+
+
+async def test_a_teams_copy_of_a_record_is_not_shipped_twice(redis, redis_url, tmp_path):
+    access = access_for(redis_url, tmp_path)
+    team = await admin.create_team(access, {"name": "shipping-team"}, "admin:test")
+    created = await admin.create_key(access, {"name": "team-member", "team": "shipping-team"}, "admin:test")
+    key = await access.keys.get(created["id"])
+    [request_id] = await settled_requests(access, key, 1)
+    await drain(access.records)
+    assert [line["id"] for line in sink_lines(tmp_path)] == [request_id]
+    assert 0 < await redis.ttl(redis_names.request_record(team["id"], request_id)) <= RECENT_S
+    await access.redis.aclose()
+
+
+async def test_a_sink_that_is_down_loses_nothing_and_stops_admissions_at_the_backlog_bound(redis, redis_url,
+                                                                                           tmp_path):
+    down = tmp_path / "sink"
+    down.write_text("a file where the directory should be")  # every append fails
+    access = access_for(redis_url, down, max_backlog=10)
+    key, _ = await KeyStore(redis).create("backlogged")
+    ids = await settled_requests(access, key, 10)
+    with pytest.raises(OSError):
+        await access.records.ship_once()
+    access.records.backlog = await redis.xlen(redis_names.RECORD_OUTBOX)
+    assert access.records.backlog == 10 and access.records.backlogged
+    with pytest.raises(OpenAIError) as refused:
+        await access.admit(key, "chat", 20)
+    assert refused.value.status == 503 and refused.value.code == "records_backlog"
+    assert "retry-after" in refused.value.headers
+    down.unlink()  # the share is back
+    await drain(access.records)
+    assert sorted(line["id"] for line in sink_lines(down)) == sorted(ids)  # each once, none lost
+    assert not access.records.backlogged
+    ids += await settled_requests(access, key, 1)  # admitted again
+    await drain(access.records)
+    assert len(sink_lines(down)) == 11
+    await access.redis.aclose()
+
+
+async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(redis, redis_url, tmp_path,
+                                                                               monkeypatch):
+    access = access_for(redis_url, tmp_path)
+    key, _ = await KeyStore(redis).create("claimed")
+    ids = await settled_requests(access, key, 5)
+    dead = RecordShipper(redis, access.records.sink, 1000, writer="dead")
+    await dead._ensure_group()
+    assert len(await dead._read(">")) == 5  # read, then its process died
+    monkeypatch.setattr(record_shipper, "CLAIM_IDLE_MS", 0)
+    await drain(access.records)
+    assert sorted(line["id"] for line in sink_lines(tmp_path)) == sorted(ids)
+    assert await redis.xlen(redis_names.RECORD_OUTBOX) == 0
+    await access.redis.aclose()
