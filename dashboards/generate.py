@@ -380,6 +380,21 @@ def quotas() -> Dashboard:
             "replica's local limits.", "short",
             target(rate("ray_llm_gateway_redis_fallbacks_total", by="kind"), "{{kind}}"), width=8,
         ))
+        .with_row(Row("Request records"))
+        .with_panel(timeseries(
+            "Records waiting for the sink", "Final request records in Redis' outbox, not yet written to "
+            "records.sink_dir (docs/operating.md, \"Request records\"). At records.max_backlog new requests are "
+            "refused (503 records_backlog) until the sink takes them.", "short",
+            target("max(ray_llm_gateway_request_records_backlog)", "waiting"), width=12,
+        ))
+        .with_panel(timeseries(
+            "Records shipped", "Final records written to the record sink per second, and shipping attempts that "
+            "failed by kind (redis, sink: retried; lost: Redis refused a record while the ingress' own "
+            "buffer was full).", "short",
+            target(rate("ray_llm_gateway_request_records_shipped_total"), "shipped"),
+            target(rate("ray_llm_gateway_request_record_failures_total", by="kind"), "failed: {{kind}}"),
+            width=12,
+        ))
     )
 
 

@@ -200,8 +200,8 @@ class Telemetry:
                                        "Final request records written to the record sink.")
         self.record_bytes = Counter("llm_gateway_request_record_bytes", "Bytes written to the record sink.")
         self.record_failures = Counter(
-            "llm_gateway_request_record_failures", "Record shipping attempts that failed, by stage: redis, sink "
-            "(retried), lost (Redis refused a record and the ingress' own buffer was full).", ("stage",))
+            "llm_gateway_request_record_failures", "Record shipping attempts that failed, by kind: redis, sink "
+            "(retried), lost (Redis refused a record and the ingress' own buffer was full).", ("kind",))
         # An info metric: joins Serve's per-deployment metrics (replicas, autoscaling
         # target) to model names in PromQL (`* on(deployment) group_left(model)`).
         self.model_info = Gauge(
@@ -225,8 +225,8 @@ class Telemetry:
             zero(self.fallbacks, {"kind": kind})
         zero(self.records_written, {})
         zero(self.record_bytes, {})
-        for stage in ("redis", "sink", "lost"):
-            zero(self.record_failures, {"stage": stage})
+        for kind in ("redis", "sink", "lost"):
+            zero(self.record_failures, {"kind": kind})
         self._in_flight: dict[str, int] = {}
         self._deployments: dict[str, str] = {}
         self._budgets: dict[tuple[str, str], tuple[float, float]] = {}  # (key, period) -> (ratio, set at)
@@ -311,8 +311,8 @@ class Telemetry:
         self.records_written.inc(count)
         self.record_bytes.inc(written_bytes)
 
-    def records_ship_failed(self, stage: str) -> None:
-        self.record_failures.inc(tags={"stage": stage})
+    def records_ship_failed(self, kind: str) -> None:
+        self.record_failures.inc(tags={"kind": kind})
 
     def fell_back(self, kind: str) -> None:
         self.fallbacks.inc(tags={"kind": kind})
