@@ -9,6 +9,7 @@ endpoint); with none set, a call pays one dictionary check."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Tracer
@@ -43,6 +44,22 @@ def call_span(trace: dict[str, str] | None, operation: str, model: str, replica:
     return tracer.start_span(f"replica {operation}", context=_PROPAGATOR.extract(trace), kind=SpanKind.SERVER,
                              attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": model,
                                          "llm.replica": replica})
+
+
+def engine_request(span: Span | None) -> Any:
+    """What vLLM's serving layer reads trace headers from (its ``raw_request``),
+    carrying ``span``'s context: vLLM's engine then records its own span of the
+    request (``llm_request``: time in queue, prefill, decode, time to first token,
+    tokens) as the replica span's child. None without a span. vLLM's serving layer
+    reads a request's ``headers`` and sets its ``state``, nothing else."""
+    if span is None:
+        return None
+    from opentelemetry.trace import set_span_in_context
+    from starlette.datastructures import Headers, State
+
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=set_span_in_context(span))
+    return SimpleNamespace(headers=Headers(carrier), state=State())
 
 
 def end_span(span: Span | None) -> None:

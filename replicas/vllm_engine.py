@@ -56,7 +56,11 @@ def engine_config(config: ModelConfig):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(config, resolve_source(config)))
+    cli = vllm_cli_args(config, resolve_source(config))
+    traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if traces:  # telemetry.tracing: vLLM's own span of each traced request (replicas/tracing.py joins it)
+        cli += ["--otlp-traces-endpoint", traces]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(cli)
     validate_parsed_serve_args(args)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     return args, engine_args, engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)

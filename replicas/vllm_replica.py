@@ -15,6 +15,8 @@ What ``call`` and ``stream`` answer the ingress: contract/replica_wire.py.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import os
@@ -31,7 +33,7 @@ from replicas import reasoning
 from replicas.openai_json import (FINISH_STOP, FINISH_TOOL_CALLS, finish_named_tool_calls, is_error, names_a_tool,
                                   openai_json, responses_json, responses_sse, validation_error)
 from replicas.streaming import batch_tokens, coalesce
-from replicas.tracing import call_span, end_span
+from replicas.tracing import call_span, end_span, engine_request
 from replicas.vllm_engine import engine_maker
 
 logger = logging.getLogger("ray.serve")
@@ -83,9 +85,10 @@ class VLLMReplica:
     def _refusal(self, status: int, error: dict[str, Any]) -> ReplicaError:
         return ReplicaError(status, error, self.replica)
 
-    async def _start(self, operation: str, body: dict[str, Any], adapter: str | None):
-        """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``."""
-        result = await self._answer(operation, body, adapter)
+    async def _start(self, operation: str, body: dict[str, Any], adapter: str | None, span=None):
+        """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``;
+        ``span``: the call's (vLLM's engine span joins it)."""
+        result = await self._answer(operation, body, adapter, span)
         if is_error(result):
             result = self._refusal(result.error.code, result.error.model_dump())
         if self.engine.errored and isinstance(result, ReplicaError):
@@ -95,7 +98,7 @@ class VLLMReplica:
             })
         return result
 
-    async def _answer(self, operation: str, body: dict[str, Any], adapter: str | None):
+    async def _answer(self, operation: str, body: dict[str, Any], adapter: str | None, span=None):
         if adapter is None:  # a call through a handle names it as Serve's multiplexed model id
             adapter = serve.get_multiplexed_model_id()
         if adapter:
@@ -122,14 +125,18 @@ class VLLMReplica:
             name = sorted(unknown)[0]
             return self._refusal(400, {"message": f"Unrecognized request argument supplied: {name}", "param": name})
         try:
-            return await handler(request_type.validate_python(body))
+            request = request_type.validate_python(body)
+            if span is not None and takes_raw_request(handler):
+                return await handler(request, engine_request(span))
+            return await handler(request)
         except ValidationError as exc:
             return self._refusal(400, validation_error(exc))
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
-    async def call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None) -> ReplicaAnswer | ReplicaError:
-        result = await self._start(operation, body, adapter)
+    async def call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
+                   span=None) -> ReplicaAnswer | ReplicaError:
+        result = await self._start(operation, body, adapter, span)
         if isinstance(result, ReplicaError):
             return result
         if isinstance(result, AsyncIterator):  # stream asked on the unary path
@@ -165,7 +172,7 @@ class VLLMReplica:
         context (replicas/tracing.py)."""
         span = call_span(trace, operation, self.config.name, self.replica)
         try:
-            answer = await self.call(operation, body, adapter)
+            answer = await self.call(operation, body, adapter, span)
             if span is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
                 span.set_attributes({"gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
                                      "gen_ai.usage.output_tokens": answer.usage.completion_tokens})
@@ -182,7 +189,7 @@ class VLLMReplica:
         span = call_span(trace, operation, self.config.name, self.replica)
         try:
             body = batch_tokens(operation, body, self.config.stream_batch_tokens, others=self._streams > 1)
-            result = await self._start(operation, body, adapter)
+            result = await self._start(operation, body, adapter, span)
             if isinstance(result, ReplicaError):
                 yield result
                 return
@@ -324,3 +331,11 @@ OPERATIONS = {
 }
 
 
+@functools.cache
+def takes_raw_request(handler) -> bool:
+    """Whether a vLLM handler takes the HTTP request it answers (``raw_request``:
+    where vLLM's serving layer reads trace headers from)."""
+    try:
+        return "raw_request" in inspect.signature(handler).parameters
+    except (TypeError, ValueError):
+        return False

@@ -74,3 +74,18 @@ def test_off_without_an_endpoint(monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.setattr(tracing, "_tracer", tracing._UNSET)
     assert RequestTrace.start("POST /v1/chat/completions", {}) is None
+
+
+def test_vllm_is_handed_the_replica_spans_context_as_a_requests_trace_headers():
+    from replicas.tracing import engine_request
+
+    provider = TracerProvider()
+    span = provider.get_tracer("t").start_span("replica chat")
+    request = engine_request(span)
+    context = span.get_span_context()
+    version, trace_id, span_id, flags = request.headers["traceparent"].split("-")
+    assert (trace_id, span_id) == (f"{context.trace_id:032x}", f"{context.span_id:016x}")
+    assert int(flags, 16) & 1  # sampled: vLLM's engine records its span
+    assert request.headers.get("X-Request-Id") is None  # vLLM reads nothing else from it but sets its state
+    request.state.request_metadata = "set by vLLM"
+    assert engine_request(None) is None  # an untraced call: vLLM gets no request, as before

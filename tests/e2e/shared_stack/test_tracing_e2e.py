@@ -5,7 +5,9 @@ the official protobufs), sampling only what a client's traceparent asks for.
 - A stream's trace continues the client's traceparent: the ingress' request span
   is its child, with the stages as children (authenticate, read body,
   admission, queue, replica call), in order; the replica's span, in the model's
-  own process and service, is a child of the replica call. The stages up to the
+  own process and service, is a child of the replica call, and vLLM's own span
+  of the request in its engine (``llm_request``: time in queue, prefill, decode,
+  time to first token) is the replica span's child. The stages up to the
   first token cover the client's time to first token, less the edge's hop.
 - A unary call's replica span carries the usage the client got.
 - Attributes name the model, the usage and the key id, never the key's secret
@@ -65,7 +67,8 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     usage = events[-1]["usage"]
     assert answered.split("-")[1] == trace_id and answered.endswith("-01")  # the client's trace goes on
 
-    spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", *STAGES, "replica call", "replica chat"})
+    spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", *STAGES, "replica call", "replica chat",
+                                      "llm_request"})
     named = by_name(spans)
     root = named["POST /v1/chat/completions"]
     assert root.parent_span_id == client_span and root.service == "llm-gateway"
@@ -76,6 +79,14 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     assert replica.parent_span_id == named["replica call"].span_id  # across the process boundary
     assert replica.service == f"llm-model-{MODEL}" and replica.attributes["llm.replica"]
     assert "first token" in replica.events and "first token" in named["replica call"].events
+    # vLLM's span of the request in its engine, joined through the context the replica hands it.
+    engine = named["llm_request"]
+    assert engine.parent_span_id == replica.span_id and engine.service == f"llm-model-{MODEL}"
+    phases = {name: engine.attributes[f"gen_ai.latency.{name}"]
+              for name in ("time_in_queue", "time_in_model_prefill", "time_in_model_decode", "time_to_first_token")}
+    assert all(value >= 0 for value in phases.values()), phases
+    assert engine.attributes["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
+    assert phases["time_in_queue"] + phases["time_in_model_prefill"] <= phases["time_to_first_token"] + 0.005
 
     # In order, within the request's span.
     ends = [named[name] for name in STAGES]
@@ -88,7 +99,8 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     # The gateway's time to its first token, from its spans, against the client's.
     traced_ttft = (named["replica call"].events["first token"] - root.start_ns) / 1e9
     print(f"client TTFT {ttft * 1000:.1f} ms, traced {traced_ttft * 1000:.1f} ms; stages (ms): " + ", ".join(
-        f"{name} {named[name].seconds * 1000:.1f}" for name in [*STAGES, "replica call", "replica chat"]))
+        f"{name} {named[name].seconds * 1000:.1f}" for name in [*STAGES, "replica call", "replica chat"])
+        + "; engine (ms): " + ", ".join(f"{name} {value * 1000:.1f}" for name, value in phases.items()))
     assert traced_ttft <= ttft + 0.005  # one clock on one machine
     assert ttft - traced_ttft <= max(0.05, 0.3 * ttft), (ttft, traced_ttft)  # the edge's hop and the relay
 
