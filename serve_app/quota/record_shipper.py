@@ -40,6 +40,7 @@ BATCH = 500  # entries read and written at a time
 IDLE_S = 0.5  # between reads of an empty outbox
 RETRY_S = 2.0  # after the sink or Redis failed
 CLAIM_IDLE_MS = 60_000  # an entry read this long ago and never acknowledged: its shipper died
+CLAIM_EVERY_S = 10.0  # how often a shipper looks for such entries
 SWEEP_EVERY_S = 3600.0
 MAX_UNSENT = 10_000  # records ``ship`` could not add (Redis failed), kept here for the loop to add
 
@@ -54,6 +55,8 @@ class RecordShipper:
         self.backlog = 0  # the outbox's length, as last read
         self._unsent: collections.deque[str] = collections.deque()
         self._group_ready = False
+        self._own_pending = False  # entries read and not acknowledged (the sink refused them)
+        self._claimed_at = float("-inf")
         self._task: asyncio.Task | None = None
 
     @property
@@ -104,15 +107,25 @@ class RecordShipper:
         then new ones. Returns how many were written."""
         await self._add_unsent()
         await self._ensure_group()
-        entries = await self._read("0") or await self._claim() or await self._read(">")
+        entries = []
+        if self._own_pending:  # what the sink refused last time, first
+            entries = await self._read("0")
+            self._own_pending = bool(entries)
+        if not entries and time.monotonic() - self._claimed_at >= CLAIM_EVERY_S:
+            self._claimed_at = time.monotonic()
+            entries = await self._claim()
+        if not entries:
+            entries = await self._read(">")
         if entries:
             records = [json.loads(fields[b"r"] if b"r" in fields else fields["r"]) for _, fields in entries]
+            self._own_pending = True  # read: pending for this shipper until acknowledged
             written = await asyncio.to_thread(self.sink.append, self.writer, records)
             ids = [entry_id for entry_id, _ in entries]
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xack(redis_names.RECORD_OUTBOX, GROUP, *ids)
                 pipe.xdel(redis_names.RECORD_OUTBOX, *ids)
                 await pipe.execute()
+            self._own_pending = False
             if self.telemetry is not None:
                 self.telemetry.records_shipped(len(records), written)
         self.backlog = int(await self.redis.xlen(redis_names.RECORD_OUTBOX))
