@@ -218,7 +218,7 @@ class Gateway:
                 self.telemetry.started_early(model, "withdrawn")
             raise render_refusal(admitted)
         ticket = admitted
-        ticket.rates, ticket.reserved = rates, reserved
+        ticket.rates, ticket.reserved, ticket.trace = rates, reserved, record.trace
         if early is not None:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)

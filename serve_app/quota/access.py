@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -53,6 +54,7 @@ from serve_app.quota.record_sink import RecordSink
 from serve_app.quota.teams import TeamNotFound, TeamRecord, TeamStore, is_team_id
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
+from serve_app.tracing import now_ns
 from serve_app.quota.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
@@ -94,6 +96,8 @@ class Ticket:
     reserved: tuple[int, int] = (0, 0)
     # The key's team when it has one: admitted, renewed and settled beside the key.
     team: TeamRecord | None = None
+    # Its request's trace (serve_app/tracing.py; set by the gateway): settling it is a stage.
+    trace: Any = None
 
     def levels(self) -> list[KeyRecord]:
         """The records it was admitted against: its key, and its team."""
@@ -396,10 +400,13 @@ class Access:
             self.overlap.ended(ticket.key.id)
         for level in ticket.levels():
             self._spawn(self._settle_now(
-                (level, ticket.request_id, status, prompt, completion, replica, ticket.model, cost)
+                (level, ticket.request_id, status, prompt, completion, replica, ticket.model, cost),
+                ticket.trace if level is ticket.key else None,
             ))
 
-    async def _settle_now(self, settlement: tuple) -> None:
+    async def _settle_now(self, settlement: tuple, trace=None) -> None:
+        """``trace``: the request's, which gets a ``settle`` span (after its answer)."""
+        started = now_ns()
         try:
             settled = await self.admission.settle(*settlement)
         except REDIS_FAILED as exc:
@@ -407,7 +414,11 @@ class Access:
             logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
             key, request_id, status, prompt, completion, replica, model, cost = settlement
             self._settle_later(key, request_id, model, status, prompt, completion, replica, cost)
+            if trace is not None:
+                trace.stage("settle", started, **{"llm.settle.status": settlement[2], "error.type": type(exc).__name__})
             return
+        if trace is not None:
+            trace.stage("settle", started, **{"llm.settle.status": settlement[2]})
         if settled is not None and settled.record is not None and self.records is not None:
             await self.records.ship(settled.record)
 

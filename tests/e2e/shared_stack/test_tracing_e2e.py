@@ -9,6 +9,8 @@ the official protobufs), sampling only what a client's traceparent asks for.
   of the request in its engine (``llm_request``: time in queue, prefill, decode,
   time to first token) is the replica span's child. The stages up to the
   first token cover the client's time to first token, less the edge's hop.
+  Settlement (Redis' script replacing the reservation with the usage) is a span
+  too, after the answer.
 - A unary call's replica span carries the usage the client got.
 - Attributes name the model, the usage and the key id, never the key's secret
   nor the prompt's text.
@@ -68,7 +70,7 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     assert answered.split("-")[1] == trace_id and answered.endswith("-01")  # the client's trace goes on
 
     spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", *STAGES, "replica call", "replica chat",
-                                      "llm_request"})
+                                      "llm_request", "settle"})
     named = by_name(spans)
     root = named["POST /v1/chat/completions"]
     assert root.parent_span_id == client_span and root.service == "llm-gateway"
@@ -93,6 +95,9 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     for earlier, later in zip(ends, ends[1:]):
         assert earlier.end_ns <= later.start_ns, (earlier, later)
     assert root.start_ns <= named["authenticate"].start_ns and named["replica call"].end_ns <= root.end_ns
+    settle = named["settle"]  # after the answer, off the request's path: its usage replaces the reservation
+    assert settle.parent_span_id == root.span_id and settle.attributes["llm.settle.status"] == "completed"
+    assert settle.start_ns >= named["replica call"].events["first token"]
     assert named["replica call"].start_ns >= named["admission"].end_ns
     assert named["replica call"].start_ns <= replica.start_ns <= replica.events["first token"]
 
