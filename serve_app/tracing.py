@@ -115,6 +115,7 @@ class RequestTrace:
             "gen_ai.request.model": record.model,
             "gen_ai.usage.input_tokens": record.prompt_tokens,
             "gen_ai.usage.output_tokens": record.completion_tokens,
+            "llm.request_id": record.request_id,  # the answer's x-request-id: the access log's request_id
             "llm.key.id": record.key_id,
             "llm.key.team": record.team,
             "llm.key.tier": record.tier,

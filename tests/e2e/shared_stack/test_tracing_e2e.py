@@ -59,7 +59,7 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     events = []
     with http.stream("POST", "/v1/chat/completions", json=body, headers={"traceparent": traceparent}) as response:
         assert response.status_code == 200
-        answered = response.headers["traceparent"]
+        answered, x_request_id = response.headers["traceparent"], response.headers["x-request-id"]
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
@@ -114,6 +114,7 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     assert attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert attributes["llm.key.id"] and attributes["llm.stream"] is True
+    assert attributes["llm.request_id"] == x_request_id  # joins the access log's line
     everything = repr([(span.name, span.attributes) for span in spans])
     assert api_key not in everything and marker not in everything
 
