@@ -9,6 +9,9 @@ through ``edge_config`` first:
   slowloris; HAProxy's ``maxconn`` is 4,096) are closed with a 408 instead of locking
   every tenant out; ``timeout http-keep-alive``: how long an idle kept-alive
   connection is held between requests.
+- ``EDGE_TIME_HEADER`` on every request a frontend forwards: when HAProxy had it, so
+  a trace shows the hop from the edge to the ingress (an "edge" span: HAProxy 2.8 as
+  Ray ships it is built without OpenTelemetry, ``-OT``).
 - HAProxy's own answers in OpenAI's error envelope as JSON, with their real status
   (no replica up: 503 with ``Retry-After``; a replica gone: 502; too slow: 504), instead
   of Ray's plain-text "Internal Server Error" for all three. HAProxy 2.8 answers the
@@ -26,6 +29,8 @@ import json
 import re
 from http import HTTPStatus
 from pathlib import Path
+
+from contract.edge import EDGE_TIME_HEADER
 
 REQUEST_HEADERS_TIMEOUT_S = 10
 KEEP_ALIVE_TIMEOUT_S = 60
@@ -50,6 +55,7 @@ EDGE_ERRORS = {
 }
 
 _DEFAULTS = re.compile(r"^defaults[^\n]*\n", re.MULTILINE)
+_FRONTEND = re.compile(r"^frontend[^\n]*\n", re.MULTILINE)
 _OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
 
 
@@ -66,8 +72,8 @@ def error_response(status: int) -> bytes:
 
 def edge_config(config: str, error_dir: Path) -> str:
     """``config`` (Ray's) with the edge's timeouts and JSON error files in every
-    ``defaults`` section (replacing Ray's own of each); the error files are
-    written to ``error_dir``."""
+    ``defaults`` section (replacing Ray's own of each) and the edge's time on every
+    request of each ``frontend``; the error files are written to ``error_dir``."""
     error_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
              f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s"]
@@ -76,10 +82,13 @@ def edge_config(config: str, error_dir: Path) -> str:
         path.write_bytes(error_response(status))
         lines.append(f"    errorfile {status} {path}")
     own = "\n".join(lines) + "\n"
+    stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
-        if section.startswith("defaults") else section
+        if section.startswith("defaults")
+        else _FRONTEND.sub(lambda head: head.group(0) + stamp, section) if section.startswith("frontend")
+        else section
         for section in sections)
 
 

@@ -24,6 +24,8 @@ from typing import Any
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from contract.edge import EDGE_TIME_HEADER
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 _UNSET = object()
 _tracer: Any = _UNSET
@@ -66,6 +68,9 @@ class RequestTrace:
         # trace); no stage, no replica span is made.
         self.recording = self.root.is_recording()
         self.call: Span | None = None
+        edge_ns = _edge_time_ns(headers, self.root)
+        if edge_ns is not None:  # the hop from HAProxy to this ingress: until the request span began
+            self.tracer.start_span("edge", context=self.context, start_time=edge_ns).end(self.root.start_time)
 
     @classmethod
     def start(cls, name: str, headers: Mapping[str, str]) -> "RequestTrace | None":
@@ -131,6 +136,25 @@ class RequestTrace:
         if record.status >= 500:
             self.root.set_status(Status(StatusCode.ERROR))
         self.root.end()
+
+
+# The edge's time is believed within this much of the ingress' clock (HAProxy on
+# another node: their clocks as NTP keeps them); outside it, or without HAProxy (a
+# client could send the header), no edge span is made.
+EDGE_SKEW_NS = 60 * 10**9
+
+
+def _edge_time_ns(headers: Mapping[str, str], root: Span) -> int | None:
+    """When HAProxy had the request (``contract.edge``), if the span is recorded and
+    the time is plausible."""
+    if not root.is_recording():
+        return None
+    raw = headers.get(EDGE_TIME_HEADER)
+    if not raw or not raw.isascii() or not raw.isdigit() or len(raw) > 19:
+        return None
+    edge_ns = int(raw) * 1000
+    started = root.start_time
+    return edge_ns if started - EDGE_SKEW_NS <= edge_ns <= started else None
 
 
 def _attributes(values: dict[str, Any]) -> dict[str, Any]:

@@ -177,3 +177,51 @@ def test_the_edge_closes_a_trickled_request_with_a_408_and_answers_its_own_5xx_i
     finally:
         starter.kill()
         starter.wait()
+
+
+def test_the_edge_stamps_each_request_with_its_time_whatever_the_client_sent(tmp_path):
+    import http.server
+    import threading
+
+    from contract.edge import EDGE_TIME_HEADER
+
+    seen: list[list[str]] = []
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get_all(EDGE_TIME_HEADER) or [])
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(textwrap.dedent(f"""\
+        defaults
+          mode http
+          timeout connect 1s
+          timeout client 10s
+          timeout server 5s
+        frontend web
+          bind 127.0.0.1:{port}
+          default_backend app
+        backend app
+          server ingress 127.0.0.1:{server.server_address[1]}
+        """))
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        sent_us = time.time_ns() // 1000
+        answer = raw_exchange(port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{EDGE_TIME_HEADER}: 1\r\n"
+                                    "Connection: close\r\n\r\n".encode())
+        assert answer.split(b"\r\n")[0].endswith(b" 204 No Content"), answer
+        [[stamped]] = seen  # one value: the client's was replaced
+        assert sent_us <= int(stamped) <= time.time_ns() // 1000
+    finally:
+        starter.kill()
+        starter.wait()
+        server.shutdown()

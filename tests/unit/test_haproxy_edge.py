@@ -27,9 +27,10 @@ def test_each_defaults_section_gets_the_timeouts_and_json_errors_in_place_of_ray
     assert "timeout http-request 10s" in defaults and "timeout http-keep-alive 60s" in defaults
     assert "/tmp/ray/500.http" not in config and "timeout client 3600s" in defaults
     assert [line.split()[1] for line in defaults.splitlines() if "errorfile" in line] == [str(s) for s in EDGE_ERRORS]
-    # Other sections are Ray's, untouched.
+    # A frontend stamps every request with the edge's time, first; other sections are Ray's, untouched.
     assert config.startswith("global\n    maxconn 4096\n")
-    assert "frontend http_frontend\n    bind 127.0.0.1:8000\n    errorfile 503 /tmp/keep-mine.http\n" in config
+    assert ("frontend http_frontend\n    http-request set-header x-llm-edge-us %[date(0,us)]\n"
+            "    bind 127.0.0.1:8000\n    errorfile 503 /tmp/keep-mine.http\n") in config
     assert config.endswith("backend llm\n    timeout server 30s\n")
 
 

@@ -89,3 +89,22 @@ def test_vllm_is_handed_the_replica_spans_context_as_a_requests_trace_headers():
     assert request.headers.get("X-Request-Id") is None  # vLLM reads nothing else from it but sets its state
     request.state.request_metadata = "set by vLLM"
     assert engine_request(None) is None  # an untraced call: vLLM gets no request, as before
+
+
+def test_the_hop_from_the_edge_is_a_span_from_haproxys_time_to_the_request_span():
+    import time
+
+    otel, exporter = tracer()
+    parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    edge_us = time.time_ns() // 1000 - 3000  # HAProxy had it 3 ms ago
+    trace = RequestTrace(otel, "POST /v1/chat/completions", {**parent, "x-llm-edge-us": str(edge_us)})
+    trace.end(finished_record())
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    edge, root = spans["edge"], spans["POST /v1/chat/completions"]
+    assert edge.parent.span_id == root.context.span_id
+    assert edge.start_time == edge_us * 1000 and edge.end_time == root.start_time
+    # Implausible values (no HAProxy in front: a client sent it; clocks far apart) make no span.
+    for value in ("", "12x", "9" * 30, str(edge_us - 120 * 10**6), str(time.time_ns() // 1000 + 10**6)):
+        otel, exporter = tracer()
+        RequestTrace(otel, "POST /v1/chat/completions", {**parent, "x-llm-edge-us": value}).end(finished_record())
+        assert [span.name for span in exporter.get_finished_spans()] == ["POST /v1/chat/completions"], value

@@ -3,12 +3,12 @@ stack exports OTLP/HTTP to a receiver this test runs (tests/otlp_receiver.py,
 the official protobufs), sampling only what a client's traceparent asks for.
 
 - A stream's trace continues the client's traceparent: the ingress' request span
-  is its child, with the stages as children (authenticate, read body,
-  admission, queue, replica call), in order; the replica's span, in the model's
+  is its child, with the stages as children (the edge's hop from HAProxy,
+  authenticate, read body, admission, queue, replica call), in order; the replica's span, in the model's
   own process and service, is a child of the replica call, and vLLM's own span
   of the request in its engine (``llm_request``: time in queue, prefill, decode,
   time to first token) is the replica span's child. The stages up to the
-  first token cover the client's time to first token, less the edge's hop.
+  first token cover the client's time to first token, less the client's own side.
   Settlement (Redis' script replacing the reservation with the usage) is a span
   too, after the answer.
 - A unary call's replica span carries the usage the client got.
@@ -69,7 +69,7 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     usage = events[-1]["usage"]
     assert answered.split("-")[1] == trace_id and answered.endswith("-01")  # the client's trace goes on
 
-    spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", *STAGES, "replica call", "replica chat",
+    spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", "edge", *STAGES, "replica call", "replica chat",
                                       "llm_request", "settle"})
     named = by_name(spans)
     root = named["POST /v1/chat/completions"]
@@ -101,13 +101,17 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     assert named["replica call"].start_ns >= named["admission"].end_ns
     assert named["replica call"].start_ns <= replica.start_ns <= replica.events["first token"]
 
-    # The gateway's time to its first token, from its spans, against the client's.
-    traced_ttft = (named["replica call"].events["first token"] - root.start_ns) / 1e9
+    # The hop from HAProxy (its time on the request) to the ingress, before the request span.
+    edge = named["edge"]
+    assert edge.parent_span_id == root.span_id and edge.start_ns <= edge.end_ns == root.start_ns
+
+    # The time to the first token, from the edge's time on, against the client's.
+    traced_ttft = (named["replica call"].events["first token"] - edge.start_ns) / 1e9
     print(f"client TTFT {ttft * 1000:.1f} ms, traced {traced_ttft * 1000:.1f} ms; stages (ms): " + ", ".join(
-        f"{name} {named[name].seconds * 1000:.1f}" for name in [*STAGES, "replica call", "replica chat"])
+        f"{name} {named[name].seconds * 1000:.1f}" for name in ["edge", *STAGES, "replica call", "replica chat"])
         + "; engine (ms): " + ", ".join(f"{name} {value * 1000:.1f}" for name, value in phases.items()))
     assert traced_ttft <= ttft + 0.005  # one clock on one machine
-    assert ttft - traced_ttft <= max(0.05, 0.3 * ttft), (ttft, traced_ttft)  # the edge's hop and the relay
+    assert ttft - traced_ttft <= max(0.05, 0.3 * ttft), (ttft, traced_ttft)  # the client's side and the relay
 
     attributes = root.attributes
     assert attributes["gen_ai.request.model"] == MODEL and attributes["http.response.status_code"] == 200
