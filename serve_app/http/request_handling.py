@@ -104,10 +104,11 @@ class HandlesRequests:
     async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
         """The caller's key (checked first: no key, no parsing) and the JSON body."""
         started = now_ns()
-        key = await self.access.authenticate(request.headers)
+        seen: dict[str, str] = {}
+        key = await self.access.authenticate(request.headers, seen)
         record.for_key(key)
         if record.trace is not None:
-            record.trace.stage("authenticate", started)
+            record.trace.stage("authenticate", started, **{"llm.auth.source": seen.get("source")})
             started = now_ns()
         raw = await self._read_body(request)
         body = parse_json_object(raw)

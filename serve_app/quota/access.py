@@ -151,7 +151,11 @@ class Access:
 
     # -- authentication ------------------------------------------------------
 
-    async def authenticate(self, headers) -> KeyRecord:
+    async def authenticate(self, headers, seen: dict[str, str] | None = None) -> KeyRecord:
+        """The caller's key record, or a 401/503. ``seen["source"]`` says where it came
+        from (a trace's attribute): ``cache``, ``redis``, ``stale_cache`` (Redis
+        unreachable) or ``identity_token``."""
+        seen = {} if seen is None else seen
         secret = _secret_from(headers)
         if not secret:
             raise OpenAIError(
@@ -160,15 +164,19 @@ class Access:
                 code="invalid_api_key",
             )
         if self.jwt is not None and looks_like_jwt(secret):
+            seen["source"] = "identity_token"
             return await self.jwt.authenticate(secret)  # checked in memory: no Redis, no cache
         hashed = digest(secret)
         hit, record = self._cache.get(hashed)
+        seen["source"] = "cache"
         if not hit:
+            seen["source"] = "redis"
             try:
                 record = await self.keys.authenticate(secret)
             except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
                 record = self._fallback(hashed, exc)
+                seen["source"] = "stale_cache"
             except REDIS_FAILED as exc:
                 self.telemetry.redis_failed("authenticate")
                 logger.error("Redis refused to look a key up: %r", exc)

@@ -357,3 +357,19 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
         finally:
             await gate.redis.aclose()
             await client.aclose()
+
+
+async def test_authentication_says_where_the_key_record_came_from(redis_url):
+    from serve_app.quota.keys import KeyStore
+
+    gate = Access(AppSettings(redis_url=redis_url, quota={"key_cache_ttl_s": 60}), Telemetry(False, False))
+    try:
+        _, secret = await KeyStore(gate.redis).create("traced-auth")
+        sources = []
+        for _ in range(2):
+            seen: dict[str, str] = {}
+            await gate.authenticate({"authorization": f"Bearer {secret}"}, seen)
+            sources.append(seen["source"])
+        assert sources == ["redis", "cache"]  # a trace's authenticate span says which
+    finally:
+        await gate.redis.aclose()

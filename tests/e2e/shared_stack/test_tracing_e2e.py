@@ -90,6 +90,8 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     assert engine.attributes["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
     assert phases["time_in_queue"] + phases["time_in_model_prefill"] <= phases["time_to_first_token"] + 0.005
 
+    assert named["authenticate"].attributes["llm.auth.source"] in ("cache", "redis")  # the key record's source
+
     # In order, within the request's span.
     ends = [named[name] for name in STAGES]
     for earlier, later in zip(ends, ends[1:]):
