@@ -144,8 +144,9 @@ def test_a_refused_request_is_traced_with_its_status(base_url, otlp):
                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
                           headers={"authorization": "Bearer sk-not-a-key", "traceparent": traceparent})
     assert response.status_code == 401
-    [root] = otlp.wait_for(trace_id, {"POST /v1/chat/completions"})
-    assert root.parent_span_id == client_span
+    named = by_name(otlp.wait_for(trace_id, {"POST /v1/chat/completions", "edge"}))
+    root = named["POST /v1/chat/completions"]  # and the edge's hop before it; no stage past the key
+    assert root.parent_span_id == client_span and set(named) == {"POST /v1/chat/completions", "edge"}
     assert root.attributes["http.response.status_code"] == 401 and "sk-not-a-key" not in repr(root.attributes)
 
 
