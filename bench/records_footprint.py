@@ -23,21 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from redis_footprint import used  # noqa: E402  (bench/, beside this file)
 from redis_server import running_redis  # noqa: E402
 
-from serve_app.quota import redis_client  # noqa: E402
+from serve_app.quota import redis_client, redis_names  # noqa: E402
 from serve_app.quota.access import Access  # noqa: E402
 from serve_app.quota.keys import KeyStore  # noqa: E402
 from serve_app.settings import AppSettings  # noqa: E402
 from serve_app.telemetry import Telemetry  # noqa: E402
-
-
-async def used(client) -> int:
-    """Bytes of every key (MEMORY USAGE): what is stored, without connection buffers."""
-    total = 0
-    async for name in client.scan_iter(count=1000):
-        total += await client.memory_usage(name, samples=0) or 0
-    return total
 
 
 def sink_bytes(directory: Path) -> int:
@@ -61,7 +54,7 @@ async def run(url: str, sink_dir: Path | None, rounds: int, per_round: int, rece
         served += per_round
         while access._background:  # settlements off the request path
             await asyncio.sleep(0.01)
-        while access.records is not None and await client.xlen("llm:records:outbox"):
+        while access.records is not None and await client.xlen(redis_names.RECORD_OUTBOX):
             await asyncio.sleep(0.05)
         took = time.monotonic() - started
         await asyncio.sleep(max(0.0, recent_s + 1 - took) if sink_dir else 0)  # the window passes

@@ -132,12 +132,10 @@ class Gateway:
         if once_admitted is not None:
             try:
                 await once_admitted()
-            except OpenAIError as exc:  # nothing ran: nothing is charged
+            except BaseException as exc:  # nothing ran: nothing is charged
                 self.access.settle(ticket, "failed", Usage())
-                exc.headers = {**ticket.headers, **exc.headers}
-                raise
-            except BaseException:
-                self.access.settle(ticket, "failed", Usage())
+                if isinstance(exc, OpenAIError):
+                    exc.headers = {**ticket.headers, **exc.headers}
                 raise
         return await self._call(plan, ticket, record, early)
 

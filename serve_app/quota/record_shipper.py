@@ -166,6 +166,6 @@ class RecordShipper:
                                             start_id="0-0", count=BATCH)
         return [(entry_id, fields) for entry_id, fields in reply[1] if fields]
 
-    def _failed(self, stage: str) -> None:
+    def _failed(self, kind: str) -> None:
         if self.telemetry is not None:
-            self.telemetry.records_ship_failed(stage)
+            self.telemetry.records_ship_failed(kind)
