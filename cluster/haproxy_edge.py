@@ -21,6 +21,16 @@ through ``edge_config`` first:
   ``h1_send_error``, writes the built-in ``http_err_msgs`` and reads the configured
   error file only to see whether it is empty, which would close without an answer);
   their status is right, their body is not JSON.
+- One hop at ``/v1`` for the models with a direct route: a POST to one of
+  ``ONE_HOP_ROUTES`` whose JSON body names such a model is sent to that model's
+  application (``/direct/<model>/v1/...``: its replicas run the gateway in-process,
+  serve_app/http/direct.py) instead of to the ingress, which would reach the same
+  replicas a hop later. HAProxy reads ``model`` from the body once it has it all (up
+  to ``ONE_HOP_BODY_BYTES``, its buffer, raised to that); a body it cannot read (larger,
+  not JSON, a model without a direct route)
+  goes to the ingress as before, which answers it the same way. The models are those
+  whose direct application Ray's config routes (its ``path_beg /direct/<model>/`` ACLs),
+  so the edge follows deployments with nothing to configure.
 """
 
 from __future__ import annotations
@@ -30,10 +40,19 @@ import re
 from http import HTTPStatus
 from pathlib import Path
 
-from contract.edge import EDGE_TIME_HEADER
+from contract.edge import DIRECT_ROUTE_ROOT, EDGE_TIME_HEADER, ONE_HOP_ROUTES
 
 REQUEST_HEADERS_TIMEOUT_S = 10
 KEEP_ALIVE_TIMEOUT_S = 60
+# The largest body the edge reads a model from (HAProxy's request buffer; about 60k
+# tokens of text): larger ones take the ingress' two hops. Each request being read
+# holds one such buffer, taken from a pool as needed, not one per connection.
+ONE_HOP_BODY_BYTES = 256 * 1024
+# How long the edge waits for such a body to arrive whole (or to fill its buffer):
+# HAProxy's ``timeout http-request`` bounds it too, so a model request's headers and
+# the first ``ONE_HOP_BODY_BYTES`` of its body must come within this (at least 26
+# KiB/s), else 408; the rest of a larger body has the ingress' ``body_timeout_s``.
+ONE_HOP_BODY_WAIT_S = REQUEST_HEADERS_TIMEOUT_S
 
 # The statuses HAProxy itself answers (those its `errorfile` takes), what each
 # tells an OpenAI client, and OpenAI's error type and code for it.
@@ -42,8 +61,8 @@ EDGE_ERRORS = {
           "invalid_request_error", "bad_request"),
     403: ("The request was refused.", "permission_error", "forbidden"),
     405: ("Method not allowed.", "invalid_request_error", "method_not_allowed"),
-    408: (f"The request was not sent within {REQUEST_HEADERS_TIMEOUT_S}s.", "invalid_request_error",
-          "request_timeout"),
+    408: (f"The request was not sent in time (its headers, and the start of a model request's body, within "
+          f"{REQUEST_HEADERS_TIMEOUT_S}s).", "invalid_request_error", "request_timeout"),
     413: ("The request is too large.", "invalid_request_error", "request_too_large"),
     429: ("Too many requests.", "rate_limit_error", "rate_limit_exceeded"),
     500: ("The server had an error processing your request.", "server_error", None),
@@ -55,7 +74,10 @@ EDGE_ERRORS = {
 }
 
 _DEFAULTS = re.compile(r"^defaults[^\n]*\n", re.MULTILINE)
+_GLOBAL = re.compile(r"^global[^\n]*\n", re.MULTILINE)
 _FRONTEND = re.compile(r"^frontend[^\n]*\n", re.MULTILINE)
+_BUFSIZE = re.compile(r"^(\s*)tune\.bufsize (\d+)$", re.MULTILINE)
+_DIRECT_ACL = re.compile(rf"^\s*acl \S+ path_beg {re.escape(DIRECT_ROUTE_ROOT)}([^/\s]+)/$", re.MULTILINE)
 _OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
 
 
@@ -87,9 +109,34 @@ def edge_config(config: str, error_dir: Path) -> str:
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
-        else _FRONTEND.sub(lambda head: head.group(0) + stamp, section) if section.startswith("frontend")
+        else _FRONTEND.sub(lambda head: head.group(0) + stamp + one_hop_rules(section), section)
+        if section.startswith("frontend")
+        else _with_body_buffer(section) if section.startswith("global") and _DIRECT_ACL.search(config)
         else section
         for section in sections)
+
+
+def one_hop_rules(frontend: str) -> str:
+    """The rules that send a ``/v1`` request naming a model with a direct route to
+    that route (before Ray's, whose path ACLs then pick the direct application's
+    backend): none when the frontend routes no direct application."""
+    models = sorted(set(_DIRECT_ACL.findall(frontend)))
+    if not models:
+        return ""
+    routes = "{ path " + " ".join(ONE_HOP_ROUTES) + " }"
+    # The name as the route prefix writes it ("/" as "--"): what the ACLs list.
+    model = "req.body,json_query('$.model'),regsub(/,--,g)"
+    return (f"    http-request wait-for-body time {ONE_HOP_BODY_WAIT_S}s if METH_POST {routes}\n"
+            f"    http-request set-var(txn.llm_one_hop) {model} if METH_POST {routes}\n"
+            f"    http-request set-path {DIRECT_ROUTE_ROOT}%[var(txn.llm_one_hop)]%[path]"
+            f" if {{ var(txn.llm_one_hop) -m str {' '.join(models)} }}\n")
+
+
+def _with_body_buffer(section: str) -> str:
+    """The global section with a request buffer that holds ``ONE_HOP_BODY_BYTES``."""
+    if _BUFSIZE.search(section):
+        return _BUFSIZE.sub(lambda m: f"{m.group(1)}tune.bufsize {max(int(m.group(2)), ONE_HOP_BODY_BYTES)}", section)
+    return _GLOBAL.sub(lambda head: head.group(0) + f"    tune.bufsize {ONE_HOP_BODY_BYTES}\n", section)
 
 
 def rewrite_args(args: list[str]) -> list[str]:

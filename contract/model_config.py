@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contract.autoscaling import AutoscalingSettings
+from contract.edge import DIRECT_ROUTE_ROOT
 
 DEMO_SOURCE = "demo"
 # A cross-encoder built from the MiniLM PyPI package (replicas/demo_reranker.py).
@@ -428,4 +429,4 @@ def direct_app_name(model_name: str) -> str:
 
 def direct_route_prefix(model_name: str) -> str:
     """Where a model with ``direct_route`` answers: OpenAI's routes under it."""
-    return "/direct/" + model_name.replace("/", "--")
+    return DIRECT_ROUTE_ROOT + model_name.replace("/", "--")

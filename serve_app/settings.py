@@ -26,8 +26,9 @@ class IngressConfig(BaseModel):
     )
     body_timeout_s: float = Field(
         60.0, gt=0, description="A request body (not a file upload: that holds one of its key's concurrency "
-        "slots) must arrive whole within this, else 408. HAProxy gives the headers 10 s "
-        "(cluster/haproxy_edge.py).",
+        "slots) must arrive whole within this, else 408. HAProxy gives the headers 10 s, and "
+        "the first 256 KiB of a body it reads to send the request to a model's direct route "
+        "in one hop the same 10 s (cluster/haproxy_edge.py).",
     )
     deployment: dict[str, Any] = Field(
         default_factory=lambda: {

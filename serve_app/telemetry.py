@@ -16,6 +16,8 @@ per streamed chunk.
 
 from __future__ import annotations
 
+import collections
+
 import asyncio
 import json
 import logging
@@ -192,6 +194,7 @@ class Telemetry:
             ("model", "outcome"),
         )
         self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
+        self.answered_counts: collections.Counter[str] = collections.Counter()  # requests by route, this process
         # Final request records on their way to the record sink (quota/record_shipper.py).
         self.record_backlog = Gauge(
             "llm_gateway_request_records_backlog", "Final request records waiting in Redis for the record sink "
@@ -326,6 +329,7 @@ class Telemetry:
             record.in_flight = False
         status = str(record.status)
         self.requests.inc(tags={"model": model, "route": record.route, "status": status})
+        self.answered_counts[record.route] += 1
         self.duration.observe(now - record.started, tags={"model": model, "route": record.route})
         if record.limit:
             self.refusals.inc(tags={"model": model, "limit": record.limit, "level": record.level})

@@ -25,6 +25,7 @@ from fastapi import Request
 from ray import serve
 from starlette.responses import JSONResponse, Response
 
+from contract.edge import ONE_HOP_ROUTES
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
 from serve_app.quota.access import Access
@@ -120,13 +121,9 @@ class InProcessReplica:
 
 direct_app = openai_app("llm-cluster direct route")
 
-# The routes a direct route answers (tests/unit/test_route_access.py checks each needs a key).
-DIRECT_ROUTES = {
-    ("POST", "/v1/chat/completions"),
-    ("POST", "/v1/completions"),
-    ("POST", "/v1/embeddings"),
-    ("GET", "/v1/models"),
-}
+# The routes a direct route answers (tests/unit/test_route_access.py checks each needs a
+# key): those the edge sends it from /v1 (contract/edge.py), and its model list.
+DIRECT_ROUTES = {("POST", path) for path in ONE_HOP_ROUTES} | {("GET", "/v1/models")}
 
 
 @serve.deployment
@@ -165,6 +162,11 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         """Streams this replica's gateway sent to the engine before their admission
         returned, by outcome (also the ``llm_gateway_early_starts`` metric)."""
         return dict(self.telemetry.early_counts)
+
+    def answered(self) -> dict[str, int]:
+        """The requests this replica's gateway answered over HTTP (from /direct/<model>, or
+        from /v1 through the edge's one hop), by route, since it started."""
+        return dict(self.telemetry.answered_counts)
 
     @direct_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:

@@ -225,3 +225,129 @@ def test_the_edge_stamps_each_request_with_its_time_whatever_the_client_sent(tmp
         starter.kill()
         starter.wait()
         server.shutdown()
+
+
+# -- one hop at /v1 for a model with a direct route ------------------------------------
+
+
+class _Recorder:
+    """An HTTP server that answers 200 and records each request's path and body."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.seen: list[tuple[str, bytes]] = []
+        seen = self.seen
+
+        class Record(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self):
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                if self.headers.get("transfer-encoding") == "chunked":
+                    while (size := int(self.rfile.readline().strip(), 16)):
+                        body += self.rfile.read(size)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                seen.append((self.path, body))
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Record)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def ray_shaped_config(tmp_path: Path, port: int, ingress: int, direct: dict[str, int]) -> Path:
+    """Ray's HAProxy config as its template writes it for the main application at /
+    and each direct route's application at /direct/<name> (its path ACLs, longest
+    prefix first, and a backend each)."""
+    acls, uses, backends = [], [], [f"backend llm\n  server r 127.0.0.1:{ingress}\n"]
+    for name, server in direct.items():
+        acls += [f"  acl is_direct-{name} path_beg /direct/{name}/", f"  acl is_direct-{name} path /direct/{name}"]
+        uses.append(f"  use_backend direct-{name} if is_direct-{name}")
+        backends.append(f"backend direct-{name}\n  server r 127.0.0.1:{server}\n")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text("\n".join([
+        "global", "  maxconn 100", "  tune.bufsize 16384",
+        "defaults", "  mode http", "  timeout connect 1s", "  timeout client 10s", "  timeout server 5s",
+        "frontend http_frontend", f"  bind 127.0.0.1:{port}", *acls, "  acl is_llm path_beg /", "  acl is_llm path /",
+        *uses, "  use_backend llm if is_llm", *backends]))
+    return config
+
+
+def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_hop(tmp_path):
+    import json
+
+    from cluster.haproxy_edge import ONE_HOP_BODY_BYTES
+
+    ingress, tiny, org = _Recorder(), _Recorder(), _Recorder()
+    port = free_port()
+    config = ray_shaped_config(tmp_path, port, ingress.port, {"tiny-llama": tiny.port, "org--big": org.port})
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+
+    def post(path: str, body: bytes, pause_s: float = 0.0, chunked: bool = False) -> None:
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\nConnection: close\r\n\r\n"
+        if chunked:
+            body = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:7], body[7:])) + b"0\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(head.encode() + body[:len(body) // 2])
+            time.sleep(pause_s)
+            sock.sendall(body[len(body) // 2:])
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+
+    def chat(model, filler: int = 0) -> bytes:  # the model last, as the openai SDK writes it
+        return json.dumps({"messages": [{"role": "user", "content": "x" * filler}], "model": model}).encode()
+
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        sent = {
+            "/v1/chat/completions": chat("tiny-llama"),
+            "/v1/completions": json.dumps({"model": "tiny-llama", "prompt": "hi"}).encode(),
+            "/v1/embeddings": chat("org/big"),  # "/" is "--" in the route prefix
+        }
+        for path, body in sent.items():
+            post(path, body)
+        post("/v1/chat/completions?api-version=1", chat("tiny-llama"), chunked=True)
+        assert tiny.seen == [("/direct/tiny-llama/v1/chat/completions", sent["/v1/chat/completions"]),
+                             ("/direct/tiny-llama/v1/completions", sent["/v1/completions"]),
+                             ("/direct/tiny-llama/v1/chat/completions?api-version=1", chat("tiny-llama"))]
+        assert org.seen == [("/direct/org--big/v1/embeddings", sent["/v1/embeddings"])]
+        assert ingress.seen == []
+
+        # What the edge cannot or must not read goes to the ingress, path and body as sent.
+        huge = chat("tiny-llama", filler=ONE_HOP_BODY_BYTES)  # past the buffer: the model is never seen
+        others = [
+            ("/v1/chat/completions", chat("some-other-model")),
+            ("/v1/chat/completions", chat(["tiny-llama"])),
+            ("/v1/chat/completions", chat("../llm/tiny-llama")),
+            ("/v1/responses", json.dumps({"model": "tiny-llama", "input": "hi"}).encode()),  # not a one-hop route
+            ("/v1/chat/completions", huge),
+        ]
+        for path, body in others:
+            post(path, body)
+        assert ingress.seen == others
+        assert len(tiny.seen) == 3 and len(org.seen) == 1
+        # A body that trickles in is waited for (up to REQUEST_HEADERS_TIMEOUT_S) and served in one hop.
+        post("/v1/chat/completions", chat("tiny-llama"), pause_s=1.5)
+        assert tiny.seen[-1] == ("/direct/tiny-llama/v1/chat/completions", chat("tiny-llama"))
+        # A client naming the direct route itself is forwarded as before.
+        post("/direct/tiny-llama/v1/completions", sent["/v1/completions"])
+        assert tiny.seen[-1] == ("/direct/tiny-llama/v1/completions", sent["/v1/completions"])
+    finally:
+        starter.kill()
+        starter.wait()
+        for recorder in (ingress, tiny, org):
+            recorder.server.shutdown()

@@ -3,8 +3,9 @@
 real binary)."""
 
 import json
+from pathlib import Path
 
-from cluster.haproxy_edge import EDGE_ERRORS, edge_config, error_response, rewrite_args
+from cluster.haproxy_edge import EDGE_ERRORS, ONE_HOP_BODY_BYTES, edge_config, error_response, rewrite_args
 
 RAY_CONFIG = """global
     maxconn 4096
@@ -47,3 +48,38 @@ def test_the_config_haproxy_is_given_is_the_rewritten_one_beside_rays(tmp_path):
     assert args == ["-db", "-f", str(tmp_path / "haproxy.cfg.edge"), "-sf", "12"]
     assert "timeout http-request" in (tmp_path / "haproxy.cfg.edge").read_text()
     assert (tmp_path / "haproxy.cfg").read_text() == RAY_CONFIG
+
+
+RAY_CONFIG_WITH_DIRECT_ROUTES = """global
+    maxconn 4096
+    tune.bufsize 16384
+defaults
+    mode http
+frontend prometheus
+    bind :9101
+frontend http_frontend
+    bind 127.0.0.1:8000
+    acl is_direct-org--big path_beg /direct/org--big/
+    acl is_direct-org--big path /direct/org--big
+    acl is_direct-tiny path_beg /direct/tiny/
+    acl is_direct-tiny path /direct/tiny
+    acl is_llm path_beg /
+    use_backend direct-tiny if is_direct-tiny
+"""
+
+
+def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_there():
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES, Path("/tmp/unused-errors"))
+    frontend = config.split("frontend http_frontend\n")[1]
+    rules = [line.strip() for line in frontend.splitlines() if line.strip().startswith("http-request")]
+    assert rules[0].startswith("http-request set-header x-llm-edge-us")  # still first
+    assert rules[1].startswith("http-request wait-for-body time 10s if METH_POST { path /v1/chat/completions ")
+    assert rules[-1] == ("http-request set-path /direct/%[var(txn.llm_one_hop)]%[path] "
+                         "if { var(txn.llm_one_hop) -m str org--big tiny }")
+    assert "set-path" not in config.split("frontend prometheus\n")[1].split("frontend")[0]
+    assert f"tune.bufsize {ONE_HOP_BODY_BYTES}\n" in config and "tune.bufsize 16384" not in config
+
+
+def test_without_a_direct_route_the_edge_reads_no_body():
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES.replace("/direct/", "/other/"), Path("/tmp/unused-errors"))
+    assert "wait-for-body" not in config and "set-path" not in config and "tune.bufsize 16384\n" in config

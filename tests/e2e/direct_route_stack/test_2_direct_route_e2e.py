@@ -31,6 +31,9 @@ from stack import call_replica, create_key
 pytestmark = pytest.mark.e2e
 
 HELLO = [{"role": "user", "content": "Tell me about the license."}]
+# The ingress' way to this model's chat: /v1 requests for it take the edge's one hop to
+# the direct route (cluster/haproxy_edge.py), Azure's route is the ingress' alone.
+INGRESS_CHAT = "/models/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,8 @@ def test_the_direct_route_answers_as_the_ingress_does_and_charges_once(base_url,
     key_id, secret = create_key(redis_server.url, "direct-same", requests_per_minute=100)
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
     direct = openai.OpenAI(base_url=direct_url + "/v1", api_key=secret, max_retries=0, timeout=120)
-    ingress = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    ingress = openai.OpenAI(base_url=base_url + "/models", api_key=secret, max_retries=0, timeout=120,
+                            default_headers={"extra-parameters": "pass-through"})  # Azure's word for vLLM's own
 
     by_direct = direct.chat.completions.with_raw_response.create(**request)
     openai_spec.validate(by_direct.http_response.json(), "CreateChatCompletionResponse")
@@ -100,6 +104,44 @@ def test_the_direct_route_answers_as_the_ingress_does_and_charges_once(base_url,
     assert sorted(r["status"] for r in found) == ["completed"] * 4
     used = answer.usage.total_tokens + by_ingress.usage.total_tokens + chunks[-1].usage.total_tokens
     assert charged(redis, key_id) == used + completion.usage.total_tokens  # each request once, what it used
+
+
+def answered() -> int:
+    """The requests the direct route's replica answered over HTTP since it started."""
+    return sum(call_replica(MODEL, "answered", app_name=direct_app_name(MODEL)).values())
+
+
+def test_v1_requests_naming_the_model_take_one_hop_to_its_direct_route(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "one-hop", requests_per_minute=100)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    before = answered()
+    chat = client.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=6,
+                                                            extra_body={"ignore_eos": True})
+    assert chat.headers["x-ratelimit-remaining-requests"] == "99"  # admitted by the key's quota
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    completion = client.completions.create(model=MODEL, prompt="The license", max_tokens=3,
+                                           extra_body={"ignore_eos": True})
+    assert answered() - before == 3  # each answered by the model's replica itself, none by the ingress
+    assert chat.parse().usage.completion_tokens == 6 and completion.usage.completion_tokens == 3
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # A body the edge could not read a model from goes to the ingress, which answers as before.
+    broken = httpx.post(base_url + "/v1/chat/completions", content=b'{"model": "%s", "messages": [' % MODEL.encode(),
+                        headers={"authorization": f"Bearer {secret}", "content-type": "application/json"}, timeout=60)
+    assert assert_error_envelope(broken, 400)["message"]
+    listed = post(base_url, secret, "/v1/chat/completions", {"model": [MODEL], "messages": HELLO})
+    assert assert_error_envelope(listed, 400)["param"] == "model"
+    unknown = post(base_url, secret, "/v1/chat/completions", {"model": MODEL + "-x", "messages": HELLO})
+    assert assert_error_envelope(unknown, 404)
+    # Two names for the model: the edge reads the first, the gateway the last; refused, never run.
+    twice = httpx.post(base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"}, timeout=60,
+                       content=b'{"model": "%s", "model": "%s-x", "messages": []}' % (MODEL.encode(), MODEL.encode()))
+    assert twice.status_code in (400, 404), twice.text
+    found = wait_until_settled(redis, key_id, records_expected=3)
+    assert sorted(r["status"] for r in found) == ["completed"] * 3  # the refused left no record
+    used = chat.parse().usage.total_tokens + chunks[-1].usage.total_tokens + completion.usage.total_tokens
+    assert charged(redis, key_id) == used  # each once, what it used
 
 
 def test_models_lists_what_the_key_may_use(direct_url, redis_server):
@@ -156,8 +198,9 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_read(direct_url, redis_serv
 def test_a_key_limit_is_one_limit_across_the_direct_route_and_the_ingress(base_url, direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-rpm", requests_per_minute=3)
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
-    statuses = [post(url, secret, "/v1/chat/completions", request)
-                for url in (direct_url, base_url, direct_url, base_url, direct_url)]
+    statuses = [post(url, secret, path, request) for url, path in (
+        (direct_url, "/v1/chat/completions"), (base_url, INGRESS_CHAT), (base_url, "/v1/chat/completions"),
+        (base_url, INGRESS_CHAT), (direct_url, "/v1/chat/completions"))]
     assert [r.status_code for r in statuses] == [200, 200, 200, 429, 429], [r.text for r in statuses]
     refused = assert_error_envelope(statuses[-1], 429)
     assert refused["type"] == "requests" and int(statuses[-1].headers["retry-after"]) >= 1
@@ -250,7 +293,7 @@ def test_a_flood_past_a_limit_spent_elsewhere_starts_no_more_than_the_room_redis
     streamed = [stream_chat(direct_url, secret) for _ in range(2)]  # Redis reports 2 left
     assert [status for status, _ in streamed] == [200, 200]
     prompt = streamed[0][1]["prompt_tokens"]
-    unary = [post(base_url, secret, "/v1/chat/completions", SHORT) for _ in range(2)]
+    unary = [post(base_url, secret, INGRESS_CHAT, SHORT) for _ in range(2)]
     assert [r.status_code for r in unary] == [200, 200]  # the limit is spent
     wait_engine_idle()
     with model_busy(direct_url, redis_server):
