@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from contract.model_config import deployment_name
+from contract.model_config import deployment_name, direct_app_name
 
 APP_NAME = "llm"
 ENGINE_LOAD_TIMEOUT_S = 5.0
 
 
 def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
-    """Deployments of the application: status, replicas by state, target; each
-    model's engine load. {"error": ...} when no Ray cluster or app is found."""
+    """Deployments of the application (and of its models' direct routes): status,
+    replicas by state, target; each model's engine load. {"error": ...} when no Ray cluster or app is found."""
     import ray
     from ray import serve
 
@@ -33,20 +33,26 @@ def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
         # The controller's full view (what `serve status` reads through the dashboard);
         # serve.status() has no target replica counts.
         details = serve.context._get_global_client().get_serve_details()
-        app = details.get("applications", {}).get(app_name)
+        applications = details.get("applications", {})
+        app = applications.get(app_name)
         if app is None:
             return {"error": f"no Serve application '{app_name}' runs"}
-        deployments = {}
-        for name, deployment in app["deployments"].items():
-            states: dict[str, int] = {}
-            for replica in deployment.get("replicas", []):
-                state = _text(replica["state"])
-                states[state] = states.get(state, 0) + 1
-            deployments[name] = {"status": _text(deployment["status"]), "target": deployment.get("target_num_replicas"),
-                                 "replicas": states}
+        # A model with a direct route has its deployment in an application of its own.
+        served = {name: each for name, each in applications.items()
+                  if name == app_name or name.startswith(direct_app_name(""))}
+        deployments, app_of = {}, {}
+        for served_app, each in served.items():
+            for name, deployment in each["deployments"].items():
+                states: dict[str, int] = {}
+                for replica in deployment.get("replicas", []):
+                    state = _text(replica["state"])
+                    states[state] = states.get(state, 0) + 1
+                deployments[name] = {"status": _text(deployment["status"]),
+                                     "target": deployment.get("target_num_replicas"), "replicas": states}
+                app_of[name] = served_app
         for name, entry in deployments.items():
             if name.startswith(deployment_name("")) and entry["replicas"].get("RUNNING"):
-                entry["engine"] = _engine_load(app_name, name)
+                entry["engine"] = _engine_load(app_of[name], name)
         return {"application": _text(app["status"]), "deployments": deployments}
     finally:
         ray.shutdown()

@@ -13,7 +13,9 @@ from serve_app.app import build_app, build_direct_app, direct_apps
 from serve_app.http.direct import DIRECT_ROUTES, InProcessReplica, direct_app
 from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
 
-LOCAL = yaml.safe_load(open("configs/local.yaml"))["applications"][0]["args"]
+SHIPPED = yaml.safe_load(open("configs/local.yaml"))["applications"][0]["args"]
+# The same models without their direct routes: every model behind the ingress.
+LOCAL = {**SHIPPED, "models": [{k: v for k, v in model.items() if k != "direct_route"} for model in SHIPPED["models"]]}
 
 
 class Replica:
@@ -139,12 +141,18 @@ def test_the_direct_app_serves_exactly_its_declared_routes_and_no_schema():
 def test_llmctl_run_declares_the_direct_applications_a_config_asks_for():
     from serve_app.app import with_direct_apps
 
-    config = yaml.safe_load(open("configs/local.yaml"))
+    shipped = yaml.safe_load(open("configs/local.yaml"))
+    config = yaml.safe_load(yaml.safe_dump(shipped))
+    config["applications"][0]["args"] = yaml.safe_load(yaml.safe_dump(LOCAL))
     assert with_direct_apps(config) is config  # nothing asked: the operator's file as it is
     config["applications"][0]["args"]["models"][0]["direct_route"] = True
     expanded = with_direct_apps(config)
     assert [app["name"] for app in expanded["applications"]] == ["llm", "direct-tiny-llama"]
     assert with_direct_apps(expanded) is expanded  # declared already: not twice
+    # As shipped, each model is served behind its direct route (/v1 in one hop), none in the main application.
+    assert [app["name"] for app in with_direct_apps(shipped)["applications"]] == [
+        "llm", "direct-tiny-llama", "direct-minilm"]
+    assert build_app(SHIPPED)._bound_deployment.init_args[1] == {}
 
 
 def test_a_model_with_adapters_has_no_direct_route():
