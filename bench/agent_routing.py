@@ -5,7 +5,9 @@ The small demo chat model on two replicas behind this stack (as ``make run`` sta
 it, Makefile env; bench/prefix_routing.py's stack), once per ``routing.policy``
 (serve_app/pipeline/routing.py): ``power_of_two`` (Serve's default), ``prefix_affinity``
 (the first ``prefix_chars`` of the prompt decide) and ``cache_affinity`` (the replica
-holding the longest run of the whole prompt, as the router sent it there). Each policy
+holding the longest run of the whole prompt, as the router sent it there), and
+``sessions``: ``prefix_affinity`` with each conversation sending its own ``x-session-id``
+(every turn placed by its session, within the load guard). Each policy
 gets a freshly started stack (empty prefix caches). ``--conversations`` conversations,
 spread over ``--apps`` applications, each run ``--turns`` turns in order (the model's
 answer appended to the history, as an agent loop does), ``--concurrency`` conversations
@@ -37,12 +39,13 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from contract.edge import DEFAULT_SESSION_HEADER  # noqa: E402
 from contract.model_config import ModelConfig  # noqa: E402
 from prefix_routing import engine_loads, stack_config  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
 from serving_overhead import bench_api_key, serve_stack  # noqa: E402
 
-POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity"]
+POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity", "sessions"]
 WORDS = ("license grant patent copyright notice source object form work derivative contribution contributor "
          "warranty liability trademark redistribution submission agreement").split()
 
@@ -52,8 +55,10 @@ def words(rng: random.Random, count: int) -> str:
 
 
 async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng: random.Random, args,
-                       samples: list[tuple[float, int]]) -> None:
-    """One agent loop: ``args.turns`` user turns, each answer appended to the history."""
+                       samples: list[tuple[float, int]], session: str | None = None) -> None:
+    """One agent loop: ``args.turns`` user turns, each answer appended to the history;
+    every turn names ``session`` when given."""
+    headers = {DEFAULT_SESSION_HEADER: session} if session else None
     messages = [{"role": "system", "content": system}]
     for _ in range(args.turns):
         messages.append({"role": "user", "content": words(rng, args.user_words)})
@@ -61,7 +66,8 @@ async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng:
         first, text, tokens = None, [], 0
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=args.output_len, stream=True, temperature=0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": args.output_len})
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": args.output_len},
+            extra_headers=headers)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
@@ -72,21 +78,22 @@ async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng:
         messages.append({"role": "assistant", "content": "".join(text)})
 
 
-async def run_load(url: str, model: str, args) -> tuple[list[tuple[float, int]], float]:
+async def run_load(url: str, model: str, args, sessions: bool = False) -> tuple[list[tuple[float, int]], float]:
     rng = random.Random(0)  # the same conversations for every policy
     systems = [f"You are application {app}. " + words(rng, args.system_words) for app in range(args.apps)]
-    plans = [(systems[n % args.apps], random.Random(1000 + n)) for n in range(args.conversations)]
+    plans = [(systems[n % args.apps], random.Random(1000 + n), f"conversation-{n}" if sessions else None)
+             for n in range(args.conversations)]
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ["OPENAI_API_KEY"], max_retries=0,
                                 timeout=600)
     samples: list[tuple[float, int]] = []
     gate = asyncio.Semaphore(args.concurrency)
 
-    async def one(system, conversation_rng):
+    async def one(system, conversation_rng, session):
         async with gate:
-            await conversation(client, model, system, conversation_rng, args, samples)
+            await conversation(client, model, system, conversation_rng, args, samples, session)
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(system, conversation_rng) for system, conversation_rng in plans))
+    await asyncio.gather(*(one(*plan) for plan in plans))
     return samples, time.perf_counter() - started
 
 
@@ -113,13 +120,14 @@ def main() -> None:
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         for policy in args.policies:
-            serve_config = stack_config(policy, args.kv_blocks, args.source)
+            serve_config = stack_config("prefix_affinity" if policy == "sessions" else policy, args.kv_blocks,
+                                        args.source)
             config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
             log = Path(tmp) / f"{policy}.log"
             try:
                 with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
                     before = engine_loads(config.name)
-                    samples, wall = asyncio.run(run_load(url, config.name, args))
+                    samples, wall = asyncio.run(run_load(url, config.name, args, sessions=policy == "sessions"))
                     after = engine_loads(config.name)
             except Exception:
                 print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),

@@ -50,6 +50,7 @@ def stack_config(files_dir: str) -> dict:
     [chat] = [model for model in app["models"] if model["name"] == MODEL]
     chat["deployment"] = {**chat.get("deployment", {}), "num_replicas": 1}
     chat["engine_kwargs"] = {**chat.get("engine_kwargs", {}), "scheduling_policy": "priority"}
+    chat.pop("direct_route", None)  # interactive and batch requests both through the ingress, whose gate ranks them
     app["models"] = [chat]
     app["batch"] = {"files_dir": files_dir, "poll_s": 0.2}
     return serve_config

@@ -69,6 +69,7 @@ def stack_config(fair_share: dict, ongoing: int) -> dict:
     chat["deployment"] = {**chat.get("deployment", {}), "num_replicas": 1, "max_ongoing_requests": ongoing,
                           "max_queued_requests": 256}
     chat["fair_share"] = fair_share
+    chat.pop("direct_route", None)  # the ingress' fair-share gate is what is measured
     app["models"] = [chat]
     return serve_config
 

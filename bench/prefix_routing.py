@@ -56,6 +56,7 @@ def stack_config(policy: str, kv_blocks: int, source: str) -> dict:
     chat["engine_kwargs"] = {**chat["engine_kwargs"], "num_gpu_blocks_override": kv_blocks}
     chat["routing"] = {"policy": policy}
     chat["source"] = source
+    chat.pop("direct_route", None)  # the ingress' request routers are what is measured
     app["models"] = [chat]
     return serve_config
 

@@ -4,8 +4,12 @@ Targets (``--targets``, all by default):
 
 - ``vllm``: bare ``vllm serve`` with the model's engine options.
 - ``stack``: this stack as ``make run`` starts it (the Makefile's Ray Serve env:
-  HAProxy ingress, throughput mode).
-- ``stack-ray-proxy``: the same with Ray's Python proxy instead of HAProxy
+  HAProxy ingress, throughput mode; the config's direct routes with their
+  applications, so a model with ``direct_route``, as shipped, takes the edge's one
+  hop at ``/v1``), driven at ``/v1``.
+- ``stack-ingress``: the same with no direct route: ``/v1`` through the ingress
+  replica, two hops (how ``make run`` shipped before the one hop).
+- ``stack-ray-proxy``: ``stack-ingress`` with Ray's Python proxy instead of HAProxy
   (``RAY_SERVE_ENABLE_HA_PROXY=0``, the default before HAProxy).
 - ``stack-direct``: ``stack`` with the model's ``direct_route`` on, driven at
   ``/direct/<model>``: HAProxy straight to the model's replicas, which run the
@@ -134,7 +138,15 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
 
 from serve_env import MAKEFILE_ENV, RAY_DEFAULT_ENV, RAY_PROXY_ENV, RSLLM_FAST_ENV  # noqa: E402
 
-TARGETS = ["vllm", "stack", "stack-direct", "stack-ray-proxy", "rsllm", "rsllm-fast"]
+TARGETS = ["vllm", "stack", "stack-ingress", "stack-direct", "stack-ray-proxy", "rsllm", "rsllm-fast"]
+
+
+def without_direct_route(serve_config: dict) -> dict:
+    """``serve_config`` with every model behind the ingress."""
+    serve_config = copy.deepcopy(serve_config)
+    for model in serve_config["applications"][0]["args"]["models"]:
+        model.pop("direct_route", None)
+    return serve_config
 
 
 def with_direct_route(serve_config: dict) -> dict:
@@ -221,7 +233,7 @@ def profile_target(url: str, config: ModelConfig, source: str, target: str, args
     if target.startswith("rsllm"):  # Ray Serve LLM's own deployments in the "rsllm" application
         groups = {**GROUPS, "ingress": ("ServeReplica:rsllm:OpenAiIngress",),
                   "replica": ("ServeReplica:rsllm:LLMServer",)}
-    if target == "stack-direct":  # the model's replicas answer HTTP in their own application
+    if target in ("stack", "stack-direct"):  # the model's replicas answer HTTP in their own application
         groups = {**GROUPS, "replica": ("ServeReplica:llm:model-", "ServeReplica:direct-")}
     if target == "vllm":  # `vllm serve`'s API server process is what a model replica is here
         groups = {**GROUPS, "replica": ("vllm_cli serve",)}
@@ -329,6 +341,8 @@ def main() -> None:
                              "py-spy (bench/hop_profile.py): CPU per request/token per process, top functions")
     args = parser.parse_args()
 
+    from serve_app.app import with_direct_apps
+
     serve_config = yaml.safe_load(args.config.read_text())
     # The first model only: one engine per target, the same one for every target.
     serve_config["applications"][0]["args"]["models"] = serve_config["applications"][0]["args"]["models"][:1]
@@ -337,7 +351,7 @@ def main() -> None:
     stack_env = dict(item.split("=", 1) for item in args.stack_env)
     # vllm bench (and wait_ready) send it as a Bearer token; bare vLLM and Ray Serve LLM ignore it,
     # so Redis (REDIS_URL) is needed only when this stack is among the targets.
-    stack_targets = {"stack", "stack-direct", "stack-ray-proxy"} & set(args.targets)
+    stack_targets = {"stack", "stack-ingress", "stack-direct", "stack-ray-proxy"} & set(args.targets)
     os.environ["OPENAI_API_KEY"] = bench_api_key() if stack_targets else "unused"
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
     ingress_cpus = serve_config["applications"][0]["args"]["ingress"]["deployment"]["ray_actor_options"]["num_cpus"]
@@ -348,10 +362,14 @@ def main() -> None:
         out_dir = Path(tmp)
         starts = {
             "vllm": lambda: bare_vllm(config, source, out_dir / "vllm.log"),
-            "stack": lambda: serve_stack(serve_config, config.name, out_dir / "stack.log", {**MAKEFILE_ENV, **stack_env}),
+            "stack": lambda: serve_stack(with_direct_apps(serve_config), config.name, out_dir / "stack.log",
+                                         {**MAKEFILE_ENV, **stack_env}),
+            "stack-ingress": lambda: serve_stack(without_direct_route(serve_config), config.name,
+                                                 out_dir / "stack-ingress.log", {**MAKEFILE_ENV, **stack_env}),
             "stack-direct": lambda: direct_stack(serve_config, config, out_dir / "stack-direct.log",
                                                  {**MAKEFILE_ENV, **stack_env}),
-            "stack-ray-proxy": lambda: serve_stack(serve_config, config.name, out_dir / "stack-ray-proxy.log",
+            "stack-ray-proxy": lambda: serve_stack(without_direct_route(serve_config), config.name,
+                                                   out_dir / "stack-ray-proxy.log",
                                                    {**RAY_PROXY_ENV, **stack_env}),
             "rsllm": lambda: serve_stack(ray_serve_llm_config(config, source, ingress_cpus), config.name,
                                          out_dir / "rsllm.log", RAY_DEFAULT_ENV),

@@ -31,6 +31,14 @@ through ``edge_config`` first:
   goes to the ingress as before, which answers it the same way. The models are those
   whose direct application Ray's config routes (its ``path_beg /direct/<model>/`` ACLs),
   so the edge follows deployments with nothing to configure.
+- Session affinity on a direct route: a request carrying the session header
+  (``contract.edge.session_header()``, ``x-session-id`` unless Ray's
+  ``RAY_SERVE_SESSION_ID_HEADER_KEY`` names another) goes to a copy of the direct
+  application's backend that picks the replica by a consistent hash of that header,
+  bounded by ``SESSION_BALANCE_FACTOR`` (HAProxy's ``hash-balance-factor``: no replica
+  takes more than that share of the mean load; past it a session moves, and its
+  history is cached again there). The copy's servers track the originals' health.
+  Requests without the header keep Ray's balancing (least connections).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import re
 from http import HTTPStatus
 from pathlib import Path
 
-from contract.edge import DIRECT_ROUTE_ROOT, EDGE_TIME_HEADER, ONE_HOP_ROUTES
+from contract.edge import DIRECT_ROUTE_ROOT, EDGE_TIME_HEADER, ONE_HOP_ROUTES, session_header
 
 REQUEST_HEADERS_TIMEOUT_S = 10
 KEEP_ALIVE_TIMEOUT_S = 60
@@ -53,6 +61,10 @@ ONE_HOP_BODY_BYTES = 256 * 1024
 # the first ``ONE_HOP_BODY_BYTES`` of its body must come within this (at least 26
 # KiB/s), else 408; the rest of a larger body has the ingress' ``body_timeout_s``.
 ONE_HOP_BODY_WAIT_S = REQUEST_HEADERS_TIMEOUT_S
+# A session's replica takes it while that replica runs at most 150% of the mean load
+# (in connections); the ingress' routers keep the same spirit with their load guard.
+SESSION_BALANCE_FACTOR = 150
+SESSION_BACKEND_SUFFIX = "-session"
 
 # The statuses HAProxy itself answers (those its `errorfile` takes), what each
 # tells an OpenAI client, and OpenAI's error type and code for it.
@@ -78,6 +90,9 @@ _GLOBAL = re.compile(r"^global[^\n]*\n", re.MULTILINE)
 _FRONTEND = re.compile(r"^frontend[^\n]*\n", re.MULTILINE)
 _BUFSIZE = re.compile(r"^(\s*)tune\.bufsize (\d+)$", re.MULTILINE)
 _DIRECT_ACL = re.compile(rf"^\s*acl \S+ path_beg {re.escape(DIRECT_ROUTE_ROOT)}([^/\s]+)/$", re.MULTILINE)
+_DIRECT_BACKEND_ACL = re.compile(rf"^\s*acl is_(\S+) path_beg {re.escape(DIRECT_ROUTE_ROOT)}[^/\s]+/$", re.MULTILINE)
+_FIRST_USE_BACKEND = re.compile(r"^\s*use_backend ", re.MULTILINE)
+_SERVER = re.compile(r"^(\s*)server (\S+) (\S+)(.*)$", re.MULTILINE)
 _OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
 
 
@@ -106,14 +121,56 @@ def edge_config(config: str, error_dir: Path) -> str:
     own = "\n".join(lines) + "\n"
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
+    # The direct applications' backends: named by a direct route's ACL, and declared.
+    direct_backends = set(_DIRECT_BACKEND_ACL.findall(config)) & {_backend_name(section) for section in sections}
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
-        else _FRONTEND.sub(lambda head: head.group(0) + stamp + one_hop_rules(section), section)
+        else _with_session_rules(_FRONTEND.sub(lambda head: head.group(0) + stamp + one_hop_rules(section), section),
+                                 direct_backends)
         if section.startswith("frontend")
         else _with_body_buffer(section) if section.startswith("global") and _DIRECT_ACL.search(config)
+        else section + session_backend(section) if _backend_name(section) in direct_backends
         else section
         for section in sections)
+
+
+def _backend_name(section: str) -> str | None:
+    head = section.split("\n", 1)[0].split()
+    return head[1] if len(head) == 2 and head[0] == "backend" else None
+
+
+def session_backend(backend: str) -> str:
+    """A copy of a direct application's ``backend`` section that places each session
+    by a consistent hash of its header, bounded by the replicas' load; its servers
+    track the originals' health checks (Ray's own router backends do the same)."""
+    name = _backend_name(backend)
+    lines = [f"backend {name}{SESSION_BACKEND_SUFFIX}",
+             f"    balance hdr({session_header()})",
+             "    hash-type consistent",
+             f"    hash-balance-factor {SESSION_BALANCE_FACTOR}"]
+    for line in backend.splitlines()[1:]:
+        server = _SERVER.match(line)
+        if server is None:
+            if not re.match(r"\s*(balance|hash-|option httpchk|http-check|default-server)", line):
+                lines.append(line)
+            continue
+        indent, server_name, address, options = server.groups()
+        backup = " backup" if re.search(r"\bbackup\b", options) else ""
+        lines.append(f"{indent}server {server_name} {address} track {name}/{server_name}{backup}")
+    return "\n".join(lines) + "\n"
+
+
+def _with_session_rules(frontend: str, direct_backends: set[str]) -> str:
+    """The frontend sending a direct application's requests that name a session to
+    its session backend, before Ray's own ``use_backend`` rules (after its ACLs)."""
+    backends = sorted(set(_DIRECT_BACKEND_ACL.findall(frontend)) & direct_backends)
+    first = _FIRST_USE_BACKEND.search(frontend)
+    if not backends or first is None:
+        return frontend
+    rules = "".join(f"    use_backend {name}{SESSION_BACKEND_SUFFIX} if is_{name} "
+                    f"{{ req.hdr({session_header()}) -m found }}\n" for name in backends)
+    return frontend[:first.start()] + rules + frontend[first.start():]
 
 
 def one_hop_rules(frontend: str) -> str:

@@ -1,6 +1,8 @@
 """What the edge (Ray's HAProxy with cluster/haproxy_edge.py's settings) tells the
 ingress about each request it forwards."""
 
+import os
+
 # When HAProxy had the request (its headers read), in microseconds since the epoch: a
 # trace's "edge" span (serve_app/tracing.py) runs from it to the ingress taking the
 # request. HAProxy sets it on every request, replacing what a client sent under it.
@@ -12,3 +14,18 @@ EDGE_TIME_HEADER = "x-llm-edge-us"
 # (cluster/haproxy_edge.py); the direct route answers each (serve_app/http/direct.py).
 DIRECT_ROUTE_ROOT = "/direct/"
 ONE_HOP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+# Requests carrying this header with one value are one conversation: they go to one
+# replica of their model while its load allows (its cached history is there), at the
+# edge for a direct route and in the ingress' request router otherwise. Ray Serve's own
+# setting for its session stickiness names it; read where each process starts.
+SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
+DEFAULT_SESSION_HEADER = "x-session-id"
+# The longest session id used: a longer one is cut (it is only hashed).
+MAX_SESSION_ID_CHARS = 256
+
+
+def session_header() -> str:
+    """The header naming a request's session, lower case."""
+    return (os.environ.get(SESSION_HEADER_ENV) or DEFAULT_SESSION_HEADER).strip().lower()

@@ -98,7 +98,9 @@ class InProcessReplica:
         self._adapter = adapter
         self.deployment_name = deployment_name(replica.config.name)
 
-    def options(self, *, stream: bool | None = None, multiplexed_model_id: str | None = None) -> "InProcessReplica":
+    def options(self, *, stream: bool | None = None, multiplexed_model_id: str | None = None,
+                session_id: str | None = None) -> "InProcessReplica":
+        # A session needs no placing here: the edge placed it on this replica.
         return InProcessReplica(self._replica, multiplexed_model_id or self._adapter)
 
     @property

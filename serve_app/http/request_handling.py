@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
+from contract.edge import session_header
 from serve_app.wire.api_requests import parse_json_object
 from serve_app.wire.calls import Call
 from serve_app.http.edge import RefuseServeControlHeaders
@@ -25,6 +26,8 @@ from serve_app.quota.keys import KeyRecord
 from serve_app.telemetry import RequestRecord
 from serve_app.tracing import RequestTrace, now_ns
 
+# The header naming a request's session (Ray's RAY_SERVE_SESSION_ID_HEADER_KEY, else x-session-id).
+SESSION_HEADER = session_header()
 logger = logging.getLogger("ray.serve")
 
 
@@ -127,7 +130,8 @@ class HandlesRequests:
             call = await translate(body, key)
             try:
                 reply = await self.gateway.run(key, call.operation, call.body, size + call.bytes_once_admitted, record,
-                                               once_admitted=call.once_admitted)
+                                               once_admitted=call.once_admitted,
+                                               session=request.headers.get(SESSION_HEADER))
             except BaseException:
                 if call.abandon is not None:
                     await asyncio.shield(call.abandon())

@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
+from contract.edge import MAX_SESSION_ID_CHARS
 from contract.model_config import VLLM_PRIORITY, ModelConfig, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
@@ -114,6 +115,7 @@ class Gateway:
     async def run(
         self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, record: RequestRecord,
         background: bool = False, once_admitted: Callable[[], Awaitable[None]] | None = None,
+        session: str | None = None,
     ) -> Reply:
         """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``.
         ``record`` learns what telemetry needs; a streamed reply finishes it
@@ -126,8 +128,10 @@ class Gateway:
         (a replica's answer, relayed or whole), which settles what ran.
         ``once_admitted`` completes ``body`` between the last two (a Responses
         follow-up's stored conversation, priced in ``raw_size``): work a refused
-        request never costs. Such a request never starts before its admission."""
-        plan = self._plan(key, operation, body, raw_size, record, background)
+        request never costs. Such a request never starts before its admission.
+        ``session`` (the client's session header): the model's request router keeps
+        one session's requests on one replica while its load allows."""
+        plan = self._plan(key, operation, body, raw_size, record, background, session)
         ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
         if once_admitted is not None:
             try:
@@ -140,7 +144,7 @@ class Gateway:
         return await self._call(plan, ticket, record, early)
 
     def _plan(self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int,
-              record: RequestRecord, background: bool) -> "_Plan":
+              record: RequestRecord, background: bool, session: str | None = None) -> "_Plan":
         """The request checked (shape, parameters, model, the key's right to it,
         media) and priced (its token reservation); raises the client's 4xx."""
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
@@ -154,6 +158,8 @@ class Gateway:
         if adapter is not None:
             # Serve model multiplexing: prefer replicas that already hold the adapter.
             handle = handle.options(multiplexed_model_id=adapter)
+        if session:
+            handle = handle.options(session_id=session[:MAX_SESSION_ID_CHARS])
         self.access.authorize(key, model)
         config = self.catalog.config(model)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal

@@ -26,6 +26,11 @@ the request goes to the less busy of two random replicas (Serve's default), whic
 then caches the prefix too. So a hot prefix spreads instead of queueing on one
 replica, and an idle replica is never skipped for long.
 
+A request naming a session (the client's ``x-session-id`` header, passed as Serve's
+``session_id``) is placed by its session id instead of its prompt, within the same
+guard: every turn of one conversation goes to one replica whatever its prompt starts
+with (the edge does the same on a direct route: cluster/haproxy_edge.py).
+
 LoRA adapters (Serve multiplexing): among the replicas that hold the adapter,
 the same prefix choice and the same guard: a hot adapter overflows to the least
 busy replicas, which load it, instead of queueing where it was first loaded.
@@ -48,6 +53,9 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app.pipeline import fair_share
 from serve_app.pipeline.block_index import MAX_HASHED_CHARS, BlockIndex, block_hashes, prompt_text
+
+# Session ids hash in a space of their own: one never lands where a prompt of the same text would.
+SESSION_KEY = "session\x00"
 
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""
@@ -181,14 +189,18 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
     ) -> list[list[RunningReplica]]:
         has_body = pending_request is not None and len(pending_request.args) >= 2  # call(operation, body)
         text = prompt_text(pending_request.args[1], self._text_chars()) if has_body else ""
-        if not text or not candidate_replicas:
+        session = pending_request.metadata.session_id if pending_request is not None else ""
+        if not (text or session) or not candidate_replicas:
             return await self._power_of_two(candidate_replicas, pending_request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         holders = self._adapter_holders(by_id, pending_request)
         if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
             return await self._power_of_two(candidate_replicas, pending_request)
         queue_lens = await self._queue_lens(candidate_replicas)
-        chosen = self._choose(text, holders, queue_lens)
+        if session:
+            chosen = self._choose_session(session, text, holders, queue_lens)
+        else:
+            chosen = self._choose(text, holders, queue_lens)
         if chosen is None:  # imbalanced: the less busy of two random replicas, adapter or not
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         self._chosen_not_sent.add(chosen)
@@ -203,6 +215,12 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
     def _choose(self, text: str, holders: list[str], queue_lens: dict[str, int]) -> str | None:
         """The replica for a prompt starting with ``text`` among ``holders``; None past the guard."""
         return affine_choice(rendezvous_order(text, holders), queue_lens, self._imbalance_threshold)
+
+    def _choose_session(self, session: str, text: str, holders: list[str], queue_lens: dict[str, int]) -> str | None:
+        """A session's requests (the client's session header: one conversation, whose
+        history its replica has cached) on one replica, by rendezvous hashing of its
+        id, within the same load guard; None past it."""
+        return affine_choice(rendezvous_order(SESSION_KEY + session, holders), queue_lens, self._imbalance_threshold)
 
     def _adapter_holders(self, by_id: Mapping[str, RunningReplica], pending_request: PendingRequest) -> list[str]:
         """The candidates that may take it: all of them, or for a LoRA adapter (Serve
@@ -252,6 +270,12 @@ class CacheAffinityRouter(PrefixAffinityRouter):
 
     def _text_chars(self) -> int:
         return MAX_HASHED_CHARS  # the whole prompt, up to the index's bound
+
+    def _choose_session(self, session: str, text: str, holders: list[str], queue_lens: dict[str, int]) -> str | None:
+        chosen = super()._choose_session(session, text, holders, queue_lens)
+        if chosen is not None and text:  # the index learns where the conversation runs
+            self._index.record(block_hashes(text, self._block_chars), chosen)
+        return chosen
 
     def _choose(self, text: str, holders: list[str], queue_lens: dict[str, int]) -> str:
         hashes = block_hashes(text, self._block_chars)

@@ -187,6 +187,28 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, 
     assert on_preferred > streams - on_preferred, ran  # still the prefix's replica first
 
 
+def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, replica_ids, redis_server, key):
+    from contract.edge import DEFAULT_SESSION_HEADER
+    from serve_app.pipeline.routing import SESSION_KEY
+
+    # One application: every conversation starts with its system prompt, which ranks
+    # one replica first. By prefix they all run there; by session each runs on the
+    # replica its session id ranks first, every turn.
+    [system] = system_prompts_preferring(replica_ids[0], replica_ids, 1)
+    sessions = [f"conversation-{i}" for i in range(8)]
+    expected, sent = [], []
+    for turn in range(2):
+        for session in sessions:
+            messages = conversation(system, f"{session}: turn {turn}")
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=2, extra_headers={DEFAULT_SESSION_HEADER: session})
+            raw.parse()
+            sent.append(raw.headers["x-request-id"])
+            expected.append(rendezvous_order(SESSION_KEY + session, replica_ids)[0])
+    assert set(expected) == set(replica_ids)  # the sessions rank both replicas first (checked, not assumed)
+    assert replicas_that_ran(redis_server, key, sent) == expected
+
+
 # -- priority tiers -------------------------------------------------------------------
 
 

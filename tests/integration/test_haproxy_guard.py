@@ -266,15 +266,17 @@ class _Recorder:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def ray_shaped_config(tmp_path: Path, port: int, ingress: int, direct: dict[str, int]) -> Path:
+def ray_shaped_config(tmp_path: Path, port: int, ingress: int, direct: dict[str, int | list[int]]) -> Path:
     """Ray's HAProxy config as its template writes it for the main application at /
     and each direct route's application at /direct/<name> (its path ACLs, longest
-    prefix first, and a backend each)."""
+    prefix first, and a backend each, its replicas health-checked)."""
     acls, uses, backends = [], [], [f"backend llm\n  server r 127.0.0.1:{ingress}\n"]
-    for name, server in direct.items():
+    for name, servers in direct.items():
         acls += [f"  acl is_direct-{name} path_beg /direct/{name}/", f"  acl is_direct-{name} path /direct/{name}"]
         uses.append(f"  use_backend direct-{name} if is_direct-{name}")
-        backends.append(f"backend direct-{name}\n  server r 127.0.0.1:{server}\n")
+        replicas = "".join(f"  server r{i} 127.0.0.1:{server} check inter 1s\n"
+                           for i, server in enumerate(servers if isinstance(servers, list) else [servers]))
+        backends.append(f"backend direct-{name}\n  timeout server 5s\n{replicas}")
     config = tmp_path / "haproxy.cfg"
     config.write_text("\n".join([
         "global", "  maxconn 100", "  tune.bufsize 16384",
@@ -350,4 +352,38 @@ def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_h
         starter.kill()
         starter.wait()
         for recorder in (ingress, tiny, org):
+            recorder.server.shutdown()
+
+
+def test_on_a_direct_route_a_session_stays_on_one_replica_and_sessions_spread(tmp_path):
+    import httpx
+
+    from contract.edge import session_header
+
+    ingress, first, second = _Recorder(), _Recorder(), _Recorder()
+    port = free_port()
+    config = ray_shaped_config(tmp_path, port, ingress.port, {"tiny-llama": [first.port, second.port]})
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+    body = {"model": "tiny-llama", "prompt": "hi"}
+
+    def where(session: str | None) -> str:
+        headers = {session_header(): session} if session is not None else {}
+        before = (len(first.seen), len(second.seen))
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return "first" if len(first.seen) > before[0] else "second" if len(second.seen) > before[1] else "none"
+
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        time.sleep(2.5)  # both replicas' health checks passed (the session backend tracks them)
+        placed = {f"conversation-{i}": where(f"conversation-{i}") for i in range(24)}
+        assert set(placed.values()) == {"first", "second"}, placed  # sessions spread over the replicas
+        for _ in range(2):  # and each turn of a session goes where its first did
+            assert {session: where(session) for session in placed} == placed
+        assert {where(None) for _ in range(6)} == {"first", "second"}  # no session: Ray's balancing
+        assert ingress.seen == []
+    finally:
+        starter.kill()
+        starter.wait()
+        for recorder in (ingress, first, second):
             recorder.server.shutdown()

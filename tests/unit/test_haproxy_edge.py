@@ -83,3 +83,36 @@ def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_t
 def test_without_a_direct_route_the_edge_reads_no_body():
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES.replace("/direct/", "/other/"), Path("/tmp/unused-errors"))
     assert "wait-for-body" not in config and "set-path" not in config and "tune.bufsize 16384\n" in config
+
+
+RAY_DIRECT_BACKEND = """backend direct-tiny
+    log global
+    timeout server 60s
+    option httpchk GET /-/healthz
+    http-check expect status 200
+    server r1 10.0.0.1:8001 check observe layer4
+    server fallback 10.0.0.9:8000 check backup
+"""
+
+
+def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monkeypatch):
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_DIRECT_BACKEND, Path("/tmp/unused-errors"))
+    frontend = config.split("frontend http_frontend\n")[1].split("\nbackend")[0]
+    uses = [line.strip() for line in frontend.splitlines() if "use_backend" in line]
+    # Sessions first (after Ray's ACLs, which it names), then Ray's own rules.
+    # (org--big has an ACL but no backend declared: no rule naming one.)
+    assert uses == ["use_backend direct-tiny-session if is_direct-tiny { req.hdr(x-session-id) -m found }",
+                    "use_backend direct-tiny if is_direct-tiny"]
+    assert config.endswith(RAY_DIRECT_BACKEND + """backend direct-tiny-session
+    balance hdr(x-session-id)
+    hash-type consistent
+    hash-balance-factor 150
+    log global
+    timeout server 60s
+    server r1 10.0.0.1:8001 track direct-tiny/r1
+    server fallback 10.0.0.9:8000 track direct-tiny/fallback backup
+""")
+    # Ray's setting for its session header names ours too.
+    monkeypatch.setenv("RAY_SERVE_SESSION_ID_HEADER_KEY", "X-Conversation")
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_DIRECT_BACKEND, Path("/tmp/unused-errors"))
+    assert "balance hdr(x-conversation)" in config and "{ req.hdr(x-conversation) -m found }" in config

@@ -232,3 +232,44 @@ def test_a_choice_never_sent_stops_counting_after_its_time():
     assert chosen.count("a") == 1
     chosen.forget_others({"b"})  # a's replica is gone
     assert chosen.count("a") == 0 and chosen._chosen == {}
+
+
+def pending_in_session(body, session: str):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    return PendingRequest(args=["chat", body], kwargs={}, metadata=RequestMetadata("r", "i", session_id=session))
+
+
+@pytest.mark.parametrize("policy", ["prefix", "cache"])
+async def test_a_sessions_turns_go_to_one_replica_whatever_their_prompt_and_sessions_spread(policy):
+    from test_block_index import cache_router, sent
+
+    replicas = [FakeReplica(name) for name in "abc"]
+    router = router_with(*replicas) if policy == "prefix" else cache_router(*replicas)
+    for replica in replicas:
+        queue(router, replica, 0)
+
+    async def place(body, session):
+        [chosen], *_ = await router.choose_replicas(replicas, pending_in_session(body, session))
+        sent(router, chosen)
+        return chosen.replica_id.unique_id
+
+    # Every conversation of the application starts with its system prompt: by prefix they
+    # would all share one replica; by session each keeps its own, turn after turn.
+    placed = {}
+    for i in range(30):
+        first = await place(chat(("system", SYSTEM), ("user", f"question {i}")), f"conversation-{i}")
+        later = await place(chat(("system", SYSTEM), ("user", f"question {i}"), ("assistant", "answer"),
+                                 ("user", "and then?")), f"conversation-{i}")
+        assert later == first
+        placed[i] = first
+    assert set(placed.values()) == {"a", "b", "c"}
+    # A session with no prompt (an embedding's input) is still placed by its session.
+    assert await place({"input": "embed me"}, "conversation-0") == placed[0]
+    # Past the load guard a session moves to the next replica in its own order.
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+    queue(router, by_id[placed[0]], 9)
+    moved = await place(chat(("user", "again")), "conversation-0")
+    assert moved != placed[0]
+    assert moved == rendezvous_order("session\x00conversation-0", [r for r in "abc" if r != placed[0]])[0]

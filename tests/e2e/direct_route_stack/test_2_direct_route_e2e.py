@@ -121,8 +121,9 @@ def test_v1_requests_naming_the_model_take_one_hop_to_its_direct_route(base_url,
     chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stream=True,
                                                  stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True}))
+    # One naming its session: placed by the edge's session backend (cluster/haproxy_edge.py).
     completion = client.completions.create(model=MODEL, prompt="The license", max_tokens=3,
-                                           extra_body={"ignore_eos": True})
+                                           extra_body={"ignore_eos": True}, extra_headers={"x-session-id": "s-1"})
     assert answered() - before == 3  # each answered by the model's replica itself, none by the ingress
     assert chat.parse().usage.completion_tokens == 6 and completion.usage.completion_tokens == 3
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
