@@ -41,6 +41,7 @@ import pytest
 import redis as redis_sync
 import yaml
 
+from contract.model_config import deployment_name, direct_app_name
 from http_checks import free_port
 from redis_server import RedisServer
 from settled import wait_until_settled
@@ -241,22 +242,24 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
     key_id, secret = create_key(stack.redis_url, f"chaos-{name}")
     confirm_key_on_every_ingress(stack, secret)
     load = Load(stack.base_url, secret)
-    time.sleep(4)  # steady streaming
-    fault_at = time.monotonic()
-    fault()
+    try:
+        time.sleep(4)  # steady streaming
+        fault_at = time.monotonic()
+        fault()
 
-    deadline = fault_at + ORPHAN_END_S
-    while orphaned_engines():
-        assert time.monotonic() < deadline, f"vLLM processes outlived their replica: {orphaned_engines()}"
-        time.sleep(0.2)
-    if restart is not None:
-        restart()
-    while not stack.serves(secret):
-        assert time.monotonic() - fault_at < RECOVERY_BOUND_S[name], f"not serving after {name}: {stack.log_tail()}"
-        time.sleep(0.5)
-    recovered_s = time.monotonic() - fault_at
-    time.sleep(3)  # served again under load
-    load.stop()
+        deadline = fault_at + ORPHAN_END_S
+        while orphaned_engines():
+            assert time.monotonic() < deadline, f"vLLM processes outlived their replica: {orphaned_engines()}"
+            time.sleep(0.2)
+        if restart is not None:
+            restart()
+        while not stack.serves(secret):
+            assert time.monotonic() - fault_at < RECOVERY_BOUND_S[name], f"not serving after {name}: {stack.log_tail()}"
+            time.sleep(0.5)
+        recovered_s = time.monotonic() - fault_at
+        time.sleep(3)  # served again under load
+    finally:
+        load.stop()  # a failed fault leaves no load running into the next one
 
     outcomes = load.outcomes
     assert any(o.kind == "completed" and o.ended > fault_at + recovered_s for o in outcomes), outcomes
@@ -297,8 +300,10 @@ def kill(processes: list[psutil.Process]) -> None:
 
 
 def test_model_replica_killed(stack, redis):
+    # As shipped the model is behind its direct route: its deployment runs in that
+    # application, and its replica is where /v1 requests for it are answered.
     def fault():
-        kill(processes_titled("ServeReplica:llm:model-tiny-llama"))
+        kill(processes_titled(f"ServeReplica:{direct_app_name(MODEL)}:{deployment_name(MODEL)}"))
 
     run_fault(stack, redis, "replica", fault)
 
