@@ -89,8 +89,9 @@ _DEFAULTS = re.compile(r"^defaults[^\n]*\n", re.MULTILINE)
 _GLOBAL = re.compile(r"^global[^\n]*\n", re.MULTILINE)
 _FRONTEND = re.compile(r"^frontend[^\n]*\n", re.MULTILINE)
 _BUFSIZE = re.compile(r"^(\s*)tune\.bufsize (\d+)$", re.MULTILINE)
-_DIRECT_ACL = re.compile(rf"^\s*acl \S+ path_beg {re.escape(DIRECT_ROUTE_ROOT)}([^/\s]+)/$", re.MULTILINE)
-_DIRECT_BACKEND_ACL = re.compile(rf"^\s*acl is_(\S+) path_beg {re.escape(DIRECT_ROUTE_ROOT)}[^/\s]+/$", re.MULTILINE)
+# Ray's ACL naming a direct application's backend (is_<backend>) by its route prefix
+# (/direct/<model>/): the backend and the model, as the prefix writes it.
+_DIRECT_ACL = re.compile(rf"^\s*acl is_(\S+) path_beg {re.escape(DIRECT_ROUTE_ROOT)}([^/\s]+)/$", re.MULTILINE)
 _FIRST_USE_BACKEND = re.compile(r"^\s*use_backend ", re.MULTILINE)
 _SERVER = re.compile(r"^(\s*)server (\S+) (\S+)(.*)$", re.MULTILINE)
 _OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
@@ -122,7 +123,7 @@ def edge_config(config: str, error_dir: Path) -> str:
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
     # The direct applications' backends: named by a direct route's ACL, and declared.
-    direct_backends = set(_DIRECT_BACKEND_ACL.findall(config)) & {_backend_name(section) for section in sections}
+    direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)} & set(map(_backend_name, sections))
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
@@ -164,7 +165,7 @@ def session_backend(backend: str) -> str:
 def _with_session_rules(frontend: str, direct_backends: set[str]) -> str:
     """The frontend sending a direct application's requests that name a session to
     its session backend, before Ray's own ``use_backend`` rules (after its ACLs)."""
-    backends = sorted(set(_DIRECT_BACKEND_ACL.findall(frontend)) & direct_backends)
+    backends = sorted({backend for backend, _ in _DIRECT_ACL.findall(frontend)} & direct_backends)
     first = _FIRST_USE_BACKEND.search(frontend)
     if not backends or first is None:
         return frontend
@@ -177,7 +178,7 @@ def one_hop_rules(frontend: str) -> str:
     """The rules that send a ``/v1`` request naming a model with a direct route to
     that route (before Ray's, whose path ACLs then pick the direct application's
     backend): none when the frontend routes no direct application."""
-    models = sorted(set(_DIRECT_ACL.findall(frontend)))
+    models = sorted({model for _, model in _DIRECT_ACL.findall(frontend)})
     if not models:
         return ""
     routes = "{ path " + " ".join(ONE_HOP_ROUTES) + " }"

@@ -155,11 +155,13 @@ class Gateway:
         record.model = model
         body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
-        if adapter is not None:
-            # Serve model multiplexing: prefer replicas that already hold the adapter.
-            handle = handle.options(multiplexed_model_id=adapter)
-        if session:
-            handle = handle.options(session_id=session[:MAX_SESSION_ID_CHARS])
+        routing: dict[str, str] = {}
+        if adapter is not None:  # Serve model multiplexing: prefer replicas that already hold the adapter
+            routing["multiplexed_model_id"] = adapter
+        if session:  # the model's router keeps a session on one replica
+            routing["session_id"] = session[:MAX_SESSION_ID_CHARS]
+        if routing:
+            handle = handle.options(**routing)
         self.access.authorize(key, model)
         config = self.catalog.config(model)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal

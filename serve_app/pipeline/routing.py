@@ -57,6 +57,7 @@ from serve_app.pipeline.block_index import MAX_HASHED_CHARS, BlockIndex, block_h
 # Session ids hash in a space of their own: one never lands where a prompt of the same text would.
 SESSION_KEY = "session\x00"
 
+
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (fair_share.py) whenever its replicas change."""
 
