@@ -26,10 +26,12 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio
+import redis.asyncio.cluster
 import redis.asyncio.connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import AuthenticationError, AuthorizationError, ClusterError, DataError, ResponseError
+from redis.exceptions import (AuthenticationError, AuthorizationError, ClusterError, DataError, RedisClusterException,
+                              ResponseError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.maint_notifications import MaintNotificationsConfig
 
@@ -105,6 +107,16 @@ class ClusterKeptRedirecting(RedisConnectionError):
     outage of that slot (fail_mode), not a refusal."""
 
 
+class ClusterMapUnknown(RedisConnectionError):
+    """The cluster client could not learn which node serves which slot (no node it
+    knows answered, or the answers left slots uncovered while a failover moves them):
+    an outage of the cluster as this client sees it (fail_mode), not a refusal."""
+
+
+# Where redis-py's cluster client learns the slot map (NodesManager.initialize).
+_CLUSTER_CLIENT_FILE = Path(redis.asyncio.cluster.__file__).resolve()
+
+
 class _ClearErrors:
     """Two of redis-py's errors say something else than what happened; the
     gateway decides on the error's kind (serve_app/quota/access.py), so they are said
@@ -128,12 +140,20 @@ class _ClearErrors:
       one pooled connection and the command on maybe another, which the target
       answers MOVED, back to the source, until the redirections run out. It
       becomes ClusterKeptRedirecting, an outage of that slot.
+    - The cluster client's search for its slot map ends in a RedisClusterException
+      when no node it knows answers ("Redis Cluster cannot be connected") or the
+      answers leave slots uncovered or disagree (a primary failing over): read as
+      Redis refusing, fail_mode open would answer 503 during a failover (a CI run of
+      tests/integration/test_redis_failover.py had one). It becomes ClusterMapUnknown,
+      an outage; unless a node answered with an error on the way (no cluster mode: a
+      misconfigured URL), which stays a refusal, or refused the credentials.
     """
 
     async def execute_command(self, *args, **options):
         try:
             return await super().execute_command(*args, **options)
-        except (AuthenticationError, AuthorizationError, ClusterError, AttributeError, TypeError) as exc:
+        except (AuthenticationError, AuthorizationError, ClusterError, RedisClusterException, AttributeError,
+                TypeError) as exc:
             cleared = clear_error(exc)
             if cleared is exc:
                 raise
@@ -147,9 +167,39 @@ def clear_error(exc: BaseException) -> BaseException:
         return CredentialsRefused(f"Redis refused the credentials of redis_url: {exc}")
     if isinstance(exc, ClusterError):
         return ClusterKeptRedirecting(f"the cluster kept redirecting the call (a slot being moved): {exc}")
+    if isinstance(exc, RedisClusterException) and _learning_the_slot_map(exc):
+        answers = [cause for cause in _causes(exc) if isinstance(cause, ResponseError)]
+        credentials = [cause for cause in _causes(exc) if isinstance(cause, (AuthenticationError, AuthorizationError))]
+        if credentials:
+            return clear_error(credentials[0])
+        if answers:  # a node answered with an error (no cluster mode): a refusal, as it says
+            return exc
+        return ClusterMapUnknown(f"the cluster's slot map could not be learned: {exc}")
     if isinstance(exc, (AttributeError, TypeError)) and _raised_in_transport(exc):
         return RedisConnectionError(f"connection closed while in use ({exc})")
     return exc
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exceptions ``exc`` was raised from or while handling, nearest first."""
+    chain, seen = [], {id(exc)}
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        chain.append(cause)
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return chain
+
+
+def _learning_the_slot_map(exc: RedisClusterException) -> bool:
+    """Raised while the cluster client searched for its slot map."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "initialize" and Path(code.co_filename).resolve() == _CLUSTER_CLIENT_FILE:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _raised_in_transport(exc: BaseException) -> bool:

@@ -58,6 +58,7 @@ class Tally:
         self.local_after_kill = 0
         self.redis_after_kill = 0
         self.killed_at: float | None = None
+        self.causes: list[str] = []
 
 
 async def client_loop(gate: Access, secret: str, tally: Tally, stop: asyncio.Event) -> None:
@@ -70,6 +71,8 @@ async def client_loop(gate: Access, secret: str, tally: Tally, stop: asyncio.Eve
                 raise render(ticket)
         except OpenAIError as refused:
             tally.outcomes[f"{refused.status} {refused.code}"] += 1
+            if refused.status >= 500:  # what Redis raised, to name it in the failure
+                tally.causes.append(repr(refused.__context__))
             await asyncio.sleep(0.05)  # a client backing off a little (not the whole retry-after)
             continue
         tally.outcomes["admitted"] += 1
@@ -135,7 +138,7 @@ async def test_fail_open_keeps_serving_through_a_primary_failover_within_the_bou
         # client's own retries (slot map refreshed, the promoted replica answers) or
         # fails as unreachable and is decided on local limits. Which, depends on
         # where in the failover the call falls; both are service.
-        assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded"}, tally.outcomes
+        assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded"}, (tally.outcomes, tally.causes)
         # The stated bound: Redis' own allowance over the run, plus one ingress share
         # of the limit (burst + rate) for the outage, plus the admissions in flight
         # when the primary died (acknowledged, maybe not replicated: at most CLIENTS).
@@ -159,3 +162,27 @@ async def test_fail_closed_refuses_during_a_primary_failover_and_admits_only_thr
         await settled_everything(gate, key_id)
     finally:
         await gate.redis.aclose()
+
+
+async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_without_cluster_mode_a_refusal(
+        redis_server):
+    """What fail_mode applies to: a cluster client whose nodes do not answer (every
+    node down, or a failover leaving its map unsettled) cannot decide, so open admits
+    on local limits; a redis+cluster:// URL naming a plain node is a misconfiguration
+    Redis answered, which no mode admits past (serve_app/quota/redis_client.py)."""
+    from http_checks import free_port
+    from redis.exceptions import RedisClusterException
+
+    from serve_app.quota.access import REDIS_FAILED, UNREACHABLE
+    from serve_app.quota.redis_client import ClusterMapUnknown, connect
+
+    down = connect(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.5)
+    with pytest.raises(ClusterMapUnknown) as outage:
+        await down.get("k")
+    assert isinstance(outage.value, UNREACHABLE)
+    await down.aclose()
+    plain = connect(redis_server.url.replace("redis://", "redis+cluster://", 1).rsplit("/", 1)[0], timeout_s=0.5)
+    with pytest.raises(RedisClusterException, match="Cluster mode is not enabled") as refused:  # (on its node)
+        await plain.get("k")
+    assert isinstance(refused.value, REDIS_FAILED) and not isinstance(refused.value, UNREACHABLE)
+    await plain.aclose()
