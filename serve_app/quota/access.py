@@ -293,7 +293,7 @@ class Access:
         self.telemetry.admission_took(time.perf_counter() - started)
         decision, last = decisions[0], decisions[-1]
         self._record_budget_use(key, decision)
-        if last.kind == "duplicate":  # a 64-bit random id seen before: never in practice
+        if last.kind == "duplicate":  # its id settled before this admission ran: never while we wait on it
             raise quota_store_error()
         if not last.admitted:  # the level that refused is the last one asked
             self._no_overlap(key)

@@ -114,6 +114,25 @@ async def test_a_late_admit_after_its_settlement_changes_nothing(redis):
     assert (await admit(adm, k, tokens=500))[1].admitted  # the slot is free
 
 
+async def test_an_admission_run_twice_stands_once(redis):
+    """redis-py sends a script again when its reply was lost (a connection dropped in
+    a failover or a slot move, after it ran): the second run answers the admission that
+    stands and counts nothing twice (a CI run's failover answered it 503)."""
+    adm, k = admission(redis), key(max_concurrent=1, requests_per_minute=5, daily_token_budget=1000)
+    rid = "khard-00000000000000ab"
+    first = await adm.admit(k, rid, "m", 100)
+    again = await adm.admit(k, rid, "m", 100)
+    assert first.admitted and again.admitted and again.kind == ""
+    assert again.headers(k)["x-ratelimit-remaining-requests"] == "4"  # the state now: it, once
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    usage = await redis.hgetall(redis_names.usage(k.id))
+    assert usage[f"d:{today}:requests".encode()] == b"1" and usage[f"d:{today}:tokens".encode()] == b"100"
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 1
+    await adm.settle(k, rid, "completed", 7, 5, "", "m")
+    assert (await adm.admit(k, rid, "m", 100)).kind == "duplicate"  # settled: changes nothing
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 0
+
+
 async def test_renewal_keeps_running_leases_and_never_revives_settled_ones(redis):
     adm, k = admission(redis, lease_s=0.6), key(max_concurrent=2)
     a, _ = await admit(adm, k)

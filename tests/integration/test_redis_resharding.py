@@ -108,7 +108,7 @@ async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster)
     # the slot, a 503 "unavailable" (fail_mode), never "Redis refused" nor a 500;
     # a few at most, while the slot is half moved.
     assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded", "503 quota_backend_unavailable"}, \
-        tally.outcomes
+        (tally.outcomes, tally.causes)
     assert tally.outcomes["503 quota_backend_unavailable"] <= CLIENTS, tally.outcomes
     assert tally.outcomes["admitted"] <= redis_allowance(took), (tally.outcomes, redis_allowance(took))
     assert tally.outcomes["admitted"] >= RPM  # the burst, at least: the limit, not an outage, refused the rest

@@ -76,11 +76,6 @@ local ny, nm = y, m + 1
 if nm > 12 then ny, nm = y + 1, 1 end
 local next_month_ms = days_from_civil(ny, nm, 1) * 86400000
 
--- A request id is admitted at most once. A record already there means this
--- call arrives after its ingress gave up waiting for it (a Redis timeout) and
--- settled the id: it must change nothing.
-if redis.call('EXISTS', KEYS[5]) == 1 then return {0, 'duplicate', -1, -1, 0, -1, 0, ''} end
-
 -- Leases that expired belong to requests whose ingress stopped renewing them
 -- (it died): their records become final ('abandoned', reservation charged).
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
@@ -137,6 +132,23 @@ local function gcra(key, limit, cost)
     s.retry = math.ceil(new_tat - WINDOW - now)
   end
   return s
+end
+
+-- A request id is admitted at most once; a record already there changes nothing.
+-- Open (admitted, its lease held), it is this same call run again: the client library
+-- sent it a second time after its reply was lost (a connection dropped in a failover
+-- or a slot move, after the script ran), so the admission stands and is answered
+-- again, with the limits' state as it is now (it included). Settled, the call arrives
+-- after its ingress gave up waiting for it (a Redis timeout) and settled the id:
+-- 'duplicate'.
+local prior = redis.call('HGET', KEYS[5], 'status')
+if prior then
+  if (prior == 'admitted' or prior == 'running') and redis.call('ZSCORE', KEYS[3], rid) then
+    local r0, k0 = gcra(KEYS[1], rpm, 0), gcra(KEYS[2], tpm, 0)
+    return {1, '', 0, r0.unlimited and -1 or r0.remaining, r0.reset or 0,
+            k0.unlimited and -1 or k0.remaining, k0.reset or 0, ''}
+  end
+  return {0, 'duplicate', -1, -1, 0, -1, 0, ''}
 end
 
 local r = gcra(KEYS[1], rpm, 1)
