@@ -3,12 +3,9 @@
 priority scheduling). Requests go through the OpenAI SDK or plain HTTP; where
 each one ran is read from its request record in Redis.
 
-Two models: the demo chat model on two vLLM replicas behind its direct route, as
-shipped (routing: ``/v1`` takes one hop, the replica chosen at the edge by the
-model's router, serve_app/http/edge_router.py; the ingress' routes reach it through a
-handle and the same router), and a copy on one replica whose engine runs one
-sequence at a time with priority scheduling, four requests per replica and a Serve
-queue of four (tiers).
+Two models: the demo chat model on two vLLM replicas (routing), and a copy on
+one replica whose engine runs one sequence at a time with priority scheduling,
+four requests per replica and a Serve queue of four (tiers).
 
 - Requests that share a system prompt run on the replica that prefix ranks
   first, every time, and different prefixes use both replicas.
@@ -58,10 +55,6 @@ def base_url(redis_server):
     tiered = deepcopy(chat)
     chat["cpus_per_replica"] = 0.5  # four engines and the ingress on two CPUs
     chat["deployment"] = {**chat["deployment"], "num_replicas": 2}
-    # Behind its direct route, as shipped: /v1 takes one hop, the replica chosen at the
-    # edge by the model's router (serve_app/http/edge_router.py); the ingress' own
-    # routes reach it through a handle and the same router.
-    chat["direct_route"] = True
     tiered.update(name=TIERED, cpus_per_replica=0.25)
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
@@ -88,10 +81,8 @@ def replica_ids(base_url) -> list[str]:
 
     from contract.model_config import deployment_name
 
-    from contract.model_config import direct_app_name
-
     def running() -> int:
-        app = serve.status().applications.get(direct_app_name(MODEL))
+        app = serve.status().applications.get(APP_NAME)
         deployment = app and app.deployments.get(deployment_name(MODEL))
         return deployment.replica_states.get("RUNNING", 0) if deployment else 0
 
@@ -99,7 +90,7 @@ def replica_ids(base_url) -> list[str]:
     while running() != 2:
         assert time.monotonic() < deadline, serve.status()
         time.sleep(1)
-    prefix = f"SERVE_REPLICA::{direct_app_name(MODEL)}#{deployment_name(MODEL)}#"
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment_name(MODEL)}#"
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
     ids = sorted(name[len(prefix):] for name in names if name.startswith(prefix))
     assert len(ids) == 2, names
@@ -167,19 +158,6 @@ def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids,
     ran = replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent])
     assert ran == [preferred for _, preferred in sent]
     assert set(ran) == set(replica_ids)  # different prefixes use both replicas
-
-
-def test_through_the_ingress_the_model_is_routed_by_the_same_router(base_url, key, replica_ids, redis_server):
-    """Routes the edge does not send in one hop (here Azure's chat route) reach the
-    model through the ingress' handle, whose request router is the same class: a
-    shared prefix runs on the replica it ranks first there too."""
-    ingress = openai.OpenAI(base_url=base_url + "/models", api_key=key[1], max_retries=0, timeout=300,
-                            default_headers={"extra-parameters": "pass-through"})
-    sent = []
-    for replica in replica_ids:
-        for system in system_prompts_preferring(replica, replica_ids, 2):
-            sent.append((send(ingress, conversation(system, "Where is my parcel?")), replica))
-    assert replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent]) == [r for _, r in sent]
 
 
 def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, replica_ids, redis_server, key):
