@@ -168,12 +168,12 @@ def clear_error(exc: BaseException) -> BaseException:
     if isinstance(exc, ClusterError):
         return ClusterKeptRedirecting(f"the cluster kept redirecting the call (a slot being moved): {exc}")
     if isinstance(exc, RedisClusterException) and _learning_the_slot_map(exc):
-        answers = [cause for cause in _causes(exc) if isinstance(cause, ResponseError)]
-        credentials = [cause for cause in _causes(exc) if isinstance(cause, (AuthenticationError, AuthorizationError))]
+        causes = _causes(exc)
+        credentials = [cause for cause in causes if isinstance(cause, (AuthenticationError, AuthorizationError))]
         if credentials:
             return clear_error(credentials[0])
-        if answers:  # a node answered with an error (no cluster mode): a refusal, as it says
-            return exc
+        if any(isinstance(cause, ResponseError) for cause in causes):
+            return exc  # a node answered with an error (no cluster mode): a refusal, as it says
         return ClusterMapUnknown(f"the cluster's slot map could not be learned: {exc}")
     if isinstance(exc, (AttributeError, TypeError)) and _raised_in_transport(exc):
         return RedisConnectionError(f"connection closed while in use ({exc})")
