@@ -22,6 +22,12 @@ export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 # another replica, so 5 s is enough; Ray's 30 s made every stop and every ingress
 # rollout wait 30 s for nothing (docs/operating.md, "Rolling out").
 export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S ?= 5
+# A direct route routed with affinity on several replicas has its replica chosen at
+# the edge by the model's router (serve_app/http/edge_router.py): HAProxy hands it the
+# body it read, at most a request buffer of 256 KiB (Ray's 8 MiB would be the buffer of
+# every request HAProxy reads; cluster/haproxy_edge.py ONE_HOP_BODY_BYTES).
+export RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY ?= 1
+export RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE ?= 262144
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 

@@ -12,7 +12,9 @@ HAPROXY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY
 _GUARD = Path(sys.executable).with_name("llm-haproxy")
 GUARD_ENV = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(_GUARD)} if _GUARD.exists() else {}
 MAKEFILE_ENV = {**HAPROXY_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", **GUARD_ENV}
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+                "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+                "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": "262144", **GUARD_ENV}
 # The previous default: Ray's Python proxy in place of HAProxy.
 RAY_PROXY_ENV = {**MAKEFILE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
 # Ray Serve LLM's defaults: nothing of ours may leak into its run.

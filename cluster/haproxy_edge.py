@@ -38,7 +38,10 @@ through ``edge_config`` first:
   bounded by ``SESSION_BALANCE_FACTOR`` (HAProxy's ``hash-balance-factor``: no replica
   takes more than that share of the mean load; past it a session moves, and its
   history is cached again there). The copy's servers track the originals' health.
-  Requests without the header keep Ray's balancing (least connections).
+  Requests without the header keep Ray's balancing (least connections). A direct
+  application with an ingress request router (a model routed with affinity on several
+  replicas: serve_app/http/edge_router.py) has its replica picked there, sessions
+  included, so it gets no session copy.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ ONE_HOP_BODY_WAIT_S = REQUEST_HEADERS_TIMEOUT_S
 # (in connections); the ingress' routers keep the same spirit with their load guard.
 SESSION_BALANCE_FACTOR = 150
 SESSION_BACKEND_SUFFIX = "-session"
+# Ray's copy of an application's backend whose replica its ingress request router picks.
+ROUTED_BACKEND_SUFFIX = "-via-ingress-request-router"
 
 # The statuses HAProxy itself answers (those its `errorfile` takes), what each
 # tells an OpenAI client, and OpenAI's error type and code for it.
@@ -122,8 +127,12 @@ def edge_config(config: str, error_dir: Path) -> str:
     own = "\n".join(lines) + "\n"
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
-    # The direct applications' backends: named by a direct route's ACL, and declared.
-    direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)} & set(map(_backend_name, sections))
+    # The direct applications' backends (named by a direct route's ACL, and declared)
+    # whose replica HAProxy picks: those with an ingress request router have it picked
+    # there, sessions included (serve_app/http/edge_router.py).
+    declared = set(map(_backend_name, sections))
+    direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)
+                       if backend in declared and backend + ROUTED_BACKEND_SUFFIX not in declared}
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")

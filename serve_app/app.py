@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from contract.model_config import ModelConfig, direct_app_name, direct_route_prefix
+from contract.model_config import POWER_OF_TWO_ROUTER, ModelConfig, direct_app_name, direct_route_prefix
 from replicas.vllm_replica import VLLMReplica
 from serve_app.http.ingress import Ingress
 from serve_app.settings import AppSettings
@@ -73,10 +73,29 @@ def build_direct_app(args: dict[str, Any]) -> Application:
 
     model = chosen[0]
     options = with_transport_env(model.serve_options(), settings.telemetry.tracing.env(f"llm-model-{model.name}"))
-    # HAProxy picks the replica of an application's ingress (Serve refuses a custom
-    # router there); the ingress' handle calls to it use Serve's default router.
-    options.pop("request_router_config", None)
-    return DirectModel.options(**options).bind(model, settings)
+    if not routes_at_the_edge(options):
+        # HAProxy balances its replicas (Serve refuses a custom router on an application's
+        # ingress without an ingress request router); the ingress' handle calls to it use
+        # Serve's default router.
+        options.pop("request_router_config", None)
+        return DirectModel.options(**options).bind(model, settings)
+    from serve_app.http.edge_router import edge_router
+
+    app = DirectModel.options(**options).bind(model, settings)
+    return app._with_ingress_request_router(edge_router(app, model.name))
+
+
+def routes_at_the_edge(options: dict[str, Any]) -> bool:
+    """Whether a direct application with these Serve ``options`` has its replica chosen
+    by the model's request router at the edge (serve_app/http/edge_router.py): its
+    policy asks for affinity, it may run more than one replica, and the edge is
+    HAProxy (Ray's ingress request routers need it)."""
+    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+
+    router = (options.get("request_router_config") or {}).get("request_router_class")
+    autoscaling = options.get("autoscaling_config") or {}
+    most = autoscaling.get("max_replicas", 1) if autoscaling else options.get("num_replicas", 1)
+    return RAY_SERVE_ENABLE_HA_PROXY and router not in (None, POWER_OF_TWO_ROUTER) and most != 1
 
 
 def direct_apps(args: dict[str, Any]) -> list[dict[str, Any]]:

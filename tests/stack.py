@@ -124,6 +124,28 @@ def haproxy_processes() -> list[psutil.Process]:
             if (p.info["name"] or "") == "haproxy" and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
+def edge_server_states(backend: str) -> dict[str, str]:
+    """HAProxy's state of each server of ``backend`` (``show stat``: UP, DOWN, MAINT,
+    ...), asked on this node's HAProxy admin socket. A server HAProxy holds down takes
+    no request, whatever the edge router picks: HAProxy then balances."""
+    import csv
+    import io
+    import socket
+
+    import ray
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
+
+    folder, name = os.path.split(RAY_SERVE_HAPROXY_SOCKET_PATH)
+    path = os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
+    with socket.socket(socket.AF_UNIX) as admin:
+        admin.settimeout(5)
+        admin.connect(path)
+        admin.sendall(b"show stat\n")
+        answer = b"".join(iter(lambda: admin.recv(65536), b"")).decode()
+    rows = csv.DictReader(io.StringIO(answer.removeprefix("# ")))
+    return {row["svname"]: row["status"] for row in rows if row["pxname"] == backend}
+
+
 def wait_for_no_engines(timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while engine_processes():

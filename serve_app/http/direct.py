@@ -10,10 +10,11 @@ same ``Access`` and ``Gateway`` as the ingress (a library, not a copy), calling
 its own engine in-process. The ingress reaches the same deployment through a
 handle for every other route (dialects, Responses, batches, scoring).
 
-What the direct route does not do: Serve's request router (prefix affinity,
-adapter affinity) does not choose the replica, HAProxy balances by connections;
-the fair-share gate and the priority tiers' queue shares see only this
-replica's requests.
+Which replica takes a request: the model's request router, asked at the edge
+(edge_router.py), when the model is routed with affinity on several replicas;
+HAProxy's balancing otherwise (cluster/haproxy_edge.py). What the direct route does not
+do: the fair-share gate and the priority tiers' queue shares see only this replica's
+requests.
 """
 
 from __future__ import annotations

@@ -124,7 +124,16 @@ class ChosenNotSent:
     idle and the load guard never trips. An entry ends when Serve sends a request
     to that replica, or after ``ttl_s`` for a choice Serve dropped (a cancelled
     request, a full replica passed over): a choice is sent within milliseconds.
+
+    A choice Serve never sends (the edge router's: the request goes over HAProxy,
+    serve_app/http/edge_router.py) ends when its replica's own count has it: once a
+    probe of that replica asked ``PROBE_LAG_S`` after the choice was made. The edge
+    router probes often, so its finished requests stop counting soon after they end.
     """
+
+    # How long a request chosen at the edge takes to reach its replica (router answer,
+    # HAProxy, connection): a probe asked later than this after the choice counts it.
+    PROBE_LAG_S = 0.05
 
     def __init__(self, ttl_s: float = 2.0, clock=time.monotonic):
         self._ttl_s, self._clock = ttl_s, clock
@@ -138,14 +147,22 @@ class ChosenNotSent:
         if chosen:
             chosen.popleft()
 
-    def count(self, replica_id: str) -> int:
+    def count(self, replica_id: str, probed_at: float | None = None) -> int:
+        """The choices of ``replica_id`` its count does not have yet: younger than the
+        time to live, and made after ``probed_at - PROBE_LAG_S`` (when its count was
+        last asked; None: not asked since)."""
         chosen = self._chosen.get(replica_id)
         if not chosen:
             return 0
         oldest_live = self._clock() - self._ttl_s
+        if probed_at is not None:
+            oldest_live = max(oldest_live, probed_at - self.PROBE_LAG_S)
         while chosen and chosen[0] < oldest_live:
             chosen.popleft()
         return len(chosen)
+
+    def now(self) -> float:
+        return self._clock()
 
     def forget_others(self, replica_ids: set[str]) -> None:
         """Drops the entries of replicas that are gone (bounded by the replica set)."""
@@ -171,6 +188,7 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
 
     def __init__(self, *args, **kwargs):
         self._chosen_not_sent = ChosenNotSent()
+        self._probed_at: dict[str, float] = {}  # when each replica's count was last asked (ChosenNotSent)
         super().__init__(*args, **kwargs)
 
     def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4) -> None:
@@ -179,7 +197,9 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._chosen_not_sent.forget_others({replica.replica_id.unique_id for replica in replicas})
+        running = {replica.replica_id.unique_id for replica in replicas}
+        self._chosen_not_sent.forget_others(running)
+        self._probed_at = {rid: at for rid, at in self._probed_at.items() if rid in running}
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)  # Serve's cache counts it from now on
@@ -203,7 +223,9 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         else:
             chosen = self._choose(text, holders, queue_lens)
         if chosen is None:  # imbalanced: the less busy of two random replicas, adapter or not
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+            # Less busy first: a pick without a reservation (the edge router's) takes the first.
+            return [sorted(two, key=lambda replica: queue_lens[replica.replica_id.unique_id])]
         self._chosen_not_sent.add(chosen)
         # The chosen replica first; if its queue is full, the least busy of the rest.
         rest = [by_id[rid] for rid in by_id if rid != chosen]
@@ -244,9 +266,13 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
                 unknown.append(replica)
             lens[replica.replica_id.unique_id] = cached
         if unknown:
+            asked = self._chosen_not_sent.now()
             for replica, queue_len in await self._probe_queue_lens(unknown, 0):
                 lens[replica.replica_id.unique_id] = queue_len
-        return {rid: (length or 0) + self._chosen_not_sent.count(rid) for rid, length in lens.items()}
+                if queue_len is not None:
+                    self._probed_at[replica.replica_id.unique_id] = asked
+        return {rid: (length or 0) + self._chosen_not_sent.count(rid, self._probed_at.get(rid))
+                for rid, length in lens.items()}
 
 
 class CacheAffinityRouter(PrefixAffinityRouter):

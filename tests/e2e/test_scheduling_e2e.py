@@ -3,9 +3,12 @@
 priority scheduling). Requests go through the OpenAI SDK or plain HTTP; where
 each one ran is read from its request record in Redis.
 
-Two models: the demo chat model on two vLLM replicas (routing), and a copy on
-one replica whose engine runs one sequence at a time with priority scheduling,
-four requests per replica and a Serve queue of four (tiers).
+Two models: the demo chat model on two vLLM replicas behind its direct route, as
+shipped (routing: ``/v1`` takes one hop, the replica chosen at the edge by the
+model's router, serve_app/http/edge_router.py; the ingress' routes reach it through a
+handle and the same router), and a copy on one replica whose engine runs one
+sequence at a time with priority scheduling, four requests per replica and a Serve
+queue of four (tiers).
 
 - Requests that share a system prompt run on the replica that prefix ranks
   first, every time, and different prefixes use both replicas.
@@ -34,7 +37,7 @@ import redis as redis_sync
 from http_checks import free_port
 from settled import records as records_of, wait_until_settled
 from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
-from stack import APP_NAME, create_key, local_app_args, serve_stack
+from stack import APP_NAME, create_key, edge_server_states, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +58,10 @@ def base_url(redis_server):
     tiered = deepcopy(chat)
     chat["cpus_per_replica"] = 0.5  # four engines and the ingress on two CPUs
     chat["deployment"] = {**chat["deployment"], "num_replicas": 2}
+    # Behind its direct route, as shipped: /v1 takes one hop, the replica chosen at the
+    # edge by the model's router (serve_app/http/edge_router.py); the ingress' own
+    # routes reach it through a handle and the same router.
+    chat["direct_route"] = True
     tiered.update(name=TIERED, cpus_per_replica=0.25)
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
@@ -79,10 +86,10 @@ def replica_ids(base_url) -> list[str]:
     import ray
     from ray import serve
 
-    from contract.model_config import deployment_name
+    from contract.model_config import deployment_name, direct_app_name
 
     def running() -> int:
-        app = serve.status().applications.get(APP_NAME)
+        app = serve.status().applications.get(direct_app_name(MODEL))
         deployment = app and app.deployments.get(deployment_name(MODEL))
         return deployment.replica_states.get("RUNNING", 0) if deployment else 0
 
@@ -90,7 +97,7 @@ def replica_ids(base_url) -> list[str]:
     while running() != 2:
         assert time.monotonic() < deadline, serve.status()
         time.sleep(1)
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment_name(MODEL)}#"
+    prefix = f"SERVE_REPLICA::{direct_app_name(MODEL)}#{deployment_name(MODEL)}#"
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
     ids = sorted(name[len(prefix):] for name in names if name.startswith(prefix))
     assert len(ids) == 2, names
@@ -100,6 +107,16 @@ def replica_ids(base_url) -> list[str]:
 @pytest.fixture(scope="module")
 def key(redis_server) -> tuple[str, str]:
     return create_key(redis_server.url, "routing", requests_per_minute=100_000, max_concurrent=100)
+
+
+def edge_states(replica_ids: list[str]) -> dict[str, str]:
+    """HAProxy's state of each replica in the backend it sends the edge router's picks
+    to (a replica it holds down gets none of them: HAProxy balances instead)."""
+    from contract.model_config import direct_app_name
+
+    states = edge_server_states(f"http-{direct_app_name(MODEL)}-via-ingress-request-router")
+    return {rid: next((state for name, state in states.items() if name.endswith("-" + rid)), "absent")
+            for rid in replica_ids}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +130,11 @@ def client(base_url, key, replica_ids):
         except openai.APIStatusError:
             assert time.monotonic() < deadline
             time.sleep(2)
+    # And the edge sends to both: a replica just started is in HAProxy's map only after
+    # Ray's next reload, and held down until its health checks pass.
+    while not all(state.startswith("UP") for state in edge_states(replica_ids).values()):
+        assert time.monotonic() < deadline, edge_states(replica_ids)
+        time.sleep(0.5)
     return client
 
 
@@ -156,8 +178,21 @@ def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids,
             for question in ("Where is my parcel?", "Cancel my order", "Do you ship to Mars?"):
                 sent.append((send(client, conversation(system, question)), replica))
     ran = replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent])
-    assert ran == [preferred for _, preferred in sent]
+    assert ran == [preferred for _, preferred in sent], f"HAProxy's servers now: {edge_states(replica_ids)}"
     assert set(ran) == set(replica_ids)  # different prefixes use both replicas
+
+
+def test_through_the_ingress_the_model_is_routed_by_the_same_router(base_url, key, replica_ids, redis_server):
+    """Routes the edge does not send in one hop (here Azure's chat route) reach the
+    model through the ingress' handle, whose request router is the same class: a
+    shared prefix runs on the replica it ranks first there too."""
+    ingress = openai.OpenAI(base_url=base_url + "/models", api_key=key[1], max_retries=0, timeout=300,
+                            default_headers={"extra-parameters": "pass-through"})
+    sent = []
+    for replica in replica_ids:
+        for system in system_prompts_preferring(replica, replica_ids, 2):
+            sent.append((send(ingress, conversation(system, "Where is my parcel?")), replica))
+    assert replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent]) == [r for _, r in sent]
 
 
 def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, replica_ids, redis_server, key):

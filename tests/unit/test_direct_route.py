@@ -125,6 +125,43 @@ def test_a_direct_model_is_not_bound_in_the_main_application_but_in_its_own():
     assert direct_apps(LOCAL) == []
 
 
+@pytest.mark.parametrize("routing, deployment, at_the_edge", [
+    ({}, {"num_replicas": 2}, True),  # prefix affinity (the default) on two replicas
+    ({"policy": "cache_affinity"}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, True),
+    ({}, {"num_replicas": 1}, False),  # one replica: nothing to choose
+    ({"policy": "power_of_two"}, {"num_replicas": 2}, False),  # HAProxy's least connections
+])
+def test_a_direct_model_routed_with_affinity_on_several_replicas_is_routed_at_the_edge(routing, deployment,
+                                                                                          at_the_edge, monkeypatch):
+    from ray.serve._private import constants
+
+    from serve_app.http.edge_router import EdgeRouter
+
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", True)  # as the Makefile runs Serve
+
+    args = direct_args()
+    base = {k: v for k, v in args["models"][0]["deployment"].items() if k != "num_replicas"}
+    args["models"][0].update(routing=routing, deployment={**base, **deployment})
+    app = build_direct_app({**args, "direct_model": "tiny-llama"})
+    router = app._ingress_request_router
+    config = app._bound_deployment._deployment_config.request_router_config
+    if at_the_edge:
+        # The model's own router picks the replica, at the edge and for the ingress' handle calls.
+        assert router._bound_deployment.func_or_class is EdgeRouter
+        assert router._bound_deployment.name == "edge-router-tiny-llama"  # unique beside other models'
+        assert config.request_router_class.startswith("serve_app.pipeline.routing:")
+    else:
+        assert router is None and config.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
+
+
+def test_the_edge_router_reads_a_body_it_cannot_parse_as_no_prompt():
+    from serve_app.http.edge_router import routing_body
+
+    assert routing_body(b'{"model": "m", "prompt": "hi"}') == {"model": "m", "prompt": "hi"}
+    for raw in (b"", b"{truncated", b"[1, 2]", b'"text"', b"\xff\xfe"):
+        assert routing_body(raw) == {}
+
+
 def test_build_direct_app_names_the_model_or_refuses():
     with pytest.raises(ValueError, match="direct_route"):
         build_direct_app({**LOCAL, "direct_model": "tiny-llama"})  # no model has direct_route

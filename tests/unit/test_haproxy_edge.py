@@ -116,3 +116,26 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
     monkeypatch.setenv("RAY_SERVE_SESSION_ID_HEADER_KEY", "X-Conversation")
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_DIRECT_BACKEND, Path("/tmp/unused-errors"))
     assert "balance hdr(x-conversation)" in config and "{ req.hdr(x-conversation) -m found }" in config
+
+
+RAY_ROUTED_DIRECT_BACKEND = RAY_DIRECT_BACKEND + """backend direct-tiny-via-ingress-request-router
+    log global
+    use-server r1 if { var(txn.ingress_request_router_target) -m str "r1" }
+    server r1 10.0.0.1:8001 track direct-tiny/r1
+"""
+
+
+def test_a_direct_application_with_an_edge_router_keeps_the_one_hop_but_gets_no_session_copy():
+    """Its ingress request router (serve_app/http/edge_router.py) picks the replica,
+    sessions included: a session rule before Ray's would bypass it."""
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_ROUTED_DIRECT_BACKEND, Path("/tmp/unused-errors"))
+    assert "-session" not in config and "balance hdr(" not in config
+    assert "set-path /direct/%[var(txn.llm_one_hop)]%[path] if { var(txn.llm_one_hop) -m str org--big tiny }" in config
+
+
+def test_the_makefile_hands_the_edge_router_at_most_the_edges_own_buffer():
+    """Ray's buffer for a body-reading ingress request router (8 MiB by default) would
+    be every request's buffer at the edge; the Makefile keeps it at the one hop's."""
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    assert f"RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE ?= {ONE_HOP_BODY_BYTES}\n" in makefile
+    assert "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY ?= 1\n" in makefile

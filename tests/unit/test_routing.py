@@ -5,11 +5,12 @@ itself runs under real Serve in tests/e2e/test_scheduling_e2e.py."""
 import collections
 import random
 import string
+import time
 
 import pytest
 
 from contract.model_config import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, ModelConfig
-from serve_app.pipeline.routing import affine_choice, prompt_prefix, rendezvous_order
+from serve_app.pipeline.routing import ChosenNotSent, affine_choice, prompt_prefix, rendezvous_order
 
 SYSTEM = "You are a support agent for ACME. " * 40  # ~1,400 characters, as shared system prompts are
 
@@ -100,6 +101,10 @@ class FakeReplica:
         self.multiplexed_model_ids = set(adapters)
         self.max_ongoing_requests = 16
         self.node_id, self.availability_zone = "node", None
+        self.running = 0  # what a probe of its queue length answers
+
+    async def get_queue_len(self, deadline_s: float) -> int:
+        return self.running
 
 
 def router_with(*replicas):
@@ -232,6 +237,39 @@ def test_a_choice_never_sent_stops_counting_after_its_time():
     assert chosen.count("a") == 1
     chosen.forget_others({"b"})  # a's replica is gone
     assert chosen.count("a") == 0 and chosen._chosen == {}
+
+
+def test_a_choice_never_sent_stops_counting_once_a_probe_of_its_replica_has_seen_it():
+    """The edge router's picks go over HAProxy, never through Serve: each counts until
+    its replica's own count was asked after the request reached it."""
+    from serve_app.pipeline.routing import ChosenNotSent
+
+    now = [10.0]
+    chosen = ChosenNotSent(ttl_s=2.0, clock=lambda: now[0])
+    chosen.add("a")
+    now[0] = 10.2
+    chosen.add("a")  # made just before the probe: maybe not at the replica yet
+    assert chosen.count("a", probed_at=10.21) == 1
+    assert chosen.count("a", probed_at=None) == 1
+    now[0] = 10.3
+    chosen.add("a")
+    assert chosen.count("a", probed_at=10.3) == 1  # the probe at 10.3 saw the pick of 10.2, not this one's
+
+
+async def test_at_the_edge_sequential_requests_on_one_prefix_stay_on_its_replica():
+    """Picks never sent (the edge router's) once past: a fresh probe counts what still
+    runs, so one client's requests one after another do not trip the guard."""
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = router_with(a, b)
+    body = chat(("system", SYSTEM), ("user", "hi"))
+    preferred = rendezvous_order(prompt_prefix(body, 512), ["a", "b"])[0]
+    firsts = []
+    for _ in range(8):
+        router._replica_queue_len_cache.invalidate_key(a.replica_id)  # stale: asked again
+        router._replica_queue_len_cache.invalidate_key(b.replica_id)
+        firsts.append(ids(await router.choose_replicas([a, b], pending(body)))[0])
+        time.sleep(ChosenNotSent.PROBE_LAG_S)  # the request ran and ended before the next
+    assert firsts == [[preferred]] * 8
 
 
 def pending_in_session(body, session: str):

@@ -1,0 +1,105 @@
+"""Which replica of a direct route takes a request, chosen at the edge with the prompt in hand.
+
+A direct route's requests (``/direct/<model>/v1/...``, and ``/v1`` through the edge's
+one hop) go from HAProxy straight to one of the model's replicas. Left to HAProxy,
+that is the replica with the fewest connections: no prefix or cache affinity. When the
+model's ``routing.policy`` asks for affinity and it may run more than one replica, its
+application gets this deployment as Ray's *ingress request router*
+(``Application._with_ingress_request_router``, what Ray Serve LLM's direct streaming
+uses for its one model): for each POST, HAProxy's Lua hands the body it has read
+(``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY``) to ``/internal/route`` here and
+sends the request to the replica this answers. The choice is the model's own request
+router's (serve_app/pipeline/routing.py: the same class the ingress' handle calls use,
+with the same load guard, session ids and index), asked through Serve's
+``choose_replica`` without a reservation: the request itself goes over HAProxy, so only
+the pick is wanted. The tokens still cross one process boundary after the engine.
+
+What this costs: one HTTP call from HAProxy to this deployment per request (it runs
+beside HAProxy, ``num_cpus=0``), before the request goes out. A model with one replica
+and no autoscaling has nothing to choose and keeps HAProxy's own balancing.
+
+A body the router cannot read (not JSON, past HAProxy's buffer) has no prompt: the
+router then balances by load, as for a request without one. Anything that fails here
+is HAProxy's 503 "Ingress request router failed" (the client retries), never a request
+sent nowhere.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from ray import serve
+from ray.serve.exceptions import DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from contract.edge import MAX_SESSION_ID_CHARS, session_header
+
+router_app = FastAPI()
+
+# What the model's request router reads as the call's operation (args[0]); the body is
+# args[1], as on the ingress' handle calls (replica_calls.py).
+ROUTE_OPERATION = "route"
+
+
+def routing_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object, or {} when it is none (then nothing is gained by affinity)."""
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+@serve.ingress(router_app)
+class EdgeRouter:
+    """Answers HAProxy's ``/internal/route``: ``{"host", "port", "replica_id"}`` of the
+    replica the model's request router picks for this body and session."""
+
+    def __init__(self, model: DeploymentHandle):
+        self._model = model
+        self._model._init()  # the handle's router starts now, not on the first request
+        self._session_header = session_header()
+
+    @router_app.post("/internal/route")
+    async def route(self, request: Request) -> dict[str, Any]:
+        body = routing_body(await request.body())
+        session = request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS]
+        handle = self._model.options(session_id=session) if session else self._model
+        try:
+            async with handle.choose_replica(ROUTE_OPERATION, body, _reserve=False) as selection:
+                replica = selection._replica
+                endpoint = replica.backend_http_endpoint
+                if endpoint is None:
+                    raise HTTPException(503, f"replica {selection.replica_id} has no HTTP endpoint")
+                host, port = endpoint
+                return {"host": host, "port": port, "replica_id": replica.replica_id.to_full_id_str()}
+        except DeploymentUnavailableError as exc:
+            raise HTTPException(503, str(exc)) from None
+
+    @router_app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+
+def edge_router_name(model_name: str) -> str:
+    return "edge-router-" + model_name.replace("/", "--")
+
+
+# How long the router trusts a replica's count of running requests before asking it
+# again (Serve's default: 10 s). Its picks are never sent through Serve, which would
+# count them and their end: between asks, the count is the last answer plus the picks
+# made since (``ChosenNotSent``, routing.py), so a request that ended still counts until
+# the next ask. Asking every 0.1 s costs each replica ten small calls a second.
+QUEUE_LENGTH_REFRESH_S = "0.1"
+
+
+def edge_router(model_app, model_name: str) -> Any:
+    """The ingress request router of the direct application ``model_app`` (its model's
+    bound deployment), named after the model (``llmctl status`` lists every direct
+    application's deployments side by side)."""
+    # max_ongoing_requests: every request of the model asks it first; Serve's default (5) would queue them.
+    env = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": QUEUE_LENGTH_REFRESH_S}
+    return serve.deployment(EdgeRouter, name=edge_router_name(model_name), max_ongoing_requests=1000,
+                            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(model_app)
