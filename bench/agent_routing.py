@@ -14,6 +14,11 @@ answer appended to the history, as an agent loop does), ``--concurrency`` conver
 at a time; every request streamed. Each replica's KV cache is capped (``--kv-blocks``
 blocks of 128 tokens) below what all conversations need, as on a busy cluster.
 
+``--one-hop``: the model behind its direct route as shipped (``/v1`` in one hop, the
+replica chosen at the edge by the same router class: serve_app/http/edge_router.py;
+``power_of_two`` there is HAProxy's least connections, ``sessions`` the edge router's
+session placement).
+
 Prints per policy: TTFT p50/p90 (ms), output tokens/s over the run, the engines'
 prefix-cache hit rate (prompt tokens found in the cache over those looked up, this
 run's requests only) and the load split (each replica's share of the prompt tokens it
@@ -40,10 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from contract.edge import DEFAULT_SESSION_HEADER  # noqa: E402
-from contract.model_config import ModelConfig  # noqa: E402
+from contract.model_config import ModelConfig, direct_app_name  # noqa: E402
 from prefix_routing import engine_loads, stack_config  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
 from serving_overhead import bench_api_key, serve_stack  # noqa: E402
+from serve_app.app import with_direct_apps  # noqa: E402
 
 POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity", "sessions"]
 WORDS = ("license grant patent copyright notice source object form work derivative contribution contributor "
@@ -93,7 +99,8 @@ async def run_load(url: str, model: str, args, sessions: bool = False) -> tuple[
             await conversation(client, model, system, conversation_rng, args, samples, session)
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(*plan) for plan in plans))
+    async with client:  # closed on this loop (left to the collector, its sockets outlive the loop)
+        await asyncio.gather(*(one(*plan) for plan in plans))
     return samples, time.perf_counter() - started
 
 
@@ -114,6 +121,7 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=128, help="KV-cache blocks (128 tokens) per replica")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
     parser.add_argument("--source", default="demo:small", help="demo:small (default) or demo (the tiny model)")
+    parser.add_argument("--one-hop", action="store_true", help="behind the direct route, as shipped")
     args = parser.parse_args()
 
     os.environ["OPENAI_API_KEY"] = bench_api_key()
@@ -121,14 +129,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         for policy in args.policies:
             serve_config = stack_config("prefix_affinity" if policy == "sessions" else policy, args.kv_blocks,
-                                        args.source)
+                                        args.source, direct=args.one_hop)
             config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
+            app_name = direct_app_name(config.name) if args.one_hop else "llm"
+            if args.one_hop:
+                serve_config = with_direct_apps(serve_config)
             log = Path(tmp) / f"{policy}.log"
             try:
                 with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
-                    before = engine_loads(config.name)
+                    before = engine_loads(config.name, app_name)
                     samples, wall = asyncio.run(run_load(url, config.name, args, sessions=policy == "sessions"))
-                    after = engine_loads(config.name)
+                    after = engine_loads(config.name, app_name)
             except Exception:
                 print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
                       file=sys.stderr)
@@ -147,7 +158,7 @@ def main() -> None:
             print(f"{policy}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[policy].items()), file=sys.stderr,
                   flush=True)
 
-    print(f"\n{args.source} model, 2 replicas ({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} "
+    print(f"\n{args.source} model, 2 replicas{' behind its direct route (/v1 in one hop)' if args.one_hop else ''} ({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} "
           f"applications with a {args.system_words}-word system prompt, {args.conversations} conversations x "
           f"{args.turns} turns of {args.user_words} words, {args.output_len} output tokens, {args.concurrency} "
           f"conversations at a time\n")

@@ -47,7 +47,10 @@ METRICS = [("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"), ("
            ("output_throughput", "output tok/s")]
 
 
-def stack_config(policy: str, kv_blocks: int, source: str) -> dict:
+def stack_config(policy: str, kv_blocks: int, source: str, direct: bool = False) -> dict:
+    """The demo chat model alone on two replicas, routed by ``policy``; ``direct``: behind
+    its direct route as shipped (``/v1`` in one hop, the replica chosen at the edge by
+    the same router: serve_app/http/edge_router.py), else in the main application."""
     serve_config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
     app = serve_config["applications"][0]["args"]
     [chat] = [model for model in app["models"] if model["name"] == "tiny-llama"]
@@ -56,12 +59,13 @@ def stack_config(policy: str, kv_blocks: int, source: str) -> dict:
     chat["engine_kwargs"] = {**chat["engine_kwargs"], "num_gpu_blocks_override": kv_blocks}
     chat["routing"] = {"policy": policy}
     chat["source"] = source
-    chat.pop("direct_route", None)  # the ingress' request routers are what is measured
+    if not direct:
+        chat.pop("direct_route", None)  # the ingress' request routers are what is measured
     app["models"] = [chat]
     return serve_config
 
 
-def engine_loads(model: str) -> dict[str, dict]:
+def engine_loads(model: str, app_name: str = "llm") -> dict[str, dict]:
     """Each of the model's two replicas' engine_load (its prefix-cache counters among
     them), asked through Serve (engine_load names its replica); waits until both answer."""
     code = f"""
@@ -69,7 +73,7 @@ import asyncio, json, ray
 from ray import serve
 ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 async def ask():
-    handle = serve.get_deployment_handle({deployment_name(model)!r}, app_name="llm")
+    handle = serve.get_deployment_handle({deployment_name(model)!r}, app_name={app_name!r})
     seen = {{}}
     for _ in range(600):  # until both replicas answered (the second may still be starting)
         load = await handle.engine_load.remote()
