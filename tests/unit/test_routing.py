@@ -123,7 +123,9 @@ def router_with(*replicas):
 
 
 def queue(router, replica, length):
+    """``replica`` runs ``length`` requests: what Serve's cache holds and a probe answers."""
     router._replica_queue_len_cache.update(replica.replica_id, length)
+    replica.running = length
 
 
 def pending(body, adapter=""):
@@ -270,6 +272,25 @@ async def test_at_the_edge_sequential_requests_on_one_prefix_stay_on_its_replica
         firsts.append(ids(await router.choose_replicas([a, b], pending(body)))[0])
         time.sleep(ChosenNotSent.PROBE_LAG_S)  # the request ran and ended before the next
     assert firsts == [[preferred]] * 8
+
+
+async def test_at_the_edge_picks_faster_than_the_probes_trip_the_guard_only_if_the_replica_is_busy():
+    """Picks never sent, one after another faster than the cached counts expire: once
+    the picks alone would trip the guard, the router asks the replica, which has ended
+    them, and keeps the prefix there; a replica that does run that many is spread from."""
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = router_with(a, b)
+    queue(router, a, 0)  # fresh in Serve's cache for the whole test: no probe on its own
+    queue(router, b, 0)
+    body = chat(("system", SYSTEM), ("user", "hi"))
+    preferred, other = rendezvous_order(prompt_prefix(body, 512), ["a", "b"])
+    firsts = []
+    for _ in range(10):
+        firsts.append(ids(await router.choose_replicas([a, b], pending(body)))[0])
+        time.sleep(ChosenNotSent.PROBE_LAG_S)  # the request ran and ended before the next
+    assert firsts == [[preferred]] * 10
+    {"a": a, "b": b}[preferred].running = 6  # a flood on it now
+    assert ids(await router.choose_replicas([a, b], pending(body)))[0] == [other]
 
 
 def pending_in_session(body, session: str):
