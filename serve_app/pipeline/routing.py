@@ -189,7 +189,6 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
     def __init__(self, *args, **kwargs):
         self._chosen_not_sent = ChosenNotSent()
         self._probed_at: dict[str, float] = {}  # when each replica's count was last asked (ChosenNotSent)
-        self._counted_picks: dict[str, int] = {}  # of each replica's last count (_queue_lens)
         super().__init__(*args, **kwargs)
 
     def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4) -> None:
@@ -219,12 +218,6 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
             return await self._power_of_two(candidate_replicas, pending_request)
         queue_lens = await self._queue_lens(candidate_replicas)
-        if self._spread_counts_own_picks(queue_lens):
-            # Past the guard on counts that include this router's own picks since its
-            # replicas were last asked (the edge router's: it never learns when they
-            # end). One client's requests one after another, faster than the probes,
-            # would look like a flood: ask the replicas what still runs before spreading.
-            queue_lens = await self._queue_lens(candidate_replicas, ask={rid for rid, n in self._counted_picks.items() if n})
         if session:
             chosen = self._choose_session(session, text, holders, queue_lens)
         else:
@@ -261,16 +254,26 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
         return [rid for rid in by_id if rid in held]
 
-    def _spread_counts_own_picks(self, queue_lens: dict[str, int]) -> bool:
-        """The busiest replica runs more than the guard allows above the least busy,
-        and picks not yet seen by a probe are part of that count."""
-        return (max(queue_lens.values(), default=0) - min(queue_lens.values(), default=0) > self._imbalance_threshold
-                and any(self._counted_picks.values()))
-
-    async def _queue_lens(self, replicas: list[RunningReplica], ask: set[str] = frozenset()) -> dict[str, int]:
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests each replica runs, from Serve's queue-length cache, probing
-        the replicas it has no fresh entry for (and those in ``ask``), plus the
-        requests this router chose it for that are not sent yet."""
+        the replicas it has no fresh entry for, plus the requests this router
+        chose it for that are not sent yet.
+
+        When those counts are past the load guard and this router's own picks since
+        its replicas were last asked are part of them (the edge router's: it never
+        learns when they end), the replicas with such picks are asked again first: one
+        client's requests one after another, faster than the probes, are not a flood."""
+        lens, picks = await self._counts(replicas)
+        counts = {rid: (length or 0) + picks[rid] for rid, length in lens.items()}
+        if any(picks.values()) and max(counts.values()) - min(counts.values()) > self._imbalance_threshold:
+            lens, picks = await self._counts(replicas, ask={rid for rid, n in picks.items() if n})
+            counts = {rid: (length or 0) + picks[rid] for rid, length in lens.items()}
+        return counts
+
+    async def _counts(self, replicas: list[RunningReplica], ask: set[str] = frozenset()
+                      ) -> tuple[dict[str, int | None], dict[str, int]]:
+        """Each replica's count (cached, or probed if stale or in ``ask``; None: no
+        answer) and this router's picks of it that count has not seen."""
         lens: dict[str, int | None] = {}
         unknown = []
         for replica in replicas:
@@ -285,8 +288,7 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
                 lens[replica.replica_id.unique_id] = queue_len
                 if queue_len is not None:
                     self._probed_at[replica.replica_id.unique_id] = asked
-        self._counted_picks = {rid: self._chosen_not_sent.count(rid, self._probed_at.get(rid)) for rid in lens}
-        return {rid: (length or 0) + self._counted_picks[rid] for rid, length in lens.items()}
+        return lens, {rid: self._chosen_not_sent.count(rid, self._probed_at.get(rid)) for rid in lens}
 
 
 class CacheAffinityRouter(PrefixAffinityRouter):
