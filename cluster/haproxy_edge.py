@@ -30,7 +30,12 @@ through ``edge_config`` first:
   not JSON, a model without a direct route)
   goes to the ingress as before, which answers it the same way. The models are those
   whose direct application Ray's config routes (its ``path_beg /direct/<model>/`` ACLs),
-  so the edge follows deployments with nothing to configure.
+  so the edge follows deployments with nothing to configure; each is named by its
+  name, its aliases and its LoRA adapters (``route_names``: asked of one of its replicas
+  when the config is written, ``contract.edge.EDGE_NAMES_PATH``; a route whose replicas
+  do not answer in time keeps its own name only, its other names taking the ingress' two
+  hops until the next reload). Every change of names is a new deployment of the model's
+  application (its arguments change), hence new replicas, hence a reload.
 - Session affinity on a direct route: a request carrying the session header
   (``contract.edge.session_header()``, ``x-session-id`` unless Ray's
   ``RAY_SERVE_SESSION_ID_HEADER_KEY`` names another) goes to a copy of the direct
@@ -48,10 +53,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.request
 from http import HTTPStatus
 from pathlib import Path
 
-from contract.edge import DIRECT_ROUTE_ROOT, EDGE_TIME_HEADER, ONE_HOP_ROUTES, session_header
+from contract.edge import DIRECT_ROUTE_ROOT, EDGE_NAMES_PATH, EDGE_TIME_HEADER, ONE_HOP_ROUTES, session_header
 
 REQUEST_HEADERS_TIMEOUT_S = 10
 KEEP_ALIVE_TIMEOUT_S = 60
@@ -70,6 +77,9 @@ SESSION_BALANCE_FACTOR = 150
 SESSION_BACKEND_SUFFIX = "-session"
 # Ray's copy of an application's backend whose replica its ingress request router picks.
 ROUTED_BACKEND_SUFFIX = "-via-ingress-request-router"
+# Each direct route (as its prefix writes the model's name) -> what clients may name its
+# model by: (whole names, beginnings of names).
+RouteNames = dict[str, tuple[list[str], list[str]]]
 
 # The statuses HAProxy itself answers (those its `errorfile` takes), what each
 # tells an OpenAI client, and OpenAI's error type and code for it.
@@ -99,6 +109,15 @@ _BUFSIZE = re.compile(r"^(\s*)tune\.bufsize (\d+)$", re.MULTILINE)
 _DIRECT_ACL = re.compile(rf"^\s*acl is_(\S+) path_beg {re.escape(DIRECT_ROUTE_ROOT)}([^/\s]+)/$", re.MULTILINE)
 _FIRST_USE_BACKEND = re.compile(r"^\s*use_backend ", re.MULTILINE)
 _SERVER = re.compile(r"^(\s*)server (\S+) (\S+)(.*)$", re.MULTILINE)
+# A name HAProxy's config reads as one word as it is (no space, '#', quote or backslash);
+# a name with anything else takes the ingress' two hops.
+_CONFIG_WORD = re.compile(r"[A-Za-z0-9._:/@+=-]+")
+# A config line holds at most 64 words (HAProxy's MAX_LINE_ARGS): names go this many to a rule.
+NAMES_PER_RULE = 48
+# How long the edge waits for a direct route's replica to say its names, and for all
+# routes together (HAProxy's start, which this delays, may take Ray's 30 s).
+NAMES_TIMEOUT_S = 1.0
+NAMES_BUDGET_S = 3.0
 _OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
 
 
@@ -113,10 +132,11 @@ def error_response(status: int) -> bytes:
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
 
 
-def edge_config(config: str, error_dir: Path) -> str:
+def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -> str:
     """``config`` (Ray's) with the edge's timeouts and JSON error files in every
-    ``defaults`` section (replacing Ray's own of each) and the edge's time on every
-    request of each ``frontend``; the error files are written to ``error_dir``."""
+    ``defaults`` section (replacing Ray's own of each), the edge's time on every
+    request of each ``frontend`` and its one hop to the direct routes (by ``names``,
+    ``route_names``'s); the error files are written to ``error_dir``."""
     error_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
              f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s"]
@@ -136,7 +156,8 @@ def edge_config(config: str, error_dir: Path) -> str:
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
-        else _with_session_rules(_FRONTEND.sub(lambda head: head.group(0) + stamp + one_hop_rules(section), section),
+        else _with_session_rules(_FRONTEND.sub(lambda head: head.group(0) + stamp + one_hop_rules(section, names),
+                                               section),
                                  direct_backends)
         if section.startswith("frontend")
         else _with_body_buffer(section) if section.startswith("global") and _DIRECT_ACL.search(config)
@@ -183,20 +204,67 @@ def _with_session_rules(frontend: str, direct_backends: set[str]) -> str:
     return frontend[:first.start()] + rules + frontend[first.start():]
 
 
-def one_hop_rules(frontend: str) -> str:
+def one_hop_rules(frontend: str, names: RouteNames | None = None) -> str:
     """The rules that send a ``/v1`` request naming a model with a direct route to
     that route (before Ray's, whose path ACLs then pick the direct application's
-    backend): none when the frontend routes no direct application."""
+    backend): by the model's name as the route writes it, and by each of the
+    ``names`` its replicas gave; none when the frontend routes no direct application."""
     models = sorted({model for _, model in _DIRECT_ACL.findall(frontend)})
     if not models:
         return ""
     routes = "{ path " + " ".join(ONE_HOP_ROUTES) + " }"
-    # The name as the route prefix writes it ("/" as "--"): what the ACLs list.
-    model = "req.body,json_query('$.model'),regsub(/,--,g)"
-    return (f"    http-request wait-for-body time {ONE_HOP_BODY_WAIT_S}s if METH_POST {routes}\n"
-            f"    http-request set-var(txn.llm_one_hop) {model} if METH_POST {routes}\n"
-            f"    http-request set-path {DIRECT_ROUTE_ROOT}%[var(txn.llm_one_hop)]%[path]"
-            f" if {{ var(txn.llm_one_hop) -m str {' '.join(models)} }}\n")
+    rules = [f"http-request wait-for-body time {ONE_HOP_BODY_WAIT_S}s if METH_POST {routes}",
+             f"http-request set-var(txn.llm_model) req.body,json_query('$.model') if METH_POST {routes}",
+             # The name as the route prefix writes it ("/" as "--"): what the ACLs list.
+             "http-request set-var(txn.llm_one_hop) var(txn.llm_model),regsub(/,--,g) if { var(txn.llm_model) -m found }"]
+    for model in models:
+        whole, beginnings = (names or {}).get(model, ([], []))
+        for match, words in (("str", whole), ("beg", beginnings)):
+            words = [word for word in words if _CONFIG_WORD.fullmatch(word)]
+            rules += [f"http-request set-var(txn.llm_one_hop) str({model}) "
+                      f"if {{ var(txn.llm_model) -m {match} {' '.join(words[i:i + NAMES_PER_RULE])} }}"
+                      for i in range(0, len(words), NAMES_PER_RULE)]
+    rules.append(f"http-request set-path {DIRECT_ROUTE_ROOT}%[var(txn.llm_one_hop)]%[path]"
+                 f" if {{ var(txn.llm_one_hop) -m str {' '.join(models)} }}")
+    return "".join(f"    {rule}\n" for rule in rules)
+
+
+def route_names(config: str, timeout_s: float = NAMES_TIMEOUT_S, budget_s: float = NAMES_BUDGET_S) -> RouteNames:
+    """What clients may name each direct route's model by (the route as its prefix writes
+    it -> (whole names, beginnings of names)), asked of its replicas (the servers of its
+    backend in ``config``, one after another until one answers). A route none answered
+    for within the budget is left out."""
+    sections = {_backend_name(section): section for section in re.split(r"(?m)^(?=\S)", config)}
+    deadline = time.monotonic() + budget_s
+    found: RouteNames = {}
+    for backend, route in sorted(set(_DIRECT_ACL.findall(config))):
+        servers = [address for _, _, address, options in _SERVER.findall(sections.get(backend, ""))
+                   if not re.search(r"\bbackup\b", options)]
+        for address in servers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return found
+            answer = _ask_names(f"http://{address}{DIRECT_ROUTE_ROOT}{route}{EDGE_NAMES_PATH}", min(timeout_s, left))
+            if answer is not None:
+                found[route] = answer
+                break
+    return found
+
+
+# A replica is asked directly, never through a proxy the environment names.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _ask_names(url: str, timeout_s: float) -> tuple[list[str], list[str]] | None:
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            answer = json.loads(response.read(1 << 20))
+        whole, beginnings = answer["names"], answer["beginnings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not all(isinstance(words, list) and all(isinstance(w, str) for w in words) for words in (whole, beginnings)):
+        return None
+    return whole, beginnings
 
 
 def _with_body_buffer(section: str) -> str:
@@ -214,6 +282,7 @@ def rewrite_args(args: list[str]) -> list[str]:
         if arg == "-f":
             source = Path(args[i + 1])
             target = source.with_name(source.name + ".edge")
-            target.write_text(edge_config(source.read_text(), source.parent / "edge-errors"))
+            config = source.read_text()
+            target.write_text(edge_config(config, source.parent / "edge-errors", route_names(config)))
             out[i + 1] = str(target)
     return out

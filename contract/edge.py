@@ -14,6 +14,11 @@ EDGE_TIME_HEADER = "x-llm-edge-us"
 # (cluster/haproxy_edge.py); the direct route answers each (serve_app/http/direct.py).
 DIRECT_ROUTE_ROOT = "/direct/"
 ONE_HOP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Under a direct route's prefix: what clients may name its model by (its name, aliases
+# and LoRA adapters), which the edge reads from a replica when HAProxy's config is
+# written, so that those names take the one hop too. Answered only to a request that
+# did not come through the edge (it reads the replica itself).
+EDGE_NAMES_PATH = "/-/edge-names"
 
 
 # Requests carrying this header with one value are one conversation: they go to one

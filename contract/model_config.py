@@ -10,6 +10,7 @@ replica's job (``replicas.sources``).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -210,8 +211,6 @@ class LoraSettings(BaseModel):
 
     @model_validator(mode="after")
     def _names(self):
-        import re
-
         for name in self.adapters:
             if not re.fullmatch(ADAPTER_NAME, name):
                 raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_', '-' only")
@@ -348,12 +347,29 @@ class ModelConfig(BaseModel):
                 raise ValueError("set `lora`, not engine_kwargs.enable_lora/max_loras/max_lora_rank/lora_modules")
             if "demo" in self.lora.adapters.values() and not self.source.startswith(DEMO_SOURCE):
                 raise ValueError("a 'demo' adapter fits only a demo base model")
-        if self.direct_route and self.lora is not None:
-            # Adapter affinity is a Serve request router, which an application's ingress cannot have.
-            raise ValueError("direct_route serves base models only: a model with `lora` goes through the ingress")
         if self.autoscaling is not None and {"num_replicas", "autoscaling_config"} & self.deployment.keys():
             raise ValueError("set either `autoscaling` or deployment.num_replicas/autoscaling_config, not both")
         return self
+
+    def adapter_named(self, model: str) -> str | None:
+        """``model`` when a client sending it asks for one of this model's LoRA adapters
+        (a configured adapter name, or '<name>:<adapter folder>' with ``lora.dir``), else None."""
+        if self.lora is None:
+            return None
+        if model in self.lora.adapters:
+            return model
+        base, _, folder = model.partition(":")
+        if base == self.name and self.lora.dir is not None and re.fullmatch(ADAPTER_NAME, folder):
+            return model
+        return None
+
+    def client_names(self) -> tuple[list[str], list[str]]:
+        """What clients may send as ``model`` for this model: (whole names: its name,
+        aliases and configured adapters; beginnings of names: '<name>:' for the adapters
+        of ``lora.dir``)."""
+        adapters = list(self.lora.adapters) if self.lora else []
+        beginnings = [self.name + ":"] if self.lora and self.lora.dir is not None else []
+        return [self.name, *self.aliases, *adapters], beginnings
 
     @property
     def is_demo(self) -> bool:

@@ -73,7 +73,7 @@ def build_direct_app(args: dict[str, Any]) -> Application:
 
     model = chosen[0]
     options = with_transport_env(model.serve_options(), settings.telemetry.tracing.env(f"llm-model-{model.name}"))
-    if not routes_at_the_edge(options):
+    if not routes_at_the_edge(model, options):
         # HAProxy balances its replicas (Serve refuses a custom router on an application's
         # ingress without an ingress request router); the ingress' handle calls to it use
         # Serve's default router.
@@ -82,20 +82,23 @@ def build_direct_app(args: dict[str, Any]) -> Application:
     from serve_app.http.edge_router import edge_router
 
     app = DirectModel.options(**options).bind(model, settings)
-    return app._with_ingress_request_router(edge_router(app, model.name))
+    return app._with_ingress_request_router(edge_router(app, model))
 
 
-def routes_at_the_edge(options: dict[str, Any]) -> bool:
-    """Whether a direct application with these Serve ``options`` has its replica chosen
-    by the model's request router at the edge (serve_app/http/edge_router.py): its
-    policy asks for affinity, it may run more than one replica, and the edge is
-    HAProxy (Ray's ingress request routers need it)."""
+def routes_at_the_edge(model: ModelConfig, options: dict[str, Any]) -> bool:
+    """Whether ``model``'s direct application (with these Serve ``options``) has its
+    replica chosen by the model's request router at the edge
+    (serve_app/http/edge_router.py): it may run more than one replica, the edge is
+    HAProxy (Ray's ingress request routers need it), and its policy asks for affinity
+    or it serves LoRA adapters (a replica that holds the adapter is preferred: Serve's
+    multiplexing, in every router)."""
     from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 
     router = (options.get("request_router_config") or {}).get("request_router_class")
     autoscaling = options.get("autoscaling_config") or {}
     most = autoscaling.get("max_replicas", 1) if autoscaling else options.get("num_replicas", 1)
-    return RAY_SERVE_ENABLE_HA_PROXY and router not in (None, POWER_OF_TWO_ROUTER) and most != 1
+    affinity = router not in (None, POWER_OF_TWO_ROUTER) or model.lora is not None
+    return RAY_SERVE_ENABLE_HA_PROXY and affinity and most != 1
 
 
 def direct_apps(args: dict[str, Any]) -> list[dict[str, Any]]:

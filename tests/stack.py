@@ -128,6 +128,12 @@ def edge_server_states(backend: str) -> dict[str, str]:
     """HAProxy's state of each server of ``backend`` (``show stat``: UP, DOWN, MAINT,
     ...), asked on this node's HAProxy admin socket. A server HAProxy holds down takes
     no request, whatever the edge router picks: HAProxy then balances."""
+    return {name: row["status"] for name, row in edge_server_stats(backend).items()}
+
+
+def edge_server_stats(backend: str) -> dict[str, dict[str, str]]:
+    """HAProxy's statistics of each server of ``backend`` (``show stat``'s row: ``status``,
+    ``stot``: the requests it was sent, ...) since HAProxy's last reload."""
     import csv
     import io
     import socket
@@ -143,7 +149,7 @@ def edge_server_states(backend: str) -> dict[str, str]:
         admin.sendall(b"show stat\n")
         answer = b"".join(iter(lambda: admin.recv(65536), b"")).decode()
     rows = csv.DictReader(io.StringIO(answer.removeprefix("# ")))
-    return {row["svname"]: row["status"] for row in rows if row["pxname"] == backend}
+    return {row["svname"]: row for row in rows if row["pxname"] == backend}
 
 
 def wait_for_no_engines(timeout_s: float = 60) -> None:

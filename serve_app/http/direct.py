@@ -24,9 +24,10 @@ from typing import Any
 
 from fastapi import Request
 from ray import serve
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from contract.edge import ONE_HOP_ROUTES
+from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER, ONE_HOP_ROUTES
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
 from serve_app.quota.access import Access
@@ -125,8 +126,9 @@ class InProcessReplica:
 direct_app = openai_app("llm-cluster direct route")
 
 # The routes a direct route answers (tests/unit/test_route_access.py checks each needs a
-# key): those the edge sends it from /v1 (contract/edge.py), and its model list.
-DIRECT_ROUTES = {("POST", path) for path in ONE_HOP_ROUTES} | {("GET", "/v1/models")}
+# key): those the edge sends it from /v1 (contract/edge.py), and its model list; and,
+# without a key but never through the edge, the names the edge sends it.
+DIRECT_ROUTES = {("POST", path) for path in ONE_HOP_ROUTES} | {("GET", "/v1/models"), ("GET", EDGE_NAMES_PATH)}
 
 
 @serve.deployment
@@ -170,6 +172,17 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         """The requests this replica's gateway answered over HTTP (from /direct/<model>, or
         from /v1 through the edge's one hop), by route, since it started."""
         return dict(self.telemetry.answered_counts)
+
+    @direct_app.get(EDGE_NAMES_PATH)
+    async def edge_names(self, request: Request) -> dict[str, list[str]]:
+        """What clients may name this model by, for the edge's one hop
+        (cluster/haproxy_edge.py reads it from the replica itself when it writes HAProxy's
+        config). A request through the edge (HAProxy stamps each) is refused: names
+        a key may not see (another tenant's adapter) are not the public's."""
+        if EDGE_TIME_HEADER in request.headers:
+            raise HTTPException(404)  # as any route it does not serve
+        names, beginnings = self.config.client_names()
+        return {"names": names, "beginnings": beginnings}
 
     @direct_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:

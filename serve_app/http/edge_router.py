@@ -10,7 +10,8 @@ uses for its one model): for each POST, HAProxy's Lua hands the body it has read
 (``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY``) to ``/internal/route`` here and
 sends the request to the replica this answers. The choice is the model's own request
 router's (serve_app/pipeline/routing.py: the same class the ingress' handle calls use,
-with the same load guard, session ids and index), asked through Serve's
+with the same load guard, session ids and index; for a LoRA adapter, among the replicas
+that hold it, as Serve's multiplexing has them), asked through Serve's
 ``choose_replica`` without a reservation: the request itself goes over HAProxy, so only
 the pick is wanted. The tokens still cross one process boundary after the engine.
 
@@ -35,6 +36,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from contract.edge import MAX_SESSION_ID_CHARS, session_header
+from contract.model_config import ModelConfig
 
 router_app = FastAPI()
 
@@ -57,16 +59,21 @@ class EdgeRouter:
     """Answers HAProxy's ``/internal/route``: ``{"host", "port", "replica_id"}`` of the
     replica the model's request router picks for this body and session."""
 
-    def __init__(self, model: DeploymentHandle):
+    def __init__(self, model: DeploymentHandle, config: ModelConfig):
         self._model = model
+        self._config = config
         self._model._init()  # the handle's router starts now, not on the first request
         self._session_header = session_header()
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
         body = routing_body(await request.body())
-        session = request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS]
-        handle = self._model.options(session_id=session) if session else self._model
+        routing: dict[str, str] = {}
+        if session := request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS]:
+            routing["session_id"] = session
+        if isinstance(body.get("model"), str) and (adapter := self._config.adapter_named(body["model"])):
+            routing["multiplexed_model_id"] = adapter  # as the gateway names it (pipeline/gateway.py)
+        handle = self._model.options(**routing) if routing else self._model
         try:
             async with handle.choose_replica(ROUTE_OPERATION, body, _reserve=False) as selection:
                 replica = selection._replica
@@ -95,11 +102,11 @@ def edge_router_name(model_name: str) -> str:
 QUEUE_LENGTH_REFRESH_S = "0.1"
 
 
-def edge_router(model_app, model_name: str) -> Any:
-    """The ingress request router of the direct application ``model_app`` (its model's
-    bound deployment), named after the model (``llmctl status`` lists every direct
-    application's deployments side by side)."""
+def edge_router(model_app, config: ModelConfig) -> Any:
+    """The ingress request router of the direct application ``model_app`` (the bound
+    deployment of the model ``config``), named after the model (``llmctl status`` lists
+    every direct application's deployments side by side)."""
     # max_ongoing_requests: every request of the model asks it first; Serve's default (5) would queue them.
     env = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": QUEUE_LENGTH_REFRESH_S}
-    return serve.deployment(EdgeRouter, name=edge_router_name(model_name), max_ongoing_requests=1000,
-                            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(model_app)
+    return serve.deployment(EdgeRouter, name=edge_router_name(config.name), max_ongoing_requests=1000,
+                            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(model_app, config)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from contract.model_config import ADAPTER_NAME, ModelConfig
+from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
 from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
 from serve_app.quota.access import Access
@@ -63,17 +62,14 @@ class ModelCatalog:
         name = self._names.get(model)
         if name is not None:
             return name, None
-        base = self._adapters.get(model)
-        if base is None:
-            base, _, folder = model.partition(":")
-            lora = self._configs[base].lora if base in self._configs else None
-            if lora is None or lora.dir is None or not re.fullmatch(ADAPTER_NAME, folder):
-                raise OpenAIError(
-                    404,
-                    f"The model '{model}' does not exist or you do not have access to it.",
-                    param="model",
-                    code="model_not_found",
-                )
+        base = self._adapters.get(model) or model.partition(":")[0]
+        if base not in self._configs or self._configs[base].adapter_named(model) is None:
+            raise OpenAIError(
+                404,
+                f"The model '{model}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
         return base, model
 
     async def model_card(self, model: str) -> dict[str, Any]:

@@ -37,11 +37,12 @@ import redis as redis_sync
 from http_checks import free_port
 from settled import records as records_of, wait_until_settled
 from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
-from stack import APP_NAME, create_key, edge_server_states, local_app_args, serve_stack
+from stack import APP_NAME, create_key, edge_server_states, edge_server_stats, local_app_args, serve_stack
 
 pytestmark = pytest.mark.e2e
 
 MODEL, TIERED, FAIR = "tiny-llama", "tiny-llama-tiers", "tiny-llama-fair"
+ALIAS, ADAPTER = "tiny-llama-latest", "tiny-llama-pirate"
 PREFIX_CHARS, GUARD = 512, 4  # RoutingSettings defaults
 TIERED_ONGOING, TIERED_QUEUE = 4, 4  # queue shares (defaults): low 2, normal 3, high 4
 # Seconds of the engine's one sequence (3-4 s on an idle box), within the demo model's
@@ -62,6 +63,10 @@ def base_url(redis_server):
     # edge by the model's router (serve_app/http/edge_router.py); the ingress' own
     # routes reach it through a handle and the same router.
     chat["direct_route"] = True
+    # Its other names take the same one hop: an alias, and LoRA adapters (the replica
+    # that holds one is chosen at the edge).
+    chat["aliases"] = [ALIAS]
+    chat["lora"] = {"adapters": {ADAPTER: "demo"}, "max_adapters_per_replica": 1, "max_rank": 8}
     tiered.update(name=TIERED, cpus_per_replica=0.25)
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
@@ -163,9 +168,9 @@ def replicas_that_ran(redis_server, key, request_ids: list[str]) -> list[str]:
     return [by_id[request_id]["replica"] for request_id in request_ids]
 
 
-def send(client, messages, max_tokens: int = 2, **extra) -> str:
+def send(client, messages, max_tokens: int = 2, model: str = MODEL, **extra) -> str:
     """One chat request; its x-request-id."""
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=max_tokens,
                                                            extra_body=extra or None)
     raw.parse()
     return raw.headers["x-request-id"]
@@ -242,6 +247,38 @@ def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, r
             expected.append(rendezvous_order(SESSION_KEY + session, replica_ids)[0])
     assert set(expected) == set(replica_ids)  # the sessions rank both replicas first (checked, not assumed)
     assert replicas_that_ran(redis_server, key, sent) == expected
+
+
+def one_hop_counts(replica_ids: list[str]) -> dict[str, int]:
+    """The requests HAProxy has sent each replica straight from the edge (the backend
+    its edge router's picks go to) since its last reload."""
+    from contract.model_config import direct_app_name
+
+    stats = edge_server_stats(f"http-{direct_app_name(MODEL)}-via-ingress-request-router")
+    return {rid: sum(int(row["stot"]) for name, row in stats.items() if name.endswith("-" + rid))
+            for rid in replica_ids}
+
+
+def test_an_alias_and_an_adapter_take_the_one_hop_and_the_adapter_runs_where_it_is_loaded(
+        base_url, client, replica_ids, redis_server, key):
+    """Every name of the model takes the edge's one hop (cluster/haproxy_edge.py: the
+    names its replicas gave), and the edge router sends an adapter's requests to the
+    replica that holds it (Serve's multiplexing), whatever replica their prompt ranks first."""
+    before = one_hop_counts(replica_ids)
+    sent = [send(client, conversation("Be brief.", "hi"), model=ALIAS)]
+    sent.append(send(client, conversation("Be brief.", "hi"), model=ADAPTER))
+    # The replica that loaded it tells Serve; the edge router learns it (Serve's long poll).
+    time.sleep(3)
+    systems = [s for replica in replica_ids for s in system_prompts_preferring(replica, replica_ids, 3)]
+    sent += [send(client, conversation(system, "Ahoy?"), model=ADAPTER) for system in systems]
+    after = one_hop_counts(replica_ids)
+    ran = replicas_that_ran(redis_server, key, sent)
+    # Each went from the edge straight to the replica that ran it: none through the ingress.
+    assert {rid: after[rid] - before[rid] for rid in replica_ids} == {rid: ran.count(rid) for rid in replica_ids}
+    assert len(set(ran[1:])) == 1, ran  # all on the replica that loaded the adapter (one holds it)
+    # The names the edge knows them by are no client's to read.
+    answer = httpx.get(f"{base_url}/direct/{MODEL}/-/edge-names", timeout=30)
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_url"
 
 
 # -- priority tiers -------------------------------------------------------------------

@@ -231,14 +231,20 @@ def test_the_edge_stamps_each_request_with_its_time_whatever_the_client_sent(tmp
 
 
 class _Recorder:
-    """An HTTP server that answers 200 and records each request's path and body."""
+    """An HTTP server that answers 200 and records each request's path and body; given
+    ``names``, it answers the edge's question for them as a direct route's replica does."""
 
-    def __init__(self):
+    def __init__(self, names: dict[str, list[str]] | None = None):
         import http.server
+        import json
         import threading
+
+        from contract.edge import EDGE_NAMES_PATH
 
         self.seen: list[tuple[str, bytes]] = []
         seen = self.seen
+        self.asked = 0
+        recorder = self
 
         class Record(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -251,10 +257,16 @@ class _Recorder:
                         body += self.rfile.read(size)
                         self.rfile.readline()
                     self.rfile.readline()
-                seen.append((self.path, body))
-                self.send_response(200)
-                self.send_header("content-length", "0")
+                answer, status = b"", 200
+                if self.path.endswith(EDGE_NAMES_PATH):  # the edge's question, when it writes its config
+                    recorder.asked += 1
+                    answer, status = (json.dumps(names).encode(), 200) if names is not None else (b"", 404)
+                else:
+                    seen.append((self.path, body))
+                self.send_response(status)
+                self.send_header("content-length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             do_GET = do_POST = _answer
 
@@ -348,6 +360,55 @@ def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_h
         # A client naming the direct route itself is forwarded as before.
         post("/direct/tiny-llama/v1/completions", sent["/v1/completions"])
         assert tiny.seen[-1] == ("/direct/tiny-llama/v1/completions", sent["/v1/completions"])
+    finally:
+        starter.kill()
+        starter.wait()
+        for recorder in (ingress, tiny, org):
+            recorder.server.shutdown()
+
+
+def test_aliases_and_adapters_take_the_one_hop_by_the_names_a_replica_gives(tmp_path):
+    """The edge asks each direct route's replicas what its model is called when it
+    writes the config (cluster/haproxy_edge.py ``route_names``): a replica that does not
+    answer is skipped for the next, and a name nobody gave goes to the ingress."""
+    import json
+
+    ingress = _Recorder()
+    tiny = _Recorder({"names": ["tiny-llama", "chat-default", "pirate"], "beginnings": ["tiny-llama:"]})
+    org = _Recorder({"names": ["org/big", "big"], "beginnings": []})
+    port = free_port()
+    # The first of tiny-llama's replicas is not listening: the edge asks the next.
+    config = ray_shaped_config(tmp_path, port, ingress.port, {"tiny-llama": [free_port(), tiny.port],
+                                                              "org--big": org.port})
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+
+    def post(model) -> None:
+        body = json.dumps({"model": model, "prompt": "hi"}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        assert tiny.asked == 1 and org.asked == 1  # once each, when the config was written
+        for model in ("chat-default", "pirate", "tiny-llama:sql-v2", "tiny-llama"):
+            post(model)
+        for model in ("big", "org/big"):
+            post(model)
+        assert [body for _, body in tiny.seen] == [
+            json.dumps({"model": m, "prompt": "hi"}).encode()
+            for m in ("chat-default", "pirate", "tiny-llama:sql-v2", "tiny-llama")]
+        assert {path for path, _ in tiny.seen} == {"/direct/tiny-llama/v1/completions"}
+        assert [path for path, _ in org.seen] == ["/direct/org--big/v1/completions"] * 2
+        # Names no replica gave (a part of one, a longer one, another case) go to the ingress.
+        for model in ("chat", "pirate-2", "Big"):
+            post(model)
+        assert [json.loads(body)["model"] for _, body in ingress.seen] == ["chat", "pirate-2", "Big"]
+        assert len(tiny.seen) == 4 and len(org.seen) == 2
     finally:
         starter.kill()
         starter.wait()

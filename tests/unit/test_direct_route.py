@@ -192,11 +192,29 @@ def test_llmctl_run_declares_the_direct_applications_a_config_asks_for():
     assert build_app(SHIPPED)._bound_deployment.init_args[1] == {}
 
 
-def test_a_model_with_adapters_has_no_direct_route():
-    from contract.model_config import ModelConfig
+@pytest.mark.parametrize("policy, replicas, at_the_edge", [
+    ("power_of_two", 2, True),  # the replica holding the adapter is chosen at the edge whatever the policy
+    ("prefix_affinity", 1, False),  # one replica: it loads every adapter asked of it
+])
+def test_a_direct_model_with_adapters_on_several_replicas_is_routed_at_the_edge_by_adapter(
+        policy, replicas, at_the_edge, monkeypatch):
+    from ray.serve._private import constants
 
-    with pytest.raises(ValueError, match="direct_route"):
-        ModelConfig(name="m", direct_route=True, lora={"adapters": {"a": "demo"}})
+    from serve_app.http.edge_router import EdgeRouter
+
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", True)
+    args = direct_args()
+    model = args["models"][0]
+    model.update(routing={"policy": policy}, lora={"adapters": {"pirate": "demo"}, "dir": "/adapters"})
+    model["deployment"] = {**model["deployment"], "num_replicas": replicas}
+    app = build_direct_app({**args, "direct_model": "tiny-llama"})
+    router = app._ingress_request_router
+    assert (router is not None and router._bound_deployment.func_or_class is EdgeRouter) == at_the_edge
+    if at_the_edge:
+        # It is given the model's config: it names an adapter as the gateway does.
+        config = router._bound_deployment.init_args[1]
+        assert [config.adapter_named(m) for m in ("pirate", "tiny-llama:sql", "tiny-llama")] == [
+            "pirate", "tiny-llama:sql", None]
 
 
 def test_every_deployment_runs_with_the_raised_transport_limit_beside_its_own_env():

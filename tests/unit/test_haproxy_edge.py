@@ -139,3 +139,52 @@ def test_the_makefile_hands_the_edge_router_at_most_the_edges_own_buffer():
     makefile = (Path(__file__).parents[2] / "Makefile").read_text()
     assert f"RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE ?= {ONE_HOP_BODY_BYTES}\n" in makefile
     assert "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY ?= 1\n" in makefile
+
+
+def test_a_routes_names_are_matched_whole_or_by_beginning_a_config_line_at_most_48_at_a_time():
+    adapters = [f"a{i}" for i in range(100)]
+    names = {"tiny": (["tiny", "chat-default", "has space", "#comment", 'q"uote', *adapters], ["tiny:"])}
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES, Path("/tmp/unused-errors"), names)
+    rules = [line.strip() for line in config.splitlines() if "str(tiny)" in line]
+    words = [rule.split("-m str ")[1].rstrip(" }").split() for rule in rules if "-m str" in rule]
+    # What HAProxy would read otherwise than as one word is left out (it takes two hops).
+    assert [len(chunk) for chunk in words] == [48, 48, 6]
+    assert sum(words, []) == ["tiny", "chat-default", *adapters]
+    assert rules[-1] == "http-request set-var(txn.llm_one_hop) str(tiny) if { var(txn.llm_model) -m beg tiny: }"
+    # A route with no names given keeps its own name (as its prefix writes it); the path rule comes last.
+    assert "str(org--big)" not in config
+    assert config.split("set-path")[0].count("http-request set-var(txn.llm_one_hop)") == 1 + len(rules)
+
+
+def test_a_route_whose_replicas_answer_nothing_usable_in_time_gets_no_names():
+    import http.server
+    import threading
+
+    from cluster.haproxy_edge import route_names
+
+    answers = {"/direct/slow/": None, "/direct/wrong/": b'{"names": "tiny", "beginnings": []}',
+               "/direct/good/": b'{"names": ["good", "alias"], "beginnings": ["good:"]}'}
+
+    class Replica(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            answer = next(body for prefix, body in answers.items() if self.path.startswith(prefix))
+            if answer is None:
+                threading.Event().wait(2)
+                answer = b"{}"
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Replica)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        config = "".join(f"frontend f\n    acl is_direct-{r} path_beg /direct/{r}/\nbackend direct-{r}\n"
+                         f"    server fallback {address} check backup\n    server r1 {address} check\n"
+                         for r in ("good", "slow", "wrong"))
+        assert route_names(config, timeout_s=0.3, budget_s=1.0) == {"good": (["good", "alias"], ["good:"])}
+    finally:
+        server.shutdown()

@@ -42,3 +42,18 @@ def test_anything_else_is_404_model_not_found(gateway, sent):
     with pytest.raises(OpenAIError) as caught:
         gateway.catalog.target(sent)
     assert caught.value.status == 404 and caught.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda config: config.name)
+def test_a_model_names_its_own_adapters_as_the_catalog_does_and_lists_what_clients_may_send(gateway, config):
+    """``adapter_named`` is what the edge router (serve_app/http/edge_router.py) routes an
+    adapter by; ``client_names`` what the edge sends to a direct route in one hop."""
+    whole, beginnings = config.client_names()
+    for sent in [*whole, "small:my-adapter_2.1", "small:../etc", "tiny:pirate", "nope"]:
+        try:
+            model, adapter = gateway.catalog.target(sent)
+        except OpenAIError:
+            model, adapter = None, None
+        assert config.adapter_named(sent) == (adapter if model == config.name else None), sent
+        # Every name of the model is listed; a beginning may match more (its route answers the rest's 404).
+        assert (sent in whole) <= (model == config.name) <= (sent in whole or sent.startswith(tuple(beginnings))), sent
