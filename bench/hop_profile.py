@@ -64,7 +64,7 @@ def processes(groups: dict[str, tuple[str, ...]] = GROUPS) -> dict[str, list[psu
     return found
 
 
-def _cpu(procs: list[psutil.Process]) -> float:
+def cpu_seconds(procs: list[psutil.Process]) -> float:
     total = 0.0
     for proc in procs:
         try:
@@ -104,12 +104,12 @@ def profiled(out_dir: Path, groups: dict[str, tuple[str, ...]] = GROUPS):
             )
             recorders.append((group, path, recorder))
     time.sleep(1.0)  # py-spy attaches
-    before = {group: _cpu(procs) for group, procs in found.items()}
+    before = {group: cpu_seconds(procs) for group, procs in found.items()}
     result: dict[str, HopProfile] = {}
     try:
         yield result
     finally:
-        after = {group: _cpu(procs) for group, procs in found.items()}
+        after = {group: cpu_seconds(procs) for group, procs in found.items()}
         for _, _, recorder in recorders:
             recorder.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
         for _, _, recorder in recorders:
