@@ -35,7 +35,9 @@ through ``edge_config`` first:
   when the config is written, ``contract.edge.EDGE_NAMES_PATH``; a route whose replicas
   do not answer in time keeps its own name only, its other names taking the ingress' two
   hops until the next reload). Every change of names is a new deployment of the model's
-  application (its arguments change), hence new replicas, hence a reload.
+  application (its arguments change), hence new replicas, hence a reload. Only while
+  one of the route's replicas is up: a model scaled to zero, or whose replicas are all
+  down, goes to the ingress, which wakes it and waits for it (``one_hop_rules``).
 - Session affinity on a direct route: a request carrying the session header
   (``contract.edge.session_header()``, ``x-session-id`` unless Ray's
   ``RAY_SERVE_SESSION_ID_HEADER_KEY`` names another) goes to a copy of the direct
@@ -153,11 +155,13 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     declared = set(map(_backend_name, sections))
     direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)
                        if backend in declared and backend + ROUTED_BACKEND_SUFFIX not in declared}
+    replicas = {_backend_name(section): [name for name, _ in _replicas(section)] for section in sections
+                if _backend_name(section) is not None}
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
-        else _with_session_rules(_FRONTEND.sub(lambda head: head.group(0) + stamp + one_hop_rules(section, names),
-                                               section),
+        else _with_session_rules(_FRONTEND.sub(lambda head: head.group(0) + stamp
+                                               + one_hop_rules(section, replicas, names), section),
                                  direct_backends)
         if section.startswith("frontend")
         else _with_body_buffer(section) if section.startswith("global") and _DIRECT_ACL.search(config)
@@ -204,12 +208,20 @@ def _with_session_rules(frontend: str, direct_backends: set[str]) -> str:
     return frontend[:first.start()] + rules + frontend[first.start():]
 
 
-def one_hop_rules(frontend: str, names: RouteNames | None = None) -> str:
+def one_hop_rules(frontend: str, replicas: dict[str, list[str]], names: RouteNames | None = None) -> str:
     """The rules that send a ``/v1`` request naming a model with a direct route to
     that route (before Ray's, whose path ACLs then pick the direct application's
     backend): by the model's name as the route writes it, and by each of the
-    ``names`` its replicas gave; none when the frontend routes no direct application."""
-    models = sorted({model for _, model in _DIRECT_ACL.findall(frontend)})
+    ``names`` its replicas gave; none when the frontend routes no direct application.
+
+    Only while one of the route's ``replicas`` (its backend's servers, not Ray's fallback
+    proxy) is up: a model scaled to zero, or whose replicas are all down, is reached
+    through the ingress, whose handle wakes it and waits its ``queue_timeout_s`` (else
+    503 with retry-after), as for a model without a direct route, instead of HAProxy's
+    503 or Ray's fallback proxy. (A named ACL on several lines is their "or"; Ray
+    reloads HAProxy, and so rewrites these, whenever a route's replicas change.)"""
+    backends = {model: backend for backend, model in _DIRECT_ACL.findall(frontend) if replicas.get(backend)}
+    models = sorted(backends)
     if not models:
         return ""
     routes = "{ path " + " ".join(ONE_HOP_ROUTES) + " }"
@@ -224,9 +236,17 @@ def one_hop_rules(frontend: str, names: RouteNames | None = None) -> str:
             rules += [f"http-request set-var(txn.llm_one_hop) str({model}) "
                       f"if {{ var(txn.llm_model) -m {match} {' '.join(words[i:i + NAMES_PER_RULE])} }}"
                       for i in range(0, len(words), NAMES_PER_RULE)]
-    rules.append(f"http-request set-path {DIRECT_ROUTE_ROOT}%[var(txn.llm_one_hop)]%[path]"
-                 f" if {{ var(txn.llm_one_hop) -m str {' '.join(models)} }}")
-    return "".join(f"    {rule}\n" for rule in rules)
+    up = [f"acl llm_replica_up_{model} srv_is_up({backends[model]}/{server})"
+          for model in models for server in replicas[backends[model]]]
+    rules += [f"http-request set-path {DIRECT_ROUTE_ROOT}{model}%[path]"
+              f" if {{ var(txn.llm_one_hop) -m str {model} }} llm_replica_up_{model}" for model in models]
+    return "".join(f"    {line}\n" for line in up + rules)
+
+
+def _replicas(backend: str) -> list[tuple[str, str]]:
+    """The (name, address) of each server of a ``backend`` section but Ray's fallback proxy (a backup)."""
+    return [(name, address) for _, name, address, options in _SERVER.findall(backend)
+            if not re.search(r"\bbackup\b", options)]
 
 
 def route_names(config: str, timeout_s: float = NAMES_TIMEOUT_S, budget_s: float = NAMES_BUDGET_S) -> RouteNames:
@@ -238,9 +258,7 @@ def route_names(config: str, timeout_s: float = NAMES_TIMEOUT_S, budget_s: float
     deadline = time.monotonic() + budget_s
     found: RouteNames = {}
     for backend, route in sorted(set(_DIRECT_ACL.findall(config))):
-        servers = [address for _, _, address, options in _SERVER.findall(sections.get(backend, ""))
-                   if not re.search(r"\bbackup\b", options)]
-        for address in servers:
+        for _, address in _replicas(sections.get(backend, "")):
             left = deadline - time.monotonic()
             if left <= 0:
                 return found

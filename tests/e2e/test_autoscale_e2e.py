@@ -7,7 +7,9 @@
   report to Serve's controller, can ask for the second replica.
 - A scale-to-zero model has no replica until a request comes: that request
   waits for the cold start and is answered; idle again, the model goes back
-  to zero. A scale-to-zero model whose queue timeout is shorter than a start
+  to zero. It is behind its direct route: at zero the edge sends its ``/v1``
+  requests to the ingress (which wakes it and waits), then, once a replica is
+  up, straight to that replica. A scale-to-zero model whose queue timeout is shorter than a start
   answers 503 `model_unavailable` with retry-after, costing the key nothing;
   the start that request set off runs while the other tests do (nobody waits
   for it), and that model is back at zero replicas by the module's end.
@@ -28,7 +30,7 @@ import redis as redis_sync
 
 from http_checks import assert_error_envelope, free_port
 from settled import wait_until_settled
-from stack import APP_NAME, create_key, local_app_args, serve_stack
+from stack import APP_NAME, create_key, edge_server_stats, local_app_args, serve_stack
 from streaming_load import StreamingLoad
 
 pytestmark = pytest.mark.e2e
@@ -57,7 +59,7 @@ def base_url(redis_server):
     chat["deployment"] = {k: v for k, v in chat["deployment"].items() if k != "num_replicas"}
     chat["cpus_per_replica"] = 0.5
     args["models"] = [
-        _scale_to_zero_model(LAZY, queue_timeout_s=240, base=chat),
+        {**_scale_to_zero_model(LAZY, queue_timeout_s=240, base=chat), "direct_route": True},
         _scale_to_zero_model(IMPATIENT, queue_timeout_s=2, base=chat),
     ]
     # Two sequences per engine step: more concurrent streams wait in the engine's
@@ -75,12 +77,7 @@ def key(base_url, redis_server):
 
 
 def running_replicas(model: str) -> int:
-    from ray import serve
-
-    from contract.model_config import deployment_name
-
-    deployment = serve.status().applications[APP_NAME].deployments[deployment_name(model)]
-    return deployment.replica_states.get("RUNNING", 0)
+    return replica_states(model).get("RUNNING", 0)
 
 
 def wait_for_replicas(model: str, wanted: int, timeout_s: float) -> float:
@@ -103,9 +100,20 @@ def wait_for_card(client, model: str, timeout_s: float = 30) -> dict:
 def replica_states(model: str) -> dict[str, int]:
     from ray import serve
 
-    from contract.model_config import deployment_name
+    from contract.model_config import deployment_name, direct_app_name
 
-    return dict(serve.status().applications[APP_NAME].deployments[deployment_name(model)].replica_states)
+    app = direct_app_name(model) if model == LAZY else APP_NAME  # LAZY lives in its direct route's application
+    return dict(serve.status().applications[app].deployments[deployment_name(model)].replica_states)
+
+
+def one_hop_requests(model: str) -> tuple[int, list[str]]:
+    """The requests HAProxy sent straight to ``model``'s direct route since its last
+    reload, and its replicas' states there."""
+    from contract.model_config import direct_app_name
+
+    stats = edge_server_stats(f"http-{direct_app_name(model)}")
+    replicas = {name: row for name, row in stats.items() if name not in ("BACKEND", "FRONTEND") and row["bck"] != "1"}
+    return sum(int(row["stot"]) for row in replicas.values()), [row["status"] for row in replicas.values()]
 
 
 # First: its cold start (which nobody waits for) overlaps the tests after it;
@@ -147,6 +155,17 @@ def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_u
     assert reply.model == LAZY and reply.choices[0].message.content is not None
     assert running_replicas(LAZY) == 1
     print(f"\ncold start answered after {waited:.1f}s")
+    # Up now: once HAProxy has its replica (Ray's next reload), /v1 takes the one hop to it.
+    deadline = time.monotonic() + 60
+    while (states := one_hop_requests(LAZY)[1]) != ["UP"]:
+        assert time.monotonic() < deadline, states
+        time.sleep(0.5)
+    before = one_hop_requests(LAZY)[0]
+    # A new connection: one kept alive from before the reload is still served by the old
+    # HAProxy process, under the old config (Ray drains those over its close-spread-time).
+    fresh = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
+    fresh.chat.completions.create(model=LAZY, messages=STREAM["messages"], max_tokens=4)
+    assert one_hop_requests(LAZY)[0] == before + 1
     card = wait_for_card(client, LAZY)  # learnt while its replica was up
     assert card["capabilities"] == ["chat", "completions", "messages", "responses"] and card["max_model_len"] == 2048
     # Idle again: back to zero after its downscale delay.

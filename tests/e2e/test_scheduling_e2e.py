@@ -125,7 +125,7 @@ def edge_states(replica_ids: list[str]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def client(base_url, key, replica_ids):
+def client(base_url, key, replica_ids, redis_server):
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
     deadline = time.monotonic() + 600
     while True:  # both replicas answer (the first may come up well before the second)
@@ -140,17 +140,27 @@ def client(base_url, key, replica_ids):
     while not all(state.startswith("UP") for state in edge_states(replica_ids).values()):
         assert time.monotonic() < deadline, edge_states(replica_ids)
         time.sleep(0.5)
+    # And the edge router knows both: its replicas come by Serve's long poll, which may
+    # trail HAProxy's reload (a CI run sent the first request of a prefix preferring the
+    # second replica to the first, then every later one right). Until then a replica it
+    # does not know takes nothing, as it should.
+    for replica in replica_ids:
+        [system] = system_prompts_preferring(replica, replica_ids, 1, title="Warm-up")
+        while replicas_that_ran(redis_server, key, [send(client, conversation(system, "hi"))]) != [replica]:
+            assert time.monotonic() < deadline, f"the edge router never sent a prompt preferring {replica} there"
+            time.sleep(1)
     return client
 
 
-def system_prompts_preferring(replica: str, replica_ids: list[str], count: int) -> list[str]:
+def system_prompts_preferring(replica: str, replica_ids: list[str], count: int, title: str = "Policy book"
+                              ) -> list[str]:
     """Distinct long system prompts whose prefix ranks ``replica`` first."""
     found = []
     n = 0
     while len(found) < count:
-        system = f"Policy book {n}. " + "Answer politely, cite the policy, never promise refunds. " * 30
+        system = f"{title} {n}. " + "Answer politely, cite the policy, never promise refunds. " * 30
         prefix = prompt_prefix({"messages": conversation(system, "")}, PREFIX_CHARS)
-        assert prefix.startswith("system\x1fPolicy book")  # the body as the router reads it
+        assert prefix.startswith(f"system\x1f{title}")  # the body as the router reads it
         if rendezvous_order(prefix, replica_ids)[0] == replica:
             found.append(system)
         n += 1

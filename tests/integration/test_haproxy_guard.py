@@ -367,6 +367,17 @@ def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_h
             recorder.server.shutdown()
 
 
+def post_completion(port: int, body: bytes) -> bytes:
+    """The edge's whole answer to ``POST /v1/completions`` with ``body``, on a connection of its own."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
 def test_aliases_and_adapters_take_the_one_hop_by_the_names_a_replica_gives(tmp_path):
     """The edge asks each direct route's replicas what its model is called when it
     writes the config (cluster/haproxy_edge.py ``route_names``): a replica that does not
@@ -383,13 +394,7 @@ def test_aliases_and_adapters_take_the_one_hop_by_the_names_a_replica_gives(tmp_
     starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
 
     def post(model) -> None:
-        body = json.dumps({"model": model, "prompt": "hi"}).encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
+        answer = post_completion(port, json.dumps({"model": model, "prompt": "hi"}).encode())
         assert answer.startswith(b"HTTP/1.1 200"), answer
 
     try:
@@ -414,6 +419,32 @@ def test_aliases_and_adapters_take_the_one_hop_by_the_names_a_replica_gives(tmp_
         starter.wait()
         for recorder in (ingress, tiny, org):
             recorder.server.shutdown()
+
+
+def test_a_route_with_no_replica_up_is_reached_through_the_ingress(tmp_path):
+    """A model scaled to zero (or whose replicas are all restarting) has no server up in
+    its route's backend: its /v1 requests go to the ingress, which wakes it and waits for
+    it, instead of HAProxy answering 503 for a backend with nothing to send to."""
+    import json
+
+    ingress = _Recorder()
+    port = free_port()
+    config = ray_shaped_config(tmp_path, port, ingress.port, {"tiny-llama": free_port()})  # nobody listens there
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+    body = json.dumps({"model": "tiny-llama", "prompt": "hi"}).encode()
+
+    def reaches_the_ingress() -> bool:
+        return post_completion(port, body).startswith(b"HTTP/1.1 200")
+
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        # Once its health checks have marked the replica down (HAProxy starts it up, then 3 failed checks).
+        wait_for(reaches_the_ingress, 15, "a route with no replica up still took the one hop")
+        assert ingress.seen[-1] == ("/v1/completions", body)
+    finally:
+        starter.kill()
+        starter.wait()
+        ingress.server.shutdown()
 
 
 def test_on_a_direct_route_a_session_stays_on_one_replica_and_sessions_spread(tmp_path):

@@ -68,14 +68,32 @@ frontend http_frontend
 """
 
 
+# Ray declares a backend for each application it routes (the ACLs name them).
+BOTH_BACKENDS = "backend direct-org--big\n    server r1 10.0.0.2:8001 check\nbackend direct-tiny\n    server r1 10.0.0.1:8001 check\n"
+
+
 def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_there():
-    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES, Path("/tmp/unused-errors"))
-    frontend = config.split("frontend http_frontend\n")[1]
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS, Path("/tmp/unused-errors"))
+    frontend = config.split("frontend http_frontend\n")[1].split("\nbackend")[0]
     rules = [line.strip() for line in frontend.splitlines() if line.strip().startswith("http-request")]
     assert rules[0].startswith("http-request set-header x-llm-edge-us")  # still first
     assert rules[1].startswith("http-request wait-for-body time 10s if METH_POST { path /v1/chat/completions ")
-    assert rules[-1] == ("http-request set-path /direct/%[var(txn.llm_one_hop)]%[path] "
-                         "if { var(txn.llm_one_hop) -m str org--big tiny }")
+    # Each route's rule holds only while one of its replicas is up: else the ingress wakes and waits for one.
+    assert rules[-2:] == [
+        "http-request set-path /direct/org--big%[path] if { var(txn.llm_one_hop) -m str org--big } "
+        "llm_replica_up_org--big",
+        "http-request set-path /direct/tiny%[path] if { var(txn.llm_one_hop) -m str tiny } llm_replica_up_tiny"]
+    assert "    acl llm_replica_up_tiny srv_is_up(direct-tiny/r1)\n" in frontend
+    # A route with no replica in the config (scaled to zero, or not declared) gets no rule;
+    # Ray's fallback proxy (a backup server) is not one of its replicas.
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS.split("backend direct-tiny")[0]
+                         + "backend direct-tiny\n    server fallback 10.0.0.9:8000 check backup\n", Path("/tmp/x"))
+    assert "set-path /direct/org--big" in config and "/direct/tiny%" not in config and "up_tiny" not in config
+    # Several replicas: up when any is (a named ACL on several lines is their "or").
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS + "    server r2 10.0.0.3:8001 check\n",
+                         Path("/tmp/x"))
+    assert [line.strip() for line in config.splitlines() if "acl llm_replica_up_tiny" in line] == [
+        "acl llm_replica_up_tiny srv_is_up(direct-tiny/r1)", "acl llm_replica_up_tiny srv_is_up(direct-tiny/r2)"]
     assert "set-path" not in config.split("frontend prometheus\n")[1].split("frontend")[0]
     assert f"tune.bufsize {ONE_HOP_BODY_BYTES}\n" in config and "tune.bufsize 16384" not in config
 
@@ -130,7 +148,7 @@ def test_a_direct_application_with_an_edge_router_keeps_the_one_hop_but_gets_no_
     sessions included: a session rule before Ray's would bypass it."""
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_ROUTED_DIRECT_BACKEND, Path("/tmp/unused-errors"))
     assert "-session" not in config and "balance hdr(" not in config
-    assert "set-path /direct/%[var(txn.llm_one_hop)]%[path] if { var(txn.llm_one_hop) -m str org--big tiny }" in config
+    assert "set-path /direct/tiny%[path] if { var(txn.llm_one_hop) -m str tiny } llm_replica_up_tiny" in config
 
 
 def test_the_makefile_hands_the_edge_router_at_most_the_edges_own_buffer():
@@ -144,7 +162,7 @@ def test_the_makefile_hands_the_edge_router_at_most_the_edges_own_buffer():
 def test_a_routes_names_are_matched_whole_or_by_beginning_a_config_line_at_most_48_at_a_time():
     adapters = [f"a{i}" for i in range(100)]
     names = {"tiny": (["tiny", "chat-default", "has space", "#comment", 'q"uote', *adapters], ["tiny:"])}
-    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES, Path("/tmp/unused-errors"), names)
+    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS, Path("/tmp/unused-errors"), names)
     rules = [line.strip() for line in config.splitlines() if "str(tiny)" in line]
     words = [rule.split("-m str ")[1].rstrip(" }").split() for rule in rules if "-m str" in rule]
     # What HAProxy would read otherwise than as one word is left out (it takes two hops).
