@@ -149,14 +149,14 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     own = "\n".join(lines) + "\n"
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
+    # Each declared backend's replicas (its servers but Ray's fallback proxy).
+    replicas = {_backend_name(section): [name for name, _ in _replicas(section)] for section in sections
+                if _backend_name(section) is not None}
     # The direct applications' backends (named by a direct route's ACL, and declared)
     # whose replica HAProxy picks: those with an ingress request router have it picked
     # there, sessions included (serve_app/http/edge_router.py).
-    declared = set(map(_backend_name, sections))
     direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)
-                       if backend in declared and backend + ROUTED_BACKEND_SUFFIX not in declared}
-    replicas = {_backend_name(section): [name for name, _ in _replicas(section)] for section in sections
-                if _backend_name(section) is not None}
+                       if backend in replicas and backend + ROUTED_BACKEND_SUFFIX not in replicas}
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
