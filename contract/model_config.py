@@ -119,8 +119,9 @@ class RoutingSettings(BaseModel):
         "prefix_affinity",
         description="prefix_affinity: prompts that start alike go to the same replica (its prefix cache "
         "serves the shared part), unless that replica is busier than the guard allows. cache_affinity: "
-        "the replica holding the longest run of the whole prompt, as far as the router sent it there "
-        "(a conversation follows its own history), within the same guard. power_of_two: "
+        "the replica holding the longest run of the whole prompt, as its engine's KV-cache events say "
+        "(else as far as the router sent it there; a conversation follows its own history), within the "
+        "same guard. power_of_two: "
         "Serve's default, the less busy of two random replicas.",
     )
     prefix_chars: int = Field(
@@ -150,6 +151,13 @@ class RoutingSettings(BaseModel):
         "each), least recently used dropped first.",
     )
 
+    held_period_s: float = Field(
+        2.0, ge=0.1, le=60,
+        description="cache_affinity: how often Serve asks each replica what its engine holds (from vLLM's "
+        "KV-cache events) and hands it to every router of the model. The router counts what it sent a "
+        "replica itself for 30 s, then only what the engine says.",
+    )
+
     def serve_request_router_config(self) -> dict[str, Any]:
         if self.policy == "power_of_two":
             return {"request_router_class": POWER_OF_TWO_ROUTER}
@@ -160,6 +168,7 @@ class RoutingSettings(BaseModel):
                     "prefix_chars": self.prefix_chars, "imbalance_threshold": self.imbalance_threshold,
                     "block_chars": self.block_chars, "max_blocks": self.max_blocks,
                 },
+                "request_routing_stats_period_s": self.held_period_s,
             }
         return {
             "request_router_class": PREFIX_AFFINITY_ROUTER,

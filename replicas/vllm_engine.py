@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import REPLICA_OPERATIONS
+from replicas.kv_events import EventSocket
 from replicas.openai_json import is_error
 from replicas.sources import resolve_source
 
@@ -38,6 +39,7 @@ class EngineBinding:
     reasons: bool = False  # a reasoning parser: answers may carry `reasoning`
     error_from: Callable[[Exception], Any] | None = None  # vLLM's error response for an exception it raised
     facts: dict[str, Any] = field(default_factory=dict)  # what it was started with, where (engine_facts)
+    kv_events: EventSocket | None = None  # where its KV-cache events are published (replicas/kv_events.py)
 
 
 def engine_maker(config: ModelConfig) -> Callable[[ModelConfig], Awaitable[EngineBinding]]:
@@ -46,17 +48,17 @@ def engine_maker(config: ModelConfig) -> Callable[[ModelConfig], Awaitable[Engin
     return getattr(importlib.import_module(module), name)
 
 
-def engine_config(config: ModelConfig):
+def engine_config(config: ModelConfig, extra_cli: list[str] = ()):
     """(vLLM's parsed CLI arguments, its engine arguments, its ``VllmConfig``) for
-    ``config``, as ``vllm serve`` makes them from the same command line; this
-    process's environment set as vLLM must find it."""
+    ``config`` (and ``extra_cli``), as ``vllm serve`` makes them from the same command
+    line; this process's environment set as vLLM must find it."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.usage.usage_lib import UsageContext
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
-    cli = vllm_cli_args(config, resolve_source(config))
+    cli = vllm_cli_args(config, resolve_source(config)) + list(extra_cli)
     traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if traces:  # telemetry.tracing: vLLM's own span of each traced request (replicas/tracing.py joins it)
         cli += ["--otlp-traces-endpoint", traces]
@@ -104,7 +106,9 @@ async def start_vllm(config: ModelConfig) -> EngineBinding:
     from replicas.engine_metrics import ray_stat_logger
     from replicas.engine_stats import EngineLoad, recorder_factory
 
-    args, engine_args, vllm_config = engine_config(config)
+    events = kv_event_socket(config)
+    extra_cli = ["--kv-events-config", json.dumps(events.engine_config())] if events else []
+    args, engine_args, vllm_config = engine_config(config, extra_cli)
     load = EngineLoad()
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
@@ -129,7 +133,17 @@ async def start_vllm(config: ModelConfig) -> EngineBinding:
         reasons=bool(getattr(args, "reasoning_parser", None)),
         error_from=create_error_response,
         facts=placement_facts(vllm_config),
+        kv_events=events,
     )
+
+
+def kv_event_socket(config: ModelConfig) -> EventSocket | None:
+    """Where the engine publishes its KV-cache events for the replica to tell the routers
+    what it holds (replicas/kv_events.py): only a model routed by what replicas hold
+    needs them, and one whose engine options publish elsewhere keeps its own."""
+    if config.routing.policy != "cache_affinity" or "kv_events_config" in config.engine_kwargs:
+        return None
+    return EventSocket()
 
 
 NO_MEDIA_DOMAIN = "media-fetching-is-off.invalid"

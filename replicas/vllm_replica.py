@@ -28,8 +28,10 @@ from ray import serve
 
 from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE
 from contract.model_config import ModelConfig
+from contract.prompt_blocks import CACHED_BLOCKS
 from contract.replica_wire import ReplicaAnswer, ReplicaError, ReplicaOperation, StreamStart, Usage, as_replica_stream
 from replicas import reasoning
+from replicas.kv_events import TRACKED_OPERATIONS, HeldPrompts, follow, prompt_tokens_in
 from replicas.openai_json import (FINISH_STOP, FINISH_TOOL_CALLS, finish_named_tool_calls, is_error, names_a_tool,
                                   openai_json, responses_json, responses_sse, validation_error)
 from replicas.streaming import batch_tokens, coalesce
@@ -65,6 +67,11 @@ class VLLMReplica:
 
             self._adapter = serve.multiplexed(max_num_models_per_replica=config.lora.max_adapters_per_replica)(load)
         self._engine_watch = asyncio.get_running_loop().create_task(self._exit_when_engine_dies())
+        # What the engine holds, in the router's terms, from its KV-cache events (cache_affinity).
+        self._events, self._held, self._following = binding.kv_events, None, None
+        if self._events is not None:
+            self._held = HeldPrompts(config.routing.block_chars)
+            self._following = asyncio.get_running_loop().create_task(follow(self._events.endpoint, self._held))
         logger.info("vLLM engine ready for model %s (%s)", config.name, ", ".join(self._endpoints))
 
     async def _exit_when_engine_dies(self) -> None:
@@ -134,8 +141,31 @@ class VLLMReplica:
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             return self._error_from(exc)
 
+    def _tracked(self, operation: str, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """The body as the engine gets it, and the key the engine's KV-cache events about
+        its prompt will carry (replicas/kv_events.py: vLLM's ``session_id``, and its
+        ``kv_cache_report_mode`` full so that blocks found cached are reported too);
+        None when this replica does not tell the routers what its engine holds."""
+        if self._held is None or operation not in TRACKED_OPERATIONS:
+            return body, None
+        xargs = body.get("vllm_xargs", {})
+        if not isinstance(xargs, dict):
+            return body, None  # vLLM refuses it as it is
+        key = self._held.start(body)
+        if key is None:
+            return body, None
+        return {**body, "session_id": key, "vllm_xargs": {**xargs, "kv_cache_report_mode": "full"}}, key
+
     async def call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
                    span=None) -> ReplicaAnswer | ReplicaError:
+        body, held_key = self._tracked(operation, body)
+        answer = await self._call(operation, body, adapter, span)
+        if held_key is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
+            self._held.ended(held_key, answer.usage.prompt_tokens)
+        return answer
+
+    async def _call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None,
+                    span) -> ReplicaAnswer | ReplicaError:
         result = await self._start(operation, body, adapter, span)
         if isinstance(result, ReplicaError):
             return result
@@ -189,6 +219,7 @@ class VLLMReplica:
         span = call_span(trace, operation, self.config.name, self.replica)
         try:
             body = batch_tokens(operation, body, self.config.stream_batch_tokens, others=self._streams > 1)
+            body, held_key = self._tracked(operation, body)
             result = await self._start(operation, body, adapter, span)
             if isinstance(result, ReplicaError):
                 yield result
@@ -200,11 +231,14 @@ class VLLMReplica:
                 result = responses_sse(result)
             named_tool = operation == "chat" and names_a_tool(body)
             first = span is not None
+            item = None
             async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
                 if first:
                     span.add_event("first token")  # the engine's queue and prefill are behind it
                     first = False
                 yield item
+            if held_key is not None and item is not None:  # the last event names the usage (the gateway asks for it)
+                self._held.ended(held_key, prompt_tokens_in(item.text if isinstance(item, StreamStart) else item))
         finally:
             self._streams -= 1
             end_span(span)
@@ -266,6 +300,12 @@ class VLLMReplica:
             return {ENGINE_WAITING: 0, KV_CACHE_USAGE: 0.0}
         return {ENGINE_WAITING: self.load.waiting, KV_CACHE_USAGE: self.load.kv_cache_usage}
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's controller hands every router of the model (each
+        ``held_period_s``): the router's hashes of what this engine holds
+        (replicas/kv_events.py), for cache_affinity; nothing otherwise."""
+        return {CACHED_BLOCKS: self._held.published()} if self._held is not None else {}
+
     def model_info(self) -> dict[str, Any]:
         return {
             "id": self.config.name,
@@ -290,6 +330,10 @@ class VLLMReplica:
         if engine is not None:
             engine.shutdown()
             self.engine = None
+        if getattr(self, "_following", None) is not None:
+            self._following.cancel()
+        if getattr(self, "_events", None) is not None:
+            self._events.remove()
 
 
 class _LoadedAdapter:

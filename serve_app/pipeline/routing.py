@@ -42,7 +42,7 @@ import hashlib
 import random
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ray.serve._private.request_router.common import PendingRequest
@@ -52,7 +52,8 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app.pipeline import fair_share
-from serve_app.pipeline.block_index import MAX_HASHED_CHARS, BlockIndex, block_hashes, prompt_text
+from contract.prompt_blocks import CACHED_BLOCKS, MAX_HASHED_CHARS, block_hashes, prompt_text
+from serve_app.pipeline.block_index import BlockIndex
 
 # Session ids hash in a space of their own: one never lands where a prompt of the same text would.
 SESSION_KEY = "session\x00"
@@ -294,7 +295,10 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
 class CacheAffinityRouter(PrefixAffinityRouter):
     """Routes on what each replica holds (``routing.policy: cache_affinity``): the
     replica with the longest cached run of the whole prompt (block_index.py), within
-    the load guard. So a conversation follows its own history, which grows with every
+    the load guard. What a replica holds is what its engine says (its KV-cache events,
+    translated by the replica into the router's block hashes, replicas/kv_events.py,
+    handed here in Serve's routing stats) plus what this router sent it in the last
+    ``trust_own_s``; for a replica that publishes nothing, whatever it was sent. So a conversation follows its own history, which grows with every
     turn, instead of its application's shared system prompt; and once a hot system
     prompt has spilled past the guard onto several replicas, new conversations that
     share it go to the least busy of them. Adapters: among their holders, as the
@@ -302,14 +306,27 @@ class CacheAffinityRouter(PrefixAffinityRouter):
     prefix router would send it, so ingress replicas agree on it."""
 
     def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4, block_chars: int = 256,
-                         max_blocks: int = 100_000) -> None:
+                         max_blocks: int = 100_000, trust_own_s: float = 30.0) -> None:
         super().initialize_state(prefix_chars, imbalance_threshold)
         self._block_chars = block_chars
+        self._trust_own_s = trust_own_s
         self._index = BlockIndex(max_blocks)
+        self._replica_ids: set[str] = set()
+        # What each replica's engine says it holds (replicas/kv_events.py, Serve's routing
+        # stats); a replica absent publishes nothing.
+        self._published: dict[str, Collection[bytes]] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._index.forget_others({replica.replica_id.unique_id for replica in replicas})
+        running = {replica.replica_id.unique_id for replica in replicas}
+        if running != self._replica_ids:  # routing stats come often; the index pass only when replicas change
+            self._index.forget_others(running)
+            self._replica_ids = running
+        self._published = {}
+        for replica in replicas:
+            held = (replica.routing_stats or {}).get(CACHED_BLOCKS)
+            if isinstance(held, (frozenset, set)):
+                self._published[replica.replica_id.unique_id] = held
 
     def _text_chars(self) -> int:
         return MAX_HASHED_CHARS  # the whole prompt, up to the index's bound
@@ -323,7 +340,8 @@ class CacheAffinityRouter(PrefixAffinityRouter):
     def _choose(self, text: str, holders: list[str], queue_lens: dict[str, int]) -> str:
         hashes = block_hashes(text, self._block_chars)
         order = rendezvous_order(text[:self._prefix_chars], holders)
-        chosen = cached_choice(order, self._index.matched(hashes, holders), queue_lens, self._imbalance_threshold)
+        matched = self._index.matched(hashes, holders, self._published, self._trust_own_s)
+        chosen = cached_choice(order, matched, queue_lens, self._imbalance_threshold)
         if chosen is None:  # every holder past the guard: the least busy replica of all (it will hold it)
             chosen = min(queue_lens, key=lambda rid: (queue_lens[rid], rid))
         # Where it runs unless that replica's queue is full; then the least busy of the

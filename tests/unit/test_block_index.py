@@ -6,7 +6,8 @@ longest held run wins within the load guard, and that the index stays bounded.""
 import pytest
 
 from contract.model_config import CACHE_AFFINITY_ROUTER, ModelConfig
-from serve_app.pipeline.block_index import MAX_HASHED_CHARS, BlockIndex, block_hashes, prompt_text
+from contract.prompt_blocks import MAX_HASHED_CHARS, block_hashes, prompt_text
+from serve_app.pipeline.block_index import BlockIndex
 from serve_app.pipeline.routing import cached_choice, prompt_prefix, rendezvous_order
 from test_routing import FakeReplica, chat, ids, pending, queue
 
@@ -79,6 +80,7 @@ def test_models_may_route_by_what_replicas_hold():
     options = ModelConfig(name="m", routing={"policy": "cache_affinity", "block_chars": 128}).serve_options()
     config = options["request_router_config"]
     assert config["request_router_class"] == CACHE_AFFINITY_ROUTER
+    assert config["request_routing_stats_period_s"] == 2.0  # what the engines hold, handed to the routers
     assert config["request_router_kwargs"] == {"prefix_chars": 512, "imbalance_threshold": 4, "block_chars": 128,
                                                "max_blocks": 100_000}
     with pytest.raises(ValueError):
@@ -148,3 +150,59 @@ async def test_a_request_without_a_prompt_and_an_unheld_adapter_use_serves_choic
     # An adapter goes to its holder; one nobody holds, to Serve's multiplexing choice.
     assert ids(await router.choose_replicas([a, b], pending(conversation("p", 1), "pirate")))[0] == ["b"]
     assert all(ids(await router.choose_replicas([a, b], pending(conversation("p", 1), "parrot"))))
+
+
+def test_what_an_engine_publishes_outranks_the_routers_own_records_once_they_are_old():
+    now = [0.0]
+    index = BlockIndex(clock=lambda: now[0])
+    hashes = block_hashes(prompt_text(conversation("ann", 2)), 256)
+    index.record(hashes, "a")
+    index.record(hashes, "b")
+    # a publishes what its engine holds (nothing yet: its prompt still runs); b publishes nothing.
+    published = {"a": frozenset()}
+    now[0] = 10.0
+    assert index.matched(hashes, ["a", "b"], published, trust_own_s=30) == {"a": len(hashes), "b": len(hashes)}
+    now[0] = 40.0  # past the trust: a holds what its engine says; b what was sent to it
+    assert index.matched(hashes, ["a", "b"], published, trust_own_s=30) == {"a": 0, "b": len(hashes)}
+    published = {"a": frozenset(hashes[:3])}
+    assert index.matched(hashes, ["a"], published, trust_own_s=30) == {"a": 3}
+    # What it published and what was sent to it since join up.
+    index.record(hashes, "a")
+    assert index.matched(hashes, ["a"], published, trust_own_s=30) == {"a": len(hashes)}
+    # A replica's engine may hold what this router never sent it (another router did).
+    other = block_hashes(prompt_text(conversation("bob", 1)), 256)
+    assert index.matched(other, ["c"], {"c": frozenset(other)}, trust_own_s=30) == {"c": len(other)}
+
+
+class PublishingReplica:
+    """A fake replica that publishes what its engine holds (Serve's routing stats)."""
+
+    def __new__(cls, unique_id: str, held=None):
+        from contract.prompt_blocks import CACHED_BLOCKS
+        from test_routing import FakeReplica
+
+        replica = FakeReplica(unique_id)
+        replica.routing_stats = {CACHED_BLOCKS: frozenset(held or ())} if held is not None else {}
+        return replica
+
+
+async def test_a_conversation_goes_where_an_engine_says_it_is_held_though_this_router_never_sent_it():
+    """Another router (another ingress replica, the edge router) sent a conversation's
+    first turn to b: this router learns it from b's published hashes and sends the next
+    turn there, not where the system prompt ranks first; once b's engine evicted it, its
+    prompt goes where the prefix router would send it."""
+    turn1 = conversation("carol", 1)
+    first = rendezvous_order(prompt_prefix(turn1, 512), ["a", "b"])[0]
+    other = "b" if first == "a" else "a"
+    holds = {first: PublishingReplica(first, held=()),
+             other: PublishingReplica(other, held=block_hashes(prompt_text(turn1), 256))}
+    router = cache_router(*holds.values())
+    router.update_replicas(list(holds.values()))
+    for replica in holds.values():
+        queue(router, replica, 0)
+    replicas = list(holds.values())
+    assert ids(await router.choose_replicas(replicas, pending(conversation("carol", 2))))[0][0] == other
+    evicted = [PublishingReplica(first, held=()), PublishingReplica(other, held=())]
+    router.update_replicas(evicted)
+    router._trust_own_s = 0  # this router's own record of the second turn is old news
+    assert ids(await router.choose_replicas(evicted, pending(conversation("carol", 2))))[0][0] == first
