@@ -20,6 +20,7 @@ queue of four (tiers).
   the last places are high keys'. Refused requests are charged nothing.
 - Fair share: a light key's request overtakes a heavy key's backlog waiting
   at the gateway (first come, first served would run it last).
+- A cache-affinity replica tells the routers what its engine holds (its KV-cache events).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import redis as redis_sync
 from http_checks import free_port
 from settled import records as records_of, wait_until_settled
 from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
-from stack import APP_NAME, create_key, edge_server_states, edge_server_stats, local_app_args, serve_stack
+from stack import (APP_NAME, call_replica, create_key, edge_server_states, edge_server_stats, local_app_args,
+                   serve_stack)
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +82,9 @@ def base_url(redis_server):
     fair["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 2}
     fair["deployment"] = {**tiered["deployment"], "max_ongoing_requests": 2}
     fair["fair_share"] = {"enabled": True, "light_key_places": 1}
+    # Routed by what its replica's engine says it holds (its KV-cache events): one replica
+    # chooses nothing, but it publishes what it holds to the routers all the same.
+    fair["routing"] = {"policy": "cache_affinity"}
     args["models"] += [tiered, fair]
     with serve_stack(args, port=free_port()) as url:
         yield url
@@ -519,3 +524,44 @@ def test_a_key_with_nothing_in_flight_starts_at_once_on_the_kept_place(base_url,
     blocker.stop()
     queued.join(300)
     assert queued.status == 200 and queued.body.endswith(b"data: [DONE]\n\n"), queued.body[-300:]
+
+
+def test_a_cache_affinity_replica_tells_the_routers_what_its_engine_holds(base_url, redis_server):
+    """The fair model routes by what replicas hold (``cache_affinity``): its replica's vLLM
+    engine publishes KV-cache events, and the replica hands Serve's routers the router's
+    block hashes of what the engine holds (replicas/kv_events.py), through Serve's
+    routing stats. A prompt sent unary and one streamed through the SDK are both held
+    there, from their start; a prompt never sent is not."""
+    from contract.prompt_blocks import CACHED_BLOCKS, block_hashes, prompt_text
+
+    secret = create_key(redis_server.url, "held-blocks", priority="high")[1]
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=300)
+
+    def held() -> frozenset:  # what Serve's controller asks it every held_period_s
+        return call_replica(FAIR, "record_routing_stats")[CACHED_BLOCKS]
+
+    def leading(hashes: list[bytes]) -> int:
+        published, count = held(), 0
+        while count < len(hashes) and hashes[count] in published:
+            count += 1
+        return count
+
+    def messages(n: int) -> list[dict]:
+        return [{"role": "system", "content": f"Held application {n}. " + "Cite the policy, never promise refunds. " * 40},
+                {"role": "user", "content": "Where is my parcel?"}]
+
+    deadline = time.monotonic() + 600
+    while _chat(base_url, secret, 1, model=FAIR).status_code != 200:  # the fair model is up
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    client.chat.completions.create(model=FAIR, messages=messages(1), max_tokens=2)
+    for _ in client.chat.completions.create(model=FAIR, messages=messages(2), max_tokens=2, stream=True):
+        pass
+    for n in (1, 2):
+        hashes = block_hashes(prompt_text({"messages": messages(n)}), 256)
+        # Its whole engine blocks (128 tokens; the partial last one is not cached): most of it.
+        while leading(hashes) < len(hashes) // 2:
+            assert time.monotonic() < deadline, (n, leading(hashes), len(hashes))
+            time.sleep(0.5)
+    never = block_hashes(prompt_text({"messages": messages(3)}), 256)
+    assert not held() & set(never)
