@@ -5,7 +5,8 @@ The small demo chat model on two replicas behind this stack (as ``make run`` sta
 it, Makefile env; bench/prefix_routing.py's stack), once per ``routing.policy``
 (serve_app/pipeline/routing.py): ``power_of_two`` (Serve's default), ``prefix_affinity``
 (the first ``prefix_chars`` of the prompt decide) and ``cache_affinity`` (the replica
-holding the longest run of the whole prompt, as the router sent it there), and
+holding the longest run of the whole prompt, as its engine's KV-cache events say, plus
+what the router itself sent there in the last 30 s), and
 ``sessions``: ``prefix_affinity`` with each conversation sending its own ``x-session-id``
 (every turn placed by its session, within the load guard). Each policy
 gets a freshly started stack (empty prefix caches). ``--conversations`` conversations,
@@ -19,7 +20,8 @@ replica chosen at the edge by the same router class: serve_app/http/edge_router.
 ``power_of_two`` there is HAProxy's least connections, ``sessions`` the edge router's
 session placement).
 
-Prints per policy: TTFT p50/p90 (ms), output tokens/s over the run, the engines'
+Prints per policy (the median over ``--repeats``, the policies taking turns in each
+repeat): TTFT p50/p90 (ms), output tokens/s over the run, the engines'
 prefix-cache hit rate (prompt tokens found in the cache over those looked up, this
 run's requests only) and the load split (each replica's share of the prompt tokens it
 was sent, max over mean).
@@ -122,53 +124,65 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
     parser.add_argument("--source", default="demo:small", help="demo:small (default) or demo (the tiny model)")
     parser.add_argument("--one-hop", action="store_true", help="behind the direct route, as shipped")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every policy, each on a fresh stack")
     args = parser.parse_args()
 
     os.environ["OPENAI_API_KEY"] = bench_api_key()
-    rows: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
-        for policy in args.policies:
-            serve_config = stack_config("prefix_affinity" if policy == "sessions" else policy, args.kv_blocks,
-                                        args.source, direct=args.one_hop)
-            config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
-            app_name = direct_app_name(config.name) if args.one_hop else "llm"
-            if args.one_hop:
-                serve_config = with_direct_apps(serve_config)
-            log = Path(tmp) / f"{policy}.log"
-            try:
-                with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
-                    before = engine_loads(config.name, app_name)
-                    samples, wall = asyncio.run(run_load(url, config.name, args, sessions=policy == "sessions"))
-                    after = engine_loads(config.name, app_name)
-            except Exception:
-                print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
-                      file=sys.stderr)
-                raise
-            looked_up = {r: after[r]["prefix_cache_queries"] - before.get(r, {}).get("prefix_cache_queries", 0)
-                         for r in after}
-            hits = sum(after[r]["prefix_cache_hits"] - before.get(r, {}).get("prefix_cache_hits", 0) for r in after)
-            mean = statistics.mean(looked_up.values()) if looked_up else 0
-            ttfts = [ttft * 1000 for ttft, _ in samples]
-            rows[policy] = {
-                "TTFT p50 ms": percentile(ttfts, 0.5), "TTFT p90 ms": percentile(ttfts, 0.9),
-                "output tok/s": sum(tokens for _, tokens in samples) / wall,
-                "prefix-cache hit rate": hits / sum(looked_up.values()) if looked_up else 0.0,
-                "max/mean replica load": max(looked_up.values()) / mean if mean else 0.0,
-            }
-            print(f"{policy}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[policy].items()), file=sys.stderr,
-                  flush=True)
+        for repeat in range(args.repeats):  # the policies in turn within each repeat: drift hits all alike
+            for policy in args.policies:
+                runs[policy].append(run_policy(policy, args, Path(tmp) / f"{policy}-{repeat}.log"))
+                print(f"{policy} (repeat {repeat + 1}): " + ", ".join(f"{k} {v:.3f}" for k, v in runs[policy][-1].items()),
+                      file=sys.stderr, flush=True)
 
-    print(f"\n{args.source} model, 2 replicas{' behind its direct route (/v1 in one hop)' if args.one_hop else ''} ({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} "
-          f"applications with a {args.system_words}-word system prompt, {args.conversations} conversations x "
-          f"{args.turns} turns of {args.user_words} words, {args.output_len} output tokens, {args.concurrency} "
-          f"conversations at a time\n")
-    print("| metric | " + " | ".join(rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    for metric in next(iter(rows.values())):
-        cells = [f"{row[metric]:.1%}" if metric == "prefix-cache hit rate" else f"{row[metric]:,.2f}"
-                 for row in rows.values()]
+    print(f"\n{args.source} model, 2 replicas{' behind its direct route (/v1 in one hop)' if args.one_hop else ''} "
+          f"({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} applications with a {args.system_words}-word "
+          f"system prompt, {args.conversations} conversations x {args.turns} turns of {args.user_words} words, "
+          f"{args.output_len} output tokens, {args.concurrency} conversations at a time; "
+          f"median of {args.repeats} repeat(s) (each repeat's value after it)\n")
+    print("| metric | " + " | ".join(runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    for metric in METRICS:
+        cells = []
+        for values in ([run[metric] for run in policy_runs] for policy_runs in runs.values()):
+            shown = [f"{v:.1%}" if metric == "prefix-cache hit rate" else f"{v:,.2f}"
+                     for v in [statistics.median(values)] + values]
+            cells.append(shown[0] + (f" ({' / '.join(shown[1:])})" if len(values) > 1 else ""))
         print(f"| {metric} | " + " | ".join(cells) + " |")
 
+
+METRICS = ["TTFT p50 ms", "TTFT p90 ms", "output tok/s", "prefix-cache hit rate", "max/mean replica load"]
+
+
+def run_policy(policy: str, args, log: Path) -> dict[str, float]:
+    """One policy's run on a freshly started stack (empty prefix caches)."""
+    serve_config = stack_config("prefix_affinity" if policy == "sessions" else policy, args.kv_blocks,
+                                args.source, direct=args.one_hop)
+    config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
+    app_name = direct_app_name(config.name) if args.one_hop else "llm"
+    if args.one_hop:
+        serve_config = with_direct_apps(serve_config)
+    try:
+        with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
+            before = engine_loads(config.name, app_name)
+            samples, wall = asyncio.run(run_load(url, config.name, args, sessions=policy == "sessions"))
+            after = engine_loads(config.name, app_name)
+    except Exception:
+        print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
+              file=sys.stderr)
+        raise
+    looked_up = {r: after[r]["prefix_cache_queries"] - before.get(r, {}).get("prefix_cache_queries", 0)
+                 for r in after}
+    hits = sum(after[r]["prefix_cache_hits"] - before.get(r, {}).get("prefix_cache_hits", 0) for r in after)
+    mean = statistics.mean(looked_up.values()) if looked_up else 0
+    ttfts = [ttft * 1000 for ttft, _ in samples]
+    return {
+        "TTFT p50 ms": percentile(ttfts, 0.5), "TTFT p90 ms": percentile(ttfts, 0.9),
+        "output tok/s": sum(tokens for _, tokens in samples) / wall,
+        "prefix-cache hit rate": hits / sum(looked_up.values()) if looked_up else 0.0,
+        "max/mean replica load": max(looked_up.values()) / mean if mean else 0.0,
+    }
 
 if __name__ == "__main__":
     main()
