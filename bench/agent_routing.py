@@ -12,7 +12,9 @@ what the router itself sent there in the last 30 s), and
 gets a freshly started stack (empty prefix caches). ``--conversations`` conversations,
 spread over ``--apps`` applications, each run ``--turns`` turns in order (the model's
 answer appended to the history, as an agent loop does), ``--concurrency`` conversations
-at a time; every request streamed. Each replica's KV cache is capped (``--kv-blocks``
+at a time, ``--think-ms`` between a conversation's turns (its tool call: without it, HAProxy's
+least connections sends a turn back to the replica the previous one just left, the one
+with a connection free); every request streamed. Each replica's KV cache is capped (``--kv-blocks``
 blocks of 128 tokens) below what all conversations need, as on a busy cluster.
 
 ``--one-hop``: the model behind its direct route as shipped (``/v1`` in one hop, the
@@ -84,6 +86,8 @@ async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng:
                 tokens = chunk.usage.completion_tokens
         samples.append(((first or time.perf_counter()) - started, tokens))
         messages.append({"role": "assistant", "content": "".join(text)})
+        if args.think_ms:  # the agent's tool call between turns (keeping its place among the conversations)
+            await asyncio.sleep(args.think_ms / 1000)
 
 
 async def run_load(url: str, model: str, args, sessions: bool = False) -> tuple[list[tuple[float, int]], float]:
@@ -120,6 +124,8 @@ def main() -> None:
     parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16, help="conversations at a time")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="pause between a conversation's turns (an agent's tool call)")
     parser.add_argument("--kv-blocks", type=int, default=128, help="KV-cache blocks (128 tokens) per replica")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
     parser.add_argument("--source", default="demo:small", help="demo:small (default) or demo (the tiny model)")
@@ -139,7 +145,8 @@ def main() -> None:
     print(f"\n{args.source} model, 2 replicas{' behind its direct route (/v1 in one hop)' if args.one_hop else ''} "
           f"({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} applications with a {args.system_words}-word "
           f"system prompt, {args.conversations} conversations x {args.turns} turns of {args.user_words} words, "
-          f"{args.output_len} output tokens, {args.concurrency} conversations at a time; "
+          f"{args.output_len} output tokens, {args.concurrency} conversations at a time, {args.think_ms:g} ms "
+          f"between turns; "
           f"median of {args.repeats} repeat(s) (each repeat's value after it)\n")
     print("| metric | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))
