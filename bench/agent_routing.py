@@ -56,6 +56,7 @@ from serving_overhead import bench_api_key, serve_stack  # noqa: E402
 from serve_app.app import with_direct_apps  # noqa: E402
 
 POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity", "sessions"]
+METRICS = ["TTFT p50 ms", "TTFT p90 ms", "output tok/s", "prefix-cache hit rate", "max/mean replica load"]
 WORDS = ("license grant patent copyright notice source object form work derivative contribution contributor "
          "warranty liability trademark redistribution submission agreement").split()
 
@@ -159,9 +160,6 @@ def main() -> None:
         print(f"| {metric} | " + " | ".join(cells) + " |")
 
 
-METRICS = ["TTFT p50 ms", "TTFT p90 ms", "output tok/s", "prefix-cache hit rate", "max/mean replica load"]
-
-
 def run_policy(policy: str, args, log: Path) -> dict[str, float]:
     """One policy's run on a freshly started stack (empty prefix caches)."""
     serve_config = stack_config("prefix_affinity" if policy == "sessions" else policy, args.kv_blocks,
@@ -190,6 +188,7 @@ def run_policy(policy: str, args, log: Path) -> dict[str, float]:
         "prefix-cache hit rate": hits / sum(looked_up.values()) if looked_up else 0.0,
         "max/mean replica load": max(looked_up.values()) / mean if mean else 0.0,
     }
+
 
 if __name__ == "__main__":
     main()

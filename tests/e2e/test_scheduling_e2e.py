@@ -253,15 +253,11 @@ def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, r
     [system] = system_prompts_preferring(replica_ids[0], replica_ids, 1)
     # Four sessions ranking each replica first, chosen from the replica ids of this run
     # (eight names taken blindly all ranked one replica first in a CI run: 1 in 128).
-    ranked_first = {replica: [] for replica in replica_ids}
-    for i in itertools.count():
-        session = f"conversation-{i}"
-        first = ranked_first[rendezvous_order(SESSION_KEY + session, replica_ids)[0]]
-        if len(first) < 4:
-            first.append(session)
-        if all(len(names) == 4 for names in ranked_first.values()):
-            break
-    sessions = sorted(s for names in ranked_first.values() for s in names)
+    def ranking_first(replica: str):
+        names = (f"conversation-{i}" for i in itertools.count())
+        return itertools.islice((n for n in names if rendezvous_order(SESSION_KEY + n, replica_ids)[0] == replica), 4)
+
+    sessions = sorted(session for replica in replica_ids for session in ranking_first(replica))
     expected, sent = [], []
     for turn in range(2):
         for session in sessions:
@@ -542,7 +538,10 @@ def test_a_cache_affinity_replica_tells_the_routers_what_its_engine_holds(base_u
     block hashes of what the engine holds (replicas/kv_events.py), through Serve's
     routing stats. A prompt sent unary and one streamed through the SDK are both held
     there, from their start; a prompt never sent is not."""
+    from contract.model_config import RoutingSettings
     from contract.prompt_blocks import CACHED_BLOCKS, block_hashes, prompt_text
+
+    block_chars = RoutingSettings().block_chars  # the fair model's (its default)
 
     secret = create_key(redis_server.url, "held-blocks", priority="high")[1]
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=300)
@@ -568,10 +567,10 @@ def test_a_cache_affinity_replica_tells_the_routers_what_its_engine_holds(base_u
     for _ in client.chat.completions.create(model=FAIR, messages=messages(2), max_tokens=2, stream=True):
         pass
     for n in (1, 2):
-        hashes = block_hashes(prompt_text({"messages": messages(n)}), 256)
+        hashes = block_hashes(prompt_text({"messages": messages(n)}), block_chars)
         # Its whole engine blocks (128 tokens; the partial last one is not cached): most of it.
         while leading(hashes) < len(hashes) // 2:
             assert time.monotonic() < deadline, (n, leading(hashes), len(hashes))
             time.sleep(0.5)
-    never = block_hashes(prompt_text({"messages": messages(3)}), 256)
+    never = block_hashes(prompt_text({"messages": messages(3)}), block_chars)
     assert not held() & set(never)
