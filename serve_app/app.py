@@ -117,6 +117,35 @@ def direct_apps(args: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def direct_route_problems(serve_config: dict[str, Any]) -> list[str]:
+    """What ``serve deploy`` of ``serve_config`` as it stands would get wrong about its
+    direct routes (`llmctl check-config` refuses it): a model with ``direct_route`` whose
+    application is not declared (its deployment would not exist: the ingress' calls to it
+    fail and the edge has no route for it), or one declared other than ``direct_apps``
+    has it (args other than its main application's plus ``direct_model``: the model
+    would run with settings the ingress does not know)."""
+    declared = {app.get("name"): app for app in serve_config.get("applications", [])}
+    problems = []
+    for main in serve_config.get("applications", []):
+        if main.get("import_path") != "serve_app.app:build_app":
+            continue
+        args_of_main = f"the args of application {main.get('name')!r} plus direct_model"
+        for expected in direct_apps(main.get("args") or {}):
+            name, model = expected["name"], expected["args"]["direct_model"]
+            found = declared.get(name)
+            if found is None:
+                problems.append(
+                    f"application {name!r} is missing: model {model!r} has direct_route and is served by it alone "
+                    f"(declare it with route_prefix {expected['route_prefix']}, import_path "
+                    f"{expected['import_path']}, args: {args_of_main}; configs/gpu.yaml does it with a YAML anchor)")
+                continue
+            for field in ("route_prefix", "import_path", "args"):
+                if found.get(field) != expected[field]:
+                    wanted = args_of_main if field == "args" else repr(expected[field])
+                    problems.append(f"application {name!r}: {field} must be {wanted}")
+    return problems
+
+
 def with_direct_apps(serve_config: dict[str, Any]) -> dict[str, Any]:
     """``serve_config`` plus the application of each direct route its
     ``build_app`` applications ask for and it does not declare yet (`llmctl run`)."""

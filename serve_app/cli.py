@@ -279,16 +279,24 @@ def _redis(args: argparse.Namespace):
 
 
 def _check_config(path: Path) -> int:
-    """Validate every application's args in a Serve config against AppSettings."""
+    """Validate every application's args in a Serve config against AppSettings, and
+    that each direct route has its application (what `serve deploy` does not add)."""
     import yaml
 
     from serve_app.settings import AppSettings
 
+    from serve_app.app import direct_route_problems
+
     config = yaml.safe_load(path.read_text())
     for application in config.get("applications", []):
-        settings = AppSettings(**(application.get("args") or {}))
+        args = dict(application.get("args") or {})
+        args.pop("direct_model", None)  # a direct route's: the rest is its main application's (serve_app/app.py)
+        settings = AppSettings(**args)
         print(json.dumps({"application": application.get("name"), "models": [m.name for m in settings.models]}))
-    return 0
+    problems = direct_route_problems(config)
+    for problem in problems:
+        print(f"{path}: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _demo_model(_: argparse.Namespace) -> int:

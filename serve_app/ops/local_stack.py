@@ -50,13 +50,17 @@ def default_log() -> Path:
 
 def _with_direct_apps(config: Path) -> Path:
     """``config``, or a copy beside the pid file that also declares the
-    application of each model with ``direct_route`` (serve_app/app.py)."""
+    application of each model with ``direct_route`` (serve_app/app.py). A direct
+    application the file declares otherwise than the main one's args say is refused
+    (``ValueError``), as `llmctl check-config` refuses it."""
     import yaml
 
-    from serve_app.app import with_direct_apps
+    from serve_app.app import direct_route_problems, with_direct_apps
 
     serve_config = yaml.safe_load(Path(config).read_text())
     expanded = with_direct_apps(serve_config)
+    if problems := direct_route_problems(expanded):
+        raise ValueError(f"{config}: " + "; ".join(problems))
     if expanded is serve_config:
         return config
     path = pid_file().parent / "serve-config.yaml"
@@ -73,6 +77,11 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
     if other is not None:
         print(f"a local stack already runs (pid {other}); stop it with `make stop`", file=sys.stderr)
         return 1
+    try:
+        serve_config = _with_direct_apps(config)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda received, _frame: signals.append(received))
@@ -82,7 +91,7 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
         log.parent.mkdir(parents=True, exist_ok=True)
         output = open(log, "w")
     serve = Path(sys.executable).parent / "serve"
-    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(_with_direct_apps(config))],
+    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(serve_config)],
                              start_new_session=True,
                              stdout=output, stderr=subprocess.STDOUT if output else None)
     if output is not None:

@@ -2,6 +2,7 @@
 (Ray's prepare_config + validate_config: defaults merged, JSON schema, node types),
 and against the Serve config it deploys (configs/gpu.yaml)."""
 
+import json
 from copy import deepcopy
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def test_every_node_gets_redis_url_and_the_head_deploys_the_app(cluster):
     for commands in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
         start = next(command for command in commands if "ray start" in command)
         assert "export REDIS_URL=" in start and start.index("export REDIS_URL=") < start.index("ray start")
-    deploy = cluster["head_start_ray_commands"][-1]
+    check, deploy = cluster["head_start_ray_commands"][-1].split(" && ")
+    assert check.startswith("llmctl check-config ") and check.endswith("configs/gpu.yaml")
     assert deploy.startswith("serve deploy ") and deploy.endswith("configs/gpu.yaml")
     assert any(source == "./configs" for source in cluster["file_mounts"].values())
 
@@ -79,6 +81,47 @@ def test_the_deployed_models_fit_the_node_types(cluster):
         assert offering, f"no node type offers {model.tensor_parallel_size}x {model.accelerator_type} for {model.name}"
         cpus = max(spec["resources"]["CPU"] for spec in offering)
         assert model.cpus_per_replica <= cpus
+
+
+def test_the_deployed_config_serves_every_model_behind_its_direct_route_as_serve_deploy_reads_it():
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.app import direct_apps, direct_route_problems
+
+    config = load("configs/gpu.yaml")  # YAML's merge key resolved, as `serve deploy` reads it
+    ServeDeploySchema.model_validate(config)
+    main, *direct = config["applications"]
+    assert all(model["direct_route"] for model in main["args"]["models"])  # /v1 in one hop on the cluster too
+    assert direct == direct_apps(main["args"])
+    assert direct_route_problems(config) == []
+
+
+def check_config(tmp_path, config, capsys):
+    from serve_app.cli import main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return main(["check-config", str(path)]), capsys.readouterr().err
+
+
+def test_check_config_refuses_a_direct_route_without_its_application_or_with_other_settings(tmp_path, capsys):
+    shipped = load("configs/gpu.yaml")
+    assert check_config(tmp_path, shipped, capsys) == (0, "")
+
+    missing = deepcopy(shipped)
+    del missing["applications"][2]  # `serve deploy` would leave llama-3.3-70b-instruct with no deployment
+    rc, err = check_config(tmp_path, missing, capsys)
+    assert rc == 1 and "'direct-llama-3.3-70b-instruct' is missing" in err and err.count("\n") == 1
+
+    stale = json.loads(json.dumps(shipped))  # the main application's models edited, the direct routes' copies not
+    stale["applications"][0]["args"]["models"][0]["engine_kwargs"]["max_model_len"] = 4096
+    rc, err = check_config(tmp_path, stale, capsys)
+    assert rc == 1 and err.count("args must be the args of application 'llm' plus direct_model") == 3
+
+    moved = deepcopy(shipped)
+    moved["applications"][3]["route_prefix"] = "/bge"
+    rc, err = check_config(tmp_path, moved, capsys)
+    assert rc == 1 and "'direct-bge-m3': route_prefix must be '/direct/bge-m3'" in err
 
 
 def test_local_twin_passes_rays_validation_and_its_provider_adopts_this_machine(monkeypatch, tmp_path):

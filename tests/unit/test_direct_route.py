@@ -192,6 +192,23 @@ def test_llmctl_run_declares_the_direct_applications_a_config_asks_for():
     assert build_app(SHIPPED)._bound_deployment.init_args[1] == {}
 
 
+def test_llmctl_run_refuses_a_direct_application_declared_with_other_args(tmp_path, capsys, monkeypatch):
+    import json
+
+    from serve_app.app import with_direct_apps
+    from serve_app.ops import local_stack
+
+    monkeypatch.setattr(local_stack, "running_stack_pid", lambda: None)
+    monkeypatch.setattr(local_stack.subprocess, "Popen", None)  # nothing may start
+    config = json.loads(json.dumps(with_direct_apps(yaml.safe_load(open("configs/local.yaml")))))
+    config["applications"][0]["args"]["models"][0]["engine_kwargs"]["max_model_len"] = 1024  # not in the copies
+    path = tmp_path / "stale.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert local_stack.run(path) == 2
+    err = capsys.readouterr().err
+    assert "'direct-tiny-llama': args must be the args of application 'llm' plus direct_model" in err
+
+
 @pytest.mark.parametrize("policy, replicas, at_the_edge", [
     ("power_of_two", 2, True),  # the replica holding the adapter is chosen at the edge whatever the policy
     ("prefix_affinity", 1, False),  # one replica: it loads every adapter asked of it
