@@ -283,9 +283,8 @@ def _check_config(path: Path) -> int:
     that each direct route has its application (what `serve deploy` does not add)."""
     import yaml
 
-    from serve_app.settings import AppSettings
-
     from serve_app.app import direct_route_problems
+    from serve_app.settings import AppSettings
 
     config = yaml.safe_load(path.read_text())
     for application in config.get("applications", []):
