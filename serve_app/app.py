@@ -5,6 +5,7 @@ model with ``direct_route`` has its deployment in an application of its own
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from ray.serve import Application
@@ -117,6 +118,15 @@ def direct_apps(args: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _direct_apps_asked(serve_config: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each ``build_app`` application of ``serve_config`` with each direct route's
+    entry its args ask for (``direct_apps``)."""
+    for main in serve_config.get("applications", []):
+        if main.get("import_path") == "serve_app.app:build_app":
+            for expected in direct_apps(main.get("args") or {}):
+                yield main, expected
+
+
 def direct_route_problems(serve_config: dict[str, Any]) -> list[str]:
     """What ``serve deploy`` of ``serve_config`` as it stands would get wrong about its
     direct routes (`llmctl check-config` refuses it): a model with ``direct_route`` whose
@@ -126,23 +136,20 @@ def direct_route_problems(serve_config: dict[str, Any]) -> list[str]:
     would run with settings the ingress does not know)."""
     declared = {app.get("name"): app for app in serve_config.get("applications", [])}
     problems = []
-    for main in serve_config.get("applications", []):
-        if main.get("import_path") != "serve_app.app:build_app":
-            continue
+    for main, expected in _direct_apps_asked(serve_config):
         args_of_main = f"the args of application {main.get('name')!r} plus direct_model"
-        for expected in direct_apps(main.get("args") or {}):
-            name, model = expected["name"], expected["args"]["direct_model"]
-            found = declared.get(name)
-            if found is None:
-                problems.append(
-                    f"application {name!r} is missing: model {model!r} has direct_route and is served by it alone "
-                    f"(declare it with route_prefix {expected['route_prefix']}, import_path "
-                    f"{expected['import_path']}, args: {args_of_main}; configs/gpu.yaml does it with a YAML anchor)")
-                continue
-            for field in ("route_prefix", "import_path", "args"):
-                if found.get(field) != expected[field]:
-                    wanted = args_of_main if field == "args" else repr(expected[field])
-                    problems.append(f"application {name!r}: {field} must be {wanted}")
+        name, model = expected["name"], expected["args"]["direct_model"]
+        found = declared.get(name)
+        if found is None:
+            problems.append(
+                f"application {name!r} is missing: model {model!r} has direct_route and is served by it alone "
+                f"(declare it with route_prefix {expected['route_prefix']}, import_path "
+                f"{expected['import_path']}, args: {args_of_main}; configs/gpu.yaml does it with a YAML anchor)")
+            continue
+        for field in ("route_prefix", "import_path", "args"):
+            if found.get(field) != expected[field]:
+                wanted = args_of_main if field == "args" else repr(expected[field])
+                problems.append(f"application {name!r}: {field} must be {wanted}")
     return problems
 
 
@@ -150,11 +157,5 @@ def with_direct_apps(serve_config: dict[str, Any]) -> dict[str, Any]:
     """``serve_config`` plus the application of each direct route its
     ``build_app`` applications ask for and it does not declare yet (`llmctl run`)."""
     declared = {app.get("name") for app in serve_config.get("applications", [])}
-    added = [
-        direct
-        for app in serve_config.get("applications", [])
-        if app.get("import_path") == "serve_app.app:build_app"
-        for direct in direct_apps(app.get("args") or {})
-        if direct["name"] not in declared
-    ]
+    added = [direct for _, direct in _direct_apps_asked(serve_config) if direct["name"] not in declared]
     return {**serve_config, "applications": [*serve_config.get("applications", []), *added]} if added else serve_config
