@@ -96,6 +96,25 @@ def bench_api_key() -> str:
         raise SystemExit(f"the stack's Redis is not reachable ({exc}): run `make redis` first") from None
 
 
+def redis_class() -> str:
+    """The scheduling class of the stack's Redis when it runs on this host, for the
+    table's header: in the normal class, beside the engine on this box's two cores, about
+    one admission in a hundred waited 130-220 ms for its reply (an early-started stream
+    still waits for the yes), which then is the stack's c=1 TTFT p99, not its gateway
+    (docs/performance.md, "What the c=1 tail was"); ``scripts/ensure_redis.sh`` starts it
+    in the real-time class."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+        pid = int(client.info("server")["process_id"])
+        client.close()
+        policy = os.sched_getscheduler(pid) & ~os.SCHED_RESET_ON_FORK  # ensure_redis.sh sets reset-on-fork
+    except Exception:  # not on this host (another machine's pid), or gone
+        return "unknown class"
+    return "real-time class" if policy in (os.SCHED_FIFO, os.SCHED_RR) else "normal class"
+
+
 def wait_ready(url: str, proc: subprocess.Popen, model: str, timeout_s: float = 600) -> None:
     """Up means a real completion came back, not just /v1/models."""
     deadline = time.monotonic() + timeout_s
@@ -242,9 +261,28 @@ def profile_target(url: str, config: ModelConfig, source: str, target: str, args
     return report(hops, result["completed"], result["total_output_tokens"])
 
 
+def client_priority(wanted: str) -> list[str]:
+    """What the load generator's command starts with: ``chrt -f 1`` for the real-time
+    class when asked and allowed, nothing otherwise (a note on stderr).
+
+    Why: on this 2-core box a c=1 client in the normal class beside ``make run``'s stack
+    was seen waiting on the run queue for a whole stream (its ``schedstat``: 119-143 ms)
+    while the answer sat in its socket (tcpdump: the replica sent every chunk on time),
+    so its TTFT was the stream's length (docs/performance.md, "What the c=1 tail was").
+    A client on another machine reads what arrives when it arrives; in the real-time
+    class this one does too, for every target alike."""
+    if wanted != "realtime":
+        return []
+    if subprocess.run(["chrt", "-f", "1", "true"], capture_output=True).returncode != 0:
+        print("load generator stays in the normal class (chrt -f refused)", file=sys.stderr)
+        return []
+    return ["chrt", "-f", "1"]
+
+
 def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args, out_dir: Path) -> dict:
     name = f"c{concurrency}-{time.monotonic_ns()}.json"
     cmd = [
+        *client_priority(args.client_class),
         sys.executable, "-m", "replicas.vllm_cli", "bench", "serve",
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
         "--base-url", url, "--model", source, "--served-model-name", config.name,
@@ -332,6 +370,10 @@ def main() -> None:
                              "every target): with 0, every request ends on the same step and a c=32 point is "
                              "rounds of 32 arriving at once, whose split into prefill steps sets its TTFT")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--client-class", choices=("realtime", "normal"), default="realtime",
+                        help="the load generator's scheduling class: realtime (SCHED_FIFO 1, the default) reads "
+                             "answers as they arrive; normal lets a busy target's processes starve it "
+                             "(every run before 2026-11-28's afternoon)")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--stack-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra environment for this stack's targets (e.g. Ray Serve knobs)")
@@ -400,7 +442,8 @@ def main() -> None:
     spread = f" (x [{1 - args.range_ratio:g}, {1 + args.range_ratio:g}])" if args.range_ratio else ""
     print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok{spread}, "
           f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
-          f"(x) = ratio to bare vllm\n")
+          f"load generator in the {args.client_class} class" + (f", Redis in the {redis_class()}" if stack_targets else "")
+          + "; (x) = ratio to bare vllm\n")
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
     raw = []
     for concurrency in args.concurrency:
