@@ -282,7 +282,7 @@ def client_priority(wanted: str) -> list[str]:
 def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args, out_dir: Path) -> dict:
     name = f"c{concurrency}-{time.monotonic_ns()}.json"
     cmd = [
-        *client_priority(args.client_class),
+        *args.client_prefix,
         sys.executable, "-m", "replicas.vllm_cli", "bench", "serve",
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
         "--base-url", url, "--model", source, "--served-model-name", config.name,
@@ -382,6 +382,7 @@ def main() -> None:
                         help="after each target's measured loads, one more at the highest concurrency under "
                              "py-spy (bench/hop_profile.py): CPU per request/token per process, top functions")
     args = parser.parse_args()
+    args.client_prefix = client_priority(args.client_class)  # asked once: the header says what ran
 
     from serve_app.app import with_direct_apps
 
@@ -442,7 +443,7 @@ def main() -> None:
     spread = f" (x [{1 - args.range_ratio:g}, {1 + args.range_ratio:g}])" if args.range_ratio else ""
     print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok{spread}, "
           f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
-          f"load generator in the {args.client_class} class" + (f", Redis in the {redis_class()}" if stack_targets else "")
+          f"load generator in the {'realtime' if args.client_prefix else 'normal'} class" + (f", Redis in the {redis_class()}" if stack_targets else "")
           + "; (x) = ratio to bare vllm\n")
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
     raw = []
