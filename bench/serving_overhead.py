@@ -73,6 +73,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The stack's Redis (the Makefile's default): the load generator's key is made there,
+# and its scheduling class is part of what a stack's figures mean.
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
 def bench_api_key() -> str:
     """An unlimited key in the stack's Redis (REDIS_URL) for the load generator."""
     import asyncio
@@ -83,7 +88,7 @@ def bench_api_key() -> str:
     from serve_app.quota.keys import KeyStore
 
     async def create() -> str:
-        client = redis.asyncio.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
         try:
             return (await KeyStore(client).create(f"bench-{time.time_ns()}"))[1]
         finally:
@@ -106,7 +111,7 @@ def redis_class() -> str:
     import redis
 
     try:
-        client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+        client = redis.Redis.from_url(REDIS_URL)
         pid = int(client.info("server")["process_id"])
         client.close()
         policy = os.sched_getscheduler(pid) & ~os.SCHED_RESET_ON_FORK  # ensure_redis.sh sets reset-on-fork
@@ -441,10 +446,12 @@ def main() -> None:
         return statistics.median(r[key] for r in results[(target, concurrency)])
 
     spread = f" (x [{1 - args.range_ratio:g}, {1 + args.range_ratio:g}])" if args.range_ratio else ""
+    beside = f"load generator in the {'realtime' if args.client_prefix else 'normal'} class"
+    if stack_targets:
+        beside += f", Redis in the {redis_class()}"
     print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok{spread}, "
           f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
-          f"load generator in the {'realtime' if args.client_prefix else 'normal'} class" + (f", Redis in the {redis_class()}" if stack_targets else "")
-          + "; (x) = ratio to bare vllm\n")
+          f"{beside}; (x) = ratio to bare vllm\n")
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
     raw = []
     for concurrency in args.concurrency:
