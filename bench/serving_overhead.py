@@ -40,7 +40,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,10 +53,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # ports: where the targets listen
 
 from contract.model_config import ModelConfig  # noqa: E402
 from replicas.sources import resolve_source  # noqa: E402
 from replicas.vllm_engine import vllm_serve_command  # noqa: E402
+from ports import free_port  # noqa: E402
 
 METRICS = [
     ("median_ttft_ms", "TTFT p50 ms"),
@@ -65,12 +66,6 @@ METRICS = [
     ("median_tpot_ms", "TPOT p50 ms"),
     ("output_throughput", "output tok/s"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # The stack's Redis (the Makefile's default): the load generator's key is made there,

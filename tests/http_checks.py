@@ -35,12 +35,6 @@ def serving_process(command: list[str], ready_url: str, timeout_s: float, **pope
             proc.kill()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def sse_events(response: httpx.Response) -> list[str]:
     """The `data:` payloads of an SSE response, in order (including `[DONE]`)."""
     events = []

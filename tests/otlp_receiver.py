@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                         ExportTraceServiceResponse)
 
-from http_checks import free_port
+from ports import free_port
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from http_checks import free_port, serving_process
+from http_checks import serving_process
+from ports import free_port
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "dashboards" / "prometheus.yml"
 # Where Ray's dashboard lists every node's metrics endpoint (the shipped config reads it).

@@ -11,12 +11,14 @@ import tempfile
 import time
 import weakref
 
+from ports import free_port
+
 
 class RedisServer:
     def __init__(self, persistent: bool = False):
         """``persistent``: keep data across stop/start (append-only file), for outage tests."""
         self.persistent = persistent
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
         # Its directory goes with it (or at exit): a full suite creates hundreds.
         weakref.finalize(self, shutil.rmtree, self.dir, True)
@@ -58,12 +60,6 @@ def _cli(port: int, *command: str) -> str:
     return done.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_redis(persistent: bool = False):
     """A started RedisServer for the length of the block (fixtures wrap this)."""
@@ -93,7 +89,7 @@ class RedisClusterServers:
             # The bus port is explicit: the default (port + 10000) overflows for high free ports.
             # No 5 s wait before a replica's first sync (repl-diskless-sync-delay).
             node.start(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-                        "--cluster-port", str(_free_port()), "--cluster-config-file", f"{node.dir}/nodes.conf",
+                        "--cluster-port", str(free_port()), "--cluster-config-file", f"{node.dir}/nodes.conf",
                         "--repl-diskless-sync-delay", "0"])
         create = subprocess.run(
             [shutil.which("redis-cli"), "--cluster", "create",
@@ -155,7 +151,7 @@ class RedisSentinelSetup:
         taken = {self.primary.port, self.replica.port}
         self.sentinel_ports: list[int] = []
         while len(self.sentinel_ports) < 3:
-            if (port := _free_port()) not in taken:
+            if (port := free_port()) not in taken:
                 taken.add(port)
                 self.sentinel_ports.append(port)
         self.sentinels: list[subprocess.Popen] = []

@@ -48,6 +48,12 @@ def default_log() -> Path:
     return pid_file().parent / "logs" / "run.log"
 
 
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
 def _with_direct_apps(config: Path) -> Path:
     """``config``, or a copy beside the pid file that also declares the
     application of each model with ``direct_route`` (serve_app/app.py). A direct
@@ -57,7 +63,7 @@ def _with_direct_apps(config: Path) -> Path:
 
     from serve_app.app import direct_route_problems, with_direct_apps
 
-    serve_config = yaml.safe_load(Path(config).read_text())
+    serve_config = _read_yaml(config)
     expanded = with_direct_apps(serve_config)
     if problems := direct_route_problems(expanded):
         raise ValueError(f"{config}: " + "; ".join(problems))
@@ -67,6 +73,29 @@ def _with_direct_apps(config: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(expanded))
     return path
+
+
+def http_address(serve_config: dict) -> tuple[str, int]:
+    """The host and port Ray Serve's HTTP ingress binds (its defaults where unsaid)."""
+    http = serve_config.get("http_options") or {}
+    return http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Another program listens on ``host:port``: HAProxy could not bind it, and the
+    stack would start and never answer there. SO_REUSEADDR, as the servers set it, so
+    a previous stack's connections in TIME_WAIT do not count."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None, verbose: bool = False) -> int:
@@ -82,6 +111,11 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    host, port = http_address(_read_yaml(config))
+    if port_in_use(host, port):
+        print(f"port {port} on {host} is taken by another program: stop it, or set "
+              f"http_options.port in {config}", file=sys.stderr)
+        return 1
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda received, _frame: signals.append(received))
@@ -132,12 +166,9 @@ class ReadyBanner:
     PROGRESS_EVERY_S = 30.0
 
     def __init__(self, config: Path, log: Path | None):
-        import yaml
-
-        serve_config = yaml.safe_load(Path(config).read_text())
-        http = serve_config.get("http_options") or {}
-        host = http.get("host", "127.0.0.1")
-        self.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+        serve_config = _read_yaml(config)
+        host, port = http_address(serve_config)
+        self.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         self.models = [m["name"] for app in serve_config.get("applications", [])
                        for m in (app.get("args") or {}).get("models", [])]
         self.log = log
@@ -159,10 +190,14 @@ class ReadyBanner:
             print(self.text(now - self.started), flush=True)
         elif now - self._reported >= self.PROGRESS_EVERY_S:
             self._reported = now
-            progress = f"{status['models_ready']}/{status['models']} models ready" if "models" in status else "starting Ray Serve"
+            if "models" in status:
+                progress = f"{status['models_ready']}/{status['models']} models ready"
+            else:
+                progress = status.get("problem", "starting Ray Serve")
             print(f"still starting ({progress}, {now - self.started:.0f} s)", flush=True)
 
     def _ready_status(self) -> dict:
+        import http.client
         import json
         import urllib.error
         import urllib.request
@@ -175,6 +210,11 @@ class ReadyBanner:
                 return json.loads(exc.read())
             except ValueError:
                 return {}
+        except http.client.HTTPException as exc:
+            # Something answers there, but not in HTTP (another program took the port):
+            # the stack is not ready, and the banner is no reason to end it.
+            return {"problem": f"{self.base_url} answers, but not in HTTP ({type(exc).__name__}): "
+                               "is another program on that port?"}
         except (OSError, ValueError):  # not listening yet
             return {}
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 import redis as redis_sync
 
-from http_checks import free_port
+from ports import free_port
 from redis_server import running_redis
 from stack import create_key, local_app_args, serve_stack
 

@@ -28,7 +28,8 @@ import openai
 import pytest
 import redis as redis_sync
 
-from http_checks import assert_error_envelope, free_port
+from http_checks import assert_error_envelope
+from ports import free_port
 from settled import wait_until_settled
 from stack import APP_NAME, create_key, edge_server_stats, local_app_args, serve_stack
 from streaming_load import StreamingLoad

@@ -42,7 +42,7 @@ import redis as redis_sync
 import yaml
 
 from contract.model_config import deployment_name, direct_app_name
-from http_checks import free_port
+from ports import free_port
 from redis_server import RedisServer
 from settled import wait_until_settled
 from stack import (

@@ -36,7 +36,7 @@ import openai
 import pytest
 import redis as redis_sync
 
-from http_checks import free_port
+from ports import free_port
 from settled import records as records_of, wait_until_settled
 from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
 from stack import (APP_NAME, call_replica, create_key, edge_server_states, edge_server_stats, local_app_args,

@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from browser import click_and_wait, headless_chromium
-from http_checks import free_port
+from ports import free_port
 from serve_app.http.console import Console
 from serve_app.quota import admin
 from serve_app.quota.access import Access

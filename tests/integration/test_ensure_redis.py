@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from http_checks import free_port
+from ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ensure_redis.sh"
 REALTIME = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK

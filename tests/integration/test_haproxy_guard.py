@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from http_checks import free_port
+from ports import free_port
 
 WRAPPER = Path(sys.executable).with_name("llm-haproxy")
 

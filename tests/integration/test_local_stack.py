@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 
 import psutil
+import yaml
 
 from serve_app.ops import local_stack
 
@@ -127,3 +130,43 @@ def test_stop_returns_once_the_stack_ended_even_if_nobody_reaped_it(tmp_path, mo
     finally:
         run.kill()
         run.wait()
+
+
+def _config_on(tmp_path, port: int):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"host": "0.0.0.0", "port": port}, "applications": []}))
+    return path
+
+
+def test_run_refuses_a_port_another_program_listens_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLM_CLUSTER_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(local_stack.subprocess, "Popen", None)  # nothing may start
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        assert local_stack.run(_config_on(tmp_path, port)) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} on 0.0.0.0 is taken by another program" in err and "http_options.port" in err
+    assert not local_stack.pid_file().exists()
+    # Once it is gone, the port counts as free (what the stack binds next).
+    assert not local_stack.port_in_use("0.0.0.0", port)
+
+
+def test_the_banner_outlasts_a_port_that_answers_in_something_other_than_http(tmp_path, capsys):
+    # What a Ray replica's gRPC server answers an HTTP/1.1 request with: an HTTP/2
+    # SETTINGS frame. The banner says so and waits on; it never ends `llmctl run`.
+    with socket.create_server(("127.0.0.1", 0)) as grpc_like:
+        def answer():
+            conn, _ = grpc_like.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x05\x00\x00\x40\x00")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        banner = local_stack.ReadyBanner(_config_on(tmp_path, grpc_like.getsockname()[1]), None)
+        banner._polled = banner._reported = banner.started - 60  # due for a poll and a progress line
+        banner.poll()
+        thread.join(timeout=10)
+    out = capsys.readouterr().out
+    assert "answers, but not in HTTP (BadStatusLine): is another program on that port?" in out
+    assert not banner.shown

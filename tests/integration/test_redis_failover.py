@@ -170,7 +170,7 @@ async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_wi
     node down, or a failover leaving its map unsettled) cannot decide, so open admits
     on local limits; a redis+cluster:// URL naming a plain node is a misconfiguration
     Redis answered, which no mode admits past (serve_app/quota/redis_client.py)."""
-    from http_checks import free_port
+    from ports import free_port
     from redis.exceptions import RedisClusterException
 
     from serve_app.quota.access import REDIS_FAILED, UNREACHABLE

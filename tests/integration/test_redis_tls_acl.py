@@ -14,7 +14,7 @@ import time
 import pytest
 
 from contract.replica_wire import Usage
-from http_checks import free_port
+from ports import free_port
 from redis_server import RedisServer
 from serve_app.quota.access import Access, Ticket
 from serve_app.quota.admission import Refusal

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from cluster_twin.twin import BIN, alive_nodes, cli, serve_app, twin_config, wait_until
-from http_checks import free_port
+from ports import free_port
 from redis_server import running_redis
 from stack import ray_processes, wait_for_no_engines
 

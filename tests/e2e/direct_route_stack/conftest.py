@@ -13,7 +13,7 @@ import pytest
 import redis as redis_sync
 
 from direct_route_stack.stack_args import app_args
-from http_checks import free_port
+from ports import free_port
 from redis_server import running_redis
 from stack import serve_stack
 

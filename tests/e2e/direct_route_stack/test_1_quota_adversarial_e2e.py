@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from direct_route_stack.stack_args import LEASE_S, MODEL
-from http_checks import free_port
+from ports import free_port
 from settled import records, wait_until_settled
 from stack import create_key
 from serve_app.quota import redis_names

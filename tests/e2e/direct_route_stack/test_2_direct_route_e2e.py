@@ -23,7 +23,8 @@ import pytest
 import openai_spec
 from direct_route_stack.stack_args import LEASE_S, MODEL
 from contract.model_config import direct_app_name, direct_route_prefix
-from http_checks import assert_error_envelope, free_port
+from http_checks import assert_error_envelope
+from ports import free_port
 from serve_app.quota import redis_names
 from settled import wait_until_settled
 from stack import call_replica, create_key

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from http_checks import free_port
+from ports import free_port
 from redis_server import running_redis
 from stack import LOCAL_CONFIG, CliStack, assert_no_other_stack
 

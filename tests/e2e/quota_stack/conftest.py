@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from http_checks import free_port
+from ports import free_port
 from jwks_server import Jwks
 from quota_stack.stack_args import app_args
 from redis_server import running_redis

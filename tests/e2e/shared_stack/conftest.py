@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from http_checks import free_port
+from ports import free_port
 from otlp_receiver import running_otlp_receiver
 from redis_server import running_redis_cluster, sync_client
 from shared_stack.stack_models import RERANKER

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 import openai_spec
-from http_checks import assert_error_envelope, free_port, serving_process, sse_events
+from http_checks import assert_error_envelope, serving_process, sse_events
+from ports import free_port
 from shared_stack.stack_models import RERANKER
 from stack import call_replica, local_app_args
 
