@@ -53,6 +53,7 @@ through ``edge_config`` first:
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import time
@@ -278,7 +279,7 @@ def _ask_names(url: str, timeout_s: float) -> tuple[list[str], list[str]] | None
         with _DIRECT.open(url, timeout=timeout_s) as response:
             answer = json.loads(response.read(1 << 20))
         whole, beginnings = answer["names"], answer["beginnings"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):  # HTTPException: not HTTP there
         return None
     if not all(isinstance(words, list) and all(isinstance(w, str) for w in words) for words in (whole, beginnings)):
         return None

@@ -181,11 +181,15 @@ def test_a_route_whose_replicas_answer_nothing_usable_in_time_gets_no_names():
     from cluster.haproxy_edge import route_names
 
     answers = {"/direct/slow/": None, "/direct/wrong/": b'{"names": "tiny", "beginnings": []}',
+               "/direct/garbled/": "not HTTP",
                "/direct/good/": b'{"names": ["good", "alias"], "beginnings": ["good:"]}'}
 
     class Replica(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             answer = next(body for prefix, body in answers.items() if self.path.startswith(prefix))
+            if answer == "not HTTP":  # what a gRPC server answers: an HTTP/2 SETTINGS frame
+                self.wfile.write(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x05\x00\x00\x40\x00")
+                return
             if answer is None:
                 threading.Event().wait(2)
                 answer = b"{}"
@@ -202,7 +206,7 @@ def test_a_route_whose_replicas_answer_nothing_usable_in_time_gets_no_names():
     try:
         config = "".join(f"frontend f\n    acl is_direct-{r} path_beg /direct/{r}/\nbackend direct-{r}\n"
                          f"    server fallback {address} check backup\n    server r1 {address} check\n"
-                         for r in ("good", "slow", "wrong"))
+                         for r in ("good", "slow", "wrong", "garbled"))
         assert route_names(config, timeout_s=0.3, budget_s=1.0) == {"good": (["good", "alias"], ["good:"])}
     finally:
         server.shutdown()
