@@ -16,6 +16,8 @@ import random
 import socket
 from pathlib import Path
 
+from serve_app.ops.local_stack import port_in_use
+
 LOWEST = 20000  # above Ray's default worker ports (10002-19999)
 _given: set[int] = set()
 
@@ -29,24 +31,12 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def bindable(port: int) -> bool:
-    """Nothing listens on ``port`` on any address (a socket in TIME_WAIT does not count,
-    as it does not for the servers, which all set SO_REUSEADDR)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port() -> int:
     low, _ = ephemeral_range()
     candidates = list(range(LOWEST, low))
     random.shuffle(candidates)
     for port in candidates:
-        if port not in _given and bindable(port):
+        if port not in _given and not port_in_use("0.0.0.0", port):
             _given.add(port)
             return port
     # No room below the ephemeral range on this machine: the kernel's pick, as before.

@@ -146,14 +146,7 @@ class RedisSentinelSetup:
     def __init__(self, service: str = "llm-primary"):
         self.service = service
         self.primary, self.replica = RedisServer(), RedisServer()
-        # Distinct from each other and from the two servers' (a port freed a moment
-        # ago can be handed out again).
-        taken = {self.primary.port, self.replica.port}
-        self.sentinel_ports: list[int] = []
-        while len(self.sentinel_ports) < 3:
-            if (port := free_port()) not in taken:
-                taken.add(port)
-                self.sentinel_ports.append(port)
+        self.sentinel_ports = [free_port() for _ in range(3)]  # free_port never gives one twice
         self.sentinels: list[subprocess.Popen] = []
         self.dir = tempfile.mkdtemp(prefix="redis-sentinel-")
         weakref.finalize(self, shutil.rmtree, self.dir, True)
