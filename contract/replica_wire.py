@@ -2,6 +2,9 @@
 deployment (``VLLMReplica``) through a handle; what comes back is one of
 these small frozen classes (cheap to pickle) or plain SSE text.
 
+- every call names its ``prompt_allowance``: the prompt tokens the gateway reserved
+  for it (None for what puts no prompt into the engine); a larger prompt is refused
+  with ``PROMPT_OVER_ALLOWANCE`` before the engine sees it.
 - ``call(operation, body)`` returns a ``ReplicaAnswer`` (the JSON body vLLM
   answered and its ``Usage``) or a ``ReplicaError``; ``call_streamed`` yields that
   one value as a stream, which is how the gateway sends it (Serve's gRPC transport
@@ -88,6 +91,21 @@ class ReplicaError:
     status: int
     error: dict[str, Any]
     replica: str = ""
+
+    @property
+    def prompt_over_allowance(self) -> int | None:
+        """The prompt's real token count when the replica refused it for exceeding
+        the prompt tokens the gateway reserved (``prompt_allowance``), else None."""
+        if self.status == PROMPT_OVER_ALLOWANCE_STATUS and self.error.get("code") == PROMPT_OVER_ALLOWANCE:
+            return int(self.error["prompt_tokens"])
+        return None
+
+
+# A call's ``prompt_allowance`` (the prompt tokens the gateway reserved for it) is
+# enforced where the prompt is rendered (replicas/prompt_allowance.py): a request
+# whose prompts come to more is answered this ReplicaError, nothing having run.
+PROMPT_OVER_ALLOWANCE = "prompt_over_allowance"
+PROMPT_OVER_ALLOWANCE_STATUS = 409
 
 
 @dataclass(frozen=True, slots=True)

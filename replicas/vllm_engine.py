@@ -5,6 +5,7 @@ answers each replica operation."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -17,6 +18,7 @@ from contract.model_config import ModelConfig
 from contract.replica_wire import REPLICA_OPERATIONS
 from replicas.kv_events import EventSocket
 from replicas.openai_json import is_error
+from replicas.prompt_allowance import enforce_on, uncounted
 from replicas.sources import resolve_source
 
 if TYPE_CHECKING:  # vLLM is imported when an engine starts, not with this module (the gateway imports it)
@@ -123,6 +125,11 @@ async def start_vllm(config: ModelConfig) -> EngineBinding:
     )
     state = State()
     await init_app_state(engine, state, args, supported_tasks=await engine.get_supported_tasks())
+    # Every prompt any handler renders counts against its request's allowance
+    # (replicas/prompt_allowance.py): the gateway's reservation bounds it.
+    from vllm.renderers.inputs.preprocess import extract_prompt_len
+
+    enforce_on(engine.renderer, functools.partial(extract_prompt_len, vllm_config.model_config))
     return EngineBinding(
         engine=engine,
         load=load,
@@ -262,8 +269,9 @@ def _templated(tokenization, complete):
                                                       param="prompt")
         rendered = []
         for prompt in prompts:
-            tokens = await tokenization.create_tokenize(
-                TokenizeChatRequest(model=request.model, messages=[{"role": "user", "content": prompt}]), None)
+            with uncounted():  # rendered to be tokenized only: the ids are counted when completed
+                tokens = await tokenization.create_tokenize(
+                    TokenizeChatRequest(model=request.model, messages=[{"role": "user", "content": prompt}]), None)
             if is_error(tokens):
                 return tokens
             rendered.append(tokens.tokens)

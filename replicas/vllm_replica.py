@@ -29,11 +29,13 @@ from ray import serve
 from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE
 from contract.model_config import ModelConfig
 from contract.prompt_blocks import CACHED_BLOCKS
-from contract.replica_wire import ReplicaAnswer, ReplicaError, ReplicaOperation, StreamStart, Usage, as_replica_stream
+from contract.replica_wire import (PROMPT_OVER_ALLOWANCE, PROMPT_OVER_ALLOWANCE_STATUS, ReplicaAnswer, ReplicaError,
+                                   ReplicaOperation, StreamStart, Usage, as_replica_stream)
 from replicas import reasoning
 from replicas.kv_events import TRACKED_OPERATIONS, HeldPrompts, follow, prompt_tokens_in
 from replicas.openai_json import (FINISH_STOP, FINISH_TOOL_CALLS, finish_named_tool_calls, is_error, names_a_tool,
                                   openai_json, responses_json, responses_sse, validation_error)
+from replicas.prompt_allowance import allowing
 from replicas.streaming import batch_tokens, coalesce
 from replicas.tracing import call_span, end_span, engine_request
 from replicas.vllm_engine import engine_maker
@@ -92,10 +94,22 @@ class VLLMReplica:
     def _refusal(self, status: int, error: dict[str, Any]) -> ReplicaError:
         return ReplicaError(status, error, self.replica)
 
-    async def _start(self, operation: str, body: dict[str, Any], adapter: str | None, span=None):
+    async def _start(self, operation: str, body: dict[str, Any], adapter: str | None, span=None,
+                     prompt_allowance: int | None = None):
         """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``;
-        ``span``: the call's (vLLM's engine span joins it)."""
-        result = await self._answer(operation, body, adapter, span)
+        ``span``: the call's (vLLM's engine span joins it). ``prompt_allowance``: the
+        prompt tokens the gateway reserved for it (replicas/prompt_allowance.py); a
+        request whose prompts come to more never reaches the engine."""
+        with allowing(prompt_allowance) as allowance:
+            result = await self._answer(operation, body, adapter, span)
+        if allowance is not None and allowance.exceeded:
+            if not isinstance(result, ReplicaError) and not is_error(result):
+                await _close(result)  # not reached: the renderer raised before any engine request
+            return self._refusal(PROMPT_OVER_ALLOWANCE_STATUS, {
+                "message": f"The prompt has {allowance.used} tokens; {allowance.limit} were reserved for it.",
+                "code": PROMPT_OVER_ALLOWANCE,
+                "prompt_tokens": allowance.used,
+            })
         if is_error(result):
             result = self._refusal(result.error.code, result.error.model_dump())
         if self.engine.errored and isinstance(result, ReplicaError):
@@ -157,16 +171,16 @@ class VLLMReplica:
         return {**body, "session_id": key, "vllm_xargs": {**xargs, "kv_cache_report_mode": "full"}}, key
 
     async def call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
-                   span=None) -> ReplicaAnswer | ReplicaError:
+                   span=None, prompt_allowance: int | None = None) -> ReplicaAnswer | ReplicaError:
         body, held_key = self._tracked(operation, body)
-        answer = await self._call(operation, body, adapter, span)
+        answer = await self._call(operation, body, adapter, span, prompt_allowance)
         if held_key is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
             self._held.ended(held_key, answer.usage.prompt_tokens)
         return answer
 
     async def _call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None,
-                    span) -> ReplicaAnswer | ReplicaError:
-        result = await self._start(operation, body, adapter, span)
+                    span, prompt_allowance: int | None) -> ReplicaAnswer | ReplicaError:
+        result = await self._start(operation, body, adapter, span, prompt_allowance)
         if isinstance(result, ReplicaError):
             return result
         if isinstance(result, AsyncIterator):  # stream asked on the unary path
@@ -192,7 +206,7 @@ class VLLMReplica:
 
     async def call_streamed(
         self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
-        trace: dict[str, str] | None = None,
+        trace: dict[str, str] | None = None, prompt_allowance: int | None = None,
     ) -> AsyncIterator[ReplicaAnswer | ReplicaError]:
         """``call``'s answer as a stream of one item, which is how the gateway sends a
         unary call: Serve's gRPC transport hands a stream to its caller when a replica
@@ -202,7 +216,7 @@ class VLLMReplica:
         context (replicas/tracing.py)."""
         span = call_span(trace, operation, self.config.name, self.replica)
         try:
-            answer = await self.call(operation, body, adapter, span)
+            answer = await self.call(operation, body, adapter, span, prompt_allowance)
             if span is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
                 span.set_attributes({"gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
                                      "gen_ai.usage.output_tokens": answer.usage.completion_tokens})
@@ -212,7 +226,7 @@ class VLLMReplica:
 
     async def stream(
         self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
-        trace: dict[str, str] | None = None,
+        trace: dict[str, str] | None = None, prompt_allowance: int | None = None,
     ) -> AsyncIterator[StreamStart | str | ReplicaError]:
         # Counted from its start: a round of requests arriving together sees itself.
         self._streams += 1
@@ -220,7 +234,7 @@ class VLLMReplica:
         try:
             body = batch_tokens(operation, body, self.config.stream_batch_tokens, others=self._streams > 1)
             body, held_key = self._tracked(operation, body)
-            result = await self._start(operation, body, adapter, span)
+            result = await self._start(operation, body, adapter, span, prompt_allowance)
             if isinstance(result, ReplicaError):
                 yield result
                 return
@@ -373,6 +387,12 @@ OPERATIONS = {
     "tokenize": "tokenize",
     "detokenize": "detokenize",
 }
+
+
+async def _close(result) -> None:
+    """End what a handler answered that will not be used (a stream's generator)."""
+    if isinstance(result, AsyncIterator) and hasattr(result, "aclose"):
+        await result.aclose()
 
 
 @functools.cache

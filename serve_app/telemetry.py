@@ -194,6 +194,11 @@ class Telemetry:
             ("model", "outcome"),
         )
         self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
+        self.prompt_resizes = Counter(
+            "llm_gateway_prompt_resizes", "Requests admitted again because their prompt rendered to more tokens "
+            "than the gateway's estimate reserved (the replica refused it before the engine ran it).",
+            ("model",),
+        )
         self.answered_counts: collections.Counter[str] = collections.Counter()  # requests by route, this process
         # Final request records on their way to the record sink (quota/record_shipper.py).
         self.record_backlog = Gauge(
@@ -266,7 +271,7 @@ class Telemetry:
         self._deployments = dict(deployments)
         for model, deployment in deployments.items():
             self.model_info.set(1, tags={"model": model, "deployment": deployment})
-            for counter in (self.prompt_tokens, self.completion_tokens, self.disconnects):
+            for counter in (self.prompt_tokens, self.completion_tokens, self.disconnects, self.prompt_resizes):
                 zero(counter, {"model": model})
             for outcome in EARLY_OUTCOMES:
                 zero(self.early_starts, {"model": model, "outcome": outcome})
@@ -359,6 +364,10 @@ class Telemetry:
         """A stream sent before its admission was ``admitted`` or ``withdrawn``."""
         self.early_starts.inc(tags={"model": model, "outcome": outcome})
         self.early_counts[outcome] += 1
+
+    def prompt_resized(self, model: str) -> None:
+        """A request of ``model`` is admitted again at its prompt's real size."""
+        self.prompt_resizes.inc(tags={"model": model})
 
     def in_flight_count(self, model: str) -> int:
         """Requests of ``model`` admitted here and not finished."""

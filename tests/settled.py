@@ -38,3 +38,11 @@ def wait_until_settled(redis, key_id: str, timeout_s: float = 15, records_expect
             return found
         assert time.monotonic() < deadline, (open_, leases, len(found), records_expected)
         time.sleep(0.1)
+
+
+def counters(redis, account_id: str) -> dict[str, int]:
+    """What a key or team was charged today, from its usage hash (requests, tokens,
+    cost_nanos, refused, ...)."""
+    prefix = time.strftime("d:%Y%m%d", time.gmtime()) + ":"
+    return {name.decode()[len(prefix):]: int(value) for name, value in redis.hgetall(redis_names.usage(account_id)).items()
+            if name.decode().startswith(prefix) and name.decode().count(":") == 2}

@@ -107,13 +107,14 @@ class InProcessReplica:
 
     @property
     def call_streamed(self) -> _Method:
-        return _Method(lambda operation, body, trace=None: _Stream(
-            self._replica.call_streamed(operation, body, self._adapter, trace=trace)))
+        return _Method(lambda operation, body, trace=None, prompt_allowance=None: _Stream(
+            self._replica.call_streamed(operation, body, self._adapter, trace=trace,
+                                        prompt_allowance=prompt_allowance)))
 
     @property
     def stream(self) -> _Method:
-        return _Method(lambda operation, body, trace=None: _Stream(
-            self._replica.stream(operation, body, self._adapter, trace=trace)))
+        return _Method(lambda operation, body, trace=None, prompt_allowance=None: _Stream(
+            self._replica.stream(operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance)))
 
     @property
     def model_info(self) -> _Method:

@@ -11,6 +11,7 @@ its dialect's shape.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import weakref
@@ -53,11 +54,28 @@ def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
     return OpenAIError(503, message, code=code, headers={**ticket.headers, **RETRY_HEADERS})
 
 
-def _engine_error(ticket: Ticket, refused: ReplicaError) -> OpenAIError:
-    """An error the replica answered; its 503 (engine gone) tells when to retry."""
+def _engine_error(ticket: Ticket, refused: ReplicaError) -> Exception:
+    """An error the replica answered; its 503 (engine gone) tells when to retry. A
+    prompt larger than its reservation is not the client's error: ``run`` resizes it."""
+    prompt_tokens = refused.prompt_over_allowance
+    if prompt_tokens is not None:
+        return _PromptOverReservation(prompt_tokens)
     exc = from_engine_error(refused.status, refused.error)
     exc.headers = {**ticket.headers, **(RETRY_HEADERS if refused.status == 503 else {})}
     return exc
+
+
+class _PromptOverReservation(Exception):
+    """The replica counted more prompt tokens than were reserved; nothing ran."""
+
+    def __init__(self, prompt_tokens: int):
+        super().__init__(prompt_tokens)
+        self.prompt_tokens = prompt_tokens
+
+
+# How many times a request is admitted again with its prompt as the replica counted
+# it: the count is the same on every replica of a model, so once is enough.
+PROMPT_RESIZES = 1
 
 
 # Operations whose engine requests carry the key's tier as vLLM's `priority`.
@@ -132,16 +150,30 @@ class Gateway:
         ``session`` (the client's session header): the model's request router keeps
         one session's requests on one replica while its load allows."""
         plan = self._plan(key, operation, body, raw_size, record, background, session)
-        ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
-        if once_admitted is not None:
+        for resizes in range(PROMPT_RESIZES + 1):
+            ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
+            if once_admitted is not None:
+                try:
+                    await once_admitted()
+                except BaseException as exc:  # nothing ran: nothing is charged
+                    self.access.settle(ticket, "failed", Usage())
+                    if isinstance(exc, OpenAIError):
+                        exc.headers = {**ticket.headers, **exc.headers}
+                    raise
+                once_admitted = None
             try:
-                await once_admitted()
-            except BaseException as exc:  # nothing ran: nothing is charged
-                self.access.settle(ticket, "failed", Usage())
-                if isinstance(exc, OpenAIError):
-                    exc.headers = {**ticket.headers, **exc.headers}
-                raise
-        return await self._call(plan, ticket, record, early)
+                return await self._call(plan, ticket, record, early)
+            except _PromptOverReservation as over:
+                # The prompt renders to more tokens than its estimate: nothing ran and
+                # the ticket is settled. Admit it again for what the replica counted
+                # (a 429 now if the key's limits cannot hold it), so that the engine
+                # never takes more than was reserved.
+                if resizes == PROMPT_RESIZES:
+                    raise OpenAIError(503, "The prompt's token count changed between two renderings. Please retry.",
+                                      code="prompt_resize_failed", headers={**ticket.headers, **RETRY_HEADERS}) from None
+                plan = plan.resized(over.prompt_tokens)
+                self.telemetry.prompt_resized(plan.model)
+        raise AssertionError("unreachable")
 
     def _plan(self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int,
               record: RequestRecord, background: bool, session: str | None = None) -> "_Plan":
@@ -255,6 +287,8 @@ class Gateway:
         except OpenAIError as exc:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
+        except _PromptOverReservation:
+            raise  # settled where it was answered; run() admits it again at its real size
         except BackPressureError:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
             self.access.settle(ticket, "overloaded", Usage())
@@ -300,7 +334,8 @@ class Gateway:
         context = replica_context(trace, plan.model)
         response = await self._hand_on(
             plan.model, ticket,
-            lambda: handle.options(stream=True).call_streamed.remote(op.replica_operation, body, trace=context),
+            lambda: handle.options(stream=True).call_streamed.remote(
+                op.replica_operation, body, trace=context, prompt_allowance=plan.reservation.prompt_allowance),
             plan.config.queue_timeout_s, plan.rank, trace=trace)
         # Its key revoked or disabled while it runs (Access.stop_revoked): the call is
         # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
@@ -322,7 +357,8 @@ class Gateway:
             context = replica_context(trace, body["model"])
             chunks = await self._hand_on(
                 body["model"], ticket,
-                lambda: handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context),
+                lambda: handle.options(stream=True).stream.remote(
+                    op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance),
                 queue_timeout_s, rank, trace=trace)
             next_item = chunks.__anext__()
         else:
@@ -389,7 +425,8 @@ class Gateway:
             body["request_id"] = request_id
         _ask_for_usage(op, body)
         context = replica_context(trace, model)
-        chunks = handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context)
+        chunks = handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context,
+                                                           prompt_allowance=reservation.prompt_allowance)
         # Pulling the first item is what starts an in-process replica's engine
         # request (a handle's call is already on its way to a replica).
         return _EarlyStart(request_id, chunks, asyncio.ensure_future(chunks.__anext__()), place)
@@ -464,6 +501,10 @@ class _Plan:
     rank: int  # its place in the engine's priority and the fair-share gate's order
     tier: str  # whose share of the model's queue it may take
     streaming: bool
+
+    def resized(self, prompt_tokens: int) -> "_Plan":
+        """The same request, its prompt reserved as the replica counted it."""
+        return dataclasses.replace(self, reservation=self.reservation.resized(prompt_tokens))
 
 
 class _EarlyStart:

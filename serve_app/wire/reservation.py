@@ -15,14 +15,18 @@ may generate, whatever the client sends (docs/quotas.md, "Keys and quotas"):
   ``max_tokens`` to what the context leaves after the prompt.
 
 The prompt part is an estimate (4 bytes of request body per token, token-id
-prompts counted exactly) that settlement replaces with the real usage.
+prompts counted exactly), and it is also a bound: the replica is handed it as the
+request's prompt allowance and refuses, before the engine sees it, a prompt that
+renders to more tokens (replicas/prompt_allowance.py); the gateway then reserves the
+real count and sends the request again (``resized``). So what settlement charges
+never exceeds what was reserved, whatever the script, template, tools or media.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from serve_app.wire.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -35,13 +39,23 @@ BYTES_PER_PROMPT_TOKEN = 4
 
 @dataclass(frozen=True)
 class Reservation:
-    prompt: int  # estimated prompt tokens
+    prompt: int  # estimated prompt tokens: the most the replica lets the engine take
     completion_per_choice: int  # the max tokens the engine may generate per choice
     choices: int  # n × number of prompts
+    runs_prompt: bool = True  # False: the request puts no prompt into the engine (tokenize)
 
     @property
     def tokens(self) -> int:
         return self.prompt + self.completion_per_choice * self.choices
+
+    @property
+    def prompt_allowance(self) -> int | None:
+        """What the replica lets the request's prompts come to (None: not counted)."""
+        return self.prompt if self.runs_prompt else None
+
+    def resized(self, prompt_tokens: int) -> "Reservation":
+        """The reservation of the same request whose prompt the replica counted."""
+        return replace(self, prompt=prompt_tokens)
 
 
 def integer_parameter(body: dict[str, Any], name: str, minimum: int, maximum: int) -> int | None:
@@ -80,7 +94,7 @@ def reserve(
     "embeddings", "score", "rerank", "tokenize", "detokenize", "count_tokens"); for generating operations ``body`` is changed in place so
     that it names its max tokens explicitly."""
     if operation in ("tokenize", "detokenize", "count_tokens"):
-        return Reservation(0, 0, 0)  # the tokenizer only: a request, no tokens of the budget
+        return Reservation(0, 0, 0, runs_prompt=False)  # the tokenizer only: a request, no tokens of the budget
     prompt = math.ceil(raw_size / BYTES_PER_PROMPT_TOKEN)
     if operation in ("score", "rerank"):  # every text is a prompt; nothing is generated
         return Reservation(prompt, 0, 0)

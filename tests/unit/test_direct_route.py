@@ -29,10 +29,10 @@ class Replica:
         self.calls.append((operation, body, adapter))
         return ReplicaAnswer(b"{}", None, "r1")
 
-    async def call_streamed(self, operation, body, adapter=None, trace=None):  # as VLLMReplica's
+    async def call_streamed(self, operation, body, adapter=None, trace=None, prompt_allowance=None):  # as VLLMReplica's
         yield await self.call(operation, body, adapter)
 
-    async def stream(self, operation, body, adapter=None, trace=None):
+    async def stream(self, operation, body, adapter=None, trace=None, prompt_allowance=None):
         self.calls.append((operation, body, adapter))
         try:
             yield StreamStart("r1", "data: 0\n\n")

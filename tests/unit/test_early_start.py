@@ -91,7 +91,7 @@ def gateway(access, fair_share=False, busy=True, when_idle=False):
     is in flight; ``when_idle``: streams start early on an idle model too."""
     sent = []
 
-    def remote(operation, body, trace=None):
+    def remote(operation, body, trace=None, prompt_allowance=None):
         sent.append(Chunks(access, body))
         return sent[-1]
 

@@ -197,7 +197,7 @@ def tiered_gateway(engine_kwargs=None, max_queued=4):
         async def _fetch_future_result_async(self):
             await release.wait()
 
-    def remote(operation, body, trace=None):
+    def remote(operation, body, trace=None, prompt_allowance=None):
         sent.append(body)
         return Waiting(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
@@ -300,7 +300,7 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
                 await asyncio.sleep(3600)
             await release.wait()
 
-    def remote(operation, body, trace=None):
+    def remote(operation, body, trace=None, prompt_allowance=None):
         sent.append(body)
         return First(result=first_result) if len(sent) == 1 else Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
@@ -417,3 +417,76 @@ async def test_what_completes_a_body_once_admitted_runs_after_admission_and_its_
 
     await gateway.run(KEY, "chat", body, 100, RequestRecord("openai", "y"), once_admitted=complete)
     assert [m["content"] for m in calls[0]["messages"]] == ["earlier", "hi"]  # sent as completed
+
+
+# -- the prompt's reservation, enforced by the replica ---------------------------------
+
+
+class CountingReplica:
+    """A replica whose prompt renders to ``prompt_tokens``: a call whose allowance is
+    smaller is refused as the real replica refuses it (nothing ran)."""
+
+    def __init__(self, prompt_tokens: int, counts: list[int] | None = None):
+        self.counts = counts or [prompt_tokens]  # what each rendering comes to
+        self.allowances = []
+
+    def remote(self, operation, body, trace=None, prompt_allowance=None):
+        self.allowances.append(prompt_allowance)
+        used = self.counts[min(len(self.allowances), len(self.counts)) - 1]
+        if prompt_allowance is not None and used > prompt_allowance:
+            return Response(result=ReplicaError(409, {"message": "over", "code": "prompt_over_allowance",
+                                                      "prompt_tokens": used}, "r1"))
+        return Response(result=ReplicaAnswer(b"{}", Usage(prompt_tokens=used, completion_tokens=4), "r1"))
+
+
+class SizingAccess(Access):
+    """Records the tokens each admission reserved."""
+
+    def __init__(self):
+        super().__init__()
+        self.reserved = []
+
+    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0):
+        self.reserved.append(tokens)
+        return await super().admit(key, model, tokens, http_request_id, request_id, reserve_nanos)
+
+
+def sizing_gateway(replica: CountingReplica):
+    access = SizingAccess()
+    gateway = Gateway(access, {"tiny-llama": Handle(replica.remote)}, [ModelConfig(name="tiny-llama")],
+                      Telemetry(False, False))
+    return gateway, access
+
+
+async def test_a_prompt_over_its_estimate_is_admitted_again_at_its_real_size():
+    replica = CountingReplica(prompt_tokens=900)  # 100 bytes estimated as 25 tokens
+    gateway, access = sizing_gateway(replica)
+    reply = await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+    assert reply.body == b"{}"
+    assert replica.allowances == [25, 900]  # the engine never took more than was reserved
+    assert access.reserved == [25 + 4, 900 + 4]
+    # The refused attempt charged nothing; the second its real usage, within its reservation.
+    assert access.settled == [("failed", Usage()), ("completed", Usage(prompt_tokens=900, completion_tokens=4))]
+
+
+async def test_a_prompt_within_its_estimate_is_sent_once():
+    replica = CountingReplica(prompt_tokens=20)
+    gateway, access = sizing_gateway(replica)
+    await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+    assert replica.allowances == [25] and access.reserved == [29]
+
+
+async def test_a_prompt_whose_count_changes_again_is_a_503_never_an_overrun():
+    replica = CountingReplica(prompt_tokens=0, counts=[900, 1800])
+    gateway, access = sizing_gateway(replica)
+    with pytest.raises(OpenAIError) as caught:
+        await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+    assert caught.value.status == 503 and caught.value.code == "prompt_resize_failed"
+    assert access.settled == [("failed", Usage()), ("failed", Usage())]
+
+
+async def test_the_tokenizer_routes_send_no_allowance():
+    replica = CountingReplica(prompt_tokens=10**6)
+    gateway, access = sizing_gateway(replica)
+    await gateway.run(KEY, "tokenize", {"model": "tiny-llama", "prompt": "hi"}, 100, RequestRecord("openai", "x"))
+    assert replica.allowances == [None]

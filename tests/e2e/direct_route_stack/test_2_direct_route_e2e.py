@@ -26,7 +26,8 @@ from contract.model_config import direct_app_name, direct_route_prefix
 from http_checks import assert_error_envelope
 from ports import free_port
 from serve_app.quota import redis_names
-from settled import wait_until_settled
+from dense_prompts import burst, dense, estimate
+from settled import counters, wait_until_settled
 from stack import call_replica, create_key
 
 pytestmark = pytest.mark.e2e
@@ -410,3 +411,18 @@ def test_beside_other_streams_a_chunk_carries_several_tokens_and_none_is_lost(di
     found = wait_until_settled(redis, key_id, records_expected=2)
     assert [r["status"] for r in found] == ["completed"] * 2
     assert charged(redis, key_id) == alone_usage["total_tokens"] + usage["total_tokens"]
+
+
+def test_dense_prompts_on_v1_never_pass_a_budget_whether_they_start_early_or_not(base_url, redis_server, redis):
+    """The one hop /v1 ships: streams of prompts four times denser than their estimate,
+    some started in the engine beside their admission, are refused at their estimate by
+    the in-process replica and admitted again at their real size, never past the budget."""
+    budget = 5_000
+    key_id, secret = create_key(redis_server.url, "direct-dense", daily_token_budget=budget)
+    prompts = [dense("emoji", 400, seed=1), dense("digits", 1200, seed=2)]
+    answered = burst(base_url, [secret], prompts, max_tokens=100, model=MODEL, stream=True)
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)
+    assert answered and all(usage.prompt_tokens > estimate(prompts[0]) for usage in answered)
+    assert charged["tokens"] == sum(usage.total_tokens for usage in answered)
+    assert charged["tokens"] <= budget, (charged, len(answered))

@@ -20,7 +20,7 @@ import pytest
 from quota_stack.stack_args import ADMIN, CACHE_TTL_S, JWT_REQUESTS_PER_MINUTE, MODEL, TEAM_CLAIM
 from quota_stack.test_1_batches_e2e import chat_line, sdk, start, wait_for
 from serve_app.quota import redis_names
-from settled import inference, wait_until_settled
+from settled import counters, inference, wait_until_settled
 from stack import local_app_args
 
 pytestmark = pytest.mark.e2e
@@ -36,17 +36,6 @@ def admin(method: str, base_url: str, path: str, **body) -> dict:
                                                                                            if body else {}))
     assert response.status_code in (200, 201), response.text
     return response.json()
-
-
-def today() -> str:
-    return time.strftime("d:%Y%m%d", time.gmtime())
-
-
-def counters(redis, account_id: str) -> dict[str, int]:
-    """The account's counters of today (requests, tokens, cost_nanos, refused, ...)."""
-    prefix = today() + ":"
-    return {name.decode()[len(prefix):]: int(value) for name, value in redis.hgetall(redis_names.usage(account_id)).items()
-            if name.decode().startswith(prefix) and name.decode().count(":") == 2}
 
 
 def prices() -> tuple[int, int]:

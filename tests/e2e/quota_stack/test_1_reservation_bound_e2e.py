@@ -1,0 +1,130 @@
+"""The reservation bounds every prompt, on the real stack (two ingress replicas, vLLM's
+CPU engine, the demo model's byte-level BPE tokenizer): a hostile tenant's bursts of
+token-dense prompts — emoji, CJK, Tamil, punctuation runs, digits, four times and more
+denser than the gateway's estimate — against a key's and a team's daily token budget,
+a team's money budget and a key's tokens/min are never charged past the limit; every
+route that runs a prompt answers such a prompt (the replica refuses it at its estimate,
+the gateway admits it again at its real size) and charges exactly what it answered.
+Asserted on what Redis charged, not on statuses (docs/quotas.md, "The reservation
+bounds every prompt")."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from dense_prompts import burst, dense, estimate
+from quota_stack.stack_args import MODEL
+from quota_stack.test_1_teams_e2e import admin, prices
+from settled import counters, wait_until_settled
+from stack import create_key, local_app_args
+
+pytestmark = pytest.mark.e2e
+
+
+def cached_price() -> int:
+    """The stack's price of a cached prompt token of the model, in nano-dollars."""
+    [model] = [m for m in local_app_args([MODEL])["models"] if m["name"] == MODEL]
+    return round(model["pricing"]["cached_prompt_per_million"] * 1000)
+
+
+def cached(usage) -> int:
+    details = usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details else 0
+
+
+def test_a_keys_daily_budget_holds_against_a_burst_of_emoji(base_url, redis_server, redis):
+    budget = 5_000
+    key_id, secret = create_key(redis_server.url, f"emoji-{time.monotonic_ns()}", daily_token_budget=budget)
+    prompt = dense("emoji", 400, seed=1)
+    answered = burst(base_url, [secret], [prompt], max_tokens=100, model=MODEL)
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)
+    assert answered, "the budget holds at least one such request"
+    assert all(usage.prompt_tokens > estimate(prompt) for usage in answered)  # denser than estimated
+    assert charged["tokens"] == sum(u.prompt_tokens + u.completion_tokens for u in answered)
+    assert charged["tokens"] <= budget, (charged, len(answered))
+
+
+def test_a_teams_token_and_money_budgets_hold_against_both_keys_bursting(base_url, redis):
+    tag = time.monotonic_ns()
+    budget, usd = 5_000, 0.001
+    per_prompt, per_completion = prices()
+    per_cached = cached_price()
+    for limit, value in (("daily_token_budget", budget), ("daily_cost_budget_usd", usd)):
+        team = admin("POST", base_url, "/admin/teams", name=f"dense-{limit}-{tag}", **{limit: value})
+        keys = [admin("POST", base_url, "/admin/keys", name=f"dense-{limit}-{tag}-{i}", team=team["id"])
+                for i in range(2)]
+        prompts = [dense("emoji", 400, seed=2), dense("cjk", 500, seed=3)]
+        answered = burst(base_url, [key["secret"] for key in keys], prompts, max_tokens=100, model=MODEL)
+        for key in keys:
+            wait_until_settled(redis, key["id"])
+        wait_until_settled(redis, team["id"])
+        charged = counters(redis, team["id"])
+        assert answered
+        assert charged["tokens"] == sum(u.prompt_tokens + u.completion_tokens for u in answered)
+        assert charged["tokens"] == sum(counters(redis, key["id"]).get("tokens", 0) for key in keys)
+        if limit == "daily_token_budget":
+            assert charged["tokens"] <= budget, charged
+        else:
+            assert charged["cost_nanos"] == sum(
+                (u.prompt_tokens - cached(u)) * per_prompt + cached(u) * per_cached + u.completion_tokens * per_completion
+                for u in answered)
+            assert charged["cost_nanos"] <= usd * 1e9, charged
+
+
+def test_a_keys_tokens_per_minute_holds_against_every_dense_script(base_url, redis_server, redis):
+    limit = 4_000
+    key_id, secret = create_key(redis_server.url, f"tpm-dense-{time.monotonic_ns()}", tokens_per_minute=limit)
+    prompts = [dense(script, 300, seed=i) for i, script in enumerate(["cjk", "tamil", "punctuation", "digits"])]
+    started = time.monotonic()
+    answered = burst(base_url, [secret], prompts, max_tokens=50, model=MODEL)
+    took = time.monotonic() - started
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)["tokens"]
+    assert answered and charged == sum(u.prompt_tokens + u.completion_tokens for u in answered)
+    # What the minute's window lets in: the limit, and what refilled while the burst ran.
+    assert charged <= limit * (1 + took / 60), (charged, took)
+
+
+def test_every_route_that_runs_a_prompt_answers_one_denser_than_its_estimate(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, f"routes-dense-{time.monotonic_ns()}")
+    prompt = dense("digits", 300, seed=9) + dense("punctuation", 300, seed=10)
+    floor = 2 * estimate(prompt)  # each answer's prompt is at least this: it was sized again
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=180)
+    messages = [{"role": "user", "content": prompt}]
+    prompts_used = []
+    prompts_used.append(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4).usage)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True})
+    prompts_used.append([chunk.usage for chunk in stream if chunk.usage][-1])
+    three = client.completions.create(model=MODEL, prompt=[prompt, prompt[:300], prompt[300:]], max_tokens=2).usage
+    assert three.prompt_tokens >= floor
+    prompts_used.append(three)
+    response = client.responses.create(model=MODEL, input=prompt, max_output_tokens=4)
+    assert response.usage.input_tokens >= floor
+    claude = anthropic.Anthropic(base_url=base_url, api_key=secret, max_retries=0, timeout=180)
+    message = claude.messages.create(model=MODEL, max_tokens=4, messages=messages)
+    message_prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)  # Anthropic's split
+    assert message_prompt >= floor
+    assert all(usage.prompt_tokens >= floor for usage in prompts_used)
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)
+    assert charged["tokens"] == (sum(u.prompt_tokens + u.completion_tokens for u in prompts_used)
+                                 + response.usage.input_tokens + response.usage.output_tokens
+                                 + message_prompt + message.usage.output_tokens)
+    # Every request was charged once: the refused first attempts cost nothing.
+    assert charged["requests"] >= 5
+
+
+def test_the_tokenizer_route_counts_a_dense_prompt_without_refusing_it(base_url, redis_server):
+    _, secret = create_key(redis_server.url, f"tokenize-dense-{time.monotonic_ns()}", daily_token_budget=10)
+    prompt = dense("emoji", 300, seed=4)
+    answer = httpx.post(base_url + "/tokenize", headers={"authorization": f"Bearer {secret}"},
+                        json={"model": MODEL, "prompt": prompt}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["count"] > 4 * 300 // 2  # counted, and never refused by the budget of 10
