@@ -43,14 +43,20 @@ def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str
             reserved_nanos: int = 0) -> OpenAIError:
     kind_type, code = REFUSALS[decision.kind]
     who = f"team '{key.name}'" if level == "team" else f"API key '{key.name}'"
+    if decision.kind == "revoked":  # disabled in Redis since this replica cached it
+        if level == "team":
+            return OpenAIError(401, f"The {who} of this API key is disabled or does not exist.",
+                               type=kind_type, code="team_disabled")
+        return OpenAIError(401, f"The {who} is disabled or does not exist.", type=kind_type, code=code)
     if decision.kind.endswith("_cost_budget"):
         budget = key.daily_cost_budget_usd if decision.kind == "daily_cost_budget" else key.monthly_cost_budget_usd
+        budget_usd = _usd(budget * NANOS_PER_USD)  # every significant digit: $0.0005, not $0.00
         period = decision.kind.split("_")[0]
         if decision.retry_ms < 0:
             message = (f"Request too large for {who}: its reservation costs up to {_usd(reserved_nanos)}, more than "
-                       f"the whole {period} spend budget of ${budget:,.2f}. Lower max_tokens.")
+                       f"the whole {period} spend budget of {budget_usd}. Lower max_tokens.")
         else:
-            message = (f"You exceeded the {period} spend budget of {who} (${budget:,.2f}; spent "
+            message = (f"You exceeded the {period} spend budget of {who} ({budget_usd}; spent "
                        f"{_usd(int(decision.detail))}, this request reserves {_usd(reserved_nanos)}). "
                        f"It renews in {decision.retry_ms / 1000:.0f}s.")
         return OpenAIError(429, message, type=kind_type, code=code, headers=headers)

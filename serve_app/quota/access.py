@@ -301,7 +301,7 @@ class Access:
                 await self._release(levels[0], request_id, model, "team_" + last.kind)
             if team is not None:
                 self.telemetry.team_refused(team.name, "key" if len(decisions) == 1 else "team")
-            return Refusal(levels[len(decisions) - 1], last.kind, reserve_tokens, last,
+            return Refusal(last.as_applied(levels[len(decisions) - 1]), last.kind, reserve_tokens, last,
                            level="key" if len(decisions) == 1 else "team", reserved_nanos=reserve_nanos)
         if self.overlap is not None:
             self.overlap.admitted(key, decision)

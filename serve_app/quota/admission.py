@@ -48,6 +48,9 @@ REFUSALS = {
     "monthly_budget": ("monthly_token_budget", "insufficient_quota"),
     "daily_cost_budget": ("daily_cost_budget", "insufficient_quota"),
     "monthly_cost_budget": ("monthly_cost_budget", "insufficient_quota"),
+    # Not a limit: the key or team is disabled or gone in Redis (admit.lua reads its
+    # record), though the replica's cached record said otherwise. Answered as a 401.
+    "revoked": ("authentication_error", "invalid_api_key"),
 }
 
 
@@ -62,6 +65,22 @@ class Decision:
     tokens_remaining: int
     tokens_reset_ms: int
     detail: str
+    # The limits Redis applied, read from the account's stored record in the same
+    # script: "rpm,tpm,concurrent,daily,monthly,daily nanos,monthly nanos"; "" when
+    # the caller's were applied (an identity-token user).
+    applied: str = ""
+
+    def as_applied(self, key: KeyRecord) -> KeyRecord:
+        """``key`` with the limits this decision applied (what its 429 and headers name:
+        a replica's cached record may predate a change)."""
+        if not self.applied:
+            return key
+        rpm, tpm, concurrent, daily, monthly, daily_nanos, monthly_nanos = map(int, self.applied.split(","))
+        return key.model_copy(update={
+            "requests_per_minute": rpm, "tokens_per_minute": tpm, "max_concurrent": concurrent,
+            "daily_token_budget": daily, "monthly_token_budget": monthly,
+            "daily_cost_budget_usd": daily_nanos / NANOS_PER_USD, "monthly_cost_budget_usd": monthly_nanos / NANOS_PER_USD,
+        })
 
     def budget_used(self) -> dict[str, int]:
         """Tokens counted against each budget period, this request included
@@ -74,12 +93,15 @@ class Decision:
     def headers(self, key: KeyRecord) -> dict[str, str]:
         """OpenAI's rate-limit headers (plus retry-after on refusals)."""
         headers: dict[str, str] = {}
-        if key.requests_per_minute:
-            headers["x-ratelimit-limit-requests"] = str(key.requests_per_minute)
+        rpm, tpm = key.requests_per_minute, key.tokens_per_minute
+        if self.applied:  # as Redis applied them (no copy of the record on the hot path)
+            rpm, tpm = map(int, self.applied.split(",", 2)[:2])
+        if rpm:
+            headers["x-ratelimit-limit-requests"] = str(rpm)
             headers["x-ratelimit-remaining-requests"] = str(max(self.requests_remaining, 0))
             headers["x-ratelimit-reset-requests"] = duration(self.requests_reset_ms)
-        if key.tokens_per_minute:
-            headers["x-ratelimit-limit-tokens"] = str(key.tokens_per_minute)
+        if tpm:
+            headers["x-ratelimit-limit-tokens"] = str(tpm)
             headers["x-ratelimit-remaining-tokens"] = str(max(self.tokens_remaining, 0))
             headers["x-ratelimit-reset-tokens"] = duration(self.tokens_reset_ms)
         if not self.admitted and self.retry_ms >= 0:
@@ -172,10 +194,13 @@ class Admission:
             reserve_tokens, self.lease_ms, self.retention_s, key.id, indexable_http_id(http_request_id),
             redis_names.request_record_prefix(key.id),
             usd_nanos(key.daily_cost_budget_usd), usd_nanos(key.monthly_cost_budget_usd), str(int(reserve_nanos)),
+            "1" if redis_names.has_stored_limits(key.id) else "0",
         ]
         reply = await self.pipeline.call(self._admit, keys, args)
-        admitted, kind, retry, rr, rs, kr, ks, detail = reply
-        return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail))
+        admitted, kind, retry, rr, rs, kr, ks, detail = reply[:8]
+        applied = _text(reply[8]) if len(reply) > 8 else ""
+        return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail),
+                        applied)
 
     async def release(self, key: KeyRecord, request_id: str, refused_by: str) -> bool:
         """Undo ``request_id``'s admission at ``key``'s level (another level refused

@@ -122,16 +122,29 @@ def http_request(http_request_id: str, key_id: str | None = None) -> str:
 
 def admission_keys(key_id: str, request_id: str) -> list[str]:
     """KEYS of the admission, running and settle scripts, in their order
-    (all under the key's hash tag: one slot)."""
-    rate, tokens, leases, counters, record_prefix, refused = _key_names(key_id)
-    return [rate, tokens, leases, counters, record_prefix + request_id, refused]
+    (all under the key's hash tag: one slot); the last is the account's record,
+    whose limits admission applies."""
+    rate, tokens, leases, counters, record_prefix, refused, limits = _key_names(key_id)
+    return [rate, tokens, leases, counters, record_prefix + request_id, refused, limits]
+
+
+def limits_record(account_id: str) -> str:
+    """Where an account's limits are stored: a team's record (ids ``t…``) or an API
+    key's (an identity-token user, ``j…``, has none: its limits are configured)."""
+    return team_record(account_id) if account_id.startswith("t") else key_record(account_id)
+
+
+def has_stored_limits(account_id: str) -> bool:
+    """Whether the account's limits live in Redis (API keys and teams), where
+    admission reads them, rather than in the gateway's configuration."""
+    return not account_id.startswith("j")
 
 
 @functools.lru_cache(maxsize=4096)
 def _key_names(key_id: str) -> tuple[str, ...]:
     """One key's admission names, made once per key (twice per request otherwise)."""
     return (requests_rate(key_id), tokens_rate(key_id), concurrency(key_id), usage(key_id),
-            request_record_prefix(key_id), refusals(key_id))
+            request_record_prefix(key_id), refusals(key_id), limits_record(key_id))
 
 
 def stored_response(key_id: str, response_id: str) -> str:

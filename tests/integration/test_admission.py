@@ -8,6 +8,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis_server import every_node
 from serve_app.quota import redis_names
 from serve_app.quota.admission import Admission
+from serve_app.quota.costs import Cost
 from serve_app.quota.keys import KeyRecord
 
 _ids = iter(range(10**9))
@@ -104,6 +105,72 @@ async def test_daily_budget_counts_reservations_and_refunds(redis):
     assert d3.budget_used() == {"daily": 350, "monthly": 350}  # 50 settled + 300 reserved
     assert d2.budget_used() == {} and d2.detail == "300"  # a refusal names that period's use
     assert (await admit(adm, key(), tokens=5))[1].budget_used() == {}  # no budget, nothing to report
+
+
+async def test_work_that_reserves_nothing_is_never_refused_by_a_budget_it_is_over(redis):
+    """A tenant over its budgets (its limits lowered below what it used) may still list,
+    read, delete and cancel: requests of no tokens and no cost. Anything that spends is refused."""
+    adm = admission(redis)
+    spender = key(daily_token_budget=1000, monthly_token_budget=1000,
+                  daily_cost_budget_usd=1.0, monthly_cost_budget_usd=1.0)
+    rid, spent = await admit(adm, spender, tokens=600)
+    assert spent.admitted
+    await adm.settle(spender, rid, "completed", prompt_tokens=500, completion_tokens=100,
+                     cost=Cost(input_nanos=500_000, output_nanos=100_000))
+    lowered = spender.model_copy(update={"daily_token_budget": 100, "monthly_token_budget": 100,
+                                         "daily_cost_budget_usd": 1e-4, "monthly_cost_budget_usd": 1e-4})
+    for _ in range(2):  # twice: an admission of nothing changes nothing
+        rid = f"req-{next(_ids)}"
+        decision = await adm.admit(lowered, rid, "", 0, reserve_nanos=0)
+        assert decision.admitted, decision
+        await adm.settle(lowered, rid, "completed")
+    rid = f"req-{next(_ids)}"
+    refused = await adm.admit(lowered, rid, "m", 1, reserve_nanos=0)
+    assert not refused.admitted and refused.kind in ("daily_budget", "monthly_budget")
+    money_only = lowered.model_copy(update={"daily_token_budget": 0, "monthly_token_budget": 0})
+    refused = await adm.admit(money_only, f"req-{next(_ids)}", "m", 0, reserve_nanos=1)
+    assert not refused.admitted and refused.kind in ("daily_cost_budget", "monthly_cost_budget")
+
+
+async def test_a_stored_accounts_limits_are_read_in_the_script_not_taken_from_the_caller(redis):
+    """A replica's cached record may predate a change: a limit lowered in Redis applies to
+    its next admission there, the refusal and headers name the limit applied, and a
+    record disabled since is refused outright. A team's record the same."""
+    adm = admission(redis)
+    for account_id, record_name in (("kstored", redis_names.key_record("kstored")),
+                                    ("tstored", redis_names.team_record("tstored"))):
+        cached = KeyRecord(id=account_id, name=account_id, created_at=0, daily_token_budget=1000,
+                           requests_per_minute=100)
+        await redis.set(record_name, cached.model_dump_json())
+        rid, first = await admit(adm, cached, tokens=300)
+        assert first.admitted and first.headers(cached)["x-ratelimit-limit-requests"] == "100"
+        await adm.settle(cached, rid, "completed", prompt_tokens=200, completion_tokens=100)
+        lowered = cached.model_copy(update={"daily_token_budget": 400, "requests_per_minute": 50})
+        await redis.set(record_name, lowered.model_dump_json())
+        _, refused = await admit(adm, cached, tokens=300)  # the caller still holds the old record
+        assert not refused.admitted and refused.kind == "daily_budget"
+        assert refused.as_applied(cached).daily_token_budget == 400
+        assert refused.headers(cached)["x-ratelimit-limit-requests"] == "50"
+        _, fits = await admit(adm, cached, tokens=100)
+        assert fits.admitted
+        await redis.set(record_name, lowered.model_copy(update={"enabled": False}).model_dump_json())
+        _, revoked = await admit(adm, cached, tokens=1)
+        assert not revoked.admitted and revoked.kind == "revoked" and revoked.retry_ms == -1
+
+
+async def test_a_refund_uses_the_tokens_per_minute_its_request_was_admitted_under(redis):
+    adm = admission(redis)
+    cached = KeyRecord(id="kstored-tpm", name="tpm", created_at=0, tokens_per_minute=600)
+    await redis.set(redis_names.key_record(cached.id), cached.model_dump_json())
+    rid, first = await admit(adm, cached, tokens=600)
+    assert first.admitted
+    # The limit is raised meanwhile; the refund of 500 unused tokens is at the old rate.
+    raised = cached.model_copy(update={"tokens_per_minute": 6000})
+    await redis.set(redis_names.key_record(cached.id), raised.model_dump_json())
+    await adm.settle(raised, rid, "completed", prompt_tokens=50, completion_tokens=50)
+    _, second = await admit(adm, cached, tokens=1)
+    # 100 of 600 used: at 6,000/min that is 1 s of the window, and 5,899 remain.
+    assert second.admitted and second.tokens_remaining == 6000 - 100 * 10 - 1
 
 
 async def test_monthly_budget(redis):

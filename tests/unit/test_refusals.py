@@ -42,3 +42,28 @@ def test_a_local_limits_refusal_says_when_to_retry():
     error = render(Refusal(KEY, "concurrency", 10, retry_s=1.0))
     assert error.status == 429 and error.type == "concurrency" and error.code == "rate_limit_exceeded"
     assert error.headers == {"retry-after": "1", "retry-after-ms": "1000"}
+
+
+def test_a_money_budget_is_named_with_its_significant_digits():
+    for budget, shown in ((0.004, "$0.004"), (0.0005, "$0.0005"), (12.5, "$12.5")):
+        key = KEY.model_copy(update={"daily_cost_budget_usd": budget})
+        decision = Decision(False, "daily_cost_budget", 60_000, 0, 0, 0, 0, "1000")
+        error = render(Refusal(key, "daily_cost_budget", 300, decision, reserved_nanos=2_000))
+        assert f"({shown}; spent $0.000001" in error.message, error.message
+
+
+def test_an_account_disabled_since_it_was_cached_is_a_401_never_a_429():
+    decision = Decision(False, "revoked", -1, -1, 0, -1, 0, "")
+    key_error = render(Refusal(KEY, "revoked", 300, decision))
+    assert key_error.status == 401 and key_error.code == "invalid_api_key" and "retry-after" not in key_error.headers
+    team_error = render(Refusal(KEY, "revoked", 300, decision, level="team"))
+    assert team_error.status == 401 and team_error.code == "team_disabled"
+
+
+def test_a_refusal_names_the_limits_redis_applied_not_the_cached_ones():
+    decision = Decision(False, "daily_budget", 3_600_000, 5, 1000, 50, 2000, "450",
+                        applied="30,400,1,450,0,0,0")
+    refused = Refusal(decision.as_applied(KEY), "daily_budget", 300, decision)
+    error = render(refused)
+    assert "a daily budget of 450 tokens" in error.message
+    assert error.headers["x-ratelimit-limit-requests"] == "30" and error.headers["x-ratelimit-limit-tokens"] == "400"

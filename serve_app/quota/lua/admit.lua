@@ -2,14 +2,21 @@
 --
 -- KEYS: 1 requests GCRA state, 2 tokens GCRA state, 3 concurrency leases (zset),
 --       4 usage counters (hash), 5 this request's record (hash),
---       6 refusal counters per minute (hash)
+--       6 refusal counters per minute (hash), 7 the account's record (its limits, JSON)
 -- ARGV: 1 request id, 2 model, 3 requests/min, 4 tokens/min, 5 max concurrent,
 --       6 daily token budget, 7 monthly token budget, 8 tokens to reserve,
 --       9 concurrency lease ms, 10 record retention s, 11 key id, 12 HTTP x-request-id
 --       (already checked: ours or a short plain id; '' otherwise),
 --       13 prefix of this key's request records (for leases that expired),
 --       14 daily and 15 monthly money budget, 16 this request's reserved cost (all three
---       in nano-dollars, sent as integer strings)
+--       in nano-dollars, sent as integer strings), 17 '1' when the account's limits are its
+--       stored record's (KEYS[7]: an API key, a team), '0' when ARGV's are the only ones
+--       (an identity-token user's, from the gateway's configuration)
+-- A stored account is admitted under its record as it is in Redis now, not the limits
+-- the calling replica cached (ARGV 3-7, 14-15 stand in for a record that has none):
+-- a limit lowered or raised applies to the next admission on every replica, and a key
+-- or team disabled or revoked is refused ('revoked', never retried). (Records are never
+-- deleted, only disabled; where none is found, the caller's limits are applied.)
 -- A limit of 0 means unlimited. A team is admitted with this script too (its id for the
 -- key id): quota/teams.py.
 --
@@ -28,8 +35,10 @@
 -- when a new day starts). Records exist only for admitted requests.
 --
 -- Returns {admitted(0/1), refusal kind, retry ms, req remaining, req reset ms,
---          tok remaining, tok reset ms, detail}; detail of an admission is the
---          day's and month's budgeted tokens used, "day,month" (keys with a budget).
+--          tok remaining, tok reset ms, detail, limits}; detail of an admission is the
+--          day's and month's budgeted tokens used, "day,month" (keys with a budget);
+--          limits: those applied, "rpm,tpm,concurrent,daily,monthly,daily nanos,monthly nanos"
+--          when read from the record ('' otherwise).
 
 local WINDOW = 60000
 local t = redis.call('TIME')
@@ -41,6 +50,23 @@ local daily, monthly = tonumber(ARGV[6]), tonumber(ARGV[7])
 local estimate, lease_ms, retention = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local daily_cost, monthly_cost = tonumber(ARGV[14] or 0), tonumber(ARGV[15] or 0)
 local cost = tonumber(ARGV[16] or 0)
+local applied, revoked = '', false
+if ARGV[17] == '1' then
+  local raw = redis.call('GET', KEYS[7])
+  local stored = raw and cjson.decode(raw)
+  if stored and stored.enabled == false then
+    revoked = true
+  elseif stored then
+    local function number(value) return tonumber(value) or 0 end
+    rpm, tpm, max_conc = number(stored.requests_per_minute), number(stored.tokens_per_minute),
+      number(stored.max_concurrent)
+    daily, monthly = number(stored.daily_token_budget), number(stored.monthly_token_budget)
+    -- USD to nano-dollars, rounded as the gateway's usd_nanos does.
+    daily_cost = math.floor(number(stored.daily_cost_budget_usd) * 1e9 + 0.5)
+    monthly_cost = math.floor(number(stored.monthly_cost_budget_usd) * 1e9 + 0.5)
+    applied = string.format('%d,%d,%d,%d,%d,%.0f,%.0f', rpm, tpm, max_conc, daily, monthly, daily_cost, monthly_cost)
+  end
+end
 
 -- Days since 1970-01-01 <-> civil date (H. Hinnant's algorithms), UTC.
 local function civil_from_days(z)
@@ -150,6 +176,7 @@ if prior then
   end
   return {0, 'duplicate', -1, -1, 0, -1, 0, ''}
 end
+if revoked then return {0, 'revoked', -1, -1, 0, -1, 0, ''} end
 
 local r = gcra(KEYS[1], rpm, 1)
 local k = gcra(KEYS[2], tpm, estimate)
@@ -167,20 +194,28 @@ end
 if k.too_large then refuses('tokens_too_large', -1, tostring(estimate)) end
 if not r.ok then refuses('requests', r.retry, tostring(rpm)) end
 if not k.ok and not k.too_large then refuses('tokens', k.retry, tostring(estimate)) end
+-- A budget refuses only what would spend from it: work that reserves no tokens (listing,
+-- reading, deleting, cancelling files, batches and responses) is never refused by a
+-- budget, so a tenant over budget can still stop its own work and fetch its results.
 local day_used, month_used = 0, 0
 if daily > 0 then
   day_used = tonumber(redis.call('HGET', KEYS[4], day_field .. ':tokens') or 0)
   if estimate > daily then refuses('daily_budget', -1, tostring(day_used))
-  elseif day_used + estimate > daily then refuses('daily_budget', next_day_ms - now, tostring(day_used)) end
+  elseif estimate > 0 and day_used + estimate > daily then
+    refuses('daily_budget', next_day_ms - now, tostring(day_used))
+  end
 end
 if monthly > 0 then
   month_used = tonumber(redis.call('HGET', KEYS[4], month_field .. ':tokens') or 0)
   if estimate > monthly then refuses('monthly_budget', -1, tostring(month_used))
-  elseif month_used + estimate > monthly then refuses('monthly_budget', next_month_ms - now, tostring(month_used)) end
+  elseif estimate > 0 and month_used + estimate > monthly then
+    refuses('monthly_budget', next_month_ms - now, tostring(month_used))
+  end
 end
 -- Money budgets: the day's and month's cost so far (reservations of requests still
 -- running included) plus this request's reserved cost.
 local function nanos(value) return string.format('%.0f', value) end
+if cost <= 0 then daily_cost, monthly_cost = 0, 0 end  -- spends no money: no money budget refuses it
 if daily_cost > 0 then
   local spent = tonumber(redis.call('HGET', KEYS[4], day_field .. ':cost_nanos') or 0)
   if cost > daily_cost then refuses('daily_cost_budget', -1, nanos(spent))
@@ -206,7 +241,7 @@ if kind then
     redis.call('EXPIRE', KEYS[6], 3660)
   end
   if redis.call('HINCRBY', KEYS[4], day_field .. ':refused', 1) == 1 then prune_usage() end
-  return {0, kind, wait, rr, rs, kr, ks, detail}
+  return {0, kind, wait, rr, rs, kr, ks, detail, applied}
 end
 
 -- Admitted: commit every limit at once (counters first: nothing below can fail
@@ -223,11 +258,11 @@ if not r.unlimited then redis.call('SET', KEYS[1], tostring(r.new_tat), 'PX', ma
 if not k.unlimited then redis.call('SET', KEYS[2], tostring(k.new_tat), 'PX', math.ceil(k.new_tat - now) + WINDOW) end
 redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
   'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
-  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0')
+  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0', 'rpm', rpm, 'tpm', tpm)
 redis.call('EXPIRE', KEYS[5], retention)
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)
 redis.call('PEXPIRE', KEYS[3], lease_ms + WINDOW)
 -- Budget use (this request's reservation included), for the budget-use metric.
 local used = ''
 if daily > 0 or monthly > 0 then used = day_used .. ',' .. month_used end
-return {1, '', 0, rr, rs, kr, ks, used}
+return {1, '', 0, rr, rs, kr, ks, used, applied}

@@ -31,8 +31,9 @@ local function give_back(key, limit, cost)
 end
 
 local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
-give_back(KEYS[1], tonumber(ARGV[2]), 1)
-give_back(KEYS[2], tonumber(ARGV[3]), reserved)
+-- Under the limits it was admitted with (kept in the record), where the record has them.
+give_back(KEYS[1], tonumber(redis.call('HGET', KEYS[5], 'rpm') or ARGV[2]), 1)
+give_back(KEYS[2], tonumber(redis.call('HGET', KEYS[5], 'tpm') or ARGV[3]), reserved)
 
 local reserved_nanos = redis.call('HGET', KEYS[5], 'reserved_nanos') or '0'
 for _, period in ipairs({redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', KEYS[5], 'month')}) do

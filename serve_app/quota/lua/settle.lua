@@ -81,7 +81,8 @@ if status ~= 'admitted' and status ~= 'running' then return false end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local prompt, completion = tonumber(ARGV[3]), tonumber(ARGV[4])
-local tpm = tonumber(ARGV[5])
+-- The tokens/min limit the request was admitted under (admit.lua keeps it in the record).
+local tpm = tonumber(redis.call('HGET', KEYS[5], 'tpm') or ARGV[5])
 local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
 local known = prompt >= 0
 local delta = 0

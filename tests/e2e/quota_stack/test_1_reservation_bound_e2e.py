@@ -6,7 +6,8 @@ a team's money budget and a key's tokens/min are never charged past the limit; e
 route that runs a prompt answers such a prompt (the replica refuses it at its estimate,
 the gateway admits it again at its real size) and charges exactly what it answered.
 Asserted on what Redis charged, not on statuses (docs/quotas.md, "The reservation
-bounds every prompt")."""
+bounds every prompt"). And a team over its budget can still stop its work and fetch
+what it paid for: nothing that spends no tokens is refused by a budget."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from dense_prompts import burst, dense, estimate
 from quota_stack.stack_args import MODEL
+from quota_stack.test_1_batches_e2e import chat_line, jsonl, wait_for
 from quota_stack.test_1_teams_e2e import admin, prices
 from settled import counters, wait_until_settled
 from stack import create_key, local_app_args
@@ -128,3 +130,32 @@ def test_the_tokenizer_route_counts_a_dense_prompt_without_refusing_it(base_url,
                         json={"model": MODEL, "prompt": prompt}, timeout=60)
     assert answer.status_code == 200, answer.text
     assert answer.json()["count"] > 4 * 300 // 2  # counted, and never refused by the budget of 10
+
+
+def test_a_team_over_its_budget_can_still_stop_its_batch_and_fetch_its_files(base_url, redis):
+    """Its budget lowered below what it used while its batch runs: every route that spends
+    nothing answers (listing, reading, cancelling), what would spend is refused."""
+    tag = time.monotonic_ns()
+    team = admin("POST", base_url, "/admin/teams", name=f"over-{tag}", daily_token_budget=100_000)
+    key = admin("POST", base_url, "/admin/keys", name=f"over-{tag}", team=team["id"])
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key["secret"], max_retries=0, timeout=60)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    file = client.files.create(file=("lines.jsonl", jsonl([chat_line(f"l{i}", max_tokens=64) for i in range(40)])),
+                               purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until_settled(redis, key["id"])
+    admin("PATCH", base_url, f"/admin/teams/{team['id']}", daily_token_budget=1)  # below what it used
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    error = refused.value.response.json()["error"]
+    # Refused at once on either ingress replica, under the budget as it is now in Redis.
+    assert error["type"] == "daily_token_budget" and "a daily budget of 1 tokens" in error["message"], error
+    assert file.id in [f.id for f in client.files.list()]
+    assert client.files.content(file.id).content == jsonl([chat_line(f"l{i}", max_tokens=64) for i in range(40)])
+    assert client.batches.retrieve(batch.id).id == batch.id
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    ended = wait_for(client, batch.id, lambda b: b.status == "cancelled", timeout_s=120)
+    if ended.output_file_id:  # what ran before the cut is the tenant's to fetch
+        assert client.files.content(ended.output_file_id).content
+    assert client.batches.list().data[0].id == batch.id
