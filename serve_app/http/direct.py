@@ -187,5 +187,5 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
 
     @direct_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
-        key = await self.access.authenticate(request.headers)
+        key = await self.access.tenant(request.headers)
         return JSONResponse({"object": "list", "data": await self.gateway.catalog.model_cards(key)})

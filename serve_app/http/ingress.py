@@ -303,21 +303,20 @@ class Ingress(HandlesRequests):
     @route("GET", "/v1/models", "key")
     @route("GET", "/v3/models", "key")
     async def list_models(self, request: Request) -> JSONResponse:
-        key = await self.access.authenticate(request.headers)
+        key = await self.access.tenant(request.headers)
         return JSONResponse({"object": "list", "data": await self.gateway.catalog.model_cards(key)})
 
     @route("GET", "/v1/models/{model_id:path}", "key")
     @route("GET", "/v3/models/{model_id:path}", "key")
     async def retrieve_model(self, model_id: str, request: Request) -> JSONResponse:
-        key = await self.access.authenticate(request.headers)
-        self.gateway.catalog.authorized(key, model_id)
-        return JSONResponse(await self.gateway.catalog.model_card(model_id))
+        key = await self.access.tenant(request.headers)
+        return JSONResponse(await self.gateway.catalog.seen_by(key).model_card(model_id))
 
     # -- Azure AI model inference -------------------------------------------------
 
     async def _azure(self, operation: str, request: Request) -> Response:
         async def translate(body: dict[str, Any], key: KeyRecord) -> Call:
-            return await azure.translate(operation, body, request.headers, self.gateway.catalog)
+            return await azure.translate(operation, body, request.headers, self.gateway.catalog.seen_by(key))
 
         return await self._handle("azure", request, translate, on_error=azure.error_response)
 
@@ -335,8 +334,8 @@ class Ingress(HandlesRequests):
     @route("GET", "/models/info", "key")
     async def azure_info(self, request: Request) -> Response:
         try:
-            key = await self.access.authenticate(request.headers)
-            return await azure.info(key, request.headers, self.gateway.catalog)
+            key = await self.access.tenant(request.headers)
+            return await azure.info(key, request.headers, self.gateway.catalog.seen_by(key))
         except OpenAIError as exc:
             return azure.error_response(exc)
 
@@ -344,7 +343,7 @@ class Ingress(HandlesRequests):
 
     @route("POST", "/invocations", "key")
     async def sagemaker_invocations(self, request: Request) -> Response:
-        return await self._handle("sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway.catalog))
+        return await self._handle("sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway.catalog.seen_by(key)))
 
     @route("GET", "/ping", "probe")
     async def sagemaker_ping(self) -> Response:
@@ -355,7 +354,7 @@ class Ingress(HandlesRequests):
 
     @route("POST", "/serving-endpoints/{name}/invocations", "key")
     async def databricks_invocations(self, name: str, request: Request) -> Response:
-        return await self._handle("databricks", request, lambda body, key: databricks.translate(name, body, self.gateway.catalog))
+        return await self._handle("databricks", request, lambda body, key: databricks.translate(name, body, self.gateway.catalog.seen_by(key)))
 
     # -- admin API (same operations as `llmctl`) ---------------------------------
 

@@ -149,19 +149,22 @@ class ModelCatalog:
             task.add_done_callback(lambda _: self._describing.pop(name, None))
         return self._describing[name]
 
-    async def only_model_for(self, operation: str | None) -> str:
+    async def only_model_for(self, operation: str | None, key: KeyRecord | None = None) -> str:
         """The model for a request that names none (platforms such as SageMaker
         or Azure serve one model per endpoint): the only one serving
-        ``operation`` (any operation when None), else a 400 asking for it."""
+        ``operation`` (any operation when None) of those ``key`` may use, else a 400
+        asking for it that names only those."""
         if operation is not None:  # what each serves: every model described side by side
             await asyncio.gather(*(
                 self._details_within_queue_timeout(name)
                 for name, config in self._configs.items()
-                if name not in self._card_details and not config.scales_to_zero
+                if (key is None or key.allows_model(name)) and name not in self._card_details
+                and not config.scales_to_zero
             ))
         names = [
             name
             for name in self._configs
+            if key is None or key.allows_model(name)
             # A model not described (yet: scaled to zero, or busy past its queue timeout) may serve it.
             if operation is None or operation in self._card_details.get(name, {}).get("capabilities", [operation])
         ]
@@ -173,6 +176,11 @@ class ModelCatalog:
             param="model",
             code="missing_required_parameter",
         )
+
+    def seen_by(self, key: KeyRecord) -> "TenantCatalog":
+        """This catalog as ``key``'s routes may ask it (a dialect's translation): a
+        model it may not use is never picked nor named for it."""
+        return TenantCatalog(self, key)
 
     async def model_cards(self, key: KeyRecord) -> list[dict[str, Any]]:
         """Every model ``key`` may use, each followed by its aliases and its
@@ -189,3 +197,28 @@ class ModelCatalog:
             if key.allows_model(name)
             for model in (name, *config.aliases, *(config.lora.adapters if config.lora else ()))
         ]
+
+
+class TenantCatalog:
+    """The catalog as one tenant sees it (``ModelCatalog.seen_by``): what a dialect
+    asks of it (serve_app/wire/calls.py ModelRegistry) never names a model the
+    tenant's key or team may not use."""
+
+    def __init__(self, catalog: ModelCatalog, key: KeyRecord):
+        self._catalog, self._key = catalog, key
+
+    async def only_model_for(self, operation: str | None) -> str:
+        return await self._catalog.only_model_for(operation, self._key)
+
+    async def model_card(self, model: str) -> dict[str, Any]:
+        self._catalog.authorized(self._key, model)
+        return await self._catalog.model_card(model)
+
+    def resolve(self, model: str) -> str:
+        return self._catalog.resolve(model)
+
+    def authorized(self, key: KeyRecord, model: str) -> str:
+        return self._catalog.authorized(key, model)
+
+    def context_length(self, name: str) -> int | None:
+        return self._catalog.context_length(name)

@@ -187,6 +187,18 @@ class Access:
             raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return record
 
+    async def tenant(self, headers) -> KeyRecord:
+        """The caller's key as a route that names models sees it: a 401 for a revoked
+        key or a disabled team (``team_of``), and its models narrowed to those its
+        team allows too, so a listing, a card or a dialect's default model never
+        names one it may not use."""
+        key = await self.authenticate(headers)
+        team = await self.team_of(key)
+        if team is None or team.models is None:
+            return key
+        allowed = [model for model in team.models if key.allows_model(model)]
+        return key.model_copy(update={"models": allowed})
+
     def _fallback(self, hashed: str, exc: Exception) -> KeyRecord:
         """A key record to stand in while Redis is unreachable (fail_mode open):
         one Redis confirmed within ``key_stale_max_s``, or a 503."""
