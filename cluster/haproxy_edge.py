@@ -49,12 +49,20 @@ through ``edge_config`` first:
   application with an ingress request router (a model routed with affinity on several
   replicas: serve_app/http/edge_router.py) has its replica picked there, sessions
   included, so it gets no session copy.
+- HAProxy's own listeners tell nobody anything: its statistics page (Ray's ``listen
+  stats``, every interface, no credential: every backend, replica name and address) and
+  its Prometheus exporter (``frontend prometheus``) are bound to ``EDGE_ADMIN_HOST``
+  (``LLM_EDGE_ADMIN_HOST``, default 127.0.0.1: reach them through an SSH tunnel, or set
+  the node's private address and firewall it, docs/operating.md "What listens where"),
+  and its admin socket (``stats socket``, which can stop and reroute servers) is
+  ``mode 600`` (Ray writes 666): only the user running Ray talks to it, as Ray does.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import time
 import urllib.request
@@ -121,6 +129,26 @@ NAMES_PER_RULE = 48
 # routes together (HAProxy's start, which this delays, may take Ray's 30 s).
 NAMES_TIMEOUT_S = 1.0
 NAMES_BUDGET_S = 3.0
+# HAProxy's statistics and metrics listeners (Ray binds them to every interface).
+_ADMIN_SECTION = re.compile(r"^(listen stats|frontend prometheus)\b")
+_ANY_INTERFACE_BIND = re.compile(r"^(\s*bind )(?:\*|0\.0\.0\.0|\[?::\]?)?:(\d+)", re.MULTILINE)
+_ADMIN_SOCKET_MODE = re.compile(r"^(\s*stats socket \S+ mode )\d+", re.MULTILINE)
+
+
+def admin_host() -> str:
+    """Where HAProxy's statistics and metrics listen (``LLM_EDGE_ADMIN_HOST``)."""
+    return os.environ.get("LLM_EDGE_ADMIN_HOST", "127.0.0.1")
+
+
+def _private(section: str) -> str:
+    """A section with HAProxy's own listeners bound to ``admin_host()`` and its admin
+    socket readable by its user only."""
+    section = _ADMIN_SOCKET_MODE.sub(lambda match: match.group(1) + "600", section)
+    if _ADMIN_SECTION.match(section):
+        section = _ANY_INTERFACE_BIND.sub(lambda match: f"{match.group(1)}{admin_host()}:{match.group(2)}", section)
+    return section
+
+
 _OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
 
 
@@ -139,7 +167,8 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     """``config`` (Ray's) with the edge's timeouts and JSON error files in every
     ``defaults`` section (replacing Ray's own of each), the edge's time on every
     request of each ``frontend`` and its one hop to the direct routes (by ``names``,
-    ``route_names``'s); the error files are written to ``error_dir``."""
+    ``route_names``'s), HAProxy's own listeners private; the error files are written
+    to ``error_dir``."""
     error_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
              f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s"]
@@ -158,6 +187,7 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     # there, sessions included (serve_app/http/edge_router.py).
     direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)
                        if backend in replicas and backend + ROUTED_BACKEND_SUFFIX not in replicas}
+    sections = [_private(section) for section in sections]
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")

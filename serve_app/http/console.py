@@ -49,6 +49,8 @@ class Console:
         return await self.access.admins.session_actor(token) if token else None
 
     async def login(self, request: Request) -> Response:
+        if _from_another_site(request):  # login CSRF: a session of the attacker's admin in the victim's browser
+            return _page("Refused", "<p>A form from another site was refused.</p>", status=403)
         form = await _form(request)
         credential = form.get("credential", "")
         try:
@@ -80,8 +82,7 @@ class Console:
         actor = await self.actor(request)
         if actor is None:
             return RedirectResponse("/console", status_code=303)
-        origin = request.headers.get("origin")
-        if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
+        if _from_another_site(request):
             return _page("Refused", "<p>A form from another site was refused.</p>", status=403)
         form = await _form(request)
         try:
@@ -309,3 +310,10 @@ def _audit_table(trail: list[dict]) -> str:
              else e(str(entry.get("at", ""))), e(entry["actor"]), e(entry["action"]), f"<code>{e(entry['target'])}</code>",
              e(str(entry.get("after") or entry.get("before") or ""))] for entry in trail]
     return _table(["When", "Who", "What", "Target", "Change"], rows, "audit")
+
+
+def _from_another_site(request: Request) -> bool:
+    """A form posted by a page of another origin (the Origin header browsers send
+    with every POST), beside the session cookie's SameSite=Strict."""
+    origin = request.headers.get("origin")
+    return origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}"

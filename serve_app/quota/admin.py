@@ -9,9 +9,9 @@ raises ``OpenAIError``; the ingress and `llmctl` only route.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
@@ -23,19 +23,32 @@ from serve_app.quota import usage_report
 from serve_app.quota.usage import key_usage, request_state
 
 
+# A key's, team's or admin's name: shown in the console, the audit trail, 429s and
+# metrics' labels, so never empty, blank, control characters or unbounded.
+def _printable_name(name: str) -> str:
+    if not name.strip():
+        raise ValueError("a name must not be empty or blank")
+    if any(ord(char) < 0x20 or ord(char) == 0x7f for char in name):
+        raise ValueError("a name must not contain control characters")
+    return name
+
+
+Name = Annotated[str, Field(max_length=200), AfterValidator(_printable_name)]
+
+
 class NewKey(KeyLimits):
-    name: str
+    name: Name
     team: str | None = None  # a team's id or name
 
 
 class NewTeam(KeyLimits):
-    name: str
+    name: Name
 
 
 class NewAdmin(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: Name
 
 
 class TeamChanges(BaseModel):

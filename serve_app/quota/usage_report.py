@@ -32,6 +32,9 @@ from serve_app.quota.keys import KeyRecord
 
 DAY_S = 86400
 DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets
+# The longest range a query may span: past what any counter is kept (35 days of day
+# counters, 13 months of month counters), a range is a client's mistake.
+MAX_RANGE_DAYS = 400
 GROUPS = ("project_id", "api_key_id", "model")  # what a usage result may be grouped by here
 COST_GROUPS = ("project_id", "api_key_id", "line_item")  # and a cost result (a line item: "<model>, input")
 COST_PARTS = ("input", "output", "reserved")
@@ -76,6 +79,9 @@ def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQ
     if start_time is None:
         raise OpenAIError(400, "'start_time' (Unix seconds) is required.", param="start_time")
     end_time = integer("end_time", start_time + 1, 2**40)
+    if end_time is not None and end_time - start_time > MAX_RANGE_DAYS * DAY_S:
+        raise OpenAIError(400, f"The range from 'start_time' to 'end_time' spans more than {MAX_RANGE_DAYS} days; "
+                          "usage is kept 35 days. Ask for a shorter range.", param="end_time")
     width = one("bucket_width") or "1d"
     if width != "1d":
         raise OpenAIError(400, f"bucket_width '{width}' is not served here: usage is counted per day ('1d').",
@@ -133,8 +139,9 @@ async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
     now = now if now is not None else datetime.datetime.now(datetime.timezone.utc).timestamp()
     first = (query.page if query.page is not None else query.start_time) // DAY_S * DAY_S
     end = query.end_time if query.end_time is not None else int(now) + 1
-    days = list(range(first, end, DAY_S))
-    shown, more = days[:query.limit], days[query.limit:]
+    # This page's days and the next page's first, never the whole range as a list.
+    shown = list(range(first, min(end, first + query.limit * DAY_S), DAY_S))
+    more = [first + query.limit * DAY_S] if first + query.limit * DAY_S < end else []
     wanted = {_day_field(day): day for day in shown}
     rows = []
     for key in keys:

@@ -135,6 +135,10 @@ def test_a_form_from_another_site_and_a_revoked_admins_session_do_nothing(consol
     name = f"ops-{time.monotonic_ns()}"
     made = aside(redis_url, lambda a: admin.create_admin(a, {"name": name}, "admin-token"))
     with httpx.Client(base_url=url, follow_redirects=False) as http:
+        # Login CSRF: another site logging the victim's browser into the attacker's session.
+        planted = http.post("/console/login", data={"credential": made["secret"]},
+                            headers={"origin": "http://evil.example"})
+        assert planted.status_code == 403 and "llm_console" not in http.cookies
         assert http.post("/console/login", data={"credential": made["secret"]}).status_code == 303
         assert "llm_console" in http.cookies
         forged = http.post("/console/teams", data={"name": f"forged-{name}"}, headers={"origin": "https://evil.example"})

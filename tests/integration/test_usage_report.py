@@ -126,6 +126,9 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
         cursor = page["next_page"]
     days = [b for page in pages for b in page["data"]]
     assert len(days) == 10 and days[-1]["start_time"] == today() and days[-1]["results"][0]["num_model_requests"] == 1
+    # A page is its own days only, however far back the range starts (no list of every day).
+    far = await completions_usage(redis, [k], parse_query(query(start_time=0, limit=2)))
+    assert [b["start_time"] for b in far["data"]] == [0, 86400] and far["next_page"] == str(2 * 86400)
 
 
 @pytest.mark.parametrize("params, param", [
@@ -142,6 +145,8 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
     ({"start_time": "100", "limit": "32"}, "limit"),
     ({"start_time": "100", "limit": "1e3"}, "limit"),
     ({"start_time": "100", "page": "next"}, "page"),
+    ({"start_time": "0", "end_time": str(2**40)}, "end_time"),  # 12.7 million days
+    ({"start_time": "0", "end_time": str(401 * 86400)}, "end_time"),
 ])
 def test_a_query_it_cannot_serve_is_a_400_naming_the_parameter(params, param):
     with pytest.raises(OpenAIError) as caught:

@@ -210,3 +210,28 @@ def test_a_route_whose_replicas_answer_nothing_usable_in_time_gets_no_names():
         assert route_names(config, timeout_s=0.3, budget_s=1.0) == {"good": (["good", "alias"], ["good:"])}
     finally:
         server.shutdown()
+
+
+RAY_ADMIN_LISTENERS = """global
+    stats socket /tmp/ray/haproxy.sock mode 666 level admin expose-fd listeners
+defaults
+    mode http
+frontend prometheus
+    bind :9101
+    mode http
+frontend http_frontend
+    bind 0.0.0.0:8000
+listen stats
+  bind *:8404
+  stats enable
+"""
+
+
+def test_haproxys_own_listeners_are_private_and_its_admin_socket_is_its_users(tmp_path, monkeypatch):
+    config = edge_config(RAY_ADMIN_LISTENERS, tmp_path / "errors")
+    assert "stats socket /tmp/ray/haproxy.sock mode 600 level admin" in config and "666" not in config
+    assert "    bind 127.0.0.1:9101\n" in config and "  bind 127.0.0.1:8404\n" in config
+    assert "    bind 0.0.0.0:8000\n" in config  # the API's own listener is the operator's choice
+    monkeypatch.setenv("LLM_EDGE_ADMIN_HOST", "10.0.0.7")  # a cluster node's private address
+    config = edge_config(RAY_ADMIN_LISTENERS, tmp_path / "errors")
+    assert "    bind 10.0.0.7:9101\n" in config and "  bind 10.0.0.7:8404\n" in config

@@ -54,3 +54,36 @@ def test_llmctl_status_shows_what_runs(stack, redis_server):
     table = subprocess.run([str(BIN / "llmctl"), "status"], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "REDIS_URL": redis_server.url}).stdout
     assert "model-tiny-llama" in table and "KV" in table and "redis: reachable" in table
+
+
+def test_haproxys_statistics_and_metrics_answer_no_one_off_the_machine(stack):
+    """HAProxy's statistics page (every backend, replica name and address) and its
+    metrics answer on loopback only, and its admin socket is its user's alone
+    (cluster/haproxy_edge.py); probed as a neighbour on the network would, with no
+    credential."""
+    import re
+    import socket
+    import stat
+
+    import psutil
+
+    from stack import haproxy_processes
+
+    stack.wait_ready()
+    [proxy] = [process for process in haproxy_processes() if process.is_running()][:1]
+    listening = {conn.laddr.port: conn.laddr.ip for conn in proxy.net_connections("tcp")
+                 if conn.status == psutil.CONN_LISTEN}
+    for port in (8404, 9101):  # Ray's defaults: statistics, Prometheus exporter
+        assert listening.get(port) == "127.0.0.1", listening
+    assert httpx.get("http://127.0.0.1:8404/stats", timeout=10).status_code == 200  # for the operator, on the box
+    # The machine's addresses on its networks: nothing answers there.
+    addresses = [address.address for addresses in psutil.net_if_addrs().values() for address in addresses
+                 if address.family == socket.AF_INET and not address.address.startswith("127.")]
+    for address in addresses:
+        for port in (8404, 9101):
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://{address}:{port}/", timeout=5)
+    # HAProxy binds a socket as <path>.<pid>.tmp, then renames it to <path>.
+    sockets = [re.sub(r"\.\d+\.tmp$", "", conn.laddr) for conn in proxy.net_connections("unix") if conn.laddr]
+    modes = {path: oct(stat.S_IMODE(os.stat(path).st_mode)) for path in sockets if os.path.exists(path)}
+    assert modes and all(int(mode, 8) & 0o077 == 0 for mode in modes.values()), modes
