@@ -159,3 +159,37 @@ def test_a_team_over_its_budget_can_still_stop_its_batch_and_fetch_its_files(bas
     if ended.output_file_id:  # what ran before the cut is the tenant's to fetch
         assert client.files.content(ended.output_file_id).content
     assert client.batches.list().data[0].id == batch.id
+
+
+def test_a_batch_of_dense_lines_never_passes_its_keys_budget(base_url, redis_server, redis):
+    """Batch lines take the same path: each is refused at its estimate by the replica and
+    admitted again at its real size, and the batch parks when the budget cannot hold the
+    next line; what it is charged never passes the budget."""
+    budget = 6_000
+    key_id, secret = create_key(redis_server.url, f"batch-dense-{time.monotonic_ns()}", daily_token_budget=budget)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=60)
+    lines = [{**chat_line(f"d{i}", max_tokens=20),
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": dense("emoji", 300, seed=i)}],
+                       "max_tokens": 20}} for i in range(12)]
+    file = client.files.create(file=("dense.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    seen, still_since = -1, time.monotonic()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until it ends, or its charge stays put 5 s (parked on the budget)
+        state = client.batches.retrieve(batch.id)
+        charged = counters(redis, key_id).get("tokens", 0)
+        if state.status in ("completed", "failed", "cancelled", "expired"):
+            break
+        if charged != seen:
+            seen, still_since = charged, time.monotonic()
+        elif time.monotonic() - still_since > 5:
+            break
+        time.sleep(0.5)
+    if client.batches.retrieve(batch.id).status == "in_progress":
+        client.batches.cancel(batch.id)
+        wait_for(client, batch.id, lambda b: b.status == "cancelled", timeout_s=120)
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)
+    ran = client.batches.retrieve(batch.id).request_counts.completed
+    assert 1 <= ran < len(lines), ran  # some lines fit, not all: the budget decided
+    assert charged["tokens"] <= budget, charged
