@@ -270,7 +270,7 @@ class Access:
             for level in levels:
                 decisions.append(await self.admission.admit(
                     level, request_id, model, reserve_tokens, http_request_id if level is key else "",
-                    reserve_nanos))
+                    reserve_nanos, team.id if team is not None and level is key else ""))
                 if not decisions[-1].admitted:
                     break
         except asyncio.CancelledError:

@@ -182,11 +182,13 @@ class Admission:
 
     async def admit(
         self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = "",
-        reserve_nanos: int = 0,
+        reserve_nanos: int = 0, team_id: str = "",
     ) -> Decision:
         """One EVALSHA. ``http_request_id`` is stored in the record when indexable
         (``index_http_id`` writes its lookup key, off the request path);
-        ``reserve_nanos``: the request's reserved cost, for the money budgets."""
+        ``reserve_nanos``: the request's reserved cost, for the money budgets;
+        ``team_id``: the team the key's request is charged to (kept in its record: the
+        usage API reports it there, wherever the key moves later)."""
         keys = redis_names.admission_keys(key.id, request_id)
         args = [
             request_id, model, key.requests_per_minute, key.tokens_per_minute,
@@ -195,6 +197,7 @@ class Admission:
             redis_names.request_record_prefix(key.id),
             usd_nanos(key.daily_cost_budget_usd), usd_nanos(key.monthly_cost_budget_usd), str(int(reserve_nanos)),
             "1" if redis_names.has_stored_limits(key.id) else "0",
+            team_id,
         ]
         reply = await self.pipeline.call(self._admit, keys, args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply[:8]

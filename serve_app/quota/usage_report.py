@@ -12,8 +12,12 @@ a day's ``input_tokens + output_tokens + reserved_tokens`` is what its keys were
 charged for inference. ``input_cached_tokens``: the part of ``input_tokens`` the
 engine found in its prefix cache (a model's ``cached_prompt_per_million`` prices it).
 
-A team is OpenAI's project here: ``project_id`` is the key's team id (null for a
-key with none), to group by (``group_by=project_id``) or select (``project_ids``)."""
+A team is OpenAI's project here: ``project_id`` is the team the key was in when
+each request was admitted and charged (null for a key with none), to group by
+(``group_by=project_id``) or select (``project_ids``): a key moved to another team
+leaves its earlier usage with the team that paid for it. (Counters written before
+requests kept their team, and those of requests admitted while Redis was
+unreachable, count under the key's team of now.)"""
 
 from __future__ import annotations
 
@@ -147,15 +151,16 @@ async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
     for key in keys:
         if query.api_key_ids is not None and key.id not in query.api_key_ids:
             continue
-        if query.project_ids is not None and key.team not in query.project_ids:
-            continue
         for field, value in (await redis.hgetall(redis_names.usage(key.id))).items():
             parsed = _model_counter(as_text(field))
             if parsed is None or parsed[0] not in wanted:
                 continue
-            day_field, model, counter = parsed
+            day_field, team, model, counter = parsed
+            team = team if team is not None else key.team
+            if query.project_ids is not None and team not in query.project_ids:
+                continue
             if query.models is None or model in query.models:
-                rows.append((wanted[day_field], key.id, key.team, model, counter, int(value)))
+                rows.append((wanted[day_field], key.id, team, model, counter, int(value)))
     return shown, more, rows
 
 
@@ -194,11 +199,17 @@ def _day_field(day_start: int) -> str:
     return datetime.datetime.fromtimestamp(day_start, datetime.timezone.utc).strftime("d:%Y%m%d")
 
 
-def _model_counter(field: str) -> tuple[str, str, str] | None:
-    """``d:YYYYMMDD:model:<model>:<counter>`` → (``d:YYYYMMDD``, model, counter)."""
-    day, sep, rest = field[:10], field[10:17], field[17:]
-    if not field.startswith("d:") or sep != ":model:":
+def _model_counter(field: str) -> tuple[str, str | None, str, str] | None:
+    """``d:YYYYMMDD[:team:<team id>]:model:<model>:<counter>`` (settle.lua) → (``d:YYYYMMDD``,
+    the team charged or None when the counter names none, model, counter)."""
+    day, team, rest = field[:10], None, field[10:]
+    if not field.startswith("d:"):
         return None
-    model, _, counter = rest.rpartition(":")
-    return (day, model, counter) if model and counter in COUNTERS else None
+    if rest.startswith(":team:"):
+        team, sep, rest = rest[6:].partition(":")
+        rest = sep + rest
+    if not rest.startswith(":model:") or not team and team is not None:
+        return None
+    model, _, counter = rest[7:].rpartition(":")
+    return (day, team, model, counter) if model and counter in COUNTERS else None
 

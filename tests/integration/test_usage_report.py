@@ -110,6 +110,26 @@ async def test_teams_are_projects_grouped_and_selected_by_project_id(redis):
     assert (total["num_model_requests"], total["input_tokens"], total["project_id"]) == (2, 11, None)
 
 
+async def test_usage_stays_with_the_team_it_was_charged_to_when_its_key_moves(redis):
+    """A key of team X spends, moves to team Y, spends again: X's usage and costs are
+    what it paid for, Y's its own; the key's counters written before teams were kept
+    in them count under its team of now."""
+    adm = Admission(redis, lease_s=60, retention_s=3600)
+    in_x = KeyRecord(id="kmover", name="mover", created_at=0, team="tmoverx")
+    in_y = in_x.model_copy(update={"team": "tmovery"})
+    for k, team, prompt in ((in_x, "tmoverx", 198), (in_y, "tmovery", 7)):
+        rid = f"{k.id}-{next(_ids):016x}"
+        assert (await adm.admit(k, rid, "chat", 300, team_id=team)).admitted
+        await adm.settle(k, rid, "completed", prompt, 2, "r1", "chat", Cost(input_nanos=prompt * 100))
+    # As a counter of a request admitted without Redis (no record, so no team) reads.
+    await redis.hincrby(redis_names.usage(in_y.id), time.strftime("d:%Y%m%d", time.gmtime()) + ":model:chat:requests", 1)
+    page = await completions_usage(redis, [in_y], parse_query(query(start_time=today(), group_by="project_id")))
+    got = {r["project_id"]: (r["num_model_requests"], r["input_tokens"]) for r in page["data"][0]["results"]}
+    assert got == {"tmoverx": (1, 198), "tmovery": (2, 7)}
+    x_only = await costs(redis, [in_y], parse_query(query(start_time=today(), project_ids="tmoverx"), COST_GROUPS))
+    assert [r["amount"]["value"] for r in x_only["data"][0]["results"]] == [198 * 100 / 1e9]
+
+
 async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_bucket(redis):
     adm = Admission(redis, lease_s=60, retention_s=3600)
     k = key("kusagepage")

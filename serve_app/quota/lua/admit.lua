@@ -11,7 +11,8 @@
 --       14 daily and 15 monthly money budget, 16 this request's reserved cost (all three
 --       in nano-dollars, sent as integer strings), 17 '1' when the account's limits are its
 --       stored record's (KEYS[7]: an API key, a team), '0' when ARGV's are the only ones
---       (an identity-token user's, from the gateway's configuration)
+--       (an identity-token user's, from the gateway's configuration), 18 the key's team
+--       ('' for none, and at a team's own level), kept in the record for the usage counters
 -- A stored account is admitted under its record as it is in Redis now, not the limits
 -- the calling replica cached (ARGV 3-7, 14-15 stand in for a record that has none):
 -- a limit lowered or raised applies to the next admission on every replica, and a key
@@ -115,7 +116,8 @@ for _, id in ipairs(expired) do
     -- Its model's day counts it as settle.lua counts a request whose usage is unknown.
     local rec_model, rec_day = redis.call('HGET', rec, 'model'), redis.call('HGET', rec, 'day')
     if rec_model and rec_model ~= '' and rec_day then
-      local per_model = rec_day .. ':model:' .. rec_model .. ':'
+      local rec_team = redis.call('HGET', rec, 'team')
+      local per_model = rec_day .. (rec_team and (':team:' .. rec_team) or '') .. ':model:' .. rec_model .. ':'
       redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
       redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
       local reserved_nanos = redis.call('HGET', rec, 'reserved_nanos')
@@ -259,6 +261,7 @@ if not k.unlimited then redis.call('SET', KEYS[2], tostring(k.new_tat), 'PX', ma
 redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
   'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
   'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0', 'rpm', rpm, 'tpm', tpm)
+if ARGV[18] and ARGV[18] ~= '' then redis.call('HSET', KEYS[5], 'team', ARGV[18]) end
 redis.call('EXPIRE', KEYS[5], retention)
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)
 redis.call('PEXPIRE', KEYS[3], lease_ms + WINDOW)

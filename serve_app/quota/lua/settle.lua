@@ -22,6 +22,11 @@
 local WINDOW = 60000
 local CACHED_PROMPT = tonumber(ARGV[15] or 0)  -- of the prompt, found in the engine's cache
 local SHIP = ARGV[16] == '1'
+-- The team the key was in when the request was admitted (admit.lua keeps it in the
+-- record): the usage API reports the key's usage under it, wherever the key is now.
+-- A request admitted without Redis has no record, hence no team here: the usage API
+-- puts such counters under the key's team of the day they are read.
+local TEAM = redis.call('HGET', KEYS[5], 'team') or ''
 
 -- The usage API's counters (serve_app/quota/usage.py): per model and day, what each
 -- request of an inference model was charged: its real usage, or, when that is
@@ -38,7 +43,7 @@ local function count_for_model(day, month, model, prompt, completion, reserved, 
     redis.call('HINCRBY', KEYS[4], month .. ':cost_nanos', string.format('%.0f', delta))
   end
   if model == nil or model == false or model == '' then return end
-  local per_model = day .. ':model:' .. model .. ':'
+  local per_model = day .. (TEAM ~= '' and (':team:' .. TEAM) or '') .. ':model:' .. model .. ':'
   if prompt >= 0 then
     if prompt + completion == 0 then return end
     redis.call('HINCRBY', KEYS[4], per_model .. 'input_tokens', prompt)

@@ -184,6 +184,16 @@ def test_a_key_moved_to_another_team_takes_its_limits(base_url, redis):
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
     wait_until_settled(redis, roomy["id"])
     assert counters(redis, roomy["id"])["requests"] == 4 and counters(redis, strict["id"])["requests"] == 1
+    # Chargeback stays with the team that paid: the usage and costs APIs by project.
+    start_time = int(time.time()) // 86400 * 86400
+    usage = admin("GET", base_url, f"/v1/organization/usage/completions?start_time={start_time}"
+                                   f"&group_by=project_id&api_key_ids={key['id']}")
+    by_team = {r["project_id"]: r["num_model_requests"] for r in usage["data"][-1]["results"]}
+    assert by_team == {strict["id"]: 1, roomy["id"]: 4}, by_team
+    spent = admin("GET", base_url, f"/v1/organization/costs?start_time={start_time}&group_by=project_id"
+                                   f"&project_ids={strict['id']}")
+    assert [r["project_id"] for r in spent["data"][-1]["results"]] == [strict["id"]]
+    assert spent["data"][-1]["results"][0]["amount"]["value"] > 0
     trail = admin("GET", base_url, "/admin/audit?target=" + key["id"])["data"]
     assert any(e["action"] == "key.update" and e["after"] == {"team": roomy["id"]} for e in trail), trail
 
