@@ -49,6 +49,8 @@ through ``edge_config`` first:
   application with an ingress request router (a model routed with affinity on several
   replicas: serve_app/http/edge_router.py) has its replica picked there, sessions
   included, so it gets no session copy.
+- ``option forwardfor``: every request carries the client's address as the last
+  ``X-Forwarded-For`` (the gateway counts failed admin credentials per client).
 - HAProxy's own listeners tell nobody anything: its statistics page (Ray's ``listen
   stats``, every interface, no credential: every backend, replica name and address) and
   its Prometheus exporter (``frontend prometheus``) are bound to ``EDGE_ADMIN_HOST``
@@ -149,7 +151,7 @@ def _private(section: str) -> str:
     return section
 
 
-_OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile) .*\n", re.MULTILINE)
+_OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile|option forwardfor)\b.*\n", re.MULTILINE)
 
 
 def error_response(status: int) -> bytes:
@@ -171,7 +173,10 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     to ``error_dir``."""
     error_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
-             f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s"]
+             f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s",
+             # The client's address, after any X-Forwarded-For it sent: the gateway throttles
+             # failed admin credentials per client (serve_app/quota/credential_guard.py).
+             "    option forwardfor"]
     for status in EDGE_ERRORS:
         path = error_dir / f"{status}.http"
         path.write_bytes(error_response(status))

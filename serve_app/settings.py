@@ -277,6 +277,10 @@ class AuthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     jwt: JwtConfig | None = Field(None, description="Tokens of an OIDC provider; unset = API keys only.")
+    admin_failures_per_minute: int = Field(
+        20, ge=0, description="Failed admin credentials (admin API, console login) one client may send in a "
+        "clock minute; past it that client's are refused unchecked (429) until the minute ends. 0 = no limit.",
+    )
 
 
 class AppSettings(BaseSettings):

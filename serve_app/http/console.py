@@ -26,6 +26,7 @@ from serve_app.errors import OpenAIError
 from serve_app.quota import admin, usage_report
 from serve_app.quota.admins import SESSION_S
 from serve_app.quota.costs import NANOS_PER_USD
+from serve_app.quota.credential_guard import client_of
 from serve_app.quota.usage import key_usage
 
 COOKIE = "llm_console"
@@ -53,9 +54,12 @@ class Console:
             return _page("Refused", "<p>A form from another site was refused.</p>", status=403)
         form = await _form(request)
         credential = form.get("credential", "")
-        try:
-            actor = await self.access.admin_actor({"authorization": f"Bearer {credential}"})
-        except OpenAIError:
+        try:  # counted against this client's failed admin credentials (credential_guard.py)
+            actor = await self.access.admin_actor({"authorization": f"Bearer {credential}",
+                                                   "x-forwarded-for": client_of(request.headers)})
+        except OpenAIError as exc:
+            if exc.status == 429:
+                return _page("Log in", _login_form(exc.message), status=429)
             return _page("Log in", _login_form("That is not an admin credential."), status=401)
         token = await self.access.admins.open_session(actor)
         response = RedirectResponse("/console", status_code=303)

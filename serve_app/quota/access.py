@@ -44,6 +44,7 @@ from serve_app.quota.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
 from serve_app.quota.admins import AdminStore
 from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog
 from serve_app.quota.costs import Cost, Rates
+from serve_app.quota.credential_guard import CredentialGuard
 from serve_app.quota.jwt_auth import JwtAuthenticator, is_jwt_identity, looks_like_jwt
 from serve_app.quota.key_cache import KeyCache
 from serve_app.quota.keys import KeyRecord, KeyStore, digest
@@ -116,6 +117,7 @@ class Access:
         self.teams = TeamStore(self.redis)
         self.audit = AuditLog(self.redis)  # admin actions (quota/admin.py writes it)
         self.admins = AdminStore(self.redis)  # named admin credentials
+        self.credential_guard = CredentialGuard(self.redis, settings.auth.admin_failures_per_minute)
         # Tokens of the company's identity provider, besides API keys (jwt_auth.py).
         self.jwt = JwtAuthenticator(settings.auth.jwt) if settings.auth.jwt is not None else None
         # Final records to the record sink (record_shipper.py); Redis keeps them recent_s.
@@ -213,6 +215,8 @@ class Access:
         """Who is calling the admin API (the audit trail's actor: ``admin-token`` for
         the shared bootstrap token, ``admin:<name>`` for a named credential), or 401."""
         secret = _secret_from(headers)
+        if secret:  # a client past its failed credentials of the minute is not even checked
+            await self.credential_guard.check(headers)
         # As bytes: compare_digest refuses str with non-ASCII characters (a header may carry any).
         if self.admin_token is not None and secret and hmac.compare_digest(
             secret.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8")
@@ -229,6 +233,8 @@ class Access:
                 self.telemetry.redis_failed("authenticate")
                 raise quota_store_error() from None
         if admin is None:
+            if secret:
+                await self.credential_guard.failed(headers)
             raise OpenAIError(401, "Admin API: invalid or missing admin credential.", code="invalid_api_key")
         return f"admin:{admin.name}"
 

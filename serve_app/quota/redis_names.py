@@ -76,6 +76,12 @@ def admin_digest(digest: str) -> str:
 ADMIN_INDEX = f"{PREFIX}:admins"
 
 
+def admin_failures(client_digest: str, minute: int) -> str:
+    """Failed admin credentials of one client (its address's digest) in one clock minute
+    (serve_app/quota/credential_guard.py)."""
+    return f"{PREFIX}:adminfail:{client_digest}:{minute}"
+
+
 def console_session(token_digest: str) -> str:
     """An operator console session (its cookie's digest) → the admin it acts for."""
     return f"{PREFIX}:consolesession:{token_digest}"

@@ -289,6 +289,40 @@ async def test_an_admin_token_header_of_any_characters_is_a_401_not_a_crash(redi
         await gate.redis.aclose()
 
 
+async def test_failed_admin_credentials_are_throttled_per_client_even_the_right_one_then(redis_server):
+    """60 wrong admin credentials in 5 s were 60 x 401: past the minute's bound a client's
+    credentials are refused unchecked (429 with retry-after), the right one too; another
+    client is not held back, and a request with no credential guesses nothing."""
+    settings = AppSettings(redis_url=redis_server.url, admin_token="s3cret-admin",
+                           auth={"admin_failures_per_minute": 5})
+    gate = Access(settings, Telemetry(False, False))
+    attacker = {"x-forwarded-for": "203.0.113.9"}
+    try:
+        for _ in range(3):
+            with pytest.raises(OpenAIError) as caught:
+                await gate.admin_actor({})  # no credential: not counted
+            assert caught.value.status == 401
+        statuses = []
+        for i in range(8):
+            try:
+                await gate.admin_actor({**attacker, "authorization": f"Bearer guess-{i}"})
+            except OpenAIError as exc:
+                statuses.append(exc.status)
+                last = exc
+        if statuses.count(401) < 5:  # a clock minute ended among the guesses: its count began again
+            pytest.skip("the minute turned while guessing")
+        assert statuses == [401] * 5 + [429] * 3, statuses
+        assert 1 <= int(last.headers["retry-after"]) <= 60 and "Too many failed admin credentials" in last.message
+        with pytest.raises(OpenAIError) as held:
+            await gate.admin_actor({**attacker, "authorization": "Bearer s3cret-admin"})
+        assert held.value.status == 429
+        # Another client (the edge's last X-Forwarded-For, after any a client forged) is not.
+        other = {"x-forwarded-for": "203.0.113.9, 198.51.100.4", "authorization": "Bearer s3cret-admin"}
+        assert await gate.admin_actor(other) == "admin-token"
+    finally:
+        await gate.redis.aclose()
+
+
 # -- fail_mode closed: an outage refuses, nothing is served unchecked ------------------
 
 
