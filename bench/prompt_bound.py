@@ -5,8 +5,9 @@ The count is vLLM's own: the replica's renderer (chat template, tokenizer) runs 
 every request anyway, and replicas/prompt_allowance.py only adds up what it rendered.
 So the figures that matter are (1) what that adding costs on every request, (2) how
 often the gateway's 4-bytes-a-token estimate is too low, per script, and (3) what
-such a request pays: a second rendering (measured here, per KB) and a second
-admission in Redis (one round trip: bench/admission_throughput.py). Runs vLLM's
+such a request pays: a second rendering (measured here, per KB), and its first
+admission withdrawn and a second one made in Redis (two round trips:
+bench/admission_throughput.py). Runs vLLM's
 renderer for the demo model in this process (no engine, no Ray), CPU time of this
 thread, medians over repeats; prints one table.
 
@@ -116,7 +117,7 @@ def main() -> None:
         print(f"{script:<14} {size:>3} {raw:>7} {estimate:>8} {tokens:>7} {tokens / estimate:>6.2f} "
               f"{'yes' if tokens > estimate else 'no':>6} {render_us:>9.0f} {render_us / size:>7.0f} {count_us:>8.2f}")
     print("ratio: engine tokens / estimate; resize: the replica refuses it at its estimate and the gateway "
-          "admits it again (a second rendering, as 'render µs', and one Redis round trip).")
+          "admits it again (a second rendering, as 'render µs', and two Redis round trips).")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ from pathlib import Path
 
 import psutil
 
+# The stack's Ray is a one-node Ray on loopback, as Ray runs on a laptop (macOS, Windows):
+# with its node address 127.0.0.1, Ray binds its metrics endpoints — the metrics export
+# port, which serves the gateway's per-key and per-team counts and spend, the dashboard's
+# and the autoscaler's — to loopback instead of every interface. (On Linux Ray takes the
+# node's network address even when told 127.0.0.1; this is its switch for one-node Rays.)
+LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
 # A stop ends every process of the stack within this many seconds (docs/operating.md, "Stopping").
 STOP_BOUND_S = 30
 DEFAULT_GRACE_S = 5.0
@@ -126,7 +133,7 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
         output = open(log, "w")
     serve = Path(sys.executable).parent / "serve"
     stack = subprocess.Popen([str(serve), "run", "--address", "local", str(serve_config)],
-                             start_new_session=True,
+                             start_new_session=True, env={**os.environ, **LOOPBACK_RAY},
                              stdout=output, stderr=subprocess.STDOUT if output else None)
     if output is not None:
         output.close()  # the child holds it

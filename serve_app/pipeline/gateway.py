@@ -54,12 +54,8 @@ def _unavailable(ticket: Ticket, message: str, code: str) -> OpenAIError:
     return OpenAIError(503, message, code=code, headers={**ticket.headers, **RETRY_HEADERS})
 
 
-def _engine_error(ticket: Ticket, refused: ReplicaError) -> Exception:
-    """An error the replica answered; its 503 (engine gone) tells when to retry. A
-    prompt larger than its reservation is not the client's error: ``run`` resizes it."""
-    prompt_tokens = refused.prompt_over_allowance
-    if prompt_tokens is not None:
-        return _PromptOverReservation(prompt_tokens)
+def _engine_error(ticket: Ticket, refused: ReplicaError) -> OpenAIError:
+    """An error the replica answered; its 503 (engine gone) tells when to retry."""
     exc = from_engine_error(refused.status, refused.error)
     exc.headers = {**ticket.headers, **(RETRY_HEADERS if refused.status == 503 else {})}
     return exc
@@ -165,9 +161,9 @@ class Gateway:
                 return await self._call(plan, ticket, record, early)
             except _PromptOverReservation as over:
                 # The prompt renders to more tokens than its estimate: nothing ran and
-                # the ticket is settled. Admit it again for what the replica counted
-                # (a 429 now if the key's limits cannot hold it), so that the engine
-                # never takes more than was reserved.
+                # its admission was withdrawn. Admit it again for what the replica
+                # counted (a 429 now if the key's limits cannot hold it), so that the
+                # engine never takes more than was reserved.
                 if resizes == PROMPT_RESIZES:
                     raise OpenAIError(503, "The prompt's token count changed between two renderings. Please retry.",
                                       code="prompt_resize_failed", headers={**ticket.headers, **RETRY_HEADERS}) from None
@@ -319,8 +315,7 @@ class Gateway:
             raise
         self.catalog.describe_while_up(model)
         if isinstance(answer, ReplicaError):
-            self.access.settle(ticket, "failed", Usage(), answer.replica)
-            raise _engine_error(ticket, answer)
+            raise await self._replica_refused(ticket, answer)
         self._served(model, ticket.key.id, answer.usage)  # before its place goes to the next one
         self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
         record.used(answer.usage)
@@ -375,8 +370,7 @@ class Gateway:
             self.access.settle(ticket, "failed")
             raise OpenAIError(500, "The model returned an empty stream.") from None
         if isinstance(first, ReplicaError):
-            self.access.settle(ticket, "failed", Usage(), first.replica)
-            raise _engine_error(ticket, first)
+            raise await self._replica_refused(ticket, first)
         record.first_token_at = time.monotonic()
         record.stream = True
         if trace is not None:
@@ -390,6 +384,18 @@ class Gateway:
         # (otherwise its lease would be renewed for as long as the ingress lives).
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
+
+    async def _replica_refused(self, ticket: Ticket, refused: ReplicaError) -> Exception:
+        """Settle a request the replica refused before running it; the exception to raise.
+        A prompt larger than its reservation is not the client's error: its admission is
+        withdrawn (nothing of it counts, its request of requests/min included) and ``run``
+        admits it again at the size the replica counted."""
+        prompt_tokens = refused.prompt_over_allowance
+        if prompt_tokens is not None:
+            await self.access.withdraw(ticket)
+            return _PromptOverReservation(prompt_tokens)
+        self.access.settle(ticket, "failed", Usage(), refused.replica)
+        return _engine_error(ticket, refused)
 
     def _start_early(self, handle, op: Operation, body: dict, key: KeyRecord, model: str,
                      reservation: Reservation, trace: RequestTrace | None) -> "_EarlyStart | None":

@@ -329,6 +329,25 @@ class Access:
             self._spawn(self.admission.index_http_id(http_request_id, request_id))
         return ticket
 
+    async def withdraw(self, ticket: Ticket) -> None:
+        """Take a ticket's admission back as if it never happened, at every level: its
+        request ran nothing and is admitted again (a prompt the replica counted larger
+        than its reservation: serve_app/pipeline/gateway.py), so neither its request of
+        requests/min nor its reservation may count twice. Not a refusal either. A ticket
+        admitted without Redis is settled as failed instead (its local share)."""
+        if ticket.settled:
+            return
+        if ticket.local:
+            self.settle(ticket, "failed", Usage())
+            return
+        ticket.settled = True
+        if ticket.on_settle is not None:
+            ticket.on_settle()
+        if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
+            self.overlap.ended(ticket.key.id)
+        for level in ticket.levels():
+            await self._release(level, ticket.request_id, ticket.model, "")
+
     async def _release(self, level: KeyRecord, request_id: str, model: str, refused_by: str) -> None:
         """Take back a level's admission of a request another level refused. If Redis
         does not take it now, it is settled as failed later (its reservation given

@@ -173,6 +173,24 @@ async def test_a_refund_uses_the_tokens_per_minute_its_request_was_admitted_unde
     assert second.admitted and second.tokens_remaining == 6000 - 100 * 10 - 1
 
 
+async def test_an_admission_withdrawn_to_be_made_again_leaves_nothing_counted(redis):
+    """A request whose prompt the replica counted larger than reserved is admitted again:
+    its first admission is taken back whole, and not counted as a refusal either, so a
+    key with one request a minute can still send it."""
+    adm = admission(redis)
+    k = key(requests_per_minute=1, tokens_per_minute=1000, daily_token_budget=1000)
+    rid, first = await admit(adm, k, tokens=300)
+    assert first.admitted
+    assert await adm.release(k, rid, "")
+    rid, again = await admit(adm, k, tokens=900)
+    assert again.admitted, again
+    usage = {name.decode(): int(value) for name, value in (await redis.hgetall(redis_names.usage(k.id))).items()}
+    day = next(name for name in usage if name.endswith(":requests") and name.count(":") == 2)
+    assert usage[day] == 1 and usage[day.replace("requests", "tokens")] == 900
+    assert not any(name.endswith(":refused") for name in usage) and not await redis.hgetall(redis_names.refusals(k.id))
+    await adm.settle(k, rid, "completed", prompt_tokens=850, completion_tokens=10)
+
+
 async def test_monthly_budget(redis):
     adm, k = admission(redis), key(monthly_token_budget=100)
     assert (await admit(adm, k, tokens=100))[1].admitted

@@ -48,6 +48,9 @@ class Access:
             ticket.on_settle()
         self.settled.append((status, usage))
 
+    async def withdraw(self, ticket):
+        self.settle(ticket, "withdrawn")  # its admission taken back: nothing of it counts
+
 
 class Response:
     """A unary call: ``assign`` is how reaching a replica ends, ``result`` how the call does."""
@@ -465,8 +468,9 @@ async def test_a_prompt_over_its_estimate_is_admitted_again_at_its_real_size():
     assert reply.body == b"{}"
     assert replica.allowances == [25, 900]  # the engine never took more than was reserved
     assert access.reserved == [25 + 4, 900 + 4]
-    # The refused attempt charged nothing; the second its real usage, within its reservation.
-    assert access.settled == [("failed", Usage()), ("completed", Usage(prompt_tokens=900, completion_tokens=4))]
+    # The refused attempt was withdrawn (nothing of it counts, not even its request); the
+    # second is charged its real usage, within its reservation.
+    assert access.settled == [("withdrawn", None), ("completed", Usage(prompt_tokens=900, completion_tokens=4))]
 
 
 async def test_a_prompt_within_its_estimate_is_sent_once():
@@ -482,7 +486,7 @@ async def test_a_prompt_whose_count_changes_again_is_a_503_never_an_overrun():
     with pytest.raises(OpenAIError) as caught:
         await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
     assert caught.value.status == 503 and caught.value.code == "prompt_resize_failed"
-    assert access.settled == [("failed", Usage()), ("failed", Usage())]
+    assert access.settled == [("withdrawn", None), ("withdrawn", None)]
 
 
 async def test_the_tokenizer_routes_send_no_allowance():

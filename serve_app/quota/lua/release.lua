@@ -9,8 +9,9 @@
 -- KEYS: as admit.lua (1 requests GCRA, 2 tokens GCRA, 3 leases, 4 usage, 5 record,
 --       6 refusal counters per minute)
 -- ARGV: 1 request id, 2 requests/min, 3 tokens/min (the limits it was admitted
---       under), 4 the refusal kind, as the other level's ('team_requests', ...),
---       5 record retention s
+--       under), 4 the refusal kind, as the other level's ('team_requests', ...), or ''
+--       when it is no refusal (an admission withdrawn to be made again at another size:
+--       nothing counts it), 5 record retention s
 -- Returns 1 if it undid an admission, 0 if there was none to undo.
 
 local WINDOW = 60000
@@ -41,10 +42,12 @@ for _, period in ipairs({redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', 
   redis.call('HINCRBY', KEYS[4], period .. ':requests', -1)
   if reserved_nanos ~= '0' then redis.call('HINCRBY', KEYS[4], period .. ':cost_nanos', '-' .. reserved_nanos) end
 end
-redis.call('HINCRBY', KEYS[4], redis.call('HGET', KEYS[5], 'day') .. ':refused', 1)
-local minute = math.floor(now / 60000)
-redis.call('HINCRBY', KEYS[6], minute .. ':' .. ARGV[4], 1)
-redis.call('EXPIRE', KEYS[6], 3660)
+if ARGV[4] ~= '' then
+  redis.call('HINCRBY', KEYS[4], redis.call('HGET', KEYS[5], 'day') .. ':refused', 1)
+  local minute = math.floor(now / 60000)
+  redis.call('HINCRBY', KEYS[6], minute .. ':' .. ARGV[4], 1)
+  redis.call('EXPIRE', KEYS[6], 3660)
+end
 
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[5])

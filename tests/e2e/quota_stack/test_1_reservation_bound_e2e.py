@@ -193,3 +193,20 @@ def test_a_batch_of_dense_lines_never_passes_its_keys_budget(base_url, redis_ser
     ran = client.batches.retrieve(batch.id).request_counts.completed
     assert 1 <= ran < len(lines), ran  # some lines fit, not all: the budget decided
     assert charged["tokens"] <= budget, charged
+
+
+def test_a_resized_request_counts_once_so_a_key_of_one_request_a_minute_can_send_it(base_url, redis_server, redis):
+    """The admission at the estimate is withdrawn whole (its request of requests/min too)
+    before the request is admitted again at its real size."""
+    key_id, secret = create_key(redis_server.url, f"rpm1-dense-{time.monotonic_ns()}", requests_per_minute=1)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    prompt = dense("digits", 600, seed=5)
+    usage = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=2).usage
+    assert usage.prompt_tokens > estimate(prompt)  # it was resized
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)
+    assert charged["requests"] == 1 and charged.get("refused", 0) == 0, charged
+    assert charged["tokens"] == usage.total_tokens
+    with pytest.raises(openai.RateLimitError):  # and the minute's one request is spent
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
