@@ -87,3 +87,43 @@ def test_haproxys_statistics_and_metrics_answer_no_one_off_the_machine(stack):
     sockets = [re.sub(r"\.\d+\.tmp$", "", conn.laddr) for conn in proxy.net_connections("unix") if conn.laddr]
     modes = {path: oct(stat.S_IMODE(os.stat(path).st_mode)) for path in sockets if os.path.exists(path)}
     assert modes and all(int(mode, 8) & 0o077 == 0 for mode in modes.values()), modes
+
+
+
+def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
+    """Ray's metrics endpoints (the gateway's per-key and per-team counts and spend) answer
+    on loopback only under `llmctl run` (a one-node Ray on 127.0.0.1: LOOPBACK_RAY in
+    serve_app/ops/local_stack.py); and whatever else listens on the machine's network
+    addresses, probed with no credential, serves no tenant's metrics."""
+    import json
+    import socket
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from prometheus_server import SERVICE_DISCOVERY_FILE
+
+    stack.wait_ready()
+    _, secret = create_key(redis_server.url, "metrics-probe")
+    chat = httpx.post(stack.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"},
+                      json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                      timeout=60)
+    assert chat.status_code == 200, chat.text
+    targets = [target for group in json.loads(Path(SERVICE_DISCOVERY_FILE).read_text()) for target in group["targets"]]
+    assert targets and all(target.startswith("127.0.0.1:") for target in targets), targets
+    deadline = time.monotonic() + 30  # Ray exports every 10 s
+    while "metrics-probe" not in "".join(httpx.get(f"http://{t}/metrics", timeout=10).text for t in targets):
+        assert time.monotonic() < deadline, "the key's metrics never reached Ray's endpoint"
+        time.sleep(1)
+    addresses = [address.address for addresses in psutil.net_if_addrs().values() for address in addresses
+                 if address.family == socket.AF_INET and not address.address.startswith("127.")]
+    reachable = {conn.laddr.port for conn in psutil.net_connections("tcp")
+                 if conn.status == psutil.CONN_LISTEN and not conn.laddr.ip.startswith("127.")}
+    for address in addresses:
+        for port in sorted(reachable):
+            try:
+                text = httpx.get(f"http://{address}:{port}/metrics", timeout=3).text
+            except httpx.HTTPError:
+                continue  # not HTTP (Ray's gRPC), or closed
+            assert "metrics-probe" not in text and "llm_gateway" not in text, (address, port)
