@@ -153,7 +153,7 @@ class ModelCatalog:
         """The model for a request that names none (platforms such as SageMaker
         or Azure serve one model per endpoint): the only one serving
         ``operation`` (any operation when None) of those ``key`` may use, else a 400
-        asking for it that names only those."""
+        asking for it that names only those (a 403 when it may use none of them)."""
         if operation is not None:  # what each serves: every model described side by side
             await asyncio.gather(*(
                 self._details_within_queue_timeout(name)
@@ -161,15 +161,18 @@ class ModelCatalog:
                 if (key is None or key.allows_model(name)) and name not in self._card_details
                 and not config.scales_to_zero
             ))
-        names = [
+        served = [
             name
             for name in self._configs
-            if key is None or key.allows_model(name)
             # A model not described (yet: scaled to zero, or busy past its queue timeout) may serve it.
             if operation is None or operation in self._card_details.get(name, {}).get("capabilities", [operation])
         ]
+        names = [name for name in served if key is None or key.allows_model(name)]
         if len(names) == 1:
             return names[0]
+        if served and not names:  # named to no one: which models exist is not this key's to learn
+            raise OpenAIError(403, "This API key may not use any model this endpoint serves.", param="model",
+                              code="model_not_allowed")
         raise OpenAIError(
             400,
             f"Missing required parameter: 'model'. This endpoint serves {', '.join(names) or 'no model for this operation'}.",

@@ -140,10 +140,9 @@ def test_a_team_over_its_budget_can_still_stop_its_batch_and_fetch_its_files(bas
     key = admin("POST", base_url, "/admin/keys", name=f"over-{tag}", team=team["id"])
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key["secret"], max_retries=0, timeout=60)
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    file = client.files.create(file=("lines.jsonl", jsonl([chat_line(f"l{i}", max_tokens=64) for i in range(40)])),
-                               purpose="batch")
+    lines = jsonl([chat_line(f"l{i}", max_tokens=64) for i in range(200)])
+    file = client.files.create(file=("lines.jsonl", lines), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
-    wait_until_settled(redis, key["id"])
     admin("PATCH", base_url, f"/admin/teams/{team['id']}", daily_token_budget=1)  # below what it used
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -151,7 +150,7 @@ def test_a_team_over_its_budget_can_still_stop_its_batch_and_fetch_its_files(bas
     # Refused at once on either ingress replica, under the budget as it is now in Redis.
     assert error["type"] == "daily_token_budget" and "a daily budget of 1 tokens" in error["message"], error
     assert file.id in [f.id for f in client.files.list()]
-    assert client.files.content(file.id).content == jsonl([chat_line(f"l{i}", max_tokens=64) for i in range(40)])
+    assert client.files.content(file.id).content == lines
     assert client.batches.retrieve(batch.id).id == batch.id
     cancelled = client.batches.cancel(batch.id)
     assert cancelled.status in ("cancelling", "cancelled")
