@@ -11,6 +11,7 @@ engine load like any other caller.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from contract.model_config import deployment_name, direct_app_name
@@ -22,6 +23,10 @@ ENGINE_LOAD_TIMEOUT_S = 5.0
 def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
     """Deployments of the application (and of its models' direct routes): status,
     replicas by state, target; each model's engine load. {"error": ...} when no Ray cluster or app is found."""
+    from serve_app.ops.local_stack import LOOPBACK_RAY, running_stack_pid
+
+    if running_stack_pid() is not None:  # `llmctl run`'s Ray is a one-node Ray on loopback: join it as one
+        os.environ.update(LOOPBACK_RAY)  # (read when Ray is first imported, just below)
     import ray
     from ray import serve
 
