@@ -62,7 +62,6 @@ def test_haproxys_statistics_and_metrics_answer_no_one_off_the_machine(stack):
     (cluster/haproxy_edge.py); probed as a neighbour on the network would, with no
     credential."""
     import re
-    import socket
     import stat
 
     import psutil
@@ -76,10 +75,7 @@ def test_haproxys_statistics_and_metrics_answer_no_one_off_the_machine(stack):
     for port in (8404, 9101):  # Ray's defaults: statistics, Prometheus exporter
         assert listening.get(port) == "127.0.0.1", listening
     assert httpx.get("http://127.0.0.1:8404/stats", timeout=10).status_code == 200  # for the operator, on the box
-    # The machine's addresses on its networks: nothing answers there.
-    addresses = [address.address for addresses in psutil.net_if_addrs().values() for address in addresses
-                 if address.family == socket.AF_INET and not address.address.startswith("127.")]
-    for address in addresses:
+    for address in network_addresses():  # nothing answers there
         for port in (8404, 9101):
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"http://{address}:{port}/", timeout=5)
@@ -96,7 +92,6 @@ def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
     serve_app/ops/local_stack.py); and whatever else listens on the machine's network
     addresses, probed with no credential, serves no tenant's metrics."""
     import json
-    import socket
     import time
     from pathlib import Path
 
@@ -116,8 +111,7 @@ def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
     while "metrics-probe" not in "".join(httpx.get(f"http://{t}/metrics", timeout=10).text for t in targets):
         assert time.monotonic() < deadline, "the key's metrics never reached Ray's endpoint"
         time.sleep(1)
-    addresses = [address.address for addresses in psutil.net_if_addrs().values() for address in addresses
-                 if address.family == socket.AF_INET and not address.address.startswith("127.")]
+    addresses = network_addresses()
     reachable = {conn.laddr.port for conn in psutil.net_connections("tcp")
                  if conn.status == psutil.CONN_LISTEN and not conn.laddr.ip.startswith("127.")}
     for address in addresses:
@@ -127,3 +121,13 @@ def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
             except httpx.HTTPError:
                 continue  # not HTTP (Ray's gRPC), or closed
             assert "metrics-probe" not in text and "llm_gateway" not in text, (address, port)
+
+
+def network_addresses() -> list[str]:
+    """This machine's IPv4 addresses on its networks (not loopback): where a neighbour probes."""
+    import socket
+
+    import psutil
+
+    return [address.address for addresses in psutil.net_if_addrs().values() for address in addresses
+            if address.family == socket.AF_INET and not address.address.startswith("127.")]
