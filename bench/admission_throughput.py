@@ -1,8 +1,8 @@
 """Admissions per second and admission latency: one Redis node vs a Redis Cluster,
 from 1 and from 4 gateway processes, for keys alone (one level) and for keys in
-teams (two levels: each key's and its team's limits, serve_app/quota/teams.py).
+teams (two levels: each key's and its team's limits, serve_app/identity/teams.py).
 
-Each process runs what an ingress replica runs per request (serve_app.quota.access:
+Each process runs what an ingress replica runs per request (serve_app.admission.access:
 ``Access.admit`` — one EVALSHA of the admit script — then ``Access.settle``, off
 the response path) in a closed loop with ``--concurrency`` requests in flight,
 over 1,000 API keys with generous limits (admitted, not refused: the full write
@@ -46,8 +46,8 @@ def run_process(url: str, duration_s: float, concurrency: int, seed: int, result
 async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int,
                  levels: int) -> None:
     from contract.replica_wire import Usage
-    from serve_app.quota.access import Access
-    from serve_app.quota.keys import KeyRecord
+    from serve_app.admission.access import Access
+    from serve_app.identity.keys import KeyRecord
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 
@@ -56,7 +56,7 @@ async def _drive(url: str, duration_s: float, concurrency: int, seed: int, resul
     generous = {"requests_per_minute": 10**7, "tokens_per_minute": 10**9, "max_concurrent": 10**4}
     teams = []
     if levels == 2:
-        from serve_app.quota.keys import KeyLimits
+        from serve_app.limits import KeyLimits
 
         teams = [(await gate.teams.create(f"bench-{seed}-{time.monotonic_ns()}-{j}", KeyLimits(**generous))).id
                  for j in range(TEAMS)]

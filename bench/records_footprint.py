@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_footprint import used  # noqa: E402  (bench/, beside this file)
 from redis_server import running_redis  # noqa: E402
 
-from serve_app.quota import redis_client, redis_names  # noqa: E402
-from serve_app.quota.access import Access  # noqa: E402
-from serve_app.quota.keys import KeyStore  # noqa: E402
+from serve_app.redis_store import redis_client, redis_names  # noqa: E402
+from serve_app.admission.access import Access  # noqa: E402
+from serve_app.identity.keys import KeyStore  # noqa: E402
 from serve_app.settings import AppSettings  # noqa: E402
 from serve_app.telemetry import Telemetry  # noqa: E402
 

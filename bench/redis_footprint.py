@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from redis_server import running_redis  # noqa: E402
 
-from serve_app.quota.admission import Admission  # noqa: E402
+from serve_app.admission.scripts import Admission  # noqa: E402
 from serve_app.stored.batches import BatchStore  # noqa: E402
 from serve_app.stored.files_api import FileStore  # noqa: E402
-from serve_app.quota.keys import KeyRecord  # noqa: E402
+from serve_app.identity.keys import KeyRecord  # noqa: E402
 from serve_app.stored.stored_responses import ResponseStore, stored_space  # noqa: E402
-from serve_app.quota.usage import new_request_id  # noqa: E402
+from serve_app.accounting.usage import new_request_id  # noqa: E402
 
 
 async def used(client) -> int:

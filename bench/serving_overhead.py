@@ -80,7 +80,7 @@ def bench_api_key() -> str:
     import redis.asyncio
     import redis.exceptions
 
-    from serve_app.quota.keys import KeyStore
+    from serve_app.identity.keys import KeyStore
 
     async def create() -> str:
         client = redis.asyncio.Redis.from_url(REDIS_URL)

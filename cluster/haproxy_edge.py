@@ -175,7 +175,7 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     lines = [f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
              f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s",
              # The client's address, after any X-Forwarded-For it sent: the gateway throttles
-             # failed admin credentials per client (serve_app/quota/credential_guard.py).
+             # failed admin credentials per client (serve_app/identity/credential_guard.py).
              "    option forwardfor"]
     for status in EDGE_ERRORS:
         path = error_dir / f"{status}.http"

@@ -32,7 +32,7 @@ DEFAULT_MAX_QUEUED_REQUESTS = 64
 # A replica being stopped (scale-down, redeploy) first finishes what it runs:
 # LLM streams last minutes, far beyond Serve's default of 20 s.
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
-# A key's scheduling tier (serve_app/quota/keys.py), most urgent first, and the value
+# A key's scheduling tier (serve_app/identity/keys.py), most urgent first, and the value
 # each sends as vLLM's request `priority` (lower runs earlier).
 PriorityTier = Literal["high", "normal", "low"]
 PRIORITY_TIERS: tuple[str, ...] = get_args(PriorityTier)
@@ -228,7 +228,7 @@ class LoraSettings(BaseModel):
 
 class Pricing(BaseModel):
     """What a model's tokens cost (US dollars per million), recorded at every settlement
-    (serve_app/quota/costs.py) and served as OpenAI's Costs API."""
+    (serve_app/accounting/costs.py) and served as OpenAI's Costs API."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -178,7 +178,7 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
             argv += [flag, str(value)]
     if "enable_prompt_tokens_details" not in config.engine_kwargs:
         # Usage names the prompt tokens found in the prefix cache: a model's cached-prompt
-        # price charges them (serve_app/quota/costs.py), the usage API counts them.
+        # price charges them (serve_app/accounting/costs.py), the usage API counts them.
         argv.append("--enable-prompt-tokens-details")
     if config.lora is not None:
         argv += ["--enable-lora", "--max-loras", str(config.lora.max_adapters_per_replica),

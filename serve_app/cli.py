@@ -59,24 +59,24 @@ def _print(value, as_json: bool) -> None:
 
 
 def _admin_access(redis):
-    """What quota/admin.py needs of an ``Access``, for `llmctl`'s admin actions."""
+    """What admin/operations.py needs of an ``Access``, for `llmctl`'s admin actions."""
     from types import SimpleNamespace
 
-    from serve_app.quota.admins import AdminStore
-    from serve_app.quota.audit import AuditLog
-    from serve_app.quota.keys import KeyStore
+    from serve_app.identity.admins import AdminStore
+    from serve_app.accounting.audit import AuditLog
+    from serve_app.identity.keys import KeyStore
 
-    from serve_app.quota.teams import TeamStore
+    from serve_app.identity.teams import TeamStore
 
     return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis), admins=AdminStore(redis),
                            teams=TeamStore(redis))
 
 
 async def _admin_command(args: argparse.Namespace, work) -> int:
-    """``await work(access, actor)``, an admin operation of quota/admin.py (validated
+    """``await work(access, actor)``, an admin operation of admin/operations.py (validated
     and audited as through the admin API); its refusal is printed, exit status 1."""
     from serve_app.errors import OpenAIError
-    from serve_app.quota.audit import llmctl_actor
+    from serve_app.accounting.audit import llmctl_actor
 
     redis = _redis(args)
     try:
@@ -90,7 +90,7 @@ async def _admin_command(args: argparse.Namespace, work) -> int:
 
 
 async def _keys(args: argparse.Namespace) -> int:
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
 
     async def work(access, actor) -> None:
         if args.action == "create":
@@ -115,7 +115,7 @@ async def _keys(args: argparse.Namespace) -> int:
 
 
 async def _teams(args: argparse.Namespace) -> int:
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
 
     async def work(access, actor) -> None:
         if args.action == "create":
@@ -144,7 +144,7 @@ async def _ensure_dev_key(access, actor: str) -> str:
     secret = path.read_text().strip() if path.exists() else None
     if secret and await access.keys.authenticate(secret):
         return secret
-    from serve_app.quota.keys import new_secret
+    from serve_app.identity.keys import new_secret
 
     secret = new_secret()
     name = "dev"
@@ -168,7 +168,7 @@ async def _usage(args: argparse.Namespace) -> int:
 
     from starlette.datastructures import QueryParams
 
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
 
     async def work(access, actor) -> None:
         key = await admin.show_key(access, args.key) if args.key else None
@@ -210,9 +210,9 @@ def _default_records_dir() -> str:
 
 
 async def _request(args: argparse.Namespace) -> int:
-    from serve_app.quota.keys import KeyNotFound, KeyStore
-    from serve_app.quota.record_sink import RecordSink
-    from serve_app.quota.usage import request_state
+    from serve_app.identity.keys import KeyNotFound, KeyStore
+    from serve_app.accounting.record_sink import RecordSink
+    from serve_app.accounting.usage import request_state
 
     redis = _redis(args)
     sink = RecordSink(args.records_dir, retention_s=0) if args.records_dir else None  # retention: never swept here
@@ -232,7 +232,7 @@ async def _request(args: argparse.Namespace) -> int:
 
 
 async def _batches(args: argparse.Namespace) -> int:
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
     from serve_app.stored.batches import BatchStore
 
     async def work(access, actor) -> None:
@@ -246,7 +246,7 @@ async def _batches(args: argparse.Namespace) -> int:
 
 
 async def _admins(args: argparse.Namespace) -> int:
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
 
     async def work(access, actor) -> None:
         if args.action == "create":
@@ -261,7 +261,7 @@ async def _admins(args: argparse.Namespace) -> int:
 
 
 async def _audit(args: argparse.Namespace) -> int:
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
 
     async def work(access, actor) -> None:
         page = await admin.audit_trail(access, args.limit, args.before, args.actor, args.target)
@@ -273,7 +273,7 @@ async def _audit(args: argparse.Namespace) -> int:
 
 
 def _redis(args: argparse.Namespace):
-    from serve_app.quota import redis_client
+    from serve_app.redis_store import redis_client
 
     return redis_client.connect(args.redis_url)
 

@@ -12,8 +12,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, fiel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.model_config import ModelConfig
-from serve_app.quota import redis_client
-from serve_app.quota.keys import KeyLimits
+from serve_app.redis_store import redis_client
+from serve_app.limits import KeyLimits
 
 
 class IngressConfig(BaseModel):
@@ -84,7 +84,7 @@ class QuotaConfig(BaseModel):
         "admitted with room to spare "
         "starts in the engine while its admission is in Redis (nothing is sent before Redis admits it; a "
         "refusal aborts it): the Redis round trip leaves the time to first token. Bounded per key by the room "
-        "Redis last reported (serve_app/quota/overlap.py). false: every request waits for its admission first.",
+        "Redis last reported (serve_app/admission/overlap.py). false: every request waits for its admission first.",
     )
     overlap_admission_when_idle: bool = Field(
         True, description="overlap_admission on an idle model too (its first request, not only those arriving "
@@ -237,7 +237,7 @@ class RecordsConfig(BaseModel):
 
 class JwtConfig(BaseModel):
     """Identity from the company's OIDC provider: ``Authorization: Bearer <JWT>``
-    (serve_app/quota/jwt_auth.py). Each user (``user_claim``) is admitted with its own
+    (serve_app/identity/jwt_auth.py). Each user (``user_claim``) is admitted with its own
     limits, exactly as a key is."""
 
     model_config = ConfigDict(extra="forbid")
@@ -299,7 +299,7 @@ class AppSettings(BaseSettings):
     records: RecordsConfig = Field(default_factory=RecordsConfig)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
-        description="One node, a Redis Cluster or a Sentinel's primary: serve_app/quota/redis_client.py.",
+        description="One node, a Redis Cluster or a Sentinel's primary: serve_app/redis_store/redis_client.py.",
     )
     admin_token: SecretStr | None = Field(
         None, description="The /admin API's shared bootstrap token (LLM_CLUSTER_ADMIN_TOKEN); unset = only named "

@@ -41,7 +41,7 @@ ADMISSION_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5]
 # A key's budget use stays on the dashboards this long after its last request.
 BUDGET_SERIES_KEEP_S = 3600
 
-# 429 `type` (serve_app.quota.admission.REFUSALS) -> the limit kind label.
+# 429 `type` (serve_app.admission.scripts.REFUSALS) -> the limit kind label.
 LIMIT_KINDS = {
     "requests": "requests",
     "tokens": "tokens",
@@ -148,7 +148,7 @@ class Telemetry:
             "llm_gateway_rate_limit_refusals", "429s by model, the limit that refused them and its level "
             "(the key's own, or its team's).", ("model", "limit", "level")
         )
-        # Teams (serve_app/quota/teams.py): what each charged and spent, and its keys'
+        # Teams (serve_app/identity/teams.py): what each charged and spent, and its keys'
         # refusals by level. Team names are bounded as key names are (KeyLabels).
         self.team_tokens = Counter(
             "llm_gateway_team_tokens", "Tokens charged to a team's keys, by kind (prompt, completion, or reserved: "
@@ -200,7 +200,7 @@ class Telemetry:
             ("model",),
         )
         self.answered_counts: collections.Counter[str] = collections.Counter()  # requests by route, this process
-        # Final request records on their way to the record sink (quota/record_shipper.py).
+        # Final request records on their way to the record sink (accounting/record_shipper.py).
         self.record_backlog = Gauge(
             "llm_gateway_request_records_backlog", "Final request records waiting in Redis for the record sink "
             "(records.max_backlog refuses new requests).")

@@ -1,5 +1,5 @@
 """An OIDC provider's signing-key endpoint (JWKS) the tests run, and tokens signed by
-its keys (RS256 or ES256), for serve_app/quota/jwt_auth.py's tests."""
+its keys (RS256 or ES256), for serve_app/identity/jwt_auth.py's tests."""
 
 from __future__ import annotations
 

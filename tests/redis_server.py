@@ -227,7 +227,7 @@ def sync_client(url: str):
     import redis
     from redis.cluster import ClusterNode, RedisCluster
 
-    from serve_app.quota.redis_client import parse
+    from serve_app.redis_store.redis_client import parse
 
     target = parse(url)
     if target.mode == "cluster":

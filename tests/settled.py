@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 
 
 def records(redis, key_id: str) -> list[dict[str, str]]:

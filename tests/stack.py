@@ -335,8 +335,9 @@ class CliStack:
 
 def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
     """Create an API key in the stack's Redis; return (key id, secret)."""
-    from serve_app.quota.keys import KeyLimits, KeyStore
-    from serve_app.quota.redis_client import connect
+    from serve_app.identity.keys import KeyStore
+    from serve_app.limits import KeyLimits
+    from serve_app.redis_store.redis_client import connect
 
     async def create():
         client = connect(redis_url)

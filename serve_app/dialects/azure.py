@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app.wire.calls import Call, ModelRegistry
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 
 # The request fields of Azure's API (azure-ai-inference REST spec).
 KNOWN_PARAMETERS = {

@@ -1,6 +1,6 @@
 """The operator console at ``/console``: server-rendered pages (no script, no build
 step) over the same admin operations as the admin API and `llmctl`
-(serve_app/quota/admin.py, so every change is validated and audited alike).
+(serve_app/admin/operations.py, so every change is validated and audited alike).
 
 An operator logs in with an admin credential (a named one, or the bootstrap
 ``admin_token``); the console keeps a session (a random token in an HttpOnly,
@@ -23,11 +23,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from serve_app.errors import OpenAIError
-from serve_app.quota import admin, usage_report
-from serve_app.quota.admins import SESSION_S
-from serve_app.quota.costs import NANOS_PER_USD
-from serve_app.quota.credential_guard import client_of
-from serve_app.quota.usage import key_usage
+from serve_app.accounting import usage_report
+from serve_app.admin import operations as admin
+from serve_app.identity.admins import SESSION_S
+from serve_app.accounting.costs import NANOS_PER_USD
+from serve_app.identity.credential_guard import client_of
+from serve_app.accounting.usage import key_usage
 
 COOKIE = "llm_console"
 DAYS = 14

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER, ONE_HOP_ROUTES
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
-from serve_app.quota.access import Access
+from serve_app.admission.access import Access
 from serve_app.pipeline.gateway import Gateway
 from serve_app.http.request_handling import HandlesRequests, openai_app
 from serve_app.settings import AppSettings

@@ -20,10 +20,10 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from contract.model_config import deployment_name, direct_app_name
 from contract.replica_wire import Usage
-from serve_app.quota import admin
-from serve_app.quota.access import Access
-from serve_app.quota.admission import Refusal
-from serve_app.quota.jwt_auth import is_jwt_identity
+from serve_app.admin import operations as admin
+from serve_app.admission.access import Access
+from serve_app.admission.scripts import Refusal
+from serve_app.identity.jwt_auth import is_jwt_identity
 from serve_app.wire.api_requests import list_params, parse_json_object
 from serve_app.stored import responses_api
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
@@ -34,7 +34,7 @@ from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import PURPOSES, FileStore, safe_filename, storage_full
 from serve_app.pipeline.gateway import Gateway
 from serve_app.pipeline.refusals import render as render_refusal
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.http.console import Console
 from serve_app.http.readiness import Readiness
 from serve_app.http.request_handling import HandlesRequests, as_call, openai_app, serve_request_id
@@ -452,7 +452,7 @@ class Ingress(HandlesRequests):
     @route("GET", "/v1/organization/usage/completions", "admin")
     async def organization_usage_completions(self, request: Request) -> JSONResponse:
         """OpenAI's organization Usage API (an admin credential, as OpenAI's needs an
-        admin key): per day, by key and model (serve_app/quota/usage_report.py)."""
+        admin key): per day, by key and model (serve_app/accounting/usage_report.py)."""
         await self.access.admin_actor(request.headers)
         return JSONResponse(await admin.completions_usage(self.access, request.query_params))
 

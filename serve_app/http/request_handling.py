@@ -22,7 +22,7 @@ from serve_app.wire.api_requests import parse_json_object
 from serve_app.wire.calls import Call
 from serve_app.http.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.telemetry import RequestRecord
 from serve_app.tracing import RequestTrace, now_ns
 

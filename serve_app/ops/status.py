@@ -84,7 +84,7 @@ def _engine_load(app_name: str, deployment: str) -> dict[str, Any]:
 async def redis_status(redis_url: str) -> dict[str, Any]:
     import redis
 
-    from serve_app.quota import redis_client, redis_names
+    from serve_app.redis_store import redis_client, redis_names
 
     try:
         client = redis_client.connect(redis_url, timeout_s=2)
@@ -122,7 +122,7 @@ def render(serve_part: dict[str, Any], redis_part: dict[str, Any], redis_url: st
             target = "" if entry["target"] is None else entry["target"]
             lines.append(f"{name:<28}{entry['status']:<14}{replicas.get('RUNNING', 0):>8}{starting:>9}{target:>7}   "
                          f"{engine_text}")
-    from serve_app.quota.redis_client import redact
+    from serve_app.redis_store.redis_client import redact
 
     shown = redact(redis_url)  # never a password on a terminal
     if redis_part["reachable"]:

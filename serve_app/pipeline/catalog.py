@@ -14,8 +14,8 @@ from ray.serve.handle import DeploymentHandle
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
 from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
-from serve_app.quota.access import Access
-from serve_app.quota.keys import KeyRecord
+from serve_app.admission.access import Access
+from serve_app.identity.keys import KeyRecord
 
 logger = logging.getLogger("ray.serve")
 

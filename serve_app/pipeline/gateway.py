@@ -32,11 +32,11 @@ from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCo
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
-from serve_app.quota.access import Access, Ticket
-from serve_app.quota.admission import Refusal
-from serve_app.quota.costs import Rates, reservation_nanos
-from serve_app.quota.keys import KeyRecord
-from serve_app.quota.usage import new_request_id
+from serve_app.admission.access import Access, Ticket
+from serve_app.admission.scripts import Refusal
+from serve_app.accounting.costs import Rates, reservation_nanos
+from serve_app.identity.keys import KeyRecord
+from serve_app.accounting.usage import new_request_id
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.tracing import RequestTrace, now_ns, replica_context
 from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
@@ -213,14 +213,14 @@ class Gateway:
                      may_start_early: bool = True) -> "tuple[Ticket, _EarlyStart | None]":
         """The key's quotas in Redis (a refusal rendered as its 429), then the tier's
         share of the model's queue (503 when full). A stream of a key with room to
-        spare may start in the engine meanwhile (serve_app/quota/overlap.py); nothing
+        spare may start in the engine meanwhile (serve_app/admission/overlap.py); nothing
         is relayed before Redis admits it."""
         model, body = plan.model, plan.body
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
         early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation, record.trace)
                  if self.start_early and may_start_early and plan.streaming and not queue_full else None)
-        # Priced (quota/costs.py): a batch request at the model's batch discount. The
+        # Priced (accounting/costs.py): a batch request at the model's batch discount. The
         # reservation's cost is held against money budgets until settlement.
         rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
         reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)

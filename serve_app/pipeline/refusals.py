@@ -1,6 +1,6 @@
 """Admission's refusals as the client reads them: OpenAI's 429 with the limit that
 refused, what was used and when to retry (the headers are the decision's own).
-The decisions are made in serve_app/quota (admission.py in Redis, local_limits.py
+The decisions are made in serve_app/admission (scripts.py in Redis, local_limits.py
 during an outage) and handed back as ``Refusal`` values; only this words them, as
 envoy's ratelimit service decides and its HTTP filter answers."""
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 from serve_app.errors import OpenAIError
-from serve_app.quota.admission import REFUSALS, Decision, Refusal
-from serve_app.quota.costs import NANOS_PER_USD
-from serve_app.quota.keys import KeyRecord
+from serve_app.admission.scripts import REFUSALS, Decision, Refusal
+from serve_app.accounting.costs import NANOS_PER_USD
+from serve_app.identity.keys import KeyRecord
 
 
 def render(refused: Refusal) -> OpenAIError:

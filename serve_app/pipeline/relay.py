@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from contract.replica_wire import StreamStart, Usage
-from serve_app.quota.access import Access, Ticket
+from serve_app.admission.access import Access, Ticket
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.wire.reservation import Reservation
 from serve_app.wire.sse import StreamShape

@@ -46,14 +46,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from serve_app.quota import redis_names
-from serve_app.quota.access import Access
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access
 from serve_app.stored.batches import ENDED, ENDPOINTS, BatchStore
 from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import FileStore
 from serve_app.pipeline.gateway import Gateway
-from serve_app.quota.keys import KeyRecord
-from serve_app.quota.redis_client import as_text
+from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store.redis_client import as_text
 from serve_app.settings import BatchConfig
 from serve_app.tracing import RequestTrace
 from serve_app.telemetry import RequestRecord, Telemetry

@@ -22,13 +22,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.wire.api_requests import check_metadata
 from serve_app.errors import OpenAIError, shown
 from serve_app.stored.files_api import FileStore, batch_lines
 from serve_app.stored.listings import index_page
-from serve_app.quota.storage_account import StorageAccount
-from serve_app.quota.redis_client import as_text
+from serve_app.accounting.storage_account import StorageAccount
+from serve_app.redis_store.redis_client import as_text
 
 ENDPOINTS = {  # batch endpoint -> the gateway's operation
     "/v1/chat/completions": "chat",

@@ -32,11 +32,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.wire.api_requests import parse_json_object
 from serve_app.errors import OpenAIError, shown
 from serve_app.stored.listings import index_page
-from serve_app.quota.storage_account import StorageAccount
+from serve_app.accounting.storage_account import StorageAccount
 
 RETENTION_S = 30 * 24 * 3600
 PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from serve_app.quota.redis_client import as_text
+from serve_app.redis_store.redis_client import as_text
 
 # Index entries read per round trip beyond the page (a filter may skip some).
 _READ_AHEAD = 1

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from serve_app.wire.api_requests import OPERATIONS, check_metadata
 from serve_app.wire.calls import Call, Reply
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.wire.sse import completed_response
 from serve_app.stored.stored_responses import (
     MAX_STORED_BYTES,

@@ -21,9 +21,9 @@ import time
 import uuid
 from typing import Any
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.errors import OpenAIError
-from serve_app.quota.storage_account import StorageAccount
+from serve_app.accounting.storage_account import StorageAccount
 
 RETENTION_S = 30 * 24 * 3600
 MAX_STORED_BYTES = 8 * 1024 * 1024  # as a request body may be

@@ -1,7 +1,7 @@
 import pytest
 
 from redis_server import every_node, running_redis, running_redis_cluster, running_redis_sentinel
-from serve_app.quota import redis_client
+from serve_app.redis_store import redis_client
 
 
 @pytest.fixture(scope="session")
@@ -12,7 +12,7 @@ def redis_server():
 
 @pytest.fixture(scope="session")
 def redis_cluster():
-    """3 primaries, 3 replicas (serve_app/quota/redis_client.py's redis+cluster://)."""
+    """3 primaries, 3 replicas (serve_app/redis_store/redis_client.py's redis+cluster://)."""
     with running_redis_cluster() as cluster:
         yield cluster
 

@@ -6,10 +6,10 @@ import datetime
 from redis.asyncio.cluster import RedisCluster
 
 from redis_server import every_node
-from serve_app.quota import redis_names
-from serve_app.quota.admission import Admission
-from serve_app.quota.costs import Cost
-from serve_app.quota.keys import KeyRecord
+from serve_app.redis_store import redis_names
+from serve_app.admission.scripts import Admission
+from serve_app.accounting.costs import Cost
+from serve_app.identity.keys import KeyRecord
 
 _ids = iter(range(10**9))
 
@@ -234,7 +234,7 @@ async def test_refusals_are_counted_per_minute_not_stored(redis):
     assert 3600 < await redis.ttl(redis_names.refusals(k.id)) <= 3660
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:refused") == b"5"
-    from serve_app.quota.usage import key_usage
+    from serve_app.accounting.usage import key_usage
 
     usage = await key_usage(redis, k.id)
     assert usage["today"]["refused"] == 5 and usage["refused_last_hour"] == {"requests": 5}
@@ -282,7 +282,7 @@ async def test_unknown_usage_keeps_the_reservation_charged(redis):
 
 
 async def test_http_request_id_finds_the_record(redis):
-    from serve_app.quota.usage import request_state
+    from serve_app.accounting.usage import request_state
 
     adm, k = admission(redis), key()
     rid = "ktest-0123456789abcdef"
@@ -294,7 +294,7 @@ async def test_http_request_id_finds_the_record(redis):
 
 
 async def test_an_x_request_id_reused_by_another_key_never_takes_over_the_first_keys_lookup(redis):
-    from serve_app.quota.usage import request_state
+    from serve_app.accounting.usage import request_state
 
     adm = admission(redis)
     first, other = "kfirst-0123456789abcdef", "kother-0123456789abcdef"

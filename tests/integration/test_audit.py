@@ -11,10 +11,12 @@ import pytest
 
 from serve_app.cli import main
 from serve_app.errors import OpenAIError
-from serve_app.quota import admin, audit, redis_names
-from serve_app.quota.access import Access
-from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog, llmctl_actor
-from serve_app.quota.keys import digest
+from serve_app.accounting import audit
+from serve_app.admin import operations as admin
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access
+from serve_app.accounting.audit import ADMIN_TOKEN_ACTOR, AuditLog, llmctl_actor
+from serve_app.identity.keys import digest
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from redis_server import running_redis

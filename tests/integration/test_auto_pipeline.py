@@ -1,4 +1,4 @@
-"""Script calls of one event-loop turn sent as one pipeline (serve_app/quota/auto_pipeline.py),
+"""Script calls of one event-loop turn sent as one pipeline (serve_app/redis_store/auto_pipeline.py),
 on one node, a Redis Cluster and Sentinel: each call keeps its own reply and
 error, a flushed script is loaded again, an unreachable Redis fails every call
 of its pipeline, and a caller that leaves mid-call leaks nothing."""
@@ -10,10 +10,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from redis_server import every_node
-from serve_app.quota import redis_client, redis_names
-from serve_app.quota.access import Access
-from serve_app.quota.admission import Admission
-from serve_app.quota.keys import KeyRecord
+from serve_app.redis_store import redis_client, redis_names
+from serve_app.admission.access import Access
+from serve_app.admission.scripts import Admission
+from serve_app.identity.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from test_admission import commandstats

@@ -54,7 +54,7 @@ def test_team_lifecycle_and_its_usage(capsys, redis_url):
     import csv
     import io
 
-    from serve_app.quota.access import Access
+    from serve_app.admission.access import Access
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 

@@ -22,8 +22,8 @@ from starlette.routing import Route
 from browser import click_and_wait, headless_chromium
 from ports import free_port
 from serve_app.http.console import Console
-from serve_app.quota import admin
-from serve_app.quota.access import Access
+from serve_app.admin import operations as admin
+from serve_app.admission.access import Access
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import FileStore
 

@@ -1,4 +1,4 @@
-"""Identity tokens from an OIDC provider (serve_app/quota/jwt_auth.py) against a JWKS
+"""Identity tokens from an OIDC provider (serve_app/identity/jwt_auth.py) against a JWKS
 server this test runs: real RS256 and ES256 signatures, key rotation by ``kid``, the
 refetch bound on unknown kids, an unreachable JWKS, and the tokens an attacker
 would forge. Then a token's user admitted exactly as a key (its own limit in Redis)."""
@@ -18,9 +18,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from jwks_server import AUDIENCE, ISSUER, Jwks
 from serve_app.errors import OpenAIError
-from serve_app.quota.access import Access
-from serve_app.quota.admission import Refusal
-from serve_app.quota.jwt_auth import JwtAuthenticator
+from serve_app.admission.access import Access
+from serve_app.admission.scripts import Refusal
+from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import AppSettings, JwtConfig
 from serve_app.telemetry import Telemetry
 
@@ -155,8 +155,9 @@ async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, red
 
 
 async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_it(jwks, redis_url):
-    from serve_app.quota import admin, redis_names
-    from serve_app.quota.access import Ticket
+    from serve_app.admin import operations as admin
+    from serve_app.redis_store import redis_names
+    from serve_app.admission.access import Ticket
 
     jwks.add("k1")
     team_name = f"ml-{time.monotonic_ns()}"

@@ -2,7 +2,9 @@
 
 import pytest
 
-from serve_app.quota.keys import KeyLimits, KeyStore, digest
+from serve_app.identity.keys import KeyStore, digest
+
+from serve_app.limits import KeyLimits
 
 
 async def all_values(redis) -> bytes:
@@ -92,7 +94,7 @@ async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_error(re
     import redis.asyncio.connection
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from serve_app.quota.redis_client import connect
+    from serve_app.redis_store.redis_client import connect
 
     client = connect(redis_server.url)
     try:
@@ -117,7 +119,7 @@ async def test_priority_tiers_are_checked_and_old_records_read_as_normal(redis):
 
     from pydantic import ValidationError
 
-    from serve_app.quota import redis_names
+    from serve_app.redis_store import redis_names
 
     store = KeyStore(redis)
     record, _ = await store.create("tiered", KeyLimits(priority="low"))

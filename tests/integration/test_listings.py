@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import json
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.stored.batches import BatchStore
 from serve_app.stored.files_api import FileStore
 

@@ -12,11 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from contract.replica_wire import Usage
-from serve_app.quota import redis_names
-from serve_app.quota.access import Access
-from serve_app.quota.admission import Admission
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access
+from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from redis_server import every_node, running_redis
@@ -262,7 +262,7 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
 
 
 async def test_random_bearer_tokens_leave_the_key_cache_bounded(redis_url):
-    from serve_app.quota.key_cache import NEGATIVE_MAX
+    from serve_app.identity.key_cache import NEGATIVE_MAX
 
     gate = Access(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 5}), Telemetry(False, False))
     try:
@@ -336,7 +336,8 @@ async def no_lease_left(client, k: KeyRecord) -> None:
 
 
 async def test_fail_closed_refuses_every_request_while_redis_is_down_then_recovers():
-    from serve_app.quota.keys import KeyLimits, KeyStore
+    from serve_app.identity.keys import KeyStore
+    from serve_app.limits import KeyLimits
 
     with running_redis(persistent=True) as server:  # its own: this test stops it
         settings = AppSettings(redis_url=server.url,
@@ -382,7 +383,8 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
     one, not fail on a dead one (a key not in the cache then got a 503, fail_mode
     open or not: redis-py 8 skipped its pool check while maintenance
     notifications were on)."""
-    from serve_app.quota.keys import KeyLimits, KeyStore
+    from serve_app.identity.keys import KeyStore
+    from serve_app.limits import KeyLimits
 
     with running_redis(persistent=True) as server:  # its own: this test restarts it
         # No key cache: every request reads its key from Redis.
@@ -413,7 +415,7 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
 
 
 async def test_authentication_says_where_the_key_record_came_from(redis_url):
-    from serve_app.quota.keys import KeyStore
+    from serve_app.identity.keys import KeyStore
 
     gate = Access(AppSettings(redis_url=redis_url, quota={"key_cache_ttl_s": 60}), Telemetry(False, False))
     try:

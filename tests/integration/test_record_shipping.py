@@ -1,4 +1,4 @@
-"""Final request records leave Redis for the record sink (serve_app/quota/record_shipper.py)
+"""Final request records leave Redis for the record sink (serve_app/accounting/record_shipper.py)
 against a real Redis (one node, a cluster, Sentinel), through the real admission and
 settlement scripts: every settled record reaches the sink once, Redis keeps it only
 ``records.recent_s``, a lookup finds it after Redis forgot it, a sink that is down
@@ -13,11 +13,13 @@ import json
 import pytest
 
 from serve_app.errors import OpenAIError
-from serve_app.quota import admin, record_shipper, redis_names
-from serve_app.quota.access import Access
-from serve_app.quota.keys import KeyStore
-from serve_app.quota.record_shipper import RecordShipper
-from serve_app.quota.usage import request_state
+from serve_app.accounting import record_shipper
+from serve_app.admin import operations as admin
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access
+from serve_app.identity.keys import KeyStore
+from serve_app.accounting.record_shipper import RecordShipper
+from serve_app.accounting.usage import request_state
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

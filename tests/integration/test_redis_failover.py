@@ -1,5 +1,5 @@
 """A Redis primary (a Redis Cluster's, or the one Sentinel manages) dies under
-load and its replica takes over: what the gateway's admission (serve_app/quota/access.py, as each ingress replica runs it)
+load and its replica takes over: what the gateway's admission (serve_app/admission/access.py, as each ingress replica runs it)
 promises then (docs/quotas.md, "Redis: one node, a Redis Cluster, or Sentinel").
 
 16 concurrent clients hammer one key with a small requests/min limit; the
@@ -19,12 +19,13 @@ import pytest
 
 from contract.replica_wire import Usage
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
-from serve_app.quota import redis_names
-from serve_app.quota.access import Access
-from serve_app.quota.admission import Refusal
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access
+from serve_app.admission.scripts import Refusal
 from serve_app.pipeline.refusals import render
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyLimits, KeyStore
+from serve_app.identity.keys import KeyStore
+from serve_app.limits import KeyLimits
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -169,12 +170,12 @@ async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_wi
     """What fail_mode applies to: a cluster client whose nodes do not answer (every
     node down, or a failover leaving its map unsettled) cannot decide, so open admits
     on local limits; a redis+cluster:// URL naming a plain node is a misconfiguration
-    Redis answered, which no mode admits past (serve_app/quota/redis_client.py)."""
+    Redis answered, which no mode admits past (serve_app/redis_store/redis_client.py)."""
     from ports import free_port
     from redis.exceptions import RedisClusterException
 
-    from serve_app.quota.access import REDIS_FAILED, UNREACHABLE
-    from serve_app.quota.redis_client import ClusterMapUnknown, connect
+    from serve_app.admission.access import REDIS_FAILED, UNREACHABLE
+    from serve_app.redis_store.redis_client import ClusterMapUnknown, connect
 
     down = connect(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.5)
     with pytest.raises(ClusterMapUnknown) as outage:

@@ -17,9 +17,10 @@ import redis as sync_redis
 
 from contract.replica_wire import Usage
 from redis_server import _cli, running_redis_cluster
-from serve_app.quota import redis_names
-from serve_app.quota.access import Access, Ticket
-from serve_app.quota.keys import KeyLimits, KeyStore
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access, Ticket
+from serve_app.identity.keys import KeyStore
+from serve_app.limits import KeyLimits
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from test_redis_failover import CLIENTS, RPM, Tally, client_loop, redis_allowance, settled_everything

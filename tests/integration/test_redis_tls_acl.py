@@ -16,11 +16,12 @@ import pytest
 from contract.replica_wire import Usage
 from ports import free_port
 from redis_server import RedisServer
-from serve_app.quota.access import Access, Ticket
-from serve_app.quota.admission import Refusal
+from serve_app.admission.access import Access, Ticket
+from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyLimits, KeyStore
-from serve_app.quota.redis_client import connect
+from serve_app.identity.keys import KeyStore
+from serve_app.limits import KeyLimits
+from serve_app.redis_store.redis_client import connect
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

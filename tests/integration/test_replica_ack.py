@@ -15,12 +15,12 @@ import pytest
 import redis as sync_redis
 
 from redis_server import RedisSentinelSetup
-from serve_app.quota import redis_client, redis_names
-from serve_app.quota.access import Access
-from serve_app.quota.auto_pipeline import NotReplicated
-from serve_app.quota.admission import Admission
+from serve_app.redis_store import redis_client, redis_names
+from serve_app.admission.access import Access
+from serve_app.redis_store.auto_pipeline import NotReplicated
+from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

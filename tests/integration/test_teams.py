@@ -1,4 +1,4 @@
-"""Teams over keys (serve_app/quota/teams.py, access.py): every level of a request
+"""Teams over keys (serve_app/identity/teams.py, access.py): every level of a request
 admitted at once and none ever exceeded, a refusal naming its level and leaving
 nothing behind at the other, money budgets reserved and settled exactly, a key
 moved between teams, a team revoked. On one node, a Redis Cluster and Sentinel
@@ -12,10 +12,11 @@ import pytest
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
 from serve_app.errors import OpenAIError
-from serve_app.quota import admin, redis_names
-from serve_app.quota.access import Access, Ticket
-from serve_app.quota.admission import Refusal
-from serve_app.quota.costs import NANOS_PER_USD, Rates, reservation_nanos
+from serve_app.admin import operations as admin
+from serve_app.redis_store import redis_names
+from serve_app.admission.access import Access, Ticket
+from serve_app.admission.scripts import Refusal
+from serve_app.accounting.costs import NANOS_PER_USD, Rates, reservation_nanos
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

@@ -1,4 +1,4 @@
-"""The usage API in OpenAI's shape (serve_app/quota/usage_report.py) on a real Redis
+"""The usage API in OpenAI's shape (serve_app/accounting/usage_report.py) on a real Redis
 (one node, a Cluster, Sentinel): what settlement counts per model and day, that the
 sums equal what the request records say was charged, the wire format against
 OpenAI's spec, and the queries a hostile admin tool might send."""
@@ -13,15 +13,15 @@ from starlette.datastructures import QueryParams
 
 import openai_spec
 from serve_app.errors import OpenAIError
-from serve_app.quota import redis_names
-from serve_app.quota.admission import Admission
-from serve_app.quota.keys import KeyRecord
-from serve_app.quota.redis_client import as_text
+from serve_app.redis_store import redis_names
+from serve_app.admission.scripts import Admission
+from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store.redis_client import as_text
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
-from serve_app.quota.access import Access
-from serve_app.quota.costs import Cost, Rates
-from serve_app.quota.usage_report import COST_GROUPS, completions_usage, costs, parse_query
+from serve_app.admission.access import Access
+from serve_app.accounting.costs import Cost, Rates
+from serve_app.accounting.usage_report import COST_GROUPS, completions_usage, costs, parse_query
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 

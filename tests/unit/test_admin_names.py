@@ -5,7 +5,7 @@ oversized one with a 400 naming it, and takes any printable name."""
 import pytest
 
 from serve_app.errors import OpenAIError
-from serve_app.quota.admin import NewAdmin, NewKey, NewTeam, _parse
+from serve_app.admin.operations import NewAdmin, NewKey, NewTeam, _parse
 
 
 @pytest.mark.parametrize("model", [NewKey, NewTeam, NewAdmin])

@@ -130,7 +130,7 @@ def test_surrogate_pairs_and_ordinary_floats_pass():
 
 
 def test_admin_bodies_use_the_same_400_as_requests():
-    from serve_app.quota import admin
+    from serve_app.admin import operations as admin
 
     with pytest.raises(OpenAIError) as caught:
         admin._parse(admin.NewKey, {"name": "k", "requests_per_minute": -1})

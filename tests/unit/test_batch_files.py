@@ -265,7 +265,7 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
     """(the job, its store, its files); ``keys``: what each read of the key returns
     in turn (the last one from then on), a KeyRecord or None for a revoked key;
     ``pad``: characters of ``user`` in every request (a big file)."""
-    from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore
+    from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 
     files = LocalFiles(tmp_path)
     input_id = "file-" + "1" * 32
@@ -378,7 +378,7 @@ async def test_a_refusal_of_the_key_parks_the_batch_with_nothing_written(tmp_pat
 
 
 async def test_a_key_revoked_mid_batch_stops_it_and_its_requests_not_run_are_error_lines(tmp_path):
-    from serve_app.quota.keys import KeyRecord
+    from serve_app.identity.keys import KeyRecord
 
     key = KeyRecord(id="k1", name="k", created_at=0)
     gateway = AnsweringGateway()
@@ -393,7 +393,7 @@ async def test_a_key_revoked_mid_batch_stops_it_and_its_requests_not_run_are_err
 
 
 async def test_a_disabled_key_stops_its_batch_too(tmp_path):
-    from serve_app.quota.keys import KeyRecord
+    from serve_app.identity.keys import KeyRecord
 
     disabled = KeyRecord(id="k1", name="k", created_at=0, enabled=False)
     gateway = AnsweringGateway()

@@ -16,7 +16,7 @@ OURS = ("serve_app", "contract", "replicas", "autoscale", "cluster")
 ENGINE = {"torch", "vllm", "transformers"}
 # What the dialects may use of the gateway: the call they translate into and its
 # model questions (calls.ModelRegistry), errors, key records, and the request helpers.
-DIALECT_MAY_USE = {"serve_app.wire.calls", "serve_app.errors", "serve_app.quota.keys", "serve_app.wire.api_requests",
+DIALECT_MAY_USE = {"serve_app.wire.calls", "serve_app.errors", "serve_app.identity.keys", "serve_app.wire.api_requests",
                    "serve_app.wire.reservation", "serve_app.wire.sse"}
 # The gateway modules that may import replicas/: the app builder and the direct route
 # (they deploy the replica class) and the operator's CLI (it builds the demo model).
@@ -81,15 +81,18 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 
 
 # serve_app/ by role, each folder importing only the folders below it (docs/architecture.md,
-# "Who owns what"); the shared modules at the top (errors, settings, telemetry, tracing) are below
-# them all; above the service, Serve's entry point (app), then what operators run beside
-# it (ops: the local stack builds the app's config) and llmctl (cli).
-LAYERS = {"errors": 0, "settings": 0, "telemetry": 0, "tracing": 0, "wire": 1, "quota": 2, "pipeline": 3, "dialects": 3,
-          "stored": 4, "http": 5, "app": 6, "ops": 7, "cli": 8}
-# settings validates redis_url with the client's own parser (quota/redis_client.py), and
-# the limits of JWT users with the keys' own model (quota/keys.py KeyLimits).
-ALLOWED_UPWARD = {("serve_app.settings", "serve_app.quota"), ("serve_app.settings", "serve_app.quota.redis_client"),
-                  ("serve_app.settings", "serve_app.quota.keys"), ("serve_app.settings", "serve_app.quota.keys.KeyLimits")}
+# "Who owns what"). At the bottom what keeps state in Redis stands on (its client, key
+# names and scripts) and the limits an account carries; then the shared modules (errors,
+# settings, telemetry, tracing); the wire types; then the rooms of the quota service, each
+# on the one below: who is calling (identity), what was used and cost (accounting), whether
+# a request runs now (admission). Above them the request path and the dialects; stored
+# objects and the admin operations; the HTTP layer that serves them all; Serve's entry
+# point (app); what operators run beside it (ops: the local stack builds the app's config)
+# and llmctl (cli).
+LAYERS = {"redis_store": 0, "limits": 0,
+          "errors": 1, "settings": 1, "telemetry": 1, "tracing": 1,
+          "wire": 2, "identity": 3, "accounting": 4, "admission": 5,
+          "pipeline": 6, "dialects": 6, "stored": 7, "admin": 7, "http": 8, "app": 9, "ops": 10, "cli": 11}
 
 
 def part_of(name: str) -> str:
@@ -106,8 +109,6 @@ def test_a_gateway_folder_imports_only_the_folders_below_it(module, path):
             continue
         target = part_of(name)
         assert target in LAYERS, f"{module} imports {name}: a folder the layers do not know"
-        if (module, name) in ALLOWED_UPWARD:
-            continue
         assert LAYERS[target] < mine, f"{module} (layer {mine}) imports {name} (layer {LAYERS[target]})"
 
 

@@ -11,7 +11,7 @@ import pytest
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
 from serve_app.pipeline.gateway import Gateway
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.http.readiness import Readiness
 from serve_app.telemetry import Telemetry
 

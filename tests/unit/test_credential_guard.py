@@ -1,9 +1,9 @@
-"""Whose failed admin credential it is (serve_app/quota/credential_guard.py): the last
+"""Whose failed admin credential it is (serve_app/identity/credential_guard.py): the last
 X-Forwarded-For entry, the one the edge added after whatever a client forged."""
 
 from starlette.datastructures import Headers
 
-from serve_app.quota.credential_guard import client_of
+from serve_app.identity.credential_guard import client_of
 
 
 def test_the_client_is_the_edges_entry_not_one_a_client_forged():

@@ -14,12 +14,12 @@ import pytest
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart
-from serve_app.quota.access import Ticket
-from serve_app.quota.admission import Refusal
+from serve_app.admission.access import Ticket
+from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.pipeline import fair_share
 from serve_app.pipeline.gateway import Gateway
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.telemetry import RequestRecord, Telemetry
 
 KEY = KeyRecord(id="k1", name="n", created_at=0)

@@ -13,10 +13,10 @@ from ray.serve.exceptions import BackPressureError
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
-from serve_app.quota.access import Ticket
+from serve_app.admission.access import Ticket
 from serve_app.errors import OpenAIError
 from serve_app.pipeline.gateway import Gateway
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.telemetry import RequestRecord, Telemetry
 
 KEY = KeyRecord(id="k1", name="n", created_at=0)
@@ -44,7 +44,7 @@ class Access:
     def settle(self, ticket, status, usage=None, replica=""):
         assert not ticket.settled, "settled twice"
         ticket.settled = True
-        if ticket.on_settle is not None:  # as serve_app.quota.access.Access does
+        if ticket.on_settle is not None:  # as serve_app.admission.access.Access does
             ticket.on_settle()
         self.settled.append((status, usage))
 

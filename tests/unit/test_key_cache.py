@@ -1,7 +1,7 @@
 """Pure logic: the ingress' key cache stays bounded and never revives an old record."""
 
-from serve_app.quota.key_cache import NEGATIVE_MAX, NEGATIVE_TTL_S, KeyCache
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.key_cache import NEGATIVE_MAX, NEGATIVE_TTL_S, KeyCache
+from serve_app.identity.keys import KeyRecord
 
 
 class Clock:

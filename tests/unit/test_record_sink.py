@@ -1,4 +1,4 @@
-"""The record sink's files (serve_app/quota/record_sink.py): where a record is filed,
+"""The record sink's files (serve_app/accounting/record_sink.py): where a record is filed,
 how it is found again by request id or x-request-id, and what the retention removes.
 Shipping through Redis: tests/integration/test_record_shipping.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-from serve_app.quota.record_sink import RecordSink
-from serve_app.quota.usage import _OUR_ID, id_time, new_request_id
+from serve_app.accounting.record_sink import RecordSink
+from serve_app.accounting.usage import _OUR_ID, id_time, new_request_id
 
 HOUR_MS = 3600 * 1000
 

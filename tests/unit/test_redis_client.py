@@ -8,7 +8,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError
 
-from serve_app.quota import redis_client
+from serve_app.redis_store import redis_client
 from serve_app.settings import AppSettings
 
 
@@ -71,7 +71,7 @@ def test_pooled_connections_are_checked_before_use():
 
 def _python_packer(connection, *args):
     """redis-py's own Python packer (its synchronous module's; the asyncio one
-    is the method serve_app.quota.redis_client replaced)."""
+    is the method serve_app.redis_store.redis_client replaced)."""
     return PythonRespSerializer(connection._buffer_cutoff, connection.encoder.encode).pack(*args)
 
 
@@ -103,7 +103,7 @@ def test_a_cluster_call_out_of_redirections_is_an_outage_not_a_refusal():
     from redis.exceptions import ClusterError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from serve_app.quota.access import UNREACHABLE
+    from serve_app.admission.access import UNREACHABLE
 
     cleared = redis_client.clear_error(ClusterError("TTL exhausted."))
     assert isinstance(cleared, redis_client.ClusterKeptRedirecting)

@@ -1,8 +1,8 @@
 """Pure logic: what a 429 says and carries."""
 
 from serve_app.pipeline.refusals import render
-from serve_app.quota.admission import Decision, Refusal, duration
-from serve_app.quota.keys import KeyRecord
+from serve_app.admission.scripts import Decision, Refusal, duration
+from serve_app.identity.keys import KeyRecord
 
 KEY = KeyRecord(id="k1", name="team-a", created_at=0, requests_per_minute=60, tokens_per_minute=1000,
                 max_concurrent=2, daily_token_budget=500)

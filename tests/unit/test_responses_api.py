@@ -11,7 +11,7 @@ from serve_app.stored import responses_api, stored_responses
 from serve_app.wire.api_requests import list_params
 from serve_app.wire.calls import Reply
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 
 KEY = KeyRecord(id="k1", name="a", created_at=0)
 OTHER = KeyRecord(id="k2", name="b", created_at=0)
@@ -47,7 +47,7 @@ class FakeRedis:
 
 
 class FakeAccount:
-    """The key's storage account (serve_app/quota/storage_account.py; its script runs on a
+    """The key's storage account (serve_app/accounting/storage_account.py; its script runs on a
     real Redis in tests/integration/test_file_space.py): what each key holds, by object."""
 
     def __init__(self, max_bytes: int = 1 << 30):

@@ -4,8 +4,8 @@ the real stack, a stream and a unary call)."""
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from serve_app.quota.access import Access, Ticket
-from serve_app.quota.keys import KeyNotFound, KeyRecord, KeyStore
+from serve_app.admission.access import Access, Ticket
+from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 
 
 def access_running(records: dict[str, object], tickets: list[Ticket]) -> Access:

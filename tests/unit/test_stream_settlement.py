@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart, Usage
-from serve_app.quota.access import Ticket
+from serve_app.admission.access import Ticket
 from serve_app.wire.api_requests import OPERATIONS
 from serve_app.pipeline.gateway import Gateway, _Plan
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.wire.reservation import Reservation
 from serve_app.telemetry import RequestRecord, Telemetry
 

@@ -23,7 +23,7 @@ from direct_route_stack.stack_args import LEASE_S, MODEL
 from ports import free_port
 from settled import records, wait_until_settled
 from stack import create_key
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
 

@@ -25,7 +25,7 @@ from direct_route_stack.stack_args import LEASE_S, MODEL
 from contract.model_config import direct_app_name, direct_route_prefix
 from http_checks import assert_error_envelope
 from ports import free_port
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from dense_prompts import burst, dense, estimate
 from settled import counters, wait_until_settled
 from stack import call_replica, create_key
@@ -241,7 +241,7 @@ def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_ur
     assert again.status_code == 200  # its only place came back
 
 
-# -- streams started before their admission (serve_app/quota/overlap.py) ---------------
+# -- streams started before their admission (serve_app/admission/overlap.py) ---------------
 # Only while the model is busy (another request of it in flight on the replica):
 # each test below holds a long stream of another key open meanwhile.
 

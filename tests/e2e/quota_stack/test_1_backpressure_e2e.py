@@ -109,7 +109,7 @@ def _record(redis_url, http_request_id):
 
     import redis.asyncio
 
-    from serve_app.quota.usage import request_state
+    from serve_app.accounting.usage import request_state
 
     async def fetch():
         client = redis.asyncio.Redis.from_url(redis_url)

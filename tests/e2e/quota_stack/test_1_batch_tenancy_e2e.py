@@ -18,7 +18,7 @@ import pytest
 
 from quota_stack.stack_args import ADMIN, FILES_DIR
 from quota_stack.test_1_batches_e2e import ENDED, chat_line, ended, sdk, start, wait_for
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from settled import inference, records, wait_until_settled
 from stack import BIN, create_key
 

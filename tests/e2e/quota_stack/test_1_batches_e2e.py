@@ -22,7 +22,7 @@ import openai_spec
 from quota_stack.ingresses import wait_until_both_ingresses_serve
 from quota_stack.stack_args import (FILES_DIR, KEY_FILE_BYTES, MAX_ACTIVE_BATCHES, MAX_FILE_BYTES, MODEL, NARROW,
                                     NARROW_ALIAS)
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from settled import inference, records, wait_until_settled
 from stack import create_key
 

@@ -23,7 +23,7 @@ import pytest
 
 from quota_stack.stack_args import ADMIN, MODEL, STORED_BYTES
 from quota_stack.test_1_batches_e2e import chat_line, jsonl, sdk, upload
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from settled import inference, records, wait_until_settled
 from stack import create_key
 

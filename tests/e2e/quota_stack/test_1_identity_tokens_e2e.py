@@ -14,7 +14,7 @@ import pytest
 
 from http_checks import assert_error_envelope
 from quota_stack.stack_args import JWT_REQUESTS_PER_MINUTE, MODEL
-from serve_app.quota.jwt_auth import JwtAuthenticator
+from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import JwtConfig
 from settled import inference, wait_until_settled
 

@@ -19,7 +19,7 @@ import pytest
 
 from quota_stack.stack_args import ADMIN, CACHE_TTL_S, JWT_REQUESTS_PER_MINUTE, MODEL, TEAM_CLAIM
 from quota_stack.test_1_batches_e2e import chat_line, sdk, start, wait_for
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from settled import counters, inference, wait_until_settled
 from stack import local_app_args
 

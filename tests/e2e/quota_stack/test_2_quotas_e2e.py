@@ -17,7 +17,7 @@ import pytest
 import openai_spec
 from quota_stack.stack_args import ADMIN, CACHE_TTL_S, MODEL
 from stack import create_key
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,7 @@ request's final record reaches the record sink (``records.sink_dir``) within sec
 the same as Redis' copy, which Redis keeps only ``records.recent_s``; once Redis has
 forgotten it, ``llmctl requests show`` and ``GET /admin/requests/{id}`` answer from
 the sink, by completion id and by x-request-id; the outbox the ingresses ship through
-is empty again after the traffic (serve_app/quota/record_shipper.py)."""
+is empty again after the traffic (serve_app/accounting/record_shipper.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.settings import RecordsConfig
 from settled import wait_until_settled
 from stack import BIN, create_key

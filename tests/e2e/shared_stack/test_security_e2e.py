@@ -28,7 +28,7 @@ import pytest
 
 from http_checks import Listener, assert_error_envelope
 from stack import call_replica, create_key
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from serve_app.http.ingress import ROUTE_ACCESS
 
 pytestmark = pytest.mark.e2e

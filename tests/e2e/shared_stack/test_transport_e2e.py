@@ -13,7 +13,7 @@ import uuid
 import httpx
 import pytest
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 from settled import wait_until_settled
 from stack import create_key
 

@@ -7,9 +7,9 @@
 --       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica,
 --       8 key id, 9 model, 10 day field, 11 month field (both by the ingress's clock:
 --       used only for a request admitted without Redis, see below),
---       12-14 its cost in nano-dollars: input, output, reserved (serve_app/quota/costs.py),
+--       12-14 its cost in nano-dollars: input, output, reserved (serve_app/accounting/costs.py),
 --       15 how many of its prompt tokens the engine had cached (priced apart; counted per model),
---       16 '1': the final record goes on to the record sink (serve_app/quota/record_shipper.py)
+--       16 '1': the final record goes on to the record sink (serve_app/accounting/record_shipper.py)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done;
 -- with ARGV[16] '1', {delta, the final record's fields} (one read, in the same script).
@@ -28,7 +28,7 @@ local SHIP = ARGV[16] == '1'
 -- puts such counters under the key's team of the day they are read.
 local TEAM = redis.call('HGET', KEYS[5], 'team') or ''
 
--- The usage API's counters (serve_app/quota/usage.py): per model and day, what each
+-- The usage API's counters (serve_app/accounting/usage.py): per model and day, what each
 -- request of an inference model was charged: its real usage, or, when that is
 -- unknown (a stream the client cancelled), its reservation. A request charged
 -- nothing (refused by the model's queue, failed before it ran) is not counted.

@@ -2,7 +2,7 @@
 
 Keys that belong to one API key share the hash tag ``{k:<key_id>}`` so each
 script touching them runs on one slot of a Redis Cluster (docs/architecture.md, State).
-A team is admitted like a key (quota/teams.py): its limits' state has the same
+A team is admitted like a key (identity/teams.py): its limits' state has the same
 names under its team id (``t…``, so ``{k:t…}``), one slot per team.
 """
 
@@ -55,12 +55,12 @@ def team_members(team_id: str) -> str:
 
 TEAM_INDEX = f"{PREFIX}:teams"
 
-# The audit trail of admin actions: one stream (serve_app/quota/audit.py).
+# The audit trail of admin actions: one stream (serve_app/accounting/audit.py).
 AUDIT_LOG = f"{PREFIX}:audit"
 
 
 def admin_record(name: str) -> str:
-    """A named admin credential (serve_app/quota/admins.py)."""
+    """A named admin credential (serve_app/identity/admins.py)."""
     return f"{PREFIX}:admin:{name}"
 
 
@@ -78,7 +78,7 @@ ADMIN_INDEX = f"{PREFIX}:admins"
 
 def admin_failures(client_digest: str, minute: int) -> str:
     """Failed admin credentials of one client (its address's digest) in one clock minute
-    (serve_app/quota/credential_guard.py)."""
+    (serve_app/identity/credential_guard.py)."""
     return f"{PREFIX}:adminfail:{client_digest}:{minute}"
 
 

@@ -2,8 +2,8 @@
 
 Five scripts (``lua/``), each loaded once and called by SHA, each touching only
 the key's own hash-tagged keys; the calls of one event-loop turn share a round
-trip (serve_app/quota/auto_pipeline.py). A team is admitted by the same scripts
-as a key (its record has a key record's limits: quota/teams.py):
+trip (serve_app/redis_store/auto_pipeline.py). A team is admitted by the same scripts
+as a key (its record has a key record's limits: identity/teams.py):
 
 - ``admit``: concurrency lease, requests/min, tokens/min reservation, daily and
   monthly token budgets, and the request record — all decided and written
@@ -27,16 +27,13 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
-from importlib import resources
 
-from serve_app.quota import redis_names
-from serve_app.quota.auto_pipeline import AutoPipeline
-from serve_app.quota.costs import NANOS_PER_USD, Cost
-from serve_app.quota.keys import KeyRecord
-from serve_app.quota.usage import as_state, key_id_of
+from serve_app.redis_store import lua_scripts, redis_names
+from serve_app.redis_store.auto_pipeline import AutoPipeline
+from serve_app.accounting.costs import NANOS_PER_USD, Cost
+from serve_app.identity.keys import KeyRecord
+from serve_app.accounting.usage import as_state, key_id_of
 
-# The Lua scripts' folder (this module's four; files_api's file space).
-SCRIPTS = resources.files("serve_app.quota") / "lua"
 
 # What 429 bodies say, by refusal kind: (OpenAI `type`, `code`).
 REFUSALS = {
@@ -174,11 +171,11 @@ class Admission:
         # missing script is loaded, and how replicas acknowledge).
         self.pipeline = AutoPipeline(redis, replicas_to_acknowledge=replicas_to_acknowledge,
                                      acknowledge_timeout_ms=acknowledge_timeout_ms)
-        self._admit = redis.register_script((SCRIPTS / "admit.lua").read_text())
-        self._running = redis.register_script((SCRIPTS / "running.lua").read_text())
-        self._settle = redis.register_script((SCRIPTS / "settle.lua").read_text())
-        self._renew = redis.register_script((SCRIPTS / "renew.lua").read_text())
-        self._release = redis.register_script((SCRIPTS / "release.lua").read_text())
+        self._admit = lua_scripts.register(redis, __package__, "admit")
+        self._running = lua_scripts.register(redis, __package__, "running")
+        self._settle = lua_scripts.register(redis, __package__, "settle")
+        self._renew = lua_scripts.register(redis, __package__, "renew")
+        self._release = lua_scripts.register(redis, __package__, "release")
 
     async def admit(
         self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = "",

@@ -15,7 +15,7 @@ import secrets
 import time
 from typing import Any
 
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 
 _COMPLETION_PREFIXES = ("chatcmpl-", "cmpl-")
 # ``<key id>-<8 hex: the second it was made><16 hex random>``; ids made before they

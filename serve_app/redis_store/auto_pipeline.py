@@ -35,7 +35,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from serve_app.quota.redis_client import clear_error
+from serve_app.redis_store.redis_client import clear_error
 
 # Calls in one pipeline at most: a huge pipeline would hold one connection (and
 # Redis' event loop) for long and make its first caller wait for its last.

@@ -13,9 +13,9 @@ import time
 
 from pydantic import BaseModel
 
-from serve_app.quota import redis_names
-from serve_app.quota.redis_client import as_text
-from serve_app.quota.keys import digest
+from serve_app.redis_store import redis_names
+from serve_app.redis_store.redis_client import as_text
+from serve_app.identity.keys import digest
 
 SECRET_PREFIX = "sk-admin-"
 SESSION_S = 8 * 3600  # an operator console session lasts a working day

@@ -30,8 +30,8 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from serve_app.quota import redis_names
-from serve_app.quota.record_sink import RecordSink
+from serve_app.redis_store import redis_names
+from serve_app.accounting.record_sink import RecordSink
 
 logger = logging.getLogger("ray.serve")
 

@@ -29,10 +29,10 @@ from typing import Any
 from starlette.datastructures import QueryParams
 
 from serve_app.errors import OpenAIError
-from serve_app.quota import redis_names
-from serve_app.quota.redis_client import as_text
-from serve_app.quota.costs import NANOS_PER_USD
-from serve_app.quota.keys import KeyRecord
+from serve_app.redis_store import redis_names
+from serve_app.redis_store.redis_client import as_text
+from serve_app.accounting.costs import NANOS_PER_USD
+from serve_app.identity.keys import KeyRecord
 
 DAY_S = 86400
 DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets

@@ -23,7 +23,7 @@ import time
 from redis.exceptions import RedisClusterException, RedisError
 
 from serve_app.errors import OpenAIError
-from serve_app.quota import redis_names
+from serve_app.redis_store import redis_names
 
 logger = logging.getLogger("ray.serve")
 

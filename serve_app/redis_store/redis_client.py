@@ -14,7 +14,7 @@ primary, with TLS and AUTH/ACL users (docs/architecture.md, State).
 sentinels too, unless the query says ``sentinel_tls=no`` (sentinels listening in
 plain text). Sentinels themselves are reached without credentials unless
 ``sentinel_password`` (and ``sentinel_username``) is given in the query. Every key one call touches shares one hash tag
-(serve_app/quota/redis_names.py), so every script and call runs on one slot.
+(serve_app/redis_store/redis_names.py), so every script and call runs on one slot.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ _CLUSTER_CLIENT_FILE = Path(redis.asyncio.cluster.__file__).resolve()
 
 class _ClearErrors:
     """Two of redis-py's errors say something else than what happened; the
-    gateway decides on the error's kind (serve_app/quota/access.py), so they are said
+    gateway decides on the error's kind (serve_app/admission/access.py), so they are said
     plainly here, for every command of every client ``connect`` makes:
 
     - A refused AUTH is a ConnectionError subclass: read as "Redis unreachable",

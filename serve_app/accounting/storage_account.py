@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from serve_app.quota.admission import SCRIPTS
 from serve_app.errors import OpenAIError
+from serve_app.redis_store import lua_scripts
 
 
 class StorageAccount:
@@ -26,7 +26,7 @@ class StorageAccount:
         self.max_bytes, self.max_objects = max_bytes, max_objects
         self._names, self._ttl_ms = names, int((retention_s + 24 * 3600) * 1000)
         self._what, self._remedy, self._param, self._code = what, remedy, param, code
-        self._script = redis.register_script((SCRIPTS / "storage_account.lua").read_text()) if redis else None
+        self._script = lua_scripts.register(redis, __package__, "storage_account") if redis else None
 
     def _refusal(self, total: int, count: int, size: int) -> OpenAIError:
         return OpenAIError(

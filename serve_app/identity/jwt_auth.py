@@ -27,7 +27,7 @@ import jwt
 
 from contract.model_config import PRIORITY_TIERS
 from serve_app.errors import OpenAIError
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 from serve_app.settings import JwtConfig
 
 logger = logging.getLogger("ray.serve")

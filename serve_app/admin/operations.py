@@ -15,12 +15,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
-from serve_app.quota.admins import AdminNotFound
-from serve_app.quota.audit import changed
-from serve_app.quota.keys import KeyLimits, KeyNotFound, KeyRecord
-from serve_app.quota.teams import TeamNotFound, TeamRecord
-from serve_app.quota import usage_report
-from serve_app.quota.usage import key_usage, request_state
+from serve_app.identity.admins import AdminNotFound
+from serve_app.accounting.audit import changed
+from serve_app.identity.keys import KeyNotFound, KeyRecord
+from serve_app.limits import KeyLimits
+from serve_app.identity.teams import TeamNotFound, TeamRecord
+from serve_app.accounting import usage_report
+from serve_app.accounting.usage import key_usage, request_state
 
 
 # A key's, team's or admin's name: shown in the console, the audit trail, 429s and

@@ -12,34 +12,12 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from contract.model_config import PriorityTier
-from serve_app.quota import redis_names
+from serve_app.limits import KeyLimits
+from serve_app.redis_store import redis_names
 
 SECRET_PREFIX = "sk-llm-"
-
-
-class KeyLimits(BaseModel):
-    """Quotas of one key; 0 means unlimited."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    models: list[str] | None = Field(None, description="Models this key may use; null = all.")
-    requests_per_minute: int = Field(0, ge=0, description="Requests admitted per minute (GCRA: a burst of this many).")
-    tokens_per_minute: int = Field(0, ge=0, description="Tokens reserved per minute (prompt estimate plus max_tokens).")
-    max_concurrent: int = Field(0, ge=0, description="Requests running at once.")
-    daily_token_budget: int = Field(0, ge=0, description="Tokens per UTC day.")
-    monthly_token_budget: int = Field(0, ge=0, description="Tokens per UTC month.")
-    daily_cost_budget_usd: float = Field(
-        0, ge=0, le=1e6, description="Spend per UTC day in USD at the models' prices (reserved at admission).")
-    monthly_cost_budget_usd: float = Field(0, ge=0, le=1e6, description="Spend per UTC month in USD.")
-    priority: PriorityTier = Field(
-        "normal",
-        description="Scheduling tier: high, normal or low. Under load a model's engine runs higher tiers "
-        "first (where the model enables priority scheduling) and the ingress refuses lower tiers first "
-        "when the model's queue fills (contract/model_config.py PrioritySettings).",
-    )
 
 
 class KeyRecord(KeyLimits):
@@ -47,7 +25,7 @@ class KeyRecord(KeyLimits):
     name: str
     enabled: bool = True
     created_at: int
-    team: str | None = Field(None, description="The id of the team the key belongs to (quota/teams.py; an "
+    team: str | None = Field(None, description="The id of the team the key belongs to (identity/teams.py; an "
                                                 "identity token's user: the team's name); its limits apply on "
                                                 "top of the key's own.")
 

@@ -22,9 +22,10 @@ import secrets
 import time
 from typing import Any
 
-from serve_app.quota import redis_names
-from serve_app.quota.keys import KeyLimits, KeyRecord
-from serve_app.quota.redis_client import as_text
+from serve_app.redis_store import redis_names
+from serve_app.identity.keys import KeyRecord
+from serve_app.limits import KeyLimits
+from serve_app.redis_store.redis_client import as_text
 
 TEAM_ID_PREFIX = "t"
 

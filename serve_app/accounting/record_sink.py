@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serve_app.quota.usage import id_time
+from serve_app.accounting.usage import id_time
 
 _DAY = re.compile(r"^\d{8}$")
 _HOUR_MS = 3600 * 1000

@@ -20,7 +20,7 @@ import time
 
 from cachetools import TTLCache
 
-from serve_app.quota.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord
 
 NEGATIVE_TTL_S = 1.0
 NEGATIVE_MAX = 1_000

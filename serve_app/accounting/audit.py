@@ -1,6 +1,6 @@
 """Who changed what, and when: the audit trail of admin actions (keys created,
 changed, revoked; batches cancelled), written the same way whether the action came
-through the admin API or `llmctl`, since both go through quota/admin.py.
+through the admin API or `llmctl`, since both go through admin/operations.py.
 
 One Redis stream (``redis_names.AUDIT_LOG``); an entry's stream id is its time. An
 entry names its actor, the action, its target and the values before and after
@@ -18,8 +18,8 @@ import socket
 import time
 from typing import Any
 
-from serve_app.quota import redis_names
-from serve_app.quota.redis_client import as_text
+from serve_app.redis_store import redis_names
+from serve_app.redis_store.redis_client import as_text
 
 RETENTION_S = 400 * 86400  # a year and a month: last year's audit is still there
 MAX_ENTRIES = 20_000

@@ -38,25 +38,25 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from contract.replica_wire import Usage
 from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable, records_backlog
-from serve_app.quota import redis_client
-from serve_app.quota.admission import Admission, Decision, Refusal
-from serve_app.quota.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
-from serve_app.quota.admins import AdminStore
-from serve_app.quota.audit import ADMIN_TOKEN_ACTOR, AuditLog
-from serve_app.quota.costs import Cost, Rates
-from serve_app.quota.credential_guard import CredentialGuard
-from serve_app.quota.jwt_auth import JwtAuthenticator, is_jwt_identity, looks_like_jwt
-from serve_app.quota.key_cache import KeyCache
-from serve_app.quota.keys import KeyRecord, KeyStore, digest
-from serve_app.quota.local_limits import LocalLimiter
-from serve_app.quota.overlap import OverlapGuard
-from serve_app.quota.record_shipper import RecordShipper
-from serve_app.quota.record_sink import RecordSink
-from serve_app.quota.teams import TeamNotFound, TeamRecord, TeamStore, is_team_id
+from serve_app.redis_store import redis_client
+from serve_app.admission.scripts import Admission, Decision, Refusal
+from serve_app.identity.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
+from serve_app.identity.admins import AdminStore
+from serve_app.accounting.audit import ADMIN_TOKEN_ACTOR, AuditLog
+from serve_app.accounting.costs import Cost, Rates
+from serve_app.identity.credential_guard import CredentialGuard
+from serve_app.identity.jwt_auth import JwtAuthenticator, is_jwt_identity, looks_like_jwt
+from serve_app.identity.key_cache import KeyCache
+from serve_app.identity.keys import KeyRecord, KeyStore, digest
+from serve_app.admission.local_limits import LocalLimiter
+from serve_app.admission.overlap import OverlapGuard
+from serve_app.accounting.record_shipper import RecordShipper
+from serve_app.accounting.record_sink import RecordSink
+from serve_app.identity.teams import TeamNotFound, TeamRecord, TeamStore, is_team_id
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from serve_app.tracing import now_ns
-from serve_app.quota.usage import new_request_id
+from serve_app.accounting.usage import new_request_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -115,7 +115,7 @@ class Access:
         self.redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
         self.keys = KeyStore(self.redis)
         self.teams = TeamStore(self.redis)
-        self.audit = AuditLog(self.redis)  # admin actions (quota/admin.py writes it)
+        self.audit = AuditLog(self.redis)  # admin actions (admin/operations.py writes it)
         self.admins = AdminStore(self.redis)  # named admin credentials
         self.credential_guard = CredentialGuard(self.redis, settings.auth.admin_failures_per_minute)
         # Tokens of the company's identity provider, besides API keys (jwt_auth.py).
@@ -249,7 +249,7 @@ class Access:
 
     def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool:
         """Whether a stream of ``key`` may go to the engine while its admission is
-        in Redis (serve_app/quota/overlap.py); if so, the room it assumes is spent."""
+        in Redis (serve_app/admission/overlap.py); if so, the room it assumes is spent."""
         return self.overlap is not None and self.overlap.try_spend(key, reserve_tokens)
 
     async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",

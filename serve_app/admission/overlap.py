@@ -30,8 +30,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from serve_app.quota.admission import Decision
-from serve_app.quota.keys import KeyRecord
+from serve_app.admission.scripts import Decision
+from serve_app.identity.keys import KeyRecord
 
 # Keys whose room one process remembers (least recently admitted go first).
 MAX_KEYS = 10_000

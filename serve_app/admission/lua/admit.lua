@@ -19,7 +19,7 @@
 -- or team disabled or revoked is refused ('revoked', never retried). (Records are never
 -- deleted, only disabled; where none is found, the caller's limits are applied.)
 -- A limit of 0 means unlimited. A team is admitted with this script too (its id for the
--- key id): quota/teams.py.
+-- key id): identity/teams.py.
 --
 -- Rate limits are GCRA over a 60 s window: a limit L/min admits a burst of L,
 -- then one every 60/L s; a request of cost c (1 request, or its reserved

@@ -1,0 +1,1 @@
+"""The admin API's operations (keys, teams, admins, usage, audit), served by serve_app/http."""
