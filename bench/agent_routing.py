@@ -3,7 +3,7 @@ each application with its own long system prompt, one run per routing policy.
 
 The small demo chat model on two replicas behind this stack (as ``make run`` starts
 it, Makefile env; bench/prefix_routing.py's stack), once per ``routing.policy``
-(serve_app/pipeline/routing.py): ``power_of_two`` (Serve's default), ``prefix_affinity``
+(serve_app/routing/serve_routers.py): ``power_of_two`` (Serve's default), ``prefix_affinity``
 (the first ``prefix_chars`` of the prompt decide) and ``cache_affinity`` (the replica
 holding the longest run of the whole prompt, as its engine's KV-cache events say, plus
 what the router itself sent there in the last 30 s), and

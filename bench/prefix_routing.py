@@ -2,7 +2,7 @@
 
 The small demo chat model on two replicas behind this stack (as ``make run`` starts
 it, Makefile env), once per routing policy (``routing.policy`` in the model
-config, serve_app/pipeline/routing.py): ``power_of_two`` (Serve's default) and
+config, serve_app/routing/serve_routers.py): ``power_of_two`` (Serve's default) and
 ``prefix_affinity`` (ours). Each policy gets a freshly started stack (empty
 prefix caches), then `vllm bench serve` with vLLM's prefix-repetition dataset:
 ``--prefixes`` shared prefixes of ``--prefix-len`` tokens, each followed by a

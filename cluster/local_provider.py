@@ -23,11 +23,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ray.autoscaler._private.command_runner import _with_environment_variables
-from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
-from ray.autoscaler._private.subprocess_output_util import ProcessRunnerError
 from ray.autoscaler.command_runner import CommandRunnerInterface
 from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
+
+from cluster.ray_private import FakeMultiNodeProvider, ProcessRunnerError, with_environment_variables
 
 
 class LocalCommandRunner(CommandRunnerInterface):
@@ -48,7 +47,7 @@ class LocalCommandRunner(CommandRunnerInterface):
         if not cmd:
             return ""
         if environment_variables:
-            cmd = _with_environment_variables(cmd, environment_variables)
+            cmd = with_environment_variables(cmd, environment_variables)
         result = subprocess.run(["bash", "-c", cmd], capture_output=with_output, text=True)
         if result.returncode != 0:
             raise ProcessRunnerError("Command failed", "local_command_failed", code=result.returncode, command=cmd)

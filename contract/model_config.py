@@ -104,14 +104,14 @@ class FairShareSettings(BaseModel):
 # (replicas/rehearsal.py), named here so this module imports nothing of vLLM.
 VLLM_ENGINE = "replicas.vllm_engine:start_vllm"
 RECORDING_ENGINE = "replicas.rehearsal:start_recording"
-# serve_app/pipeline/routing.py, named here so this module imports nothing of Ray.
-PREFIX_AFFINITY_ROUTER = "serve_app.pipeline.routing:PrefixAffinityRouter"
-POWER_OF_TWO_ROUTER = "serve_app.pipeline.routing:PowerOfTwoRouter"
-CACHE_AFFINITY_ROUTER = "serve_app.pipeline.routing:CacheAffinityRouter"
+# serve_app/routing/serve_routers.py, named here so this module imports nothing of Ray.
+PREFIX_AFFINITY_ROUTER = "serve_app.routing.serve_routers:PrefixAffinityRouter"
+POWER_OF_TWO_ROUTER = "serve_app.routing.serve_routers:PowerOfTwoRouter"
+CACHE_AFFINITY_ROUTER = "serve_app.routing.serve_routers:CacheAffinityRouter"
 
 
 class RoutingSettings(BaseModel):
-    """How the ingress picks one of a model's replicas (serve_app/pipeline/routing.py)."""
+    """How the ingress picks one of a model's replicas (serve_app/routing/serve_routers.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

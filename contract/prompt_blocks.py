@@ -1,5 +1,5 @@
 """How a prompt is cut into chained blocks: what a router and a replica agree on when the
-replica tells the router what its engine holds (serve_app/pipeline/block_index.py keeps
+replica tells the router what its engine holds (serve_app/routing/block_index.py keeps
 the router's index; replicas/kv_events.py translates the engine's KV-cache events).
 
 A prompt (the messages' roles and text in order, as the engine reads them first) is cut

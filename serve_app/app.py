@@ -93,13 +93,13 @@ def routes_at_the_edge(model: ModelConfig, options: dict[str, Any]) -> bool:
     HAProxy (Ray's ingress request routers need it), and its policy asks for affinity
     or it serves LoRA adapters (a replica that holds the adapter is preferred: Serve's
     multiplexing, in every router)."""
-    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+    from serve_app.routing.serve_private import haproxy_enabled
 
     router = (options.get("request_router_config") or {}).get("request_router_class")
     autoscaling = options.get("autoscaling_config") or {}
     most = autoscaling.get("max_replicas", 1) if autoscaling else options.get("num_replicas", 1)
     affinity = router not in (None, POWER_OF_TWO_ROUTER) or model.lora is not None
-    return RAY_SERVE_ENABLE_HA_PROXY and affinity and most != 1
+    return haproxy_enabled() and affinity and most != 1
 
 
 def direct_apps(args: dict[str, Any]) -> list[dict[str, Any]]:

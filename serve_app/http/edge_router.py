@@ -9,7 +9,7 @@ application gets this deployment as Ray's *ingress request router*
 uses for its one model): for each POST, HAProxy's Lua hands the body it has read
 (``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY``) to ``/internal/route`` here and
 sends the request to the replica this answers. The choice is the model's own request
-router's (serve_app/pipeline/routing.py: the same class the ingress' handle calls use,
+router's (serve_app/routing/serve_routers.py: the same class the ingress' handle calls use,
 with the same load guard, session ids and index; for a LoRA adapter, among the replicas
 that hold it, as Serve's multiplexing has them), asked through Serve's
 ``choose_replica`` without a reservation: the request itself goes over HAProxy, so only

@@ -11,7 +11,7 @@ a light one cannot monopolise the model after a quiet hour.
 
 Work-conserving: requests are handed on at once while the model's replicas have
 places (the sum of their ``max_ongoing_requests``, as this ingress' router sees
-them: serve_app/pipeline/routing.py), so a model with room serves anyone at full speed.
+them: serve_app/routing/serve_routers.py), so a model with room serves anyone at full speed.
 Only when every place is taken by this ingress' requests do new ones wait, and
 each place that frees goes to the next in fair order, straight to the replica
 that has it (nothing waits in Serve's own queue, first come first served, and
@@ -41,23 +41,6 @@ import asyncio
 import collections
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-
-
-# Each model deployment's places (the sum of its running replicas'
-# max_ongoing_requests) as the request routers in this process last saw them
-# (serve_app/pipeline/routing.py publishes them). Kept here, not in routing.py: Serve
-# pickles a custom router class by value, module globals included, so a registry
-# in the router's own module would be a copy the gateway never sees.
-_PLACES: dict[str, int] = {}
-
-
-def publish_places(deployment: str, places: int) -> None:
-    _PLACES[deployment] = places
-
-
-def replica_places(deployment: str) -> int | None:
-    """``deployment``'s places, None until a router in this process has seen its replicas."""
-    return _PLACES.get(deployment)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from contract.model_config import VLLM_PRIORITY, ModelConfig, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
 from serve_app.pipeline.catalog import ModelCatalog
-from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter, replica_places
+from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
+from serve_app.routing.places import replica_places
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica

@@ -1,5 +1,5 @@
 """Who runs where and first, on the real stack: prefix-affinity routing
-(serve_app/pipeline/routing.py) and keys' priority tiers (serve_app/pipeline/gateway.py, vLLM's
+(serve_app/routing/serve_routers.py) and keys' priority tiers (serve_app/pipeline/gateway.py, vLLM's
 priority scheduling). Requests go through the OpenAI SDK or plain HTTP; where
 each one ran is read from its request record in Redis.
 
@@ -38,7 +38,7 @@ import redis as redis_sync
 
 from ports import free_port
 from settled import records as records_of, wait_until_settled
-from serve_app.pipeline.routing import prompt_prefix, rendezvous_order
+from serve_app.routing.policies import prompt_prefix, rendezvous_order
 from stack import (APP_NAME, call_replica, create_key, edge_server_states, edge_server_stats, local_app_args,
                    serve_stack)
 
@@ -245,7 +245,7 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, 
 
 def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, replica_ids, redis_server, key):
     from contract.edge import DEFAULT_SESSION_HEADER
-    from serve_app.pipeline.routing import SESSION_KEY
+    from serve_app.routing.policies import SESSION_KEY
 
     # One application: every conversation starts with its system prompt, which ranks
     # one replica first. By prefix they all run there; by session each runs on the

@@ -1,5 +1,5 @@
-"""The cache-affinity router's index (serve_app/pipeline/block_index.py) and its
-decisions (serve_app/pipeline/routing.py CacheAffinityRouter), with Serve's replica
+"""The cache-affinity router's index (serve_app/routing/block_index.py) and its
+decisions (serve_app/routing/serve_routers.py CacheAffinityRouter), with Serve's replica
 wrappers faked as in test_routing.py: what a replica is taken to hold, how the
 longest held run wins within the load guard, and that the index stays bounded."""
 
@@ -7,8 +7,8 @@ import pytest
 
 from contract.model_config import CACHE_AFFINITY_ROUTER, ModelConfig
 from contract.prompt_blocks import MAX_HASHED_CHARS, block_hashes, prompt_text
-from serve_app.pipeline.block_index import BlockIndex
-from serve_app.pipeline.routing import cached_choice, prompt_prefix, rendezvous_order
+from serve_app.routing.block_index import BlockIndex
+from serve_app.routing.policies import cached_choice, prompt_prefix, rendezvous_order
 from test_routing import FakeReplica, chat, ids, pending, queue
 
 SYSTEM = "You are the support agent of ACME; answer briefly. " * 30  # ~1,500 characters, shared
@@ -90,7 +90,7 @@ def test_models_may_route_by_what_replicas_hold():
 def cache_router(*replicas):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from serve_app.pipeline.routing import CacheAffinityRouter
+    from serve_app.routing.serve_routers import CacheAffinityRouter
 
     router = CacheAffinityRouter(deployment_id=DeploymentID("model-m", "llm"),
                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)

@@ -149,7 +149,7 @@ def test_a_direct_model_routed_with_affinity_on_several_replicas_is_routed_at_th
         # The model's own router picks the replica, at the edge and for the ingress' handle calls.
         assert router._bound_deployment.func_or_class is EdgeRouter
         assert router._bound_deployment.name == "edge-router-tiny-llama"  # unique beside other models'
-        assert config.request_router_class.startswith("serve_app.pipeline.routing:")
+        assert config.request_router_class.startswith("serve_app.routing.serve_routers:")
     else:
         assert router is None and config.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
 

@@ -17,7 +17,7 @@ from contract.replica_wire import StreamStart
 from serve_app.admission.access import Ticket
 from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
-from serve_app.pipeline import fair_share
+from serve_app.routing import places
 from serve_app.pipeline.gateway import Gateway
 from serve_app.identity.keys import KeyRecord
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -138,7 +138,7 @@ async def test_a_stream_reaches_the_replica_before_redis_answers_and_under_the_i
 
 @pytest.mark.parametrize("ending", ["refused", "client gone"])
 async def test_a_refusal_or_a_client_gone_during_admission_ends_the_call_and_frees_its_place(ending, monkeypatch):
-    monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)  # one place in all: a leaked one would block the next request
+    monkeypatch.setitem(places._PLACES, "model-tiny-llama", 1)  # one place in all: a leaked one would block the next request
     access = Access()
     gw, sent = gateway(access, fair_share=True)
     run = await start(gw)
@@ -211,7 +211,7 @@ async def test_in_a_burst_on_an_idle_model_only_the_first_request_waits_for_its_
 
 
 async def test_a_model_with_no_free_place_waits_for_admission_first(monkeypatch):
-    monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)
+    monkeypatch.setitem(places._PLACES, "model-tiny-llama", 1)
     access = Access()
     gw, sent = gateway(access, fair_share=True)
     taken = gw._gates["tiny-llama"].enter_now("another-key")  # the only place is busy

@@ -290,9 +290,9 @@ async def test_the_key_tier_is_the_engine_priority_and_a_client_cannot_set_its_o
 
 @pytest.mark.parametrize("first_ends", ["answered", "queue_timeout", "engine_error"])
 async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatch, first_ends):
-    from serve_app.pipeline import fair_share
+    from serve_app.routing import places
 
-    monkeypatch.setitem(fair_share._PLACES, "model-tiny-llama", 1)  # one place: one request in flight
+    monkeypatch.setitem(places._PLACES, "model-tiny-llama", 1)  # one place: one request in flight
     access, sent, release = Access(), [], asyncio.Event()
     first_result = ReplicaError(500, {"message": "boom"}, "r1") if first_ends == "engine_error" else \
         ReplicaAnswer(b"{}", USAGE, "r1")

@@ -1,4 +1,4 @@
-"""Prefix affinity's pure parts (serve_app/pipeline/routing.py): what part of a request
+"""Prefix affinity's pure parts (serve_app/routing/serve_routers.py): what part of a request
 decides, how replicas are ranked for it, and when load overrides it. The router
 itself runs under real Serve in tests/e2e/test_scheduling_e2e.py."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from contract.model_config import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, ModelConfig
-from serve_app.pipeline.routing import ChosenNotSent, affine_choice, prompt_prefix, rendezvous_order
+from serve_app.routing.policies import ChosenNotSent, affine_choice, prompt_prefix, rendezvous_order
 
 SYSTEM = "You are a support agent for ACME. " * 40  # ~1,400 characters, as shared system prompts are
 
@@ -110,7 +110,7 @@ class FakeReplica:
 def router_with(*replicas):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from serve_app.pipeline.routing import PrefixAffinityRouter
+    from serve_app.routing.serve_routers import PrefixAffinityRouter
 
     router = PrefixAffinityRouter(deployment_id=DeploymentID("model-m", "llm"),
                                   handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
@@ -188,19 +188,19 @@ async def test_either_router_publishes_the_deployments_places_where_the_gateway_
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     from ray.serve.config import RequestRouterConfig
 
-    from serve_app.pipeline import fair_share
+    from serve_app.routing import places
 
     router_cls = RequestRouterConfig(request_router_class=router_class).get_request_router_class()
     router = router_cls(deployment_id=DeploymentID("model-p", "llm"), handle_source=DeploymentHandleSource.UNKNOWN,
                         use_replica_queue_len_cache=True)
     router.initialize_state()
-    assert fair_share.replica_places("model-p") is None
+    assert places.replica_places("model-p") is None
     a, b = FakeReplica("a"), FakeReplica("b")
     router.update_replicas([a, b])
-    assert fair_share.replica_places("model-p") == 32
+    assert places.replica_places("model-p") == 32
     router.update_replicas([b])
-    assert fair_share.replica_places("model-p") == 16
-    fair_share._PLACES.clear()
+    assert places.replica_places("model-p") == 16
+    places._PLACES.clear()
 
 
 async def test_a_burst_chosen_before_any_is_sent_still_trips_the_guard():
@@ -225,7 +225,7 @@ async def test_a_burst_chosen_before_any_is_sent_still_trips_the_guard():
 
 
 def test_a_choice_never_sent_stops_counting_after_its_time():
-    from serve_app.pipeline.routing import ChosenNotSent
+    from serve_app.routing.policies import ChosenNotSent
 
     now = [0.0]
     chosen = ChosenNotSent(ttl_s=2.0, clock=lambda: now[0])
@@ -244,7 +244,7 @@ def test_a_choice_never_sent_stops_counting_after_its_time():
 def test_a_choice_never_sent_stops_counting_once_a_probe_of_its_replica_has_seen_it():
     """The edge router's picks go over HAProxy, never through Serve: each counts until
     its replica's own count was asked after the request reached it."""
-    from serve_app.pipeline.routing import ChosenNotSent
+    from serve_app.routing.policies import ChosenNotSent
 
     now = [10.0]
     chosen = ChosenNotSent(ttl_s=2.0, clock=lambda: now[0])
