@@ -2,8 +2,8 @@
 from 1 and from 4 gateway processes, for keys alone (one level) and for keys in
 teams (two levels: each key's and its team's limits, serve_app/identity/teams.py).
 
-Each process runs what an ingress replica runs per request (serve_app.admission.access:
-``Access.admit`` — one EVALSHA of the admit script — then ``Access.settle``, off
+Each process runs what an ingress replica runs per request (serve_app.admission.gatekeeper:
+``Gatekeeper.admit`` — one EVALSHA of the admit script — then ``Gatekeeper.settle``, off
 the response path) in a closed loop with ``--concurrency`` requests in flight,
 over 1,000 API keys with generous limits (admitted, not refused: the full write
 path). ``1x1`` (one process, one admission at a time) is the bare round trip;
@@ -46,25 +46,25 @@ def run_process(url: str, duration_s: float, concurrency: int, seed: int, result
 async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int,
                  levels: int) -> None:
     from contract.replica_wire import Usage
-    from serve_app.admission.access import Access
+    from serve_app.http.services import build_quota_services
     from serve_app.identity.keys import KeyRecord
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 
     quota = {"redis_timeout_s": 2, "replicas_to_acknowledge": acknowledge, "replica_ack_timeout_ms": 1000}
-    gate = Access(AppSettings(redis_url=url, quota=quota), Telemetry(False, False))
+    services = build_quota_services(AppSettings(redis_url=url, quota=quota), Telemetry(False, False))
     generous = {"requests_per_minute": 10**7, "tokens_per_minute": 10**9, "max_concurrent": 10**4}
     teams = []
     if levels == 2:
         from serve_app.limits import KeyLimits
 
-        teams = [(await gate.teams.create(f"bench-{seed}-{time.monotonic_ns()}-{j}", KeyLimits(**generous))).id
+        teams = [(await services.stores.teams.create(f"bench-{seed}-{time.monotonic_ns()}-{j}", KeyLimits(**generous))).id
                  for j in range(TEAMS)]
     keys = [KeyRecord(id=f"kb{seed}x{i}", name=f"bench-{seed}-{i}", created_at=0,
                       team=teams[i % TEAMS] if teams else None, **generous) for i in range(KEYS)]
     usage = Usage(prompt_tokens=20, completion_tokens=40)
     for key in keys[:concurrency]:  # scripts loaded, connections open
-        gate.settle(await gate.admit(key, "m", 60), "completed", usage)
+        services.gate.settle(await services.gate.admit(key, "m", 60), "completed", usage)
     latencies: list[float] = []
     local = 0
     deadline = time.perf_counter() + duration_s
@@ -76,18 +76,18 @@ async def _drive(url: str, duration_s: float, concurrency: int, seed: int, resul
             key = keys[i % KEYS]
             i += concurrency
             started = time.perf_counter()
-            ticket = await gate.admit(key, "m", 60)
+            ticket = await services.gate.admit(key, "m", 60)
             latencies.append(time.perf_counter() - started)
             local += ticket.local
-            gate.settle(ticket, "completed", usage)
+            services.gate.settle(ticket, "completed", usage)
 
     began, cpu_began = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker(n) for n in range(concurrency)))
     took = time.perf_counter() - began
-    while gate._background:  # settlements still in flight
+    while services.gate._background:  # settlements still in flight
         await asyncio.sleep(0.01)
     cpu = time.process_time() - cpu_began
-    await gate.redis.aclose()
+    await services.redis.aclose()
     results.put((len(latencies), took, latencies[::10], local, cpu))
 
 

@@ -1,6 +1,6 @@
 """Redis bytes against requests served, with the record sink and without.
 
-Runs the real admission and settlement scripts (``Access``: admit, settle) against a
+Runs the real admission and settlement scripts (``Gatekeeper``: admit, settle) against a
 private redis-server (started here) in rounds, and after each round prints what
 Redis holds (``MEMORY USAGE`` of every key) and, with the sink, the sink's bytes per
 request. Without a sink a final record stays in Redis for ``quota.request_retention_s``
@@ -27,7 +27,7 @@ from redis_footprint import used  # noqa: E402  (bench/, beside this file)
 from redis_server import running_redis  # noqa: E402
 
 from serve_app.redis_store import redis_client, redis_names  # noqa: E402
-from serve_app.admission.access import Access  # noqa: E402
+from serve_app.http.services import build_quota_services  # noqa: E402
 from serve_app.identity.keys import KeyStore  # noqa: E402
 from serve_app.settings import AppSettings  # noqa: E402
 from serve_app.telemetry import Telemetry  # noqa: E402
@@ -41,20 +41,20 @@ async def run(url: str, sink_dir: Path | None, rounds: int, per_round: int, rece
     client = redis_client.connect(url)
     await client.flushdb()
     records = {"sink_dir": str(sink_dir), "recent_s": recent_s} if sink_dir else {"sink_dir": None}
-    access = Access(AppSettings(redis_url=url, records=records), Telemetry(False, False))
-    if access.records is not None:
-        access.records.start()
+    access = build_quota_services(AppSettings(redis_url=url, records=records), Telemetry(False, False))
+    if access.stores.records is not None:
+        access.stores.records.start()
     key, _ = await KeyStore(client).create("bench-records")
     rows, served = [], 0
     for _ in range(rounds):
         started = time.monotonic()
         for i in range(per_round):
-            ticket = await access.admit(key, "tiny-llama", 300, http_request_id=f"{served + i:08d}-0000-4000-8000")
-            access.settle(ticket, "completed")
+            ticket = await access.gate.admit(key, "tiny-llama", 300, http_request_id=f"{served + i:08d}-0000-4000-8000")
+            access.gate.settle(ticket, "completed")
         served += per_round
-        while access._background:  # settlements off the request path
+        while access.gate._background:  # settlements off the request path
             await asyncio.sleep(0.01)
-        while access.records is not None and await client.xlen(redis_names.RECORD_OUTBOX):
+        while access.stores.records is not None and await client.xlen(redis_names.RECORD_OUTBOX):
             await asyncio.sleep(0.05)
         took = time.monotonic() - started
         await asyncio.sleep(max(0.0, recent_s + 1 - took) if sink_dir else 0)  # the window passes

@@ -59,17 +59,10 @@ def _print(value, as_json: bool) -> None:
 
 
 def _admin_access(redis):
-    """What admin/operations.py needs of an ``Access``, for `llmctl`'s admin actions."""
-    from types import SimpleNamespace
+    """The stores admin/operations.py works on, for `llmctl`'s admin actions."""
+    from serve_app.admin.operations import AdminStores
 
-    from serve_app.identity.admins import AdminStore
-    from serve_app.accounting.audit import AuditLog
-    from serve_app.identity.keys import KeyStore
-
-    from serve_app.identity.teams import TeamStore
-
-    return SimpleNamespace(keys=KeyStore(redis), redis=redis, audit=AuditLog(redis), admins=AdminStore(redis),
-                           teams=TeamStore(redis))
+    return AdminStores.over(redis)
 
 
 async def _admin_command(args: argparse.Namespace, work) -> int:

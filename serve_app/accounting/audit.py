@@ -26,8 +26,6 @@ MAX_ENTRIES = 20_000
 # Entries read per XREVRANGE while filtering a page (by actor or target).
 _SCAN_BATCH = 500
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
-# What an admin API call authenticated with the shared admin token is recorded as.
-ADMIN_TOKEN_ACTOR = "admin-token"
 
 
 def llmctl_actor() -> str:

@@ -11,7 +11,7 @@ entries read leaves them to another, which claims them after ``CLAIM_IDLE_MS`` (
 record may so be written twice; lookups take the first).
 
 Back-pressure: past ``records.max_backlog`` entries waiting, the shippers say
-``backlogged`` and ``Access.admit`` refuses new requests (503 ``records_backlog``)
+``backlogged`` and ``Gatekeeper.admit`` refuses new requests (503 ``records_backlog``)
 until the sink takes them, so a sink that is down never loses a record nor grows
 Redis past the bound (requests in flight still settle into it).
 """

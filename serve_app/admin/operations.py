@@ -2,26 +2,44 @@
 and records, and every change written to the audit trail (audit.py) with who
 made it (``actor``).
 
-Each function takes an ``Access`` (or what `llmctl` builds in its place: ``keys``,
-``redis``, ``audit``) and plain request data and returns JSON-ready data or
-raises ``OpenAIError``; the ingress and `llmctl` only route.
+Each function takes the ``AdminStores`` (the stores over one Redis client, built
+once by the ingress' service builder or by `llmctl`) and plain request data and
+returns JSON-ready data or raises ``OpenAIError``; the ingress and `llmctl` only route.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
-from serve_app.identity.admins import AdminNotFound
-from serve_app.accounting.audit import changed
-from serve_app.identity.keys import KeyNotFound, KeyRecord
+from serve_app.identity.admins import AdminNotFound, AdminStore
+from serve_app.accounting.audit import AuditLog, changed
+from serve_app.accounting.record_shipper import RecordShipper
+from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 from serve_app.limits import KeyLimits
-from serve_app.identity.teams import TeamNotFound, TeamRecord
+from serve_app.identity.teams import TeamNotFound, TeamRecord, TeamStore
 from serve_app.accounting import usage_report
 from serve_app.accounting.usage import key_usage, request_state
+
+
+@dataclass(frozen=True)
+class AdminStores:
+    """What the admin operations read and change, over one Redis client."""
+
+    redis: Any
+    keys: KeyStore
+    teams: TeamStore
+    admins: AdminStore
+    audit: AuditLog
+    records: RecordShipper | None = None  # where final request records went past Redis (None: kept in Redis)
+
+    @classmethod
+    def over(cls, redis, records: RecordShipper | None = None) -> AdminStores:
+        return cls(redis, KeyStore(redis), TeamStore(redis), AdminStore(redis), AuditLog(redis), records)
 
 
 # A key's, team's or admin's name: shown in the console, the audit trail, 429s and
@@ -78,141 +96,141 @@ def _parse(model: type[BaseModel], body: Any) -> BaseModel:
         raise invalid_request(exc) from None
 
 
-async def _key(access, id_or_name: str) -> KeyRecord:
+async def _key(stores: AdminStores, id_or_name: str) -> KeyRecord:
     try:
-        return await access.keys.resolve(id_or_name)
+        return await stores.keys.resolve(id_or_name)
     except KeyNotFound:
         raise OpenAIError(404, f"No API key '{id_or_name}'.", code="key_not_found") from None
 
 
-async def _team(access, id_or_name: str) -> TeamRecord:
+async def _team(stores: AdminStores, id_or_name: str) -> TeamRecord:
     try:
-        return await access.teams.resolve(id_or_name)
+        return await stores.teams.resolve(id_or_name)
     except TeamNotFound:
         raise OpenAIError(404, f"No team '{id_or_name}'.", param="team", code="team_not_found") from None
 
 
-async def _team_to_join(access, id_or_name: str) -> TeamRecord:
+async def _team_to_join(stores: AdminStores, id_or_name: str) -> TeamRecord:
     """A team a key may be put in: an enabled one."""
-    team = await _team(access, id_or_name)
+    team = await _team(stores, id_or_name)
     if not team.enabled:
         raise OpenAIError(400, f"The team '{team.name}' is disabled: no key can join it.", param="team",
                           code="team_disabled")
     return team
 
 
-async def create_key(access, body: Any, actor: str) -> dict[str, Any]:
+async def create_key(stores: AdminStores, body: Any, actor: str) -> dict[str, Any]:
     new = _parse(NewKey, body)
     limits = new.model_dump(exclude={"name", "team"})
-    team = await _team_to_join(access, new.team) if new.team is not None else None
+    team = await _team_to_join(stores, new.team) if new.team is not None else None
     if team is not None and "priority" not in new.model_fields_set:
         limits["priority"] = team.priority  # the team's default tier
     try:
-        record, secret = await access.keys.create(new.name, KeyLimits(**limits))
+        record, secret = await stores.keys.create(new.name, KeyLimits(**limits))
     except ValueError as exc:
         raise OpenAIError(409, str(exc), param="name", code="key_exists") from None
     if team is not None:
-        record = await access.keys.update(record.id, team=team.id)
-        await access.teams.set_membership(record.id, None, team.id)
-    await access.audit.record(actor, "key.create", record.id, after=record.model_dump())
+        record = await stores.keys.update(record.id, team=team.id)
+        await stores.teams.set_membership(record.id, None, team.id)
+    await stores.audit.record(actor, "key.create", record.id, after=record.model_dump())
     return {**record.model_dump(), "secret": secret}
 
 
-async def list_keys(access) -> dict[str, Any]:
-    return {"object": "list", "data": [r.model_dump() for r in await access.keys.list()]}
+async def list_keys(stores: AdminStores) -> dict[str, Any]:
+    return {"object": "list", "data": [r.model_dump() for r in await stores.keys.list()]}
 
 
-async def show_key(access, id_or_name: str) -> dict[str, Any]:
-    return (await _key(access, id_or_name)).model_dump()
+async def show_key(stores: AdminStores, id_or_name: str) -> dict[str, Any]:
+    return (await _key(stores, id_or_name)).model_dump()
 
 
-async def update_key(access, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
+async def update_key(stores: AdminStores, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
     changes = _parse(KeyChanges, body).model_dump(exclude_unset=True)
-    record = await _key(access, id_or_name)
+    record = await _key(stores, id_or_name)
     if changes.get("team") is not None:
-        changes["team"] = (await _team_to_join(access, changes["team"])).id
+        changes["team"] = (await _team_to_join(stores, changes["team"])).id
     try:
-        updated = await access.keys.update(record.id, **changes)
+        updated = await stores.keys.update(record.id, **changes)
     except ValidationError as exc:
         raise invalid_request(exc) from None
     if updated.team != record.team:
         # Admission reads the key record (within key_cache_ttl_s at every ingress): from
         # then on the new team's limits apply; requests running stay counted where admitted.
-        await access.teams.set_membership(record.id, record.team, updated.team)
-    await access.audit.record(actor, "key.update", record.id, *changed(record.model_dump(), updated.model_dump()))
+        await stores.teams.set_membership(record.id, record.team, updated.team)
+    await stores.audit.record(actor, "key.update", record.id, *changed(record.model_dump(), updated.model_dump()))
     return updated.model_dump()
 
 
-async def revoke_key(access, id_or_name: str, actor: str) -> dict[str, Any]:
-    record = await _key(access, id_or_name)
-    revoked = await access.keys.revoke(record.id)
-    await access.audit.record(actor, "key.revoke", record.id, *changed(record.model_dump(), revoked.model_dump()))
+async def revoke_key(stores: AdminStores, id_or_name: str, actor: str) -> dict[str, Any]:
+    record = await _key(stores, id_or_name)
+    revoked = await stores.keys.revoke(record.id)
+    await stores.audit.record(actor, "key.revoke", record.id, *changed(record.model_dump(), revoked.model_dump()))
     return revoked.model_dump()
 
 
-async def create_team(access, body: Any, actor: str) -> dict[str, Any]:
+async def create_team(stores: AdminStores, body: Any, actor: str) -> dict[str, Any]:
     new = _parse(NewTeam, body)
     try:
-        record = await access.teams.create(new.name, KeyLimits(**new.model_dump(exclude={"name"})))
+        record = await stores.teams.create(new.name, KeyLimits(**new.model_dump(exclude={"name"})))
     except ValueError as exc:
         raise OpenAIError(409, str(exc), param="name", code="team_exists") from None
-    await access.audit.record(actor, "team.create", record.id, after=record.model_dump())
+    await stores.audit.record(actor, "team.create", record.id, after=record.model_dump())
     return record.model_dump()
 
 
-async def list_teams(access) -> dict[str, Any]:
-    return {"object": "list", "data": [r.model_dump() for r in await access.teams.list()]}
+async def list_teams(stores: AdminStores) -> dict[str, Any]:
+    return {"object": "list", "data": [r.model_dump() for r in await stores.teams.list()]}
 
 
-async def show_team(access, id_or_name: str) -> dict[str, Any]:
-    team = await _team(access, id_or_name)
-    return {**team.model_dump(), "keys": await access.teams.members(team.id),
-            "usage": await key_usage(access.redis, team.id)}
+async def show_team(stores: AdminStores, id_or_name: str) -> dict[str, Any]:
+    team = await _team(stores, id_or_name)
+    return {**team.model_dump(), "keys": await stores.teams.members(team.id),
+            "usage": await key_usage(stores.redis, team.id)}
 
 
-async def update_team(access, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
+async def update_team(stores: AdminStores, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
     changes = _parse(TeamChanges, body).model_dump(exclude_unset=True)
-    team = await _team(access, id_or_name)
+    team = await _team(stores, id_or_name)
     try:
-        updated = await access.teams.update(team.id, **changes)
+        updated = await stores.teams.update(team.id, **changes)
     except ValidationError as exc:
         raise invalid_request(exc) from None
-    await access.audit.record(actor, "team.update", team.id, *changed(team.model_dump(), updated.model_dump()))
+    await stores.audit.record(actor, "team.update", team.id, *changed(team.model_dump(), updated.model_dump()))
     return updated.model_dump()
 
 
-async def revoke_team(access, id_or_name: str, actor: str) -> dict[str, Any]:
+async def revoke_team(stores: AdminStores, id_or_name: str, actor: str) -> dict[str, Any]:
     """Disable a team: every key of it stops (interactive requests within
     key_cache_ttl_s, running streams and batches at their next check)."""
-    team = await _team(access, id_or_name)
-    revoked = await access.teams.update(team.id, enabled=False)
-    await access.audit.record(actor, "team.revoke", team.id, *changed(team.model_dump(), revoked.model_dump()))
+    team = await _team(stores, id_or_name)
+    revoked = await stores.teams.update(team.id, enabled=False)
+    await stores.audit.record(actor, "team.revoke", team.id, *changed(team.model_dump(), revoked.model_dump()))
     return revoked.model_dump()
 
 
-async def usage(access, id_or_name: str) -> dict[str, Any]:
-    record = await _key(access, id_or_name)
-    return {"key": record.name, "id": record.id, **await key_usage(access.redis, record.id)}
+async def usage(stores: AdminStores, id_or_name: str) -> dict[str, Any]:
+    record = await _key(stores, id_or_name)
+    return {"key": record.name, "id": record.id, **await key_usage(stores.redis, record.id)}
 
 
-async def completions_usage(access, params) -> dict[str, Any]:
+async def completions_usage(stores: AdminStores, params) -> dict[str, Any]:
     """OpenAI's organization Usage API for completions (usage_report.py), over every key."""
     query = usage_report.parse_query(params)
-    return await usage_report.completions_usage(access.redis, await access.keys.list(), query)
+    return await usage_report.completions_usage(stores.redis, await stores.keys.list(), query)
 
 
-async def costs(access, params) -> dict[str, Any]:
+async def costs(stores: AdminStores, params) -> dict[str, Any]:
     """OpenAI's organization Costs API (usage_report.py), over every key."""
     query = usage_report.parse_query(params, usage_report.COST_GROUPS)
-    return await usage_report.costs(access.redis, await access.keys.list(), query)
+    return await usage_report.costs(stores.redis, await stores.keys.list(), query)
 
 
-async def request(access, request_id: str, key: str | None = None) -> dict[str, Any]:
+async def request(stores: AdminStores, request_id: str, key: str | None = None) -> dict[str, Any]:
     """A request's record; ``key`` (id or name) looks an x-request-id up among that key's requests."""
-    key_id = (await _key(access, key)).id if key is not None else None
+    key_id = (await _key(stores, key)).id if key is not None else None
     try:
-        sink = access.records.sink if access.records is not None else None  # records past Redis' recent window
-        state = await request_state(access.redis, request_id, key_id, sink)
+        sink = stores.records.sink if stores.records is not None else None  # records past Redis' recent window
+        state = await request_state(stores.redis, request_id, key_id, sink)
     except ValueError:
         state = None
     if state is None:
@@ -220,11 +238,11 @@ async def request(access, request_id: str, key: str | None = None) -> dict[str, 
     return state
 
 
-async def list_batches(access, batches, key: str | None, limit: int, after: str | None) -> dict[str, Any]:
+async def list_batches(stores: AdminStores, batches, key: str | None, limit: int, after: str | None) -> dict[str, Any]:
     """One key's batches (a page, newest first), or with no key every batch not
     ended yet, of every key; each names its key (``key_id``)."""
     if key is not None:
-        record = await _key(access, key)
+        record = await _key(stores, key)
         page = await batches.page(record.id, limit, after)
         page["data"] = [{**batch, "key_id": record.id} for batch in page["data"]]
         return page
@@ -237,15 +255,15 @@ async def list_batches(access, batches, key: str | None, limit: int, after: str 
     return {"object": "list", "data": data, "has_more": False}
 
 
-async def cancel_batch(access, batches, batch_id: str, actor: str) -> dict[str, Any]:
+async def cancel_batch(stores: AdminStores, batches, batch_id: str, actor: str) -> dict[str, Any]:
     """Cancel any key's batch not ended yet (404 for one that ended: nothing to stop)."""
     key_id = await batches.key_of(batch_id)
     cancelled = await batches.cancel(key_id, batch_id)
-    await access.audit.record(actor, "batch.cancel", batch_id, after={"key_id": key_id, "status": cancelled["status"]})
+    await stores.audit.record(actor, "batch.cancel", batch_id, after={"key_id": key_id, "status": cancelled["status"]})
     return {**cancelled, "key_id": key_id}
 
 
-async def audit_trail(access, limit: Any = 100, before: str | None = None, actor: str | None = None,
+async def audit_trail(stores: AdminStores, limit: Any = 100, before: str | None = None, actor: str | None = None,
                       target: str | None = None) -> dict[str, Any]:
     """A page of the audit trail, newest first (``before``: the last id of the previous page)."""
     try:
@@ -255,32 +273,32 @@ async def audit_trail(access, limit: Any = 100, before: str | None = None, actor
     if not 1 <= limit <= 1000:
         raise OpenAIError(400, "'limit' must be an integer from 1 to 1000.", param="limit")
     try:
-        return await access.audit.read(limit, before, actor, target)
+        return await stores.audit.read(limit, before, actor, target)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="before") from None
 
 
-async def create_admin(access, body: Any, actor: str) -> dict[str, Any]:
+async def create_admin(stores: AdminStores, body: Any, actor: str) -> dict[str, Any]:
     """A named admin credential; its secret is in this answer only."""
     new = _parse(NewAdmin, body)
     try:
-        record, secret = await access.admins.create(new.name, actor)
+        record, secret = await stores.admins.create(new.name, actor)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="name") from None
     except FileExistsError as exc:
         raise OpenAIError(409, str(exc), param="name", code="admin_exists") from None
-    await access.audit.record(actor, "admin.create", f"admin:{record.name}", after=record.model_dump())
+    await stores.audit.record(actor, "admin.create", f"admin:{record.name}", after=record.model_dump())
     return {**record.model_dump(), "secret": secret}
 
 
-async def list_admins(access) -> dict[str, Any]:
-    return {"object": "list", "data": [r.model_dump() for r in await access.admins.list()]}
+async def list_admins(stores: AdminStores) -> dict[str, Any]:
+    return {"object": "list", "data": [r.model_dump() for r in await stores.admins.list()]}
 
 
-async def revoke_admin(access, name: str, actor: str) -> dict[str, Any]:
+async def revoke_admin(stores: AdminStores, name: str, actor: str) -> dict[str, Any]:
     try:
-        record = await access.admins.revoke(name)
+        record = await stores.admins.revoke(name)
     except AdminNotFound:
         raise OpenAIError(404, f"No admin '{name}'.", code="admin_not_found") from None
-    await access.audit.record(actor, "admin.revoke", f"admin:{name}", before=record.model_dump())
+    await stores.audit.record(actor, "admin.revoke", f"admin:{name}", before=record.model_dump())
     return record.model_dump()

@@ -25,6 +25,8 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from serve_app.errors import OpenAIError
 from serve_app.accounting import usage_report
 from serve_app.admin import operations as admin
+from serve_app.admin.operations import AdminStores
+from serve_app.identity.authentication import Authenticator
 from serve_app.identity.admins import SESSION_S
 from serve_app.accounting.costs import NANOS_PER_USD
 from serve_app.identity.credential_guard import client_of
@@ -41,14 +43,16 @@ e = html.escape
 
 
 class Console:
-    def __init__(self, access):
-        self.access = access
+    def __init__(self, authenticator: Authenticator, stores: AdminStores):
+        self.authenticator, self.stores = authenticator, stores
 
     # -- sessions --------------------------------------------------------------
 
-    async def actor(self, request: Request) -> str | None:
+    async def session_admin(self, request: Request) -> str | None:
+        """The admin whose session the request carries, or None (the ``console`` routes'
+        guard asks it before their handler runs: serve_app/http/route_access.py)."""
         token = request.cookies.get(COOKIE)
-        return await self.access.admins.session_actor(token) if token else None
+        return await self.stores.admins.session_actor(token) if token else None
 
     async def login(self, request: Request) -> Response:
         if _from_another_site(request):  # login CSRF: a session of the attacker's admin in the victim's browser
@@ -56,35 +60,35 @@ class Console:
         form = await _form(request)
         credential = form.get("credential", "")
         try:  # counted against this client's failed admin credentials (credential_guard.py)
-            actor = await self.access.admin_actor({"authorization": f"Bearer {credential}",
+            actor = await self.authenticator.admin_actor({"authorization": f"Bearer {credential}",
                                                    "x-forwarded-for": client_of(request.headers)})
         except OpenAIError as exc:
             if exc.status == 429:
                 return _page("Log in", _login_form(exc.message), status=429)
             return _page("Log in", _login_form("That is not an admin credential."), status=401)
-        token = await self.access.admins.open_session(actor)
+        token = await self.stores.admins.open_session(actor)
         response = RedirectResponse("/console", status_code=303)
         response.set_cookie(COOKIE, token, max_age=SESSION_S, httponly=True, samesite="strict", path="/console")
         return response
 
     async def logout(self, request: Request) -> Response:
         if token := request.cookies.get(COOKIE):
-            await self.access.admins.close_session(token)
+            await self.stores.admins.close_session(token)
         response = RedirectResponse("/console", status_code=303)
         response.delete_cookie(COOKIE, path="/console")
         return response
 
     # -- pages -----------------------------------------------------------------
 
-    async def page(self, request: Request, notice: str = "", status: int = 200) -> Response:
-        actor = await self.actor(request)
+    async def page(self, request: Request, actor: str | None, notice: str = "", status: int = 200) -> Response:
+        """The console for ``actor`` (the session's admin), or the login form for None."""
         if actor is None:
             return _page("Log in", _login_form())
         return _page("Operator console", await self._overview(actor, notice), status=status)
 
-    async def act(self, request: Request, action: str, target: str = "") -> Response:
-        """A form's action (create a team or key, revoke a key, change its limits)."""
-        actor = await self.actor(request)
+    async def act(self, request: Request, actor: str | None, action: str, target: str = "") -> Response:
+        """A form's action (create a team or key, revoke a key, change its limits) by ``actor``
+        (the session's admin; None: nothing is done)."""
         if actor is None:
             return RedirectResponse("/console", status_code=303)
         if _from_another_site(request):
@@ -92,34 +96,34 @@ class Console:
         form = await _form(request)
         try:
             if action == "team":
-                await admin.create_team(self.access, {"name": form.get("name", ""), **_limits(form)}, actor)
+                await admin.create_team(self.stores, {"name": form.get("name", ""), **_limits(form)}, actor)
             elif action == "key":
                 body = {"name": form.get("name", ""), **_limits(form)}
                 if form.get("team"):
                     body["team"] = form["team"]
-                created = await admin.create_key(self.access, body, actor)
+                created = await admin.create_key(self.stores, body, actor)
                 notice = (f"<div class='notice'>Key <b>{e(created['name'])}</b> created. Its secret, shown only "
                           f"now: <code id='new-secret'>{e(created['secret'])}</code></div>")
-                return await self.page(request, notice, status=201)
+                return await self.page(request, actor, notice, status=201)
             elif action == "revoke":
-                await admin.revoke_key(self.access, target, actor)
+                await admin.revoke_key(self.stores, target, actor)
             elif action == "limits":
-                await admin.update_key(self.access, target, _limits(form), actor)
+                await admin.update_key(self.stores, target, _limits(form), actor)
         except OpenAIError as exc:
-            return await self.page(request, f"<div class='error'>{e(exc.message)}</div>", status=exc.status)
+            return await self.page(request, actor, f"<div class='error'>{e(exc.message)}</div>", status=exc.status)
         return RedirectResponse("/console", status_code=303)
 
     async def _overview(self, actor: str, notice: str) -> str:
-        access = self.access
-        teams, keys = await access.teams.list(), await access.keys.list()
+        stores = self.stores
+        teams, keys = await stores.teams.list(), await stores.keys.list()
         team_names = {t.id: t.name for t in teams}
-        usage = {record.id: await key_usage(access.redis, record.id) for record in [*teams, *keys]}
+        usage = {record.id: await key_usage(stores.redis, record.id) for record in [*teams, *keys]}
         start = int(time.time()) // 86400 * 86400 - (DAYS - 1) * 86400
         query = QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id,model"})
-        daily = await usage_report.completions_usage(access.redis, keys, usage_report.parse_query(query))
-        spent = await usage_report.costs(access.redis, keys, usage_report.parse_query(
+        daily = await usage_report.completions_usage(stores.redis, keys, usage_report.parse_query(query))
+        spent = await usage_report.costs(stores.redis, keys, usage_report.parse_query(
             QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id"}), usage_report.COST_GROUPS))
-        trail = (await access.audit.read(20))["data"]
+        trail = (await stores.audit.read(20))["data"]
         return "".join([
             f"<header><h1>Operator console</h1><form method='post' action='/console/logout'>"
             f"<span>{e(actor)}</span> <button>Log out</button></form></header>",

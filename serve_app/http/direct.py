@@ -6,7 +6,7 @@ Ray's core worker; the profile in docs/performance.md puts that hop at most
 of the gateway's CPU. A model with ``direct_route`` also runs as its own Serve
 application at ``/direct/<model>``: HAProxy forwards each request straight to
 one of its replicas, which authenticates, admits, runs and settles it with the
-same ``Access`` and ``Gateway`` as the ingress (a library, not a copy), calling
+same quota services and ``Gateway`` as the ingress (a library, not a copy: services.py), calling
 its own engine in-process. The ingress reaches the same deployment through a
 handle for every other route (dialects, Responses, batches, scoring).
 
@@ -27,12 +27,12 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER, ONE_HOP_ROUTES
+from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
-from serve_app.admission.access import Access
-from serve_app.pipeline.gateway import Gateway
+from serve_app.http.services import build_gateway
 from serve_app.http.request_handling import HandlesRequests, openai_app
+from serve_app.http.route_access import Routes
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -126,10 +126,11 @@ class InProcessReplica:
 
 direct_app = openai_app("llm-cluster direct route")
 
-# The routes a direct route answers (tests/unit/test_route_access.py checks each needs a
-# key): those the edge sends it from /v1 (contract/edge.py), and its model list; and,
-# without a key but never through the edge, the names the edge sends it.
-DIRECT_ROUTES = {("POST", path) for path in ONE_HOP_ROUTES} | {("GET", "/v1/models"), ("GET", EDGE_NAMES_PATH)}
+# The routes a direct route answers, each with who may call it (route_access.py): those
+# the edge sends it from /v1 (contract/edge.py) and its model list, for a key; and, with
+# no credential but never through the edge, the names the edge sends it.
+direct_route = Routes(direct_app)
+DIRECT_ROUTES = direct_route.access
 
 
 @serve.deployment
@@ -147,20 +148,20 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         self.telemetry.models_served({config.name: deployment_name(config.name)})
         self.telemetry.keep_gauges_fresh()
         # Its replicas share a key's limits during a Redis outage (fail_mode open).
-        self.access = Access(settings, self.telemetry, config.serve_options())
-        self.access.start_maintenance()
-        self.gateway = Gateway(self.access, {config.name: InProcessReplica(self)}, [config], self.telemetry,
-                               start_early=True, start_early_when_idle=settings.quota.overlap_admission_when_idle)
+        services, self.gateway = build_gateway(
+            settings, self.telemetry, {config.name: InProcessReplica(self)}, [config], config.serve_options(),
+            start_early=True, start_early_when_idle=settings.quota.overlap_admission_when_idle)
+        self.authenticator = services.authenticator
 
-    @direct_app.post("/v1/chat/completions")
+    @direct_route("POST", "/v1/chat/completions", "key")
     async def chat_completions(self, request: Request) -> Response:
         return await self._openai("chat", request)
 
-    @direct_app.post("/v1/completions")
+    @direct_route("POST", "/v1/completions", "key")
     async def completions(self, request: Request) -> Response:
         return await self._openai("completions", request)
 
-    @direct_app.post("/v1/embeddings")
+    @direct_route("POST", "/v1/embeddings", "key")
     async def embeddings(self, request: Request) -> Response:
         return await self._openai("embeddings", request)
 
@@ -174,7 +175,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         from /v1 through the edge's one hop), by route, since it started."""
         return dict(self.telemetry.answered_counts)
 
-    @direct_app.get(EDGE_NAMES_PATH)
+    @direct_route("GET", EDGE_NAMES_PATH, "probe")
     async def edge_names(self, request: Request) -> dict[str, list[str]]:
         """What clients may name this model by, for the edge's one hop
         (cluster/haproxy_edge.py reads it from the replica itself when it writes HAProxy's
@@ -185,7 +186,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         names, beginnings = self.config.client_names()
         return {"names": names, "beginnings": beginnings}
 
-    @direct_app.get("/v1/models")
+    @direct_route("GET", "/v1/models", "key")
     async def list_models(self, request: Request) -> JSONResponse:
-        key = await self.access.tenant(request.headers)
+        key = await self.authenticator.tenant(request.headers)
         return JSONResponse({"object": "list", "data": await self.gateway.catalog.model_cards(key)})

@@ -78,7 +78,7 @@ def _span_name(request: Request) -> str:
 
 class HandlesRequests:
     """Reading and answering inference requests; the class using it sets
-    ``access``, ``gateway``, ``telemetry``, ``max_body_bytes`` and ``body_timeout_s``."""
+    ``authenticator``, ``gateway``, ``telemetry``, ``max_body_bytes`` and ``body_timeout_s``."""
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, read as it arrives and refused (413) as soon as it passes the
@@ -108,7 +108,7 @@ class HandlesRequests:
         """The caller's key (checked first: no key, no parsing) and the JSON body."""
         started = now_ns()
         seen: dict[str, str] = {}
-        key = await self.access.authenticate(request.headers, seen)
+        key = await self.authenticator.authenticate(request.headers, seen)
         record.for_key(key)
         if record.trace is not None:
             record.trace.stage("authenticate", started, **{"llm.auth.source": seen.get("source")})

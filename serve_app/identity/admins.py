@@ -18,6 +18,8 @@ from serve_app.redis_store.redis_client import as_text
 from serve_app.identity.keys import digest
 
 SECRET_PREFIX = "sk-admin-"
+# Who an admin API call authenticated with the shared admin token is (the audit trail's actor).
+ADMIN_TOKEN_ACTOR = "admin-token"
 SESSION_S = 8 * 3600  # an operator console session lasts a working day
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
 
@@ -92,7 +94,7 @@ class AdminStore:
     # -- operator console sessions (serve_app/http/console.py) ----------------------
 
     async def open_session(self, actor: str) -> str:
-        """A session for ``actor`` (as Access.admin_actor names it); its token goes in a
+        """A session for ``actor`` (as Authenticator.admin_actor names it); its token goes in a
         cookie, its digest in Redis, expiring after ``SESSION_S``."""
         token = secrets.token_urlsafe(32)
         await self.redis.set(redis_names.console_session(digest(token)), actor, ex=SESSION_S)

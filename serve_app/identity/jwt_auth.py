@@ -117,7 +117,7 @@ class JwtAuthenticator:
         return KeyRecord(id=key_id, name=f"jwt:{user}", created_at=0, team=self._team(claims), **limits)
 
     def _team(self, claims: dict[str, Any]) -> str | None:
-        """The team's name the claims map to (Access.team_of finds the team by it), or None."""
+        """The team's name the claims map to (Authenticator.team_of finds the team by it), or None."""
         if self.config.team_claim is None:
             return None
         value = claims.get(self.config.team_claim)

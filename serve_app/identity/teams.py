@@ -7,7 +7,7 @@ intersection of its own and its team's.
 Two levels (team → key) and no organization above: one gateway is one
 organization (its admins, its prices, its Redis), and a project below a team is a
 key or a few keys. Admission checks every level of a request at once
-(access.py: each level's script in the same round trip, one slot per level, the
+(admission/gatekeeper.py: each level's script in the same round trip, one slot per level, the
 admitted ones released when another refuses), so no level is ever exceeded; see
 docs/quotas.md, "Teams".
 

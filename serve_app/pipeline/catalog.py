@@ -14,7 +14,7 @@ from ray.serve.handle import DeploymentHandle
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
 from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
-from serve_app.admission.access import Access
+from serve_app.identity.authentication import authorize
 from serve_app.identity.keys import KeyRecord
 
 logger = logging.getLogger("ray.serve")
@@ -52,7 +52,7 @@ class ModelCatalog:
     def authorized(self, key: KeyRecord, model: str) -> str:
         """The configured name behind ``model`` when ``key`` may use it; else a 404 or 403."""
         name = self.resolve(model)
-        Access.authorize(key, name)
+        authorize(key, name)
         return name
 
     def target(self, model: str) -> tuple[str, str | None]:

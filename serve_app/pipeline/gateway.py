@@ -33,7 +33,8 @@ from serve_app.routing.places import replica_places
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
-from serve_app.admission.access import Access, Ticket
+from serve_app.admission.ticket import Gate, Ticket
+from serve_app.identity.authentication import authorize
 from serve_app.admission.scripts import Refusal
 from serve_app.accounting.costs import Rates, reservation_nanos
 from serve_app.identity.keys import KeyRecord
@@ -92,7 +93,7 @@ def _fair_gate(config: ModelConfig) -> FairGate:
 class Gateway:
     def __init__(
         self,
-        access: Access,
+        access: Gate,
         models: dict[str, DeploymentHandle],
         configs: list[ModelConfig],
         telemetry: Telemetry,
@@ -191,7 +192,7 @@ class Gateway:
             routing["session_id"] = session[:MAX_SESSION_ID_CHARS]
         if routing:
             handle = handle.options(**routing)
-        self.access.authorize(key, model)
+        authorize(key, model)
         config = self.catalog.config(model)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal
         # embeddings), and the Responses API's input items (messages with content parts).
@@ -333,7 +334,7 @@ class Gateway:
             lambda: handle.options(stream=True).call_streamed.remote(
                 op.replica_operation, body, trace=context, prompt_allowance=plan.reservation.prompt_allowance),
             plan.config.queue_timeout_s, plan.rank, trace=trace)
-        # Its key revoked or disabled while it runs (Access.stop_revoked): the call is
+        # Its key revoked or disabled while it runs (Maintenance.stop_revoked): the call is
         # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
         ticket.on_revoke = response.cancel
         if ticket.revoked:
@@ -401,7 +402,7 @@ class Gateway:
     def _start_early(self, handle, op: Operation, body: dict, key: KeyRecord, model: str,
                      reservation: Reservation, trace: RequestTrace | None) -> "_EarlyStart | None":
         """Send a stream to ``model``'s replicas before its admission, if its key may
-        (``Access.may_start_before_admission``), the fair-share gate has a place at
+        (``Gatekeeper.may_start_before_admission``), the fair-share gate has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
         request takes the ordinary path.
 

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from contract.replica_wire import StreamStart, Usage
-from serve_app.admission.access import Access, Ticket
+from serve_app.admission.ticket import Gate, Ticket
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.wire.reservation import Reservation
 from serve_app.wire.sse import StreamShape
@@ -40,7 +40,7 @@ async def relay(
     chat: bool,
     shape: StreamShape,
     *,
-    access: Access,
+    access: Gate,
     telemetry: Telemetry,
     served: Callable[[str, str, Usage | None], None],
 ):
@@ -67,7 +67,7 @@ async def relay(
             status = "completed"
         access.running(ticket, replica)
         async for chunk in chunks:
-            if ticket.revoked:  # its key revoked while it runs (Access.stop_revoked): ends below, as failed
+            if ticket.revoked:  # its key revoked while it runs (Maintenance.stop_revoked): ends below, as failed
                 raise KeyRevoked
             if usage is None:
                 chunk, usage = shape.usage(chunk, client_wants_usage)

@@ -30,9 +30,10 @@ import redis.asyncio.cluster
 import redis.asyncio.connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import (AuthenticationError, AuthorizationError, ClusterError, DataError, RedisClusterException,
-                              ResponseError)
+from redis.exceptions import (AuthenticationError, AuthorizationError, ClusterDownError, ClusterError, DataError,
+                              RedisClusterException, RedisError, ResponseError, SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
@@ -44,6 +45,12 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 # connection failed its next command, so a key not in the cache got a 503 (a CI
 # run saw it; tests/integration/test_quota_hardening.py). Off for every pool.
 _POOL_CHECKS_CONNECTIONS = MaintNotificationsConfig(enabled=False)
+# Redis did not answer (it may still run what was sent): a quota decision falls to
+# ``quota.fail_mode`` (docs/quotas.md, "Keys and quotas").
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
+               ClusterDownError, TryAgainError, SlotNotCoveredError)
+# Anything the client raises about Redis (the cluster client's own errors are not RedisError).
+REDIS_FAILED = (RedisError, RedisClusterException)
 _TLS_QUERY = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 
 
@@ -119,7 +126,7 @@ _CLUSTER_CLIENT_FILE = Path(redis.asyncio.cluster.__file__).resolve()
 
 class _ClearErrors:
     """Two of redis-py's errors say something else than what happened; the
-    gateway decides on the error's kind (serve_app/admission/access.py), so they are said
+    gateway decides on the error's kind (serve_app/admission/gatekeeper.py), so they are said
     plainly here, for every command of every client ``connect`` makes:
 
     - A refused AUTH is a ConnectionError subclass: read as "Redis unreachable",

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.redis_store import redis_names
-from serve_app.admission.access import Access
+from serve_app.identity.keys import KeyStore
 from serve_app.stored.batches import ENDED, ENDPOINTS, BatchStore
 from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import FileStore
@@ -92,11 +92,11 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, files: FileStore, gateway: Gateway, access: Access, telemetry: Telemetry,
+    def __init__(self, store: BatchStore, files: FileStore, gateway: Gateway, keys: KeyStore, telemetry: Telemetry,
                  config: BatchConfig):
-        self.store, self.files, self.gateway, self.access = store, files, gateway, access
+        self.store, self.files, self.gateway, self.keys = store, files, gateway, keys
         self.telemetry, self.config = telemetry, config
-        self.redis = access.redis
+        self.redis = keys.redis
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._renew = self.redis.register_script(_RENEW)
         self._release = self.redis.register_script(_RELEASE)
@@ -289,7 +289,7 @@ class BatchJob:
 
     async def _key(self) -> KeyRecord | None:
         """The batch's key as it is now; None once revoked or disabled."""
-        return await self.runner.access.keys.active(self.key_id)
+        return await self.runner.keys.active(self.key_id)
 
     def _answered(self) -> set[str]:
         """custom_ids already answered (in either partial file), with the counts and

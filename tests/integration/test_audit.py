@@ -14,8 +14,9 @@ from serve_app.errors import OpenAIError
 from serve_app.accounting import audit
 from serve_app.admin import operations as admin
 from serve_app.redis_store import redis_names
-from serve_app.admission.access import Access
-from serve_app.accounting.audit import ADMIN_TOKEN_ACTOR, AuditLog, llmctl_actor
+from serve_app.http.services import build_quota_services
+from serve_app.accounting.audit import AuditLog, llmctl_actor
+from serve_app.identity.admins import ADMIN_TOKEN_ACTOR
 from serve_app.identity.keys import digest
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -51,19 +52,19 @@ def test_llmctl_key_changes_are_recorded_with_who_what_before_and_after(capsys, 
 
 
 async def test_admin_operations_name_the_admin_token_and_refused_changes_record_nothing(redis_url, redis):
-    access = Access(AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False))
+    access = build_quota_services(AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False))
     try:
-        actor = await access.admin_actor({"authorization": "Bearer audit-admin-token"})
+        actor = await access.authenticator.admin_actor({"authorization": "Bearer audit-admin-token"})
         assert actor == ADMIN_TOKEN_ACTOR
-        created = await admin.create_key(access, {"name": "audit-api", "daily_token_budget": 1000}, actor)
+        created = await admin.create_key(access.stores, {"name": "audit-api", "daily_token_budget": 1000}, actor)
         for refused in ({"daily_token_budget": "lots"}, {"secret": "x"}, {"requests_per_minute": -1}):
             with pytest.raises(OpenAIError) as caught:
-                await admin.update_key(access, created["id"], refused, actor)
+                await admin.update_key(access.stores, created["id"], refused, actor)
             assert caught.value.status == 400
         with pytest.raises(OpenAIError):  # a name taken: 409, nothing recorded
-            await admin.create_key(access, {"name": "audit-api"}, actor)
-        await admin.update_key(access, "audit-api", {"daily_token_budget": 300, "priority": "low"}, actor)
-        page = await admin.audit_trail(access, 10, target=created["id"])
+            await admin.create_key(access.stores, {"name": "audit-api"}, actor)
+        await admin.update_key(access.stores, "audit-api", {"daily_token_budget": 300, "priority": "low"}, actor)
+        page = await admin.audit_trail(access.stores, 10, target=created["id"])
         assert [(e["action"], e["actor"]) for e in page["data"]] == [("key.update", actor), ("key.create", actor)]
         assert page["data"][0]["after"] == {"daily_token_budget": 300, "priority": "low"}
         assert page["has_more"] is False
@@ -76,15 +77,15 @@ async def test_pages_newest_first_filtered_and_bad_cursors_are_400(redis_url, re
     target = f"page-{time.monotonic_ns()}"
     ids = [await log.record("someone", "key.update", target, {"n": n}, {"n": n + 1}) for n in range(7)]
     await log.record("someone-else", "key.update", target)
-    access = type("A", (), {"audit": log})()
-    first = await admin.audit_trail(access, 3, actor="someone", target=target)
+    access = type("A", (), {"stores": type("S", (), {"audit": log})()})()
+    first = await admin.audit_trail(access.stores, 3, actor="someone", target=target)
     assert [e["id"] for e in first["data"]] == ids[::-1][:3] and first["has_more"]
-    second = await admin.audit_trail(access, 3, before=first["data"][-1]["id"], actor="someone", target=target)
+    second = await admin.audit_trail(access.stores, 3, before=first["data"][-1]["id"], actor="someone", target=target)
     assert [e["id"] for e in second["data"]] == ids[::-1][3:6]
-    assert len((await admin.audit_trail(access, 1000, target=target))["data"]) == 8
+    assert len((await admin.audit_trail(access.stores, 1000, target=target))["data"]) == 8
     for limit, before in ((0, None), (1001, None), ("ten", None), ([1], None), (5, "0; DROP"), (5, "+"), (5, "1-2-3")):
         with pytest.raises(OpenAIError) as caught:
-            await admin.audit_trail(access, limit, before=before)
+            await admin.audit_trail(access.stores, limit, before=before)
         assert caught.value.status == 400
 
 
@@ -124,36 +125,36 @@ def test_llmctl_makes_a_named_admin_whose_actions_carry_its_name(capsys, redis_u
 
 async def test_a_named_admin_is_its_own_actor_apart_from_api_keys_and_stops_at_revocation(redis_url, redis):
     # No shared token configured: named admins still work (made by an operator with llmctl).
-    access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+    access = build_quota_services(AppSettings(redis_url=redis_url), Telemetry(False, False))
     try:
         name = f"svc-{time.monotonic_ns()}"
-        made = await admin.create_admin(access, {"name": name}, "llmctl:root@host")
+        made = await admin.create_admin(access.stores, {"name": name}, "llmctl:root@host")
         headers = {"authorization": f"Bearer {made['secret']}"}
-        actor = await access.admin_actor(headers)
+        actor = await access.authenticator.admin_actor(headers)
         assert actor == f"admin:{name}"
-        key = await admin.create_key(access, {"name": f"by-{name}"}, actor)
-        [entry] = (await admin.audit_trail(access, 5, target=key["id"]))["data"]
+        key = await admin.create_key(access.stores, {"name": f"by-{name}"}, actor)
+        [entry] = (await admin.audit_trail(access.stores, 5, target=key["id"]))["data"]
         assert entry["actor"] == f"admin:{name}"
         # An admin's secret is no API key, and an API key no admin credential.
         with pytest.raises(OpenAIError) as caught:
-            await access.authenticate(headers)
+            await access.authenticator.authenticate(headers)
         assert caught.value.status == 401
         with pytest.raises(OpenAIError) as caught:
-            await access.admin_actor({"authorization": f"Bearer {key['secret']}"})
+            await access.authenticator.admin_actor({"authorization": f"Bearer {key['secret']}"})
         assert caught.value.status == 401
         for value in ("Bearer sk-admin-", "Bearer sk-admin-" + "x" * 10_000, "Bearer sk-admin-\u00e9\x00", "Basic x"):
             with pytest.raises(OpenAIError) as caught:
-                await access.admin_actor({"authorization": value})
+                await access.authenticator.admin_actor({"authorization": value})
             assert caught.value.status == 401
         with pytest.raises(OpenAIError) as caught:  # a name that is not one
-            await admin.create_admin(access, {"name": "../etc"}, actor)
+            await admin.create_admin(access.stores, {"name": "../etc"}, actor)
         assert caught.value.status == 400
         with pytest.raises(OpenAIError) as caught:
-            await admin.create_admin(access, {"name": name, "secret": "mine"}, actor)
+            await admin.create_admin(access.stores, {"name": name, "secret": "mine"}, actor)
         assert caught.value.status == 400
-        await admin.revoke_admin(access, name, actor)
+        await admin.revoke_admin(access.stores, name, actor)
         with pytest.raises(OpenAIError) as caught:  # at once: no cache holds admin credentials
-            await access.admin_actor(headers)
+            await access.authenticator.admin_actor(headers)
         assert caught.value.status == 401
         assert not await redis.exists(redis_names.admin_record(name), redis_names.admin_secret_digest(name))
     finally:
@@ -162,19 +163,19 @@ async def test_a_named_admin_is_its_own_actor_apart_from_api_keys_and_stops_at_r
 
 async def test_with_redis_down_a_named_admin_is_a_503_and_the_bootstrap_token_still_works():
     with running_redis(persistent=True) as server:  # its own: this test stops it
-        access = Access(AppSettings(redis_url=server.url, admin_token="boot", quota={"redis_timeout_s": 1}),
+        access = build_quota_services(AppSettings(redis_url=server.url, admin_token="boot", quota={"redis_timeout_s": 1}),
                         Telemetry(False, False))
         try:
-            made = await admin.create_admin(access, {"name": "ops"}, "llmctl:root@host")
+            made = await admin.create_admin(access.stores, {"name": "ops"}, "llmctl:root@host")
             server.stop()
             try:
                 with pytest.raises(OpenAIError) as caught:
-                    await access.admin_actor({"authorization": f"Bearer {made['secret']}"})
+                    await access.authenticator.admin_actor({"authorization": f"Bearer {made['secret']}"})
                 assert (caught.value.status, caught.value.code) == (503, "quota_backend_unavailable")
-                assert await access.admin_actor({"authorization": "Bearer boot"}) == ADMIN_TOKEN_ACTOR
+                assert await access.authenticator.admin_actor({"authorization": "Bearer boot"}) == ADMIN_TOKEN_ACTOR
             finally:
                 server.start()
             await access.redis.connection_pool.disconnect()
-            assert await access.admin_actor({"authorization": f"Bearer {made['secret']}"}) == "admin:ops"
+            assert await access.authenticator.admin_actor({"authorization": f"Bearer {made['secret']}"}) == "admin:ops"
         finally:
             await access.redis.aclose()

@@ -11,7 +11,7 @@ from redis.exceptions import ResponseError
 
 from redis_server import every_node
 from serve_app.redis_store import redis_client, redis_names
-from serve_app.admission.access import Access
+from serve_app.http.services import build_quota_services
 from serve_app.admission.scripts import Admission
 from serve_app.identity.keys import KeyRecord
 from serve_app.settings import AppSettings
@@ -92,14 +92,14 @@ async def test_a_pipeline_has_at_most_max_pipeline_calls(redis):
 
 
 async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, redis):
-    access = Access(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2}), Telemetry(False, False))
+    access = build_quota_services(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2}), Telemetry(False, False))
     key = keys(1, max_concurrent=1)[0]
-    access.settle(await access.admit(key, "m", 10), "completed")  # connections open
-    while access._background:  # the settlement is sent off the request's path
+    access.gate.settle(await access.gate.admit(key, "m", 10), "completed")  # connections open
+    while access.gate._background:  # the settlement is sent off the request's path
         await asyncio.sleep(0.01)
     leases = redis_names.concurrency(key.id)
     assert await redis.zcard(leases) == 0
-    request = asyncio.get_running_loop().create_task(access.admit(key, "m", 10))
+    request = asyncio.get_running_loop().create_task(access.gate.admit(key, "m", 10))
     await asyncio.sleep(0)  # the admit call is queued for this turn's pipeline
     request.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -109,10 +109,10 @@ async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, red
             break
         await asyncio.sleep(0.01)
     assert await redis.zcard(leases) == 1
-    [settlement] = access._unsettled.values()
+    [settlement] = access.gate._unsettled.values()
     request_id = settlement[1]
-    await access.flush_unsettled()  # ...and its settlement frees it
+    await access.gate.flush_unsettled()  # ...and its settlement frees it
     assert await redis.zcard(leases) == 0
     assert await redis.hget(redis_names.request_record(key.id, request_id), "status") == b"cancelled"
-    assert (await access.admit(key, "m", 10)).request_id
+    assert (await access.gate.admit(key, "m", 10)).request_id
     await access.redis.aclose()

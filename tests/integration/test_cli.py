@@ -54,7 +54,7 @@ def test_team_lifecycle_and_its_usage(capsys, redis_url):
     import csv
     import io
 
-    from serve_app.admission.access import Access
+    from serve_app.http.services import build_quota_services
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 
@@ -70,11 +70,11 @@ def test_team_lifecycle_and_its_usage(capsys, redis_url):
     assert "cli-eng" in [t["name"] for t in json.loads(run(capsys, redis_url, "teams", "list", "--json")[1])]
 
     async def one_request():  # charged to the key and its team, as the ingress would
-        access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+        access = build_quota_services(AppSettings(redis_url=redis_url), Telemetry(False, False))
         try:
-            ticket = await access.admit(await access.keys.get(key["id"]), "chat", 10)
-            await access.admission.settle(ticket.key, ticket.request_id, "completed", 3, 4, "", "chat")
-            await access.admission.settle(ticket.team, ticket.request_id, "completed", 3, 4, "", "chat")
+            ticket = await access.gate.admit(await access.stores.keys.get(key["id"]), "chat", 10)
+            await access.gate.admission.settle(ticket.key, ticket.request_id, "completed", 3, 4, "", "chat")
+            await access.gate.admission.settle(ticket.team, ticket.request_id, "completed", 3, 4, "", "chat")
         finally:
             await access.redis.aclose()
     asyncio.run(one_request())

@@ -23,7 +23,7 @@ from browser import click_and_wait, headless_chromium
 from ports import free_port
 from serve_app.http.console import Console
 from serve_app.admin import operations as admin
-from serve_app.admission.access import Access
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -33,16 +33,22 @@ ADMIN_TOKEN = "console-test-admin-token"
 @pytest.fixture
 def console_url(redis_server):
     """The console's routes on a server of their own, on the session's one-node Redis
-    (its ``Access`` used on the server's loop only; the test reads Redis with its own)."""
-    console = Console(make_access(redis_server.url))
+    (its quota services used on the server's loop only; the test reads Redis with its own)."""
+    services = make_access(redis_server.url)
+    console = Console(services.authenticator, services.stores)
 
+    # As the ingress' ``console`` routes run them: the session read first (route_access.py).
     def act(action):
         async def handler(request):
-            return await console.act(request, action, request.path_params.get("key", ""))
+            return await console.act(request, await console.session_admin(request), action,
+                                     request.path_params.get("key", ""))
         return handler
 
+    async def page(request):
+        return await console.page(request, await console.session_admin(request))
+
     app = Starlette(routes=[
-        Route("/console", console.page),
+        Route("/console", page),
         Route("/console/login", console.login, methods=["POST"]),
         Route("/console/logout", console.logout, methods=["POST"]),
         Route("/console/teams", act("team"), methods=["POST"]),
@@ -61,12 +67,12 @@ def console_url(redis_server):
     thread.join(timeout=10)
 
 
-def make_access(redis_url: str) -> Access:
-    return Access(AppSettings(redis_url=redis_url, admin_token=ADMIN_TOKEN), Telemetry(False, False))
+def make_access(redis_url: str) -> QuotaServices:
+    return build_quota_services(AppSettings(redis_url=redis_url, admin_token=ADMIN_TOKEN), Telemetry(False, False))
 
 
 def aside(redis_url: str, work):
-    """``await work(access)`` with an Access of the test's own (its own loop and connections)."""
+    """``await work(access)`` with quota services of the test's own (its own loop and connections)."""
     async def run():
         access = make_access(redis_url)
         try:
@@ -82,11 +88,11 @@ def log_in(driver, url: str, credential: str) -> None:
     click_and_wait(driver, driver.find_element(By.ID, "login"))
 
 
-async def charge_one_request(access: Access, key_id: str) -> None:
+async def charge_one_request(access: QuotaServices, key_id: str) -> None:
     """What the ingress does for one request of the key: admitted, then settled."""
-    ticket = await access.admit(await access.keys.get(key_id), "tiny-llama", 20)
+    ticket = await access.gate.admit(await access.stores.keys.get(key_id), "tiny-llama", 20)
     for level in ticket.levels():
-        await access.admission.settle(level, ticket.request_id, "completed", 5, 7, "", "tiny-llama")
+        await access.gate.admission.settle(level, ticket.request_id, "completed", 5, 7, "", "tiny-llama")
 
 
 def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(console_url):
@@ -109,8 +115,8 @@ def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(c
         click_and_wait(driver, driver.find_element(By.ID, "create-key"))
         secret = driver.find_element(By.ID, "new-secret").text
         assert secret.startswith("sk-llm-")
-        key = next(k for k in aside(redis_url, lambda a: a.keys.list()) if k.name == f"console-key-{tag}")
-        assert aside(redis_url, lambda a: a.keys.authenticate(secret)).id == key.id and key.team is not None
+        key = next(k for k in aside(redis_url, lambda a: a.stores.keys.list()) if k.name == f"console-key-{tag}")
+        assert aside(redis_url, lambda a: a.stores.keys.authenticate(secret)).id == key.id and key.team is not None
 
         aside(redis_url, lambda a: charge_one_request(a, key.id))
         driver.get(url + "/console")
@@ -124,7 +130,7 @@ def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(c
         assert "key.create" in audit and "team.create" in audit and "admin-token" in audit
 
         click_and_wait(driver, driver.find_element(By.ID, f"revoke-{key.id}"))
-        assert aside(redis_url, lambda a: a.keys.get(key.id)).enabled is False
+        assert aside(redis_url, lambda a: a.stores.keys.get(key.id)).enabled is False
         click_and_wait(driver, driver.find_element(By.CSS_SELECTOR, "header button"))  # log out
         driver.get(url + "/console")
         assert driver.find_elements(By.ID, "credential")
@@ -133,7 +139,7 @@ def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(c
 def test_a_form_from_another_site_and_a_revoked_admins_session_do_nothing(console_url):
     url, redis_url = console_url
     name = f"ops-{time.monotonic_ns()}"
-    made = aside(redis_url, lambda a: admin.create_admin(a, {"name": name}, "admin-token"))
+    made = aside(redis_url, lambda a: admin.create_admin(a.stores, {"name": name}, "admin-token"))
     with httpx.Client(base_url=url, follow_redirects=False) as http:
         # Login CSRF: another site logging the victim's browser into the attacker's session.
         planted = http.post("/console/login", data={"credential": made["secret"]},
@@ -143,9 +149,9 @@ def test_a_form_from_another_site_and_a_revoked_admins_session_do_nothing(consol
         assert "llm_console" in http.cookies
         forged = http.post("/console/teams", data={"name": f"forged-{name}"}, headers={"origin": "https://evil.example"})
         assert forged.status_code == 403
-        assert f"forged-{name}" not in [t.name for t in aside(redis_url, lambda a: a.teams.list())]
+        assert f"forged-{name}" not in [t.name for t in aside(redis_url, lambda a: a.stores.teams.list())]
         assert http.get("/console").text.count("Log out") == 1
-        aside(redis_url, lambda a: admin.revoke_admin(a, name, "admin-token"))
+        aside(redis_url, lambda a: admin.revoke_admin(a.stores, name, "admin-token"))
         assert "credential" in http.get("/console").text  # the session ended with its admin
         assert http.post("/console/teams", data={"name": f"late-{name}"}).status_code == 303
-        assert f"late-{name}" not in [t.name for t in aside(redis_url, lambda a: a.teams.list())]
+        assert f"late-{name}" not in [t.name for t in aside(redis_url, lambda a: a.stores.teams.list())]

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from jwks_server import AUDIENCE, ISSUER, Jwks
 from serve_app.errors import OpenAIError
-from serve_app.admission.access import Access
+from serve_app.http.services import build_quota_services
 from serve_app.admission.scripts import Refusal
 from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import AppSettings, JwtConfig
@@ -139,17 +139,17 @@ async def test_an_unreachable_jwks_keeps_cached_keys_and_admits_nothing_else(jwk
 async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, redis_url):
     jwks.add("k1")
     settings = AppSettings(redis_url=redis_url, auth={"jwt": config(jwks).model_dump()})
-    access = Access(settings, Telemetry(False, False))
+    access = build_quota_services(settings, Telemetry(False, False))
     try:
         headers = {"authorization": f"Bearer {jwks.token('k1', sub=f'frank-{time.monotonic_ns()}')}"}
-        user = await access.authenticate(headers)
-        outcomes = [await access.admit(user, "tiny-llama", 10) for _ in range(3)]  # requests_per_minute 2
+        user = await access.authenticator.authenticate(headers)
+        outcomes = [await access.gate.admit(user, "tiny-llama", 10) for _ in range(3)]  # requests_per_minute 2
         assert [isinstance(o, Refusal) for o in outcomes] == [False, False, True]
         # Another user of the same provider has limits of its own.
-        other = await access.authenticate({"authorization": f"Bearer {jwks.token('k1', sub='grace-' + user.id)}"})
-        assert not isinstance(await access.admit(other, "tiny-llama", 10), Refusal)
+        other = await access.authenticator.authenticate({"authorization": f"Bearer {jwks.token('k1', sub='grace-' + user.id)}"})
+        assert not isinstance(await access.gate.admit(other, "tiny-llama", 10), Refusal)
         # Its running requests are not "revoked" for want of a stored key.
-        assert await access.stop_revoked() == 0
+        assert await access.maintenance.stop_revoked() == 0
     finally:
         await access.redis.aclose()
 
@@ -157,28 +157,28 @@ async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, red
 async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_it(jwks, redis_url):
     from serve_app.admin import operations as admin
     from serve_app.redis_store import redis_names
-    from serve_app.admission.access import Ticket
+    from serve_app.admission.ticket import Ticket
 
     jwks.add("k1")
     team_name = f"ml-{time.monotonic_ns()}"
     settings = AppSettings(redis_url=redis_url, auth={"jwt": config(
         jwks, team_claim="groups", teams={"grp-ml": team_name}, limits={"requests_per_minute": 10}).model_dump()})
-    access = Access(settings, Telemetry(False, False))
+    access = build_quota_services(settings, Telemetry(False, False))
     try:
-        team = await admin.create_team(access, {"name": team_name, "requests_per_minute": 2}, "admin:test")
+        team = await admin.create_team(access.stores, {"name": team_name, "requests_per_minute": 2}, "admin:test")
         token = jwks.token("k1", sub=f"hana-{time.monotonic_ns()}", groups=["grp-other", "grp-ml"])
-        user = await access.authenticate({"authorization": f"Bearer {token}"})
+        user = await access.authenticator.authenticate({"authorization": f"Bearer {token}"})
         assert user.team == team_name
-        outcomes = [await access.admit(user, "tiny-llama", 10) for _ in range(3)]  # the team's 2/min
+        outcomes = [await access.gate.admit(user, "tiny-llama", 10) for _ in range(3)]  # the team's 2/min
         assert [type(o) for o in outcomes] == [Ticket, Ticket, Refusal] and outcomes[2].level == "team"
         assert outcomes[0].team.id == team["id"]
         day = time.strftime("d:%Y%m%d", time.gmtime())
         assert int(await access.redis.hget(redis_names.usage(team["id"]), f"{day}:requests")) == 2
         # Its team disabled: the user's running requests stop and new ones are refused.
-        await admin.revoke_team(access, team["id"], "admin:test")
-        assert await access.stop_revoked() == 2
+        await admin.revoke_team(access.stores, team["id"], "admin:test")
+        assert await access.maintenance.stop_revoked() == 2
         # A group no team is mapped to: the user's own limits only.
-        loner = await access.authenticate({"authorization": f"Bearer {jwks.token('k1', groups=['grp-other'])}"})
-        assert loner.team is None and isinstance(await access.admit(loner, "tiny-llama", 10), Ticket)
+        loner = await access.authenticator.authenticate({"authorization": f"Bearer {jwks.token('k1', groups=['grp-other'])}"})
+        assert loner.team is None and isinstance(await access.gate.admit(loner, "tiny-llama", 10), Ticket)
     finally:
         await access.redis.aclose()

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from contract.replica_wire import Usage
 from serve_app.redis_store import redis_names
-from serve_app.admission.access import Access
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
@@ -174,30 +174,30 @@ async def test_usage_counters_keep_35_days_and_13_months(redis):
     assert 399 * 86400 < await redis.ttl(usage) <= 400 * 86400
 
 
-# -- the ingress's Access: which Redis errors fail open ---------------------------------
+# -- the ingress's quota services: which Redis errors fail open ---------------------------------
 
 
-def ingress_access(url: str) -> Access:
+def ingress_access(url: str) -> QuotaServices:
     """What one ingress replica runs, with a short Redis timeout and lease."""
-    return Access(AppSettings(redis_url=url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30}),
+    return build_quota_services(AppSettings(redis_url=url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30}),
                   Telemetry(False, False))
 
 
 @pytest.fixture
 async def access(redis_url, redis):
-    gate = ingress_access(redis_url)
-    yield gate
-    await gate.redis.aclose()
+    services = ingress_access(redis_url)
+    yield services
+    await services.redis.aclose()
 
 
 @pytest.fixture
 async def node_access(redis_server):
-    """An Access on the single node, for a test that stalls that one process."""
+    """Quota services on the single node, for a test that stalls that one process."""
     client = aioredis.Redis.from_url(redis_server.url)
     await client.flushdb()
-    gate = ingress_access(redis_server.url)
-    yield gate, client
-    await gate.redis.aclose()
+    services = ingress_access(redis_server.url)
+    yield services, client
+    await services.redis.aclose()
     await client.aclose()
 
 
@@ -206,12 +206,12 @@ async def test_a_script_error_is_a_503_and_leaks_no_slot(access, redis):
     # mid-way; the request must not be served on local limits.
     k = key(max_concurrent=1)
     with pytest.raises(OpenAIError) as caught:
-        await access.admit(k, "m", 10**30)
+        await access.gate.admit(k, "m", 10**30)
     assert caught.value.status == 503 and caught.value.code == "quota_backend_error"
-    await access.flush_unsettled()
-    assert not access._unsettled
+    await access.gate.flush_unsettled()
+    assert not access.gate._unsettled
     assert await redis.zcard(redis_names.concurrency(k.id)) == 0
-    ticket = await access.admit(k, "m", 10)
+    ticket = await access.gate.admit(k, "m", 10)
     assert not ticket.local
 
 
@@ -221,11 +221,11 @@ async def test_out_of_memory_is_a_503_not_a_local_admission(access, redis):
     await redis.config_set("maxmemory", 1, **every_node(redis))
     try:
         with pytest.raises(OpenAIError) as caught:
-            await access.admit(k, "m", 10)
+            await access.gate.admit(k, "m", 10)
     finally:
         await redis.config_set("maxmemory", 0, **every_node(redis))
     assert caught.value.status == 503 and caught.value.code == "quota_backend_error"
-    await access.flush_unsettled()
+    await access.gate.flush_unsettled()
     assert await redis.zcard(redis_names.concurrency(k.id)) == 0
 
 
@@ -236,17 +236,17 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
     # Afterwards: no lease, one charge of the real usage, a final record.
     access, redis = node_access
     k = key(max_concurrent=1, daily_token_budget=10_000)
-    await access.admit(k, "m", 1)  # connections are open before the stall
+    await access.gate.admit(k, "m", 1)  # connections are open before the stall
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
-        ticket = await access.admit(k, "m", 500)
+        ticket = await access.gate.admit(k, "m", 500)
         assert ticket.local
-        access.settle(ticket, "completed", Usage(prompt_tokens=9, completion_tokens=4))
-        assert await access.flush_unsettled() == 0  # still stalled
+        access.gate.settle(ticket, "completed", Usage(prompt_tokens=9, completion_tokens=4))
+        assert await access.gate.flush_unsettled() == 0  # still stalled
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    while access._unsettled:
-        await access.flush_unsettled()
+    while access.gate._unsettled:
+        await access.gate.flush_unsettled()
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.2)  # any admit call still in flight has run by now
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's, unsettled
@@ -255,7 +255,7 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"14"  # 1 reserved + 13 used
     await redis.delete(redis_names.concurrency(k.id))  # (the first request ends)
-    assert not (await access.admit(k, "m", 10)).local
+    assert not (await access.gate.admit(k, "m", 10)).local
 
 
 # -- authentication against hostile headers -------------------------------------------
@@ -264,29 +264,29 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
 async def test_random_bearer_tokens_leave_the_key_cache_bounded(redis_url):
     from serve_app.identity.key_cache import NEGATIVE_MAX
 
-    gate = Access(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 5}), Telemetry(False, False))
+    services = build_quota_services(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 5}), Telemetry(False, False))
     try:
         for i in range(3 * NEGATIVE_MAX):
             with pytest.raises(OpenAIError) as caught:
-                await gate.authenticate({"authorization": f"Bearer sk-random-{i}"})
+                await services.authenticator.authenticate({"authorization": f"Bearer sk-random-{i}"})
             assert caught.value.status == 401
-        assert len(gate._cache) <= NEGATIVE_MAX
+        assert len(services.authenticator._cache) <= NEGATIVE_MAX
     finally:
-        await gate.redis.aclose()
+        await services.redis.aclose()
 
 
 async def test_an_admin_token_header_of_any_characters_is_a_401_not_a_crash(redis_server):
     settings = AppSettings(redis_url=redis_server.url, admin_token="s3cret-admin")
-    gate = Access(settings, Telemetry(False, False))
+    services = build_quota_services(settings, Telemetry(False, False))
     try:
         # Starlette hands header values over as latin-1 text: any byte can arrive.
         for value in ("Bearer s3crét-admin", "Bearer \u00ff\u00fe", "Bearer " + "\u00e9" * 10_000, "Bearer \x00"):
             with pytest.raises(OpenAIError) as caught:
-                await gate.admin_actor({"authorization": value})
+                await services.authenticator.admin_actor({"authorization": value})
             assert caught.value.status == 401
-        assert await gate.admin_actor({"authorization": "Bearer s3cret-admin"}) == "admin-token"
+        assert await services.authenticator.admin_actor({"authorization": "Bearer s3cret-admin"}) == "admin-token"
     finally:
-        await gate.redis.aclose()
+        await services.redis.aclose()
 
 
 async def test_failed_admin_credentials_are_throttled_per_client_even_the_right_one_then(redis_server):
@@ -295,17 +295,17 @@ async def test_failed_admin_credentials_are_throttled_per_client_even_the_right_
     client is not held back, and a request with no credential guesses nothing."""
     settings = AppSettings(redis_url=redis_server.url, admin_token="s3cret-admin",
                            auth={"admin_failures_per_minute": 5})
-    gate = Access(settings, Telemetry(False, False))
+    services = build_quota_services(settings, Telemetry(False, False))
     attacker = {"x-forwarded-for": "203.0.113.9"}
     try:
         for _ in range(3):
             with pytest.raises(OpenAIError) as caught:
-                await gate.admin_actor({})  # no credential: not counted
+                await services.authenticator.admin_actor({})  # no credential: not counted
             assert caught.value.status == 401
         statuses = []
         for i in range(8):
             try:
-                await gate.admin_actor({**attacker, "authorization": f"Bearer guess-{i}"})
+                await services.authenticator.admin_actor({**attacker, "authorization": f"Bearer guess-{i}"})
             except OpenAIError as exc:
                 statuses.append(exc.status)
                 last = exc
@@ -314,13 +314,13 @@ async def test_failed_admin_credentials_are_throttled_per_client_even_the_right_
         assert statuses == [401] * 5 + [429] * 3, statuses
         assert 1 <= int(last.headers["retry-after"]) <= 60 and "Too many failed admin credentials" in last.message
         with pytest.raises(OpenAIError) as held:
-            await gate.admin_actor({**attacker, "authorization": "Bearer s3cret-admin"})
+            await services.authenticator.admin_actor({**attacker, "authorization": "Bearer s3cret-admin"})
         assert held.value.status == 429
         # Another client (the edge's last X-Forwarded-For, after any a client forged) is not.
         other = {"x-forwarded-for": "203.0.113.9, 198.51.100.4", "authorization": "Bearer s3cret-admin"}
-        assert await gate.admin_actor(other) == "admin-token"
+        assert await services.authenticator.admin_actor(other) == "admin-token"
     finally:
-        await gate.redis.aclose()
+        await services.redis.aclose()
 
 
 # -- fail_mode closed: an outage refuses, nothing is served unchecked ------------------
@@ -342,39 +342,39 @@ async def test_fail_closed_refuses_every_request_while_redis_is_down_then_recove
     with running_redis(persistent=True) as server:  # its own: this test stops it
         settings = AppSettings(redis_url=server.url,
                                quota={"fail_mode": "closed", "key_cache_ttl_s": 0.5, "redis_timeout_s": 1})
-        gate = Access(settings, Telemetry(False, False))
+        services = build_quota_services(settings, Telemetry(False, False))
         client = aioredis.Redis.from_url(server.url)
         try:
             _, secret = await KeyStore(client).create("closed", KeyLimits(requests_per_minute=100, max_concurrent=1))
             headers = {"authorization": f"Bearer {secret}"}
-            k = await gate.authenticate(headers)
-            gate.settle(await gate.admit(k, "m", 10), "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            k = await services.authenticator.authenticate(headers)
+            services.gate.settle(await services.gate.admit(k, "m", 10), "completed", Usage(prompt_tokens=1, completion_tokens=1))
             await no_lease_left(client, k)
             server.stop()
             try:
                 # A key still in the cache is known, but nothing is admitted on local limits ...
                 with pytest.raises(OpenAIError) as refused:
-                    await gate.admit(k, "m", 10)
+                    await services.gate.admit(k, "m", 10)
                 assert (refused.value.status, refused.value.code) == (503, "quota_backend_unavailable")
                 assert refused.value.headers["retry-after"] == "1"
                 # ... and once the cache entry is past its TTL, no stale record stands in.
                 await asyncio.sleep(0.6)
                 with pytest.raises(OpenAIError) as unknown:
-                    await gate.authenticate(headers)
+                    await services.authenticator.authenticate(headers)
                 assert (unknown.value.status, unknown.value.code) == (503, "quota_backend_unavailable")
             finally:
                 server.start()
             await client.connection_pool.disconnect()  # the test's own connections died with the server
-            k = await gate.authenticate(headers)
-            ticket = await gate.admit(k, "m", 10)  # max_concurrent 1: the refused admit left no lease
+            k = await services.authenticator.authenticate(headers)
+            ticket = await services.gate.admit(k, "m", 10)  # max_concurrent 1: the refused admit left no lease
             assert not ticket.local
-            gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
-            while gate._unsettled:  # the refused admit's clean-up, retried until Redis answered
-                await gate.flush_unsettled()
+            services.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            while services.gate._unsettled:  # the refused admit's clean-up, retried until Redis answered
+                await services.gate.flush_unsettled()
                 await asyncio.sleep(0.05)
             await no_lease_left(client, k)
         finally:
-            await gate.redis.aclose()
+            await services.redis.aclose()
             await client.aclose()
 
 
@@ -388,15 +388,15 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
 
     with running_redis(persistent=True) as server:  # its own: this test restarts it
         # No key cache: every request reads its key from Redis.
-        gate = Access(AppSettings(redis_url=server.url, quota={"redis_timeout_s": 0.3, "key_cache_ttl_s": 0}),
+        services = build_quota_services(AppSettings(redis_url=server.url, quota={"redis_timeout_s": 0.3, "key_cache_ttl_s": 0}),
                       Telemetry(False, False))
         client = aioredis.Redis.from_url(server.url)
         try:
             _, secret = await KeyStore(client).create("before", KeyLimits(requests_per_minute=1000))
-            k = await gate.authenticate({"authorization": f"Bearer {secret}"})
-            tickets = await asyncio.gather(*(gate.admit(k, "m", 10) for _ in range(8)))  # several pooled connections
+            k = await services.authenticator.authenticate({"authorization": f"Bearer {secret}"})
+            tickets = await asyncio.gather(*(services.gate.admit(k, "m", 10) for _ in range(8)))  # several pooled connections
             for ticket in tickets:
-                gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+                services.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
             await no_lease_left(client, k)
             server.stop()
             server.start()
@@ -404,27 +404,27 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
             await client.connection_pool.disconnect()
             _, fresh = await KeyStore(client).create("after", KeyLimits(requests_per_minute=1000))
             for _ in range(8):  # every pooled connection is tried: none may be a dead one
-                after = await gate.authenticate({"authorization": f"Bearer {fresh}"})
-                ticket = await gate.admit(after, "m", 10)
+                after = await services.authenticator.authenticate({"authorization": f"Bearer {fresh}"})
+                ticket = await services.gate.admit(after, "m", 10)
                 assert not ticket.local  # admitted by Redis, not by the fail-open fallback
-                gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+                services.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
             await no_lease_left(client, after)
         finally:
-            await gate.redis.aclose()
+            await services.redis.aclose()
             await client.aclose()
 
 
 async def test_authentication_says_where_the_key_record_came_from(redis_url):
     from serve_app.identity.keys import KeyStore
 
-    gate = Access(AppSettings(redis_url=redis_url, quota={"key_cache_ttl_s": 60}), Telemetry(False, False))
+    services = build_quota_services(AppSettings(redis_url=redis_url, quota={"key_cache_ttl_s": 60}), Telemetry(False, False))
     try:
-        _, secret = await KeyStore(gate.redis).create("traced-auth")
+        _, secret = await KeyStore(services.redis).create("traced-auth")
         sources = []
         for _ in range(2):
             seen: dict[str, str] = {}
-            await gate.authenticate({"authorization": f"Bearer {secret}"}, seen)
+            await services.authenticator.authenticate({"authorization": f"Bearer {secret}"}, seen)
             sources.append(seen["source"])
         assert sources == ["redis", "cache"]  # a trace's authenticate span says which
     finally:
-        await gate.redis.aclose()
+        await services.redis.aclose()

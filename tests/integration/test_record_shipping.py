@@ -16,7 +16,7 @@ from serve_app.errors import OpenAIError
 from serve_app.accounting import record_shipper
 from serve_app.admin import operations as admin
 from serve_app.redis_store import redis_names
-from serve_app.admission.access import Access
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyStore
 from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.accounting.usage import request_state
@@ -26,20 +26,20 @@ from serve_app.telemetry import Telemetry
 RECENT_S = 120
 
 
-def access_for(redis_url: str, sink_dir, max_backlog: int = 1000) -> Access:
+def access_for(redis_url: str, sink_dir, max_backlog: int = 1000) -> QuotaServices:
     settings = AppSettings(redis_url=redis_url, records={"sink_dir": str(sink_dir), "recent_s": RECENT_S,
                                                          "max_backlog": max_backlog})
-    return Access(settings, Telemetry(False, False))
+    return build_quota_services(settings, Telemetry(False, False))
 
 
-async def settled_requests(access: Access, key, count: int) -> list[str]:
+async def settled_requests(access: QuotaServices, key, count: int) -> list[str]:
     """``count`` requests admitted and settled, as the gateway does (settlement runs off the request path)."""
     ids = []
     for i in range(count):
-        ticket = await access.admit(key, "chat", 20, http_request_id=f"client-{key.id}-{i}")
-        access.settle(ticket, "completed")
+        ticket = await access.gate.admit(key, "chat", 20, http_request_id=f"client-{key.id}-{i}")
+        access.gate.settle(ticket, "completed")
         ids.append(ticket.request_id)
-    while access._background:
+    while access.gate._background:
         await asyncio.sleep(0.01)
     return ids
 
@@ -58,9 +58,9 @@ async def test_settled_records_reach_the_sink_once_and_stay_in_redis_only_a_rece
     key, _ = await KeyStore(redis).create("shipped")
     ids = await settled_requests(access, key, 30)
     assert await redis.xlen(redis_names.RECORD_OUTBOX) == 30
-    await drain(access.records)
+    await drain(access.stores.records)
     lines = sink_lines(tmp_path)
-    assert sorted(line["id"] for line in lines) == sorted(ids) and access.records.backlog == 0
+    assert sorted(line["id"] for line in lines) == sorted(ids) and access.stores.records.backlog == 0
     for request_id in ids:  # the sink holds what Redis holds, and Redis holds it a recent while only
         name = redis_names.request_record(key.id, request_id)
         assert 0 < await redis.ttl(name) <= RECENT_S
@@ -70,20 +70,20 @@ async def test_settled_records_reach_the_sink_once_and_stay_in_redis_only_a_rece
     await redis.delete(redis_names.request_record(key.id, ids[3]), redis_names.http_request(f"client-{key.id}-3"),
                        redis_names.http_request(f"client-{key.id}-3", key.id))
     assert await request_state(redis, ids[3]) is None
-    found = await request_state(redis, ids[3], sink=access.records.sink)
+    found = await request_state(redis, ids[3], sink=access.stores.records.sink)
     assert found["id"] == ids[3] and found["status"] == "completed" and found["key_id"] == key.id
-    by_client_id = await request_state(redis, f"client-{key.id}-3", sink=access.records.sink)
+    by_client_id = await request_state(redis, f"client-{key.id}-3", sink=access.stores.records.sink)
     assert by_client_id["id"] == ids[3]
     await access.redis.aclose()
 
 
 async def test_a_teams_copy_of_a_record_is_not_shipped_twice(redis, redis_url, tmp_path):
     access = access_for(redis_url, tmp_path)
-    team = await admin.create_team(access, {"name": "shipping-team"}, "admin:test")
-    created = await admin.create_key(access, {"name": "team-member", "team": "shipping-team"}, "admin:test")
-    key = await access.keys.get(created["id"])
+    team = await admin.create_team(access.stores, {"name": "shipping-team"}, "admin:test")
+    created = await admin.create_key(access.stores, {"name": "team-member", "team": "shipping-team"}, "admin:test")
+    key = await access.stores.keys.get(created["id"])
     [request_id] = await settled_requests(access, key, 1)
-    await drain(access.records)
+    await drain(access.stores.records)
     assert [line["id"] for line in sink_lines(tmp_path)] == [request_id]
     assert 0 < await redis.ttl(redis_names.request_record(team["id"], request_id)) <= RECENT_S
     await access.redis.aclose()
@@ -97,19 +97,19 @@ async def test_a_sink_that_is_down_loses_nothing_and_stops_admissions_at_the_bac
     key, _ = await KeyStore(redis).create("backlogged")
     ids = await settled_requests(access, key, 10)
     with pytest.raises(OSError):
-        await access.records.ship_once()
-    access.records.backlog = await redis.xlen(redis_names.RECORD_OUTBOX)
-    assert access.records.backlog == 10 and access.records.backlogged
+        await access.stores.records.ship_once()
+    access.stores.records.backlog = await redis.xlen(redis_names.RECORD_OUTBOX)
+    assert access.stores.records.backlog == 10 and access.stores.records.backlogged
     with pytest.raises(OpenAIError) as refused:
-        await access.admit(key, "chat", 20)
+        await access.gate.admit(key, "chat", 20)
     assert refused.value.status == 503 and refused.value.code == "records_backlog"
     assert "retry-after" in refused.value.headers
     down.unlink()  # the share is back
-    await drain(access.records)
+    await drain(access.stores.records)
     assert sorted(line["id"] for line in sink_lines(down)) == sorted(ids)  # each once, none lost
-    assert not access.records.backlogged
+    assert not access.stores.records.backlogged
     ids += await settled_requests(access, key, 1)  # admitted again
-    await drain(access.records)
+    await drain(access.stores.records)
     assert len(sink_lines(down)) == 11
     await access.redis.aclose()
 
@@ -119,11 +119,11 @@ async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(red
     access = access_for(redis_url, tmp_path)
     key, _ = await KeyStore(redis).create("claimed")
     ids = await settled_requests(access, key, 5)
-    dead = RecordShipper(redis, access.records.sink, 1000, writer="dead")
+    dead = RecordShipper(redis, access.stores.records.sink, 1000, writer="dead")
     await dead._ensure_group()
     assert len(await dead._read(">")) == 5  # read, then its process died
     monkeypatch.setattr(record_shipper, "CLAIM_IDLE_MS", 0)
-    await drain(access.records)
+    await drain(access.stores.records)
     assert sorted(line["id"] for line in sink_lines(tmp_path)) == sorted(ids)
     assert await redis.xlen(redis_names.RECORD_OUTBOX) == 0
     await access.redis.aclose()

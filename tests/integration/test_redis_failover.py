@@ -1,5 +1,5 @@
 """A Redis primary (a Redis Cluster's, or the one Sentinel manages) dies under
-load and its replica takes over: what the gateway's admission (serve_app/admission/access.py, as each ingress replica runs it)
+load and its replica takes over: what the gateway's admission (serve_app/admission/gatekeeper.py, as each ingress replica runs it)
 promises then (docs/quotas.md, "Redis: one node, a Redis Cluster, or Sentinel").
 
 16 concurrent clients hammer one key with a small requests/min limit; the
@@ -20,7 +20,7 @@ import pytest
 from contract.replica_wire import Usage
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
 from serve_app.redis_store import redis_names
-from serve_app.admission.access import Access
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.admission.scripts import Refusal
 from serve_app.pipeline.refusals import render
 from serve_app.errors import OpenAIError
@@ -44,11 +44,11 @@ def cluster(request):
         yield servers
 
 
-def primary_of(servers, gate: Access, key_id: str):
+def primary_of(servers, services: QuotaServices, key_id: str):
     """The server process that holds ``key_id``'s quota state now."""
     if isinstance(servers, RedisSentinelSetup):
         return servers.primary
-    owner = gate.redis.get_node_from_key(redis_names.requests_rate(key_id))
+    owner = services.redis.get_node_from_key(redis_names.requests_rate(key_id))
     [primary] = [node for node in servers.nodes if node.port == owner.port]
     return primary
 
@@ -62,12 +62,12 @@ class Tally:
         self.causes: list[str] = []
 
 
-async def client_loop(gate: Access, secret: str, tally: Tally, stop: asyncio.Event) -> None:
+async def client_loop(services: QuotaServices, secret: str, tally: Tally, stop: asyncio.Event) -> None:
     headers = {"authorization": f"Bearer {secret}"}
     while not stop.is_set():
         try:
-            key = await gate.authenticate(headers)
-            ticket = await gate.admit(key, "m", 10)
+            key = await services.authenticator.authenticate(headers)
+            ticket = await services.gate.admit(key, "m", 10)
             if isinstance(ticket, Refusal):
                 raise render(ticket)
         except OpenAIError as refused:
@@ -83,20 +83,20 @@ async def client_loop(gate: Access, secret: str, tally: Tally, stop: asyncio.Eve
             else:
                 tally.redis_after_kill += 1
         await asyncio.sleep(0.005)  # "generation"
-        gate.settle(ticket, "completed", Usage(prompt_tokens=5, completion_tokens=5))
+        services.gate.settle(ticket, "completed", Usage(prompt_tokens=5, completion_tokens=5))
 
 
-async def hammer_through_a_failover(cluster, fail_mode: str) -> tuple[Tally, float, Access, str]:
+async def hammer_through_a_failover(cluster, fail_mode: str) -> tuple[Tally, float, QuotaServices, str]:
     settings = AppSettings(redis_url=cluster.url, quota={
         "fail_mode": fail_mode, "redis_timeout_s": 0.5, "key_cache_ttl_s": 1, "concurrency_lease_s": 10})
-    gate = Access(settings, Telemetry(False, False))
-    record, secret = await KeyStore(gate.redis).create(f"failover-{fail_mode}", KeyLimits(requests_per_minute=RPM))
+    services = build_quota_services(settings, Telemetry(False, False))
+    record, secret = await KeyStore(services.redis).create(f"failover-{fail_mode}", KeyLimits(requests_per_minute=RPM))
     tally, stop = Tally(), asyncio.Event()
     started = time.monotonic()
-    clients = [asyncio.create_task(client_loop(gate, secret, tally, stop)) for _ in range(CLIENTS)]
+    clients = [asyncio.create_task(client_loop(services, secret, tally, stop)) for _ in range(CLIENTS)]
     try:
         await asyncio.sleep(BEFORE_KILL_S)
-        primary_of(cluster, gate, record.id).proc.kill()
+        primary_of(cluster, services, record.id).proc.kill()
         tally.killed_at = time.monotonic()
         deadline = tally.killed_at + FAILOVER_BOUND_S
         while tally.redis_after_kill == 0:  # the promoted replica admits through Redis again
@@ -106,20 +106,20 @@ async def hammer_through_a_failover(cluster, fail_mode: str) -> tuple[Tally, flo
     finally:
         stop.set()
         await asyncio.gather(*clients)
-    return tally, time.monotonic() - started, gate, record.id
+    return tally, time.monotonic() - started, services, record.id
 
 
-async def settled_everything(gate: Access, key_id: str) -> None:
+async def settled_everything(services: QuotaServices, key_id: str) -> None:
     """Every settlement taken by Redis, no lease left, no record left open."""
     deadline = time.monotonic() + 20
-    while gate._unsettled or gate._background:
-        assert time.monotonic() < deadline, len(gate._unsettled)
-        await gate.flush_unsettled()
+    while services.gate._unsettled or services.gate._background:
+        assert time.monotonic() < deadline, len(services.gate._unsettled)
+        await services.gate.flush_unsettled()
         await asyncio.sleep(0.1)
-    assert await gate.redis.zcard(redis_names.concurrency(key_id)) == 0
+    assert await services.redis.zcard(redis_names.concurrency(key_id)) == 0
     open_records = []
-    async for name in gate.redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"):
-        if (await gate.redis.hget(name, "status")) in (b"admitted", b"running"):
+    async for name in services.redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"):
+        if (await services.redis.hget(name, "status")) in (b"admitted", b"running"):
             open_records.append(name)
     assert not open_records
 
@@ -130,7 +130,7 @@ def redis_allowance(seconds: float) -> float:
 
 
 async def test_fail_open_keeps_serving_through_a_primary_failover_within_the_bound(cluster):
-    tally, took, gate, key_id = await hammer_through_a_failover(cluster, "open")
+    tally, took, services, key_id = await hammer_through_a_failover(cluster, "open")
     try:
         outage = took - BEFORE_KILL_S - AFTER_RECOVERY_S  # kill → admitted through Redis again
         print(f"\nfail open: {dict(tally.outcomes)} in {took:.1f} s (failover {outage:.1f} s); "
@@ -145,13 +145,13 @@ async def test_fail_open_keeps_serving_through_a_primary_failover_within_the_bou
         # when the primary died (acknowledged, maybe not replicated: at most CLIENTS).
         bound = redis_allowance(took) + redis_allowance(outage) + CLIENTS
         assert tally.outcomes["admitted"] <= bound, (tally.outcomes, bound)
-        await settled_everything(gate, key_id)
+        await settled_everything(services, key_id)
     finally:
-        await gate.redis.aclose()
+        await services.redis.aclose()
 
 
 async def test_fail_closed_refuses_during_a_primary_failover_and_admits_only_through_redis(cluster):
-    tally, took, gate, key_id = await hammer_through_a_failover(cluster, "closed")
+    tally, took, services, key_id = await hammer_through_a_failover(cluster, "closed")
     try:
         print(f"\nfail closed: {dict(tally.outcomes)} in {took:.1f} s; after the kill: "
               f"{tally.redis_after_kill} through Redis")
@@ -160,9 +160,9 @@ async def test_fail_closed_refuses_during_a_primary_failover_and_admits_only_thr
         assert tally.local_after_kill == 0
         assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded", "503 quota_backend_unavailable"}
         assert tally.outcomes["admitted"] <= redis_allowance(took) + CLIENTS, tally.outcomes
-        await settled_everything(gate, key_id)
+        await settled_everything(services, key_id)
     finally:
-        await gate.redis.aclose()
+        await services.redis.aclose()
 
 
 async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_without_cluster_mode_a_refusal(
@@ -174,7 +174,7 @@ async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_wi
     from ports import free_port
     from redis.exceptions import RedisClusterException
 
-    from serve_app.admission.access import REDIS_FAILED, UNREACHABLE
+    from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
     from serve_app.redis_store.redis_client import ClusterMapUnknown, connect
 
     down = connect(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.5)

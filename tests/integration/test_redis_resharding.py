@@ -18,7 +18,8 @@ import redis as sync_redis
 from contract.replica_wire import Usage
 from redis_server import _cli, running_redis_cluster
 from serve_app.redis_store import redis_names
-from serve_app.admission.access import Access, Ticket
+from serve_app.admission.ticket import Ticket
+from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyStore
 from serve_app.limits import KeyLimits
 from serve_app.settings import AppSettings
@@ -79,14 +80,14 @@ def redirections(cluster) -> dict[str, int]:
 async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster):
     settings = AppSettings(redis_url=cluster.url, quota={
         "fail_mode": "closed", "redis_timeout_s": 2, "key_cache_ttl_s": 1, "concurrency_lease_s": 10})
-    gate = Access(settings, Telemetry(False, False))
-    record, secret = await KeyStore(gate.redis).create("resharded", KeyLimits(requests_per_minute=RPM))
-    slot = gate.redis.keyslot(redis_names.requests_rate(record.id))
-    source = gate.redis.get_node_from_key(redis_names.requests_rate(record.id)).port
+    services = build_quota_services(settings, Telemetry(False, False))
+    record, secret = await KeyStore(services.redis).create("resharded", KeyLimits(requests_per_minute=RPM))
+    slot = services.redis.keyslot(redis_names.requests_rate(record.id))
+    source = services.redis.get_node_from_key(redis_names.requests_rate(record.id)).port
     target = next(node.port for node in cluster.nodes if node.port != source)
     tally, stop = Tally(), asyncio.Event()
     started = time.monotonic()
-    clients = [asyncio.create_task(client_loop(gate, secret, tally, stop)) for _ in range(CLIENTS)]
+    clients = [asyncio.create_task(client_loop(services, secret, tally, stop)) for _ in range(CLIENTS)]
     try:
         await asyncio.sleep(1.0)
         for node in cluster.nodes:
@@ -95,7 +96,7 @@ async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster)
         redirects = redirections(cluster)
         await asyncio.sleep(1.0)
         # Renewals and a late settlement on the moved slot too.
-        await gate.renew_leases()
+        await services.gate.renew_leases()
     finally:
         stop.set()
         await asyncio.gather(*clients)
@@ -113,14 +114,14 @@ async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster)
     assert tally.outcomes["503 quota_backend_unavailable"] <= CLIENTS, tally.outcomes
     assert tally.outcomes["admitted"] <= redis_allowance(took), (tally.outcomes, redis_allowance(took))
     assert tally.outcomes["admitted"] >= RPM  # the burst, at least: the limit, not an outage, refused the rest
-    assert gate.redis.get_node_from_key(redis_names.requests_rate(record.id)).port == target
+    assert services.redis.get_node_from_key(redis_names.requests_rate(record.id)).port == target
     assert not sync_redis.Redis(port=source).execute_command("CLUSTER COUNTKEYSINSLOT", slot)
-    await settled_everything(gate, record.id)
+    await settled_everything(services, record.id)
     admitted = []  # still limited on the new primary
-    while isinstance(ticket := await gate.admit(await gate.authenticate({"authorization": f"Bearer {secret}"}),
+    while isinstance(ticket := await services.gate.admit(await services.authenticator.authenticate({"authorization": f"Bearer {secret}"}),
                                                 "m", 1), Ticket):
         assert len(admitted) < RPM, "admitted past the limit"
         admitted.append(ticket)
-        gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+        services.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
     assert ticket.kind == "requests"
-    await gate.redis.aclose()
+    await services.redis.aclose()

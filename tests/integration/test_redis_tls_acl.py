@@ -16,7 +16,8 @@ import pytest
 from contract.replica_wire import Usage
 from ports import free_port
 from redis_server import RedisServer
-from serve_app.admission.access import Access, Ticket
+from serve_app.admission.ticket import Ticket
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyStore
@@ -68,20 +69,20 @@ def tls_redis(certs):
         server.stop()
 
 
-def gate(url: str) -> Access:
-    return Access(AppSettings(redis_url=url, quota={"fail_mode": "open", "redis_timeout_s": 2}),
+def services(url: str) -> QuotaServices:
+    return build_quota_services(AppSettings(redis_url=url, quota={"fail_mode": "open", "redis_timeout_s": 2}),
                   Telemetry(False, False))
 
 
 async def test_admission_over_tls_as_an_acl_user(tls_redis):
     url, _ = tls_redis
-    access = gate(url)
+    access = services(url)
     try:
         _, secret = await KeyStore(access.redis).create("tls-team", KeyLimits(requests_per_minute=10))
-        key = await access.authenticate({"authorization": f"Bearer {secret}"})
-        ticket = await access.admit(key, "m", 10)
+        key = await access.authenticator.authenticate({"authorization": f"Bearer {secret}"})
+        ticket = await access.gate.admit(key, "m", 10)
         assert not ticket.local  # decided by Redis, over TLS
-        access.settle(ticket, "completed", Usage(prompt_tokens=3, completion_tokens=4))
+        access.gate.settle(ticket, "completed", Usage(prompt_tokens=3, completion_tokens=4))
     finally:
         await access.redis.aclose()
 
@@ -94,13 +95,13 @@ async def test_a_wrong_password_is_a_backend_error_not_an_outage(tls_redis):
         record = await KeyStore(client).resolve("tls-wrong")
     finally:
         await client.aclose()
-    access = gate(wrong)  # fail_mode open: an outage would be admitted on local limits
+    access = services(wrong)  # fail_mode open: an outage would be admitted on local limits
     try:
-        for attempt in (access.authenticate({"authorization": f"Bearer {secret}"}), access.admit(record, "m", 10)):
+        for attempt in (access.authenticator.authenticate({"authorization": f"Bearer {secret}"}), access.gate.admit(record, "m", 10)):
             with pytest.raises(OpenAIError) as refused:
                 await attempt
             assert (refused.value.status, refused.value.code) == (503, "quota_backend_error")
-        assert not access.local._keys  # nothing was decided on local limits
+        assert not access.gate.local._keys  # nothing was decided on local limits
     finally:
         await access.redis.aclose()
 
@@ -138,7 +139,7 @@ def tls_cluster(certs):
 
 async def test_admission_over_a_tls_cluster_as_an_acl_user(tls_cluster):
     url, wrong = tls_cluster
-    access = gate(url)
+    access = services(url)
     try:
         store = KeyStore(access.redis)
         tenants = [await store.create(f"tls-cluster-{n}", KeyLimits(requests_per_minute=2)) for n in range(6)]
@@ -148,9 +149,9 @@ async def test_admission_over_a_tls_cluster_as_an_acl_user(tls_cluster):
 
         while len(primaries()) < 2 and len(tenants) < 64:  # key ids are random: six may share a primary
             tenants.append(await store.create(f"tls-cluster-{len(tenants)}", KeyLimits(requests_per_minute=2)))
-        keys = [await access.authenticate({"authorization": f"Bearer {secret}"}) for _, secret in tenants]
+        keys = [await access.authenticator.authenticate({"authorization": f"Bearer {secret}"}) for _, secret in tenants]
         # Keys on every primary, in one auto-pipeline per turn: each limit exact.
-        outcomes = await asyncio.gather(*(access.admit(key, "m", 10) for key in keys for _ in range(3)),
+        outcomes = await asyncio.gather(*(access.gate.admit(key, "m", 10) for key in keys for _ in range(3)),
                                         return_exceptions=True)
         for n in range(len(keys)):
             mine = outcomes[3 * n:3 * n + 3]
@@ -159,12 +160,12 @@ async def test_admission_over_a_tls_cluster_as_an_acl_user(tls_cluster):
         assert len({access.redis.get_node_from_key(f"{{k:{key.id}}}").name for key in keys}) > 1
     finally:
         await access.redis.aclose()
-    refused = gate(wrong)
+    refused = services(wrong)
     try:
         with pytest.raises(OpenAIError) as caught:
-            await refused.admit(keys[0], "m", 10)
+            await refused.gate.admit(keys[0], "m", 10)
         assert (caught.value.status, caught.value.code) == (503, "quota_backend_error")
-        assert not refused.local._keys
+        assert not refused.gate.local._keys
     finally:
         await refused.redis.aclose()
 
@@ -219,11 +220,11 @@ def tls_sentinel(certs, tmp_path_factory):
 
 async def test_admission_through_tls_sentinels_to_a_tls_primary(tls_sentinel):
     url, primary_tls = tls_sentinel
-    access = gate(url)
+    access = services(url)
     try:
         _, secret = await KeyStore(access.redis).create("tls-sentinel", KeyLimits(requests_per_minute=2))
-        key = await access.authenticate({"authorization": f"Bearer {secret}"})
-        outcomes = await asyncio.gather(*(access.admit(key, "m", 10) for _ in range(3)), return_exceptions=True)
+        key = await access.authenticator.authenticate({"authorization": f"Bearer {secret}"})
+        outcomes = await asyncio.gather(*(access.gate.admit(key, "m", 10) for _ in range(3)), return_exceptions=True)
         assert sum(isinstance(o, Ticket) and not o.local for o in outcomes) == 2, outcomes
         assert sum(isinstance(o, Refusal) and o.kind == "requests" for o in outcomes) == 1, outcomes
         # The sentinels, which listen on TLS only (port 0), named the TLS primary.

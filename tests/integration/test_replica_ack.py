@@ -16,7 +16,7 @@ import redis as sync_redis
 
 from redis_server import RedisSentinelSetup
 from serve_app.redis_store import redis_client, redis_names
-from serve_app.admission.access import Access
+from serve_app.http.services import build_quota_services
 from serve_app.redis_store.auto_pipeline import NotReplicated
 from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
@@ -92,39 +92,39 @@ async def test_each_admission_is_on_a_replica_when_it_returns(replicated):
 
 @pytest.mark.parametrize("fail_mode", ["closed", "open"])
 async def test_a_replica_that_does_not_answer_makes_admissions_unreachable_and_leaks_nothing(replicated, fail_mode):
-    access = Access(AppSettings(redis_url=replicated.url, quota={
+    access = build_quota_services(AppSettings(redis_url=replicated.url, quota={
         "redis_timeout_s": 2, "fail_mode": fail_mode, "replicas_to_acknowledge": 1,
         "replica_ack_timeout_ms": TIMEOUT_MS}), Telemetry(False, False))
     key = tenant(f"{fail_mode}-{time.monotonic_ns()}", max_concurrent=3, requests_per_minute=1000)
-    warm = await until_replicas_acknowledge(lambda: access.admit(tenant("warm"), "m", 5))
-    access.settle(warm, "completed")  # connections open, scripts loaded
-    while access._background:
+    warm = await until_replicas_acknowledge(lambda: access.gate.admit(tenant("warm"), "m", 5))
+    access.gate.settle(warm, "completed")  # connections open, scripts loaded
+    while access.gate._background:
         await asyncio.sleep(0.01)
     replica = replica_of(replicated, access.redis, key.id)
     primary = sync_redis.Redis(port=primary_of(replicated, access.redis, key.id))
     os.kill(replica.proc.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        outcomes = await asyncio.gather(*(access.admit(key, "m", 5) for _ in range(3)), return_exceptions=True)
+        outcomes = await asyncio.gather(*(access.gate.admit(key, "m", 5) for _ in range(3)), return_exceptions=True)
         took = time.monotonic() - started
         if fail_mode == "closed":
             assert all(isinstance(o, OpenAIError) and o.status == 503 for o in outcomes), outcomes
         else:
             assert all(o.local for o in outcomes), outcomes  # decided on local limits
             for ticket in outcomes:
-                access.settle(ticket, "completed")
+                access.gate.settle(ticket, "completed")
         assert took < 2, took  # the WAIT timeout, not the Redis timeout
         # The primary ran the admissions: their leases are there, unvouched.
         assert primary.zcard(redis_names.concurrency(key.id)) == 3
-        assert await access.flush_unsettled() == 0  # settlements are not vouched for either
+        assert await access.gate.flush_unsettled() == 0  # settlements are not vouched for either
     finally:
         os.kill(replica.proc.pid, signal.SIGCONT)
     for _ in range(100):
-        await access.flush_unsettled()
-        if not access._unsettled and not access._background:
+        await access.gate.flush_unsettled()
+        if not access.gate._unsettled and not access.gate._background:
             break
         await asyncio.sleep(0.05)
-    assert not access._unsettled
+    assert not access.gate._unsettled
     assert primary.zcard(redis_names.concurrency(key.id)) == 0
     records = list(primary.scan_iter(match=redis_names.request_record_prefix(key.id) + "*", count=1000))
     assert len(records) == 3

@@ -19,7 +19,7 @@ from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store.redis_client import as_text
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
-from serve_app.admission.access import Access
+from serve_app.http.services import build_quota_services
 from serve_app.accounting.costs import Cost, Rates
 from serve_app.accounting.usage_report import COST_GROUPS, completions_usage, costs, parse_query
 from serve_app.settings import AppSettings
@@ -230,17 +230,17 @@ def test_the_cached_count_is_read_from_responses_and_anthropic_usage():
 
 
 async def test_cached_tokens_are_counted_apart_and_priced_at_settlement(redis_url, redis):
-    access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+    access = build_quota_services(AppSettings(redis_url=redis_url), Telemetry(False, False))
     try:
         k = key("kcached")
         for cached in (256, 0):
-            ticket = await access.admit(k, "chat", 400)
+            ticket = await access.gate.admit(k, "chat", 400)
             ticket.rates = Rates.of(Pricing(prompt_per_million=1.0, completion_per_million=4.0,
                                             cached_prompt_per_million=0.25))
             ticket.reserved = (300, 100)
-            access.settle(ticket, "completed", Usage(prompt_tokens=300, completion_tokens=10,
+            access.gate.settle(ticket, "completed", Usage(prompt_tokens=300, completion_tokens=10,
                                                       cached_prompt_tokens=cached))
-        while access._background:
+        while access.gate._background:
             await asyncio.sleep(0.01)
         [row] = (await completions_usage(redis, [k], parse_query(query(start_time=today()))))["data"][0]["results"]
         assert (row["input_tokens"], row["input_cached_tokens"], row["output_tokens"]) == (600, 256, 20)
@@ -255,19 +255,19 @@ async def test_cached_tokens_are_counted_apart_and_priced_at_settlement(redis_ur
 
 
 async def test_costs_are_recorded_at_settlement_and_served_in_openais_shape(redis_url, redis):
-    access = Access(AppSettings(redis_url=redis_url), Telemetry(False, False))
+    access = build_quota_services(AppSettings(redis_url=redis_url), Telemetry(False, False))
     try:
         k = key("kcosts")
         rates = Rates.of(Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5))
         for usage, batch in ((Usage(prompt_tokens=1000, completion_tokens=500), False),
                              (Usage(prompt_tokens=1000, completion_tokens=500), True),
                              (None, False)):  # a stream its client hung up on
-            ticket = await access.admit(k, "chat", 1200)
+            ticket = await access.gate.admit(k, "chat", 1200)
             ticket.rates = Rates.of(Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5),
                                     batch=batch)
             ticket.reserved = (200, 1000)
-            access.settle(ticket, "completed" if usage else "cancelled", usage)
-        while access._background:
+            access.gate.settle(ticket, "completed" if usage else "cancelled", usage)
+        while access.gate._background:
             await asyncio.sleep(0.01)
         assert rates.prompt == 2000
         page = await completions_usage(redis, [k], parse_query(query(start_time=today())))

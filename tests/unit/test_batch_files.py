@@ -291,7 +291,7 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
     runner = SimpleNamespace(
         store=store, files=files, gateway=gateway,
         config=SimpleNamespace(max_requests=100, concurrency=2),
-        access=SimpleNamespace(keys=keys),
+        keys=keys,
         telemetry=SimpleNamespace(finish=lambda record: None))
     return BatchJob(runner, "k1", "batch_1"), store, files
 

@@ -162,3 +162,25 @@ def test_every_import_path_a_config_names_resolves():
                  "replicas.engine_guard:register"):
         module, _, attribute = path.partition(":")
         assert callable(getattr(importlib.import_module(module), attribute)), path
+
+
+# The quota services are built and wired in one place (serve_app/http/services.py): the
+# request path sees admission through admission.ticket.Gate, the routes the
+# Authenticator they are handed, the admin operations their AdminStores.
+SERVICES = {"Gatekeeper", "Maintenance", "Authenticator", "IngressReplicas"}
+BUILDERS = {"serve_app.http.services"}
+
+
+def constructed(path: Path) -> set[str]:
+    return {node.func.id for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+
+
+@pytest.mark.parametrize("module, path", modules("serve_app"))
+def test_only_the_builder_constructs_the_quota_services(module, path):
+    if module not in BUILDERS:
+        assert not constructed(path) & SERVICES, f"{module} builds {constructed(path) & SERVICES}"
+    if module not in BUILDERS | {"serve_app.admission.maintenance"}:
+        assert "serve_app.admission.gatekeeper" not in imports(path), module
+    if module not in BUILDERS:
+        assert "serve_app.admission.maintenance" not in imports(path), module

@@ -171,7 +171,14 @@ def test_build_direct_app_names_the_model_or_refuses():
 
 def test_the_direct_app_serves_exactly_its_declared_routes_and_no_schema():
     served = {(method, route.path) for route in direct_app.routes for method in route.methods}
-    assert served == DIRECT_ROUTES
+    assert served == set(DIRECT_ROUTES)
+    # For a key: what the edge's one hop sends it (contract/edge.py) and its model list;
+    # without one, only the names the edge reads (never through the edge).
+    from contract.edge import EDGE_NAMES_PATH, ONE_HOP_ROUTES
+
+    assert {route for route, kind in DIRECT_ROUTES.items() if kind == "key"} == {
+        ("POST", path) for path in ONE_HOP_ROUTES} | {("GET", "/v1/models")}
+    assert {route for route, kind in DIRECT_ROUTES.items() if kind != "key"} == {("GET", EDGE_NAMES_PATH)}
     assert direct_app.openapi_url is None and direct_app.docs_url is None
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart
-from serve_app.admission.access import Ticket
+from serve_app.admission.ticket import Ticket
 from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.routing import places

@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
-from serve_app.admission.access import Ticket
+from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError
 from serve_app.pipeline.gateway import Gateway
 from serve_app.identity.keys import KeyRecord
@@ -44,7 +44,7 @@ class Access:
     def settle(self, ticket, status, usage=None, replica=""):
         assert not ticket.settled, "settled twice"
         ticket.settled = True
-        if ticket.on_settle is not None:  # as serve_app.admission.access.Access does
+        if ticket.on_settle is not None:  # as serve_app.admission.gatekeeper.Gatekeeper does
             ticket.on_settle()
         self.settled.append((status, usage))
 

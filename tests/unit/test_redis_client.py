@@ -103,7 +103,7 @@ def test_a_cluster_call_out_of_redirections_is_an_outage_not_a_refusal():
     from redis.exceptions import ClusterError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from serve_app.admission.access import UNREACHABLE
+    from serve_app.redis_store.redis_client import UNREACHABLE
 
     cleared = redis_client.clear_error(ClusterError("TTL exhausted."))
     assert isinstance(cleared, redis_client.ClusterKeptRedirecting)

@@ -1,26 +1,35 @@
-"""Pure logic: which running requests ``Access.stop_revoked`` marks and tells (the e2e tests
+"""Pure logic: which running requests ``Maintenance.stop_revoked`` marks and tells (the e2e tests
 in tests/e2e/quota_stack/test_1_hostile_tenant_e2e.py revoke a key mid-request on
 the real stack, a stream and a unary call)."""
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from serve_app.admission.access import Access, Ticket
+from serve_app.admission.ticket import Ticket
+from serve_app.admission.maintenance import IngressReplicas, Maintenance
 from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 
 
-def access_running(records: dict[str, object], tickets: list[Ticket]) -> Access:
-    """An Access whose key store answers ``records`` (a KeyRecord, or an exception to raise)."""
+class Running:
+    """The gate's side maintenance reads: the requests running here."""
+
+    def __init__(self, tickets: list[Ticket]):
+        self.tickets = tickets
+
+    def running_tickets(self) -> list[Ticket]:
+        return list(self.tickets)
+
+
+def access_running(records: dict[str, object], tickets: list[Ticket]) -> Maintenance:
+    """Maintenance whose key store answers ``records`` (a KeyRecord, or an exception to raise)."""
     async def get(key_id):
         found = records[key_id]
         if isinstance(found, Exception):
             raise found
         return found
 
-    access = Access.__new__(Access)
-    access.keys = KeyStore.__new__(KeyStore)  # its own `active`, over this `get`
-    access.keys.get = get
-    access._leased = {ticket.request_id: ticket for ticket in tickets}
-    return access
+    keys = KeyStore.__new__(KeyStore)  # its own `active`, over this `get`
+    keys.get = get
+    return Maintenance(Running(tickets), keys, None, IngressReplicas({}), None, lease_s=30, key_cache_ttl_s=1)
 
 
 def ticket(key_id: str, n: int) -> Ticket:

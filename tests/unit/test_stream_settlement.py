@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart, Usage
-from serve_app.admission.access import Ticket
+from serve_app.admission.ticket import Ticket
 from serve_app.wire.api_requests import OPERATIONS
 from serve_app.pipeline.gateway import Gateway, _Plan
 from serve_app.identity.keys import KeyRecord

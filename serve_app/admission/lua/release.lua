@@ -1,5 +1,5 @@
 -- Take back an admission that another level of the same request refused (a key
--- admitted, its team not, or the reverse: admission/access.py admits every level at
+-- admitted, its team not, or the reverse: admission/gatekeeper.py admits every level at
 -- once). Everything admit.lua committed for it is undone, as if it had been
 -- refused here: its requests/min and tokens/min cost, its token and money
 -- reservations, its lease and its record (a refusal stores nothing: admit.lua);

@@ -310,7 +310,7 @@ def test_rare_event_counters_read_zero_before_any_event(prometheus):
     while True:
         found = samples(ray_metrics())
         missing = [(name, labels) for name, labels in ZERO_SERIES
-                   if not any(n == name and labels.items() <= l.items() for n, l, _ in found)]
+                   if not any(n == name and labels.items() <= have.items() for n, have, _ in found)]
         if not missing:
             break
         assert time.monotonic() < deadline, f"never exported: {missing}"

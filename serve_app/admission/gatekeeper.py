@@ -1,0 +1,323 @@
+"""Whether a request runs now, and settling what it used: admission on the hot path.
+
+One ``Gatekeeper`` per ingress replica (and per direct-route replica) wraps the
+admission scripts (``scripts.py``) with what the hot path needs: admission that
+answers a ``Ticket`` or a ``Refusal`` (its caller words it:
+serve_app/pipeline/refusals.py), fire-and-forget bookkeeping that never delays a
+response, and the Redis-down behaviour that ``fail_mode`` chooses.
+
+Redis failures are told apart (docs/quotas.md, "Keys and quotas"):
+- unreachable (connection refused or lost, timeout; a Redis Cluster with a slot
+  between primaries, CLUSTERDOWN or TRYAGAIN, once the client's own retries
+  are spent): ``fail_mode`` decides, and
+  every request the ingress decided without Redis is settled through Redis
+  once it answers again. A timed-out call may still have run, and settling is
+  idempotent, so nothing that call wrote outlives the request.
+- any other error (a script error, OOM, READONLY after a failover, MOVED):
+  Redis answered and refused to work, so the request gets 503
+  ``quota_backend_error``; it is never admitted without its quota.
+
+The loop that renews leases and retries settlements Redis missed is ``maintenance.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from contract.replica_wire import Usage
+from serve_app.accounting.costs import Cost
+from serve_app.accounting.record_shipper import RecordShipper
+from serve_app.accounting.usage import new_request_id
+from serve_app.admission.local_limits import LocalLimiter
+from serve_app.admission.overlap import OverlapGuard
+from serve_app.admission.scripts import Admission, Decision, Refusal
+from serve_app.admission.ticket import Ticket
+from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable, records_backlog
+from serve_app.identity.keys import KeyRecord
+from serve_app.identity.teams import TeamRecord
+from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
+from serve_app.tracing import now_ns
+
+logger = logging.getLogger("ray.serve")
+
+# Settlements waiting for Redis to answer again: beyond this many, the oldest is
+# dropped (its lease then expires and the next admission of its key reaps it).
+MAX_UNSETTLED = 10_000
+
+
+class Gatekeeper:
+    def __init__(self, redis, settings: AppSettings, telemetry: Telemetry,
+                 team_of: Callable[[KeyRecord, str], Awaitable[TeamRecord | None]],
+                 replica_count: Callable[[], int], records: RecordShipper | None = None):
+        """``team_of(key, model)``: the key's team as admission applies it (a 401/403 for a
+        team that refuses it: identity/authentication.py); ``replica_count()``: how many
+        replicas share a key's limits while Redis is down (maintenance.IngressReplicas);
+        ``records``: where settled records go (None: they stay in Redis)."""
+        self.telemetry = telemetry
+        quota = settings.quota
+        self.records = records
+        self._team_of = team_of
+        self.admission = Admission(
+            redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
+            settled_s=settings.records.recent_s if records is not None else None,
+            replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
+        )
+        self.fail_open = quota.fail_mode == "open"
+        self.default_max_tokens = quota.default_max_tokens
+        # Which keys' streams may start before their admission returns (overlap.py).
+        self.overlap = OverlapGuard() if quota.overlap_admission else None
+        self.local = LocalLimiter(replica_count)
+        self._background: set[asyncio.Task] = set()
+        # Requests admitted through Redis and not settled yet: their leases are renewed.
+        self._leased: dict[str, Ticket] = {}
+        # request id -> Admission.settle arguments, for settlements Redis has not taken yet.
+        self._unsettled: dict[str, tuple] = {}
+
+    def running_tickets(self) -> list[Ticket]:
+        """The requests admitted through Redis here and not settled yet (maintenance renews them)."""
+        return list(self._leased.values())
+
+    # -- admission -------------------------------------------------------------
+
+    def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool:
+        """Whether a stream of ``key`` may go to the engine while its admission is
+        in Redis (overlap.py); if so, the room it assumes is spent."""
+        return self.overlap is not None and self.overlap.try_spend(key, reserve_tokens)
+
+    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",
+                    request_id: str | None = None, reserve_nanos: int = 0) -> Ticket | Refusal:
+        """A ``Ticket`` to run, or the ``Refusal`` of a limit of the key or of its team
+        (rendered by the caller). A quota store that cannot decide raises its 503.
+        ``request_id``: the id the request was already sent to the engine under (an
+        overlapped admission); a new one otherwise. ``reserve_nanos``: the cost of
+        the reservation, held against the money budgets."""
+        if self.records is not None and self.records.backlogged:
+            raise records_backlog()  # back-pressure: the sink is down, Redis holds its bound of records
+        request_id = request_id or new_request_id(key.id)
+        team = await self._team_of(key, model)
+        levels = [key] if team is None else [key, team]
+        started = time.perf_counter()
+        try:
+            # Level by level, the key first, each on its own slot, stopping at the first
+            # that refuses; the levels that admitted it are then taken back (below). So a
+            # team's room is only ever held by requests their key admitted: sent at once,
+            # keys over their own limit would hold the team's places while their
+            # admissions were taken back, and refuse requests that fit (measured: 1 of 20
+            # admitted where 7 fit). The price: a round trip per level.
+            decisions = []
+            for level in levels:
+                decisions.append(await self.admission.admit(
+                    level, request_id, model, reserve_tokens, http_request_id if level is key else "",
+                    reserve_nanos, team.id if team is not None and level is key else ""))
+                if not decisions[-1].admitted:
+                    break
+        except asyncio.CancelledError:
+            # The client left while its admission was on the wire: the call still
+            # runs in Redis (auto_pipeline), so the id is settled, which frees a
+            # lease it took or makes a later admit of it change nothing.
+            for level in levels:
+                self._settle_later(level, request_id, model, "cancelled", 0, 0)
+            raise
+        except UNREACHABLE as exc:
+            self.telemetry.redis_failed("admit")
+            self._no_overlap(key)  # no guesses while Redis cannot answer
+            try:
+                admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc)
+            except OpenAIError:
+                for level in levels:
+                    self._settle_later(level, request_id, model, "failed", 0, 0)  # in case the call ran
+                raise
+            if isinstance(admitted, Refusal):
+                for level in levels:
+                    self._settle_later(level, request_id, model, "failed", 0, 0)
+            else:
+                admitted.team = team  # the team's share is not kept locally: settled through Redis later
+            return admitted
+        except REDIS_FAILED as exc:
+            self.telemetry.redis_failed("admit")
+            self._no_overlap(key)
+            logger.error("Redis refused the admission script: %s", exc)
+            for level in levels:
+                self._settle_later(level, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
+            raise quota_store_error() from None
+        self.telemetry.admission_took(time.perf_counter() - started)
+        decision, last = decisions[0], decisions[-1]
+        self._record_budget_use(key, decision)
+        if last.kind == "duplicate":  # its id settled before this admission ran: never while we wait on it
+            raise quota_store_error()
+        if not last.admitted:  # the level that refused is the last one asked
+            self._no_overlap(key)
+            if len(decisions) > 1:  # the team: the key's admission is taken back
+                await self._release(levels[0], request_id, model, "team_" + last.kind)
+            if team is not None:
+                self.telemetry.team_refused(team.name, "key" if len(decisions) == 1 else "team")
+            return Refusal(last.as_applied(levels[len(decisions) - 1]), last.kind, reserve_tokens, last,
+                           level="key" if len(decisions) == 1 else "team", reserved_nanos=reserve_nanos)
+        if self.overlap is not None:
+            self.overlap.admitted(key, decision)
+        ticket = Ticket(key, request_id, model, decision.headers(key), team=team)
+        self._leased[request_id] = ticket
+        if http_request_id:
+            self._spawn(self.admission.index_http_id(http_request_id, request_id))
+        return ticket
+
+    async def withdraw(self, ticket: Ticket) -> None:
+        """Take a ticket's admission back as if it never happened, at every level: its
+        request ran nothing and is admitted again (a prompt the replica counted larger
+        than its reservation: serve_app/pipeline/gateway.py), so neither its request of
+        requests/min nor its reservation may count twice. Not a refusal either. A ticket
+        admitted without Redis is settled as failed instead (its local share)."""
+        if ticket.settled:
+            return
+        if ticket.local:
+            self.settle(ticket, "failed", Usage())
+            return
+        ticket.settled = True
+        if ticket.on_settle is not None:
+            ticket.on_settle()
+        if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
+            self.overlap.ended(ticket.key.id)
+        for level in ticket.levels():
+            await self._release(level, ticket.request_id, ticket.model, "")
+
+    async def _release(self, level: KeyRecord, request_id: str, model: str, refused_by: str) -> None:
+        """Take back a level's admission of a request another level refused. If Redis
+        does not take it now, it is settled as failed later (its reservation given
+        back; its request stays counted)."""
+        try:
+            await self.admission.release(level, request_id, refused_by)
+        except REDIS_FAILED:
+            self.telemetry.redis_failed("admit")
+            self._settle_later(level, request_id, model, "failed", 0, 0)
+
+    def _no_overlap(self, key: KeyRecord) -> None:
+        if self.overlap is not None:
+            self.overlap.refused(key)
+
+    def _record_budget_use(self, key: KeyRecord, decision: Decision) -> None:
+        budgets = {"daily": key.daily_token_budget, "monthly": key.monthly_token_budget}
+        used = decision.budget_used()
+        if decision.kind in ("daily_budget", "monthly_budget"):  # refused: detail = that period's use
+            used = {decision.kind.split("_")[0]: int(decision.detail)}
+        for period, tokens in used.items():
+            self.telemetry.budget_used(key.name, period, tokens, budgets[period])
+
+    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int,
+                       exc) -> Ticket | Refusal:
+        if not self.fail_open:
+            raise quota_store_unavailable()
+        self.telemetry.fell_back("local_limits")
+        logger.warning("Redis unreachable (%s): admitting on local limits", type(exc).__name__)
+        admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
+        if not admitted:
+            return Refusal(key, kind, reserve_tokens, retry_s=retry_s)
+        return Ticket(key, request_id, model, {}, local=True)
+
+    # -- bookkeeping off the response path ------------------------------------
+
+    def running(self, ticket: Ticket, replica: str = "") -> None:
+        if not ticket.local:
+            self._spawn(self.admission.running(ticket.key.id, ticket.request_id, replica))
+
+    def settle(self, ticket: Ticket, status: str, usage: Usage | None = None, replica: str = "") -> None:
+        """``usage`` None keeps the whole reservation charged (e.g. a stream the
+        client cancelled: tokens were made but never counted). Once per ticket."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        if ticket.on_settle is not None:
+            ticket.on_settle()
+        prompt = completion = -1
+        cached = 0
+        if usage is not None:
+            prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens
+        cost = Cost.of(ticket.rates, prompt, completion, *ticket.reserved, cached_prompt=cached)
+        if ticket.team is not None:
+            reserved = sum(ticket.reserved) if prompt < 0 else 0
+            self.telemetry.team_charged(ticket.team.name, max(prompt, 0), max(completion, 0), reserved, cost.nanos)
+        if ticket.local:
+            self.local.release(ticket.key.id, ticket.request_id)
+            # Its admit call may have run in Redis after all; either way Redis learns the real usage.
+            for level in ticket.levels():
+                self._settle_later(level, ticket.request_id, ticket.model, status, prompt, completion, replica, cost)
+            return
+        if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
+            self.overlap.ended(ticket.key.id)
+        for level in ticket.levels():
+            self._spawn(self._settle_now(
+                (level, ticket.request_id, status, prompt, completion, replica, ticket.model, cost),
+                ticket.trace if level is ticket.key else None,
+            ))
+
+    async def _settle_now(self, settlement: tuple, trace=None) -> None:
+        """``trace``: the request's, which gets a ``settle`` span (after its answer)."""
+        started = now_ns()
+        try:
+            settled = await self.admission.settle(*settlement)
+        except REDIS_FAILED as exc:
+            self.telemetry.redis_failed("accounting")
+            logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
+            key, request_id, status, prompt, completion, replica, model, cost = settlement
+            self._settle_later(key, request_id, model, status, prompt, completion, replica, cost)
+            if trace is not None:
+                trace.stage("settle", started, **{"llm.settle.status": settlement[2], "error.type": type(exc).__name__})
+            return
+        if trace is not None:
+            trace.stage("settle", started, **{"llm.settle.status": settlement[2]})
+        if settled is not None and settled.record is not None and self.records is not None:
+            await self.records.ship(settled.record)
+
+    def _settle_later(self, key, request_id, model, status, prompt, completion, replica="", cost=Cost()) -> None:
+        if len(self._unsettled) >= MAX_UNSETTLED:
+            dropped = next(iter(self._unsettled))
+            del self._unsettled[dropped]
+            logger.warning("settlement backlog full: dropped %s (its lease expires instead)", dropped)
+        self._unsettled[f"{key.id}/{request_id}"] = (key, request_id, status, prompt, completion, replica, model, cost)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(self._logged(coroutine))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _logged(self, coroutine) -> None:
+        try:
+            await coroutine
+        except REDIS_FAILED as exc:
+            # Bookkeeping only (first-token time, the x-request-id index): nothing leaks.
+            self.telemetry.redis_failed("accounting")
+            logger.warning("Redis failed while accounting a request: %s", type(exc).__name__)
+
+    # -- what the maintenance loop runs (maintenance.py) ----------------------
+
+    async def flush_unsettled(self) -> int:
+        """Settle what Redis missed, in one pipeline; what it still misses stays queued."""
+        if not self._unsettled:
+            return 0
+        batch = list(self._unsettled.values())[:1000]
+        try:
+            answered = await self.admission.settle_many(batch)
+        except REDIS_FAILED:
+            return 0  # still unreachable: next tick
+        for settlement, (done, settled) in zip(batch, answered):
+            if done:
+                self._unsettled.pop(f"{settlement[0].id}/{settlement[1]}", None)
+            if settled is not None and settled.record is not None and self.records is not None:
+                await self.records.ship(settled.record)
+        return sum(done for done, _ in answered)
+
+    async def renew_leases(self) -> None:
+        """One pipeline renewing the leases of every request this ingress runs."""
+        running: dict[str, list[str]] = {}
+        for ticket in self._leased.values():
+            for level in ticket.levels():
+                running.setdefault(level.id, []).append(ticket.request_id)
+        try:
+            await self.admission.renew(running)
+        except REDIS_FAILED as exc:
+            self.telemetry.redis_failed("renew")
+            logger.warning("could not renew concurrency leases: %s", type(exc).__name__)

@@ -1,0 +1,134 @@
+"""The loop each ingress (and direct-route) replica runs beside its requests: renew the
+concurrency leases of the requests it runs, retry the settlements Redis missed, stop
+the requests of a key or team revoked since they were admitted, and keep the count of
+replicas that share a key's limits while Redis is down."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from serve_app.accounting.record_shipper import RecordShipper
+from serve_app.admission.gatekeeper import Gatekeeper
+from serve_app.admission.ticket import Ticket
+from serve_app.identity.jwt_auth import is_jwt_identity
+from serve_app.identity.keys import KeyStore
+from serve_app.identity.teams import TeamNotFound, TeamStore, is_team_id
+from serve_app.redis_store.redis_client import REDIS_FAILED
+
+logger = logging.getLogger("ray.serve")
+
+MAINTENANCE_TICK_S = 1.0
+REPLICA_COUNT_REFRESH_S = 10.0
+
+
+class IngressReplicas:
+    """How many ingress replicas share a key's limits while Redis is down: the
+    configured count, or for an autoscaled ingress the running count Serve
+    reports (refreshed every ``REPLICA_COUNT_REFRESH_S``; until known, the
+    autoscaler's maximum, which errs on the strict side)."""
+
+    def __init__(self, deployment: dict):
+        autoscaling = deployment.get("autoscaling_config")
+        replicas = deployment.get("num_replicas", 1)
+        self.autoscaled = bool(autoscaling) or not isinstance(replicas, int)
+        if self.autoscaled:
+            maximum = (autoscaling or {}).get("max_replicas") if isinstance(autoscaling, dict) else None
+            self._count = int(maximum or 100)  # Serve's default max for num_replicas "auto"
+        else:
+            self._count = max(replicas, 1)
+
+    def count(self) -> int:
+        return self._count
+
+    async def refresh(self) -> None:
+        try:
+            running = await asyncio.to_thread(_running_replicas_of_this_deployment)
+        except Exception:  # the controller is busy or away: keep the last count
+            logger.warning("could not read the ingress replica count from Serve", exc_info=True)
+            return
+        if running:
+            self._count = running
+
+
+def _running_replicas_of_this_deployment() -> int:
+    from ray import serve
+
+    context = serve.get_replica_context()
+    status = serve.status().applications[context.app_name].deployments[context.deployment]
+    return int(status.replica_states.get("RUNNING", 0))
+
+
+class Maintenance:
+    def __init__(self, gate: Gatekeeper, keys: KeyStore, teams: TeamStore, replicas: IngressReplicas,
+                 records: RecordShipper | None, lease_s: float, key_cache_ttl_s: float):
+        self.gate, self.keys, self.teams, self.replicas, self.records = gate, keys, teams, replicas, records
+        self.renew_every_s = lease_s / 3
+        # How often the keys of running requests are read again (a revoked key's streams stop).
+        self.revocation_check_s = max(key_cache_ttl_s, MAINTENANCE_TICK_S)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the loop on the running event loop (Serve runs ``__init__`` on it)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.maintain())
+            if self.records is not None:
+                self.records.start()
+
+    async def maintain(self) -> None:
+        if self.replicas.autoscaled:
+            await self.replicas.refresh()
+        last_renewal = last_count = last_check = time.monotonic()
+        tick_s = min(MAINTENANCE_TICK_S, self.renew_every_s)
+        while True:
+            await asyncio.sleep(tick_s)
+            now = time.monotonic()
+            try:
+                await self.gate.flush_unsettled()
+                if now - last_renewal >= self.renew_every_s:
+                    last_renewal = now
+                    await self.gate.renew_leases()
+                if now - last_check >= self.revocation_check_s:
+                    last_check = now
+                    await self.stop_revoked()
+                if self.replicas.autoscaled and now - last_count >= REPLICA_COUNT_REFRESH_S:
+                    last_count = now
+                    await self.replicas.refresh()
+            except Exception:  # never let one bad tick end the loop
+                logger.exception("quota maintenance tick failed")
+
+    async def stop_revoked(self) -> int:
+        """Read the keys of the requests running here again and mark those of a key
+        now revoked or disabled (a stream's relay ends it at its next item, charged
+        what it delivered; a unary call is cancelled through ``on_revoke``).
+        Returns how many were marked."""
+        running: dict[str, list[Ticket]] = {}
+        for ticket in self.gate.running_tickets():
+            if ticket.revoked:
+                continue
+            # A JWT user is not in the key store (its token's expiry is its revocation):
+            # only its team is read again.
+            if not is_jwt_identity(ticket.key.id):
+                running.setdefault(ticket.key.id, []).append(ticket)
+            elif ticket.team is not None:
+                running.setdefault(ticket.team.id, []).append(ticket)
+        marked = 0
+        for account_id, tickets in running.items():
+            try:
+                if is_team_id(account_id):
+                    team = await self.teams.get(account_id)
+                    gone = not team.enabled
+                else:
+                    gone = await self.keys.active(account_id) is None
+            except TeamNotFound:
+                gone = True
+            except REDIS_FAILED:
+                return marked  # unknown now: the next check
+            if gone:
+                for ticket in tickets:
+                    ticket.revoked = True
+                    if ticket.on_revoke is not None:
+                        ticket.on_revoke()
+                marked += len(tickets)
+        return marked

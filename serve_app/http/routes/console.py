@@ -1,0 +1,45 @@
+"""The operator console's pages (server-rendered: serve_app/http/console.py). Every
+route is ``console``: its guard reads the session before the handler runs (``admin_of``:
+None without one, whose pages offer the login form and act on nothing)."""
+
+from __future__ import annotations
+
+
+from fastapi import Request
+from starlette.responses import Response
+
+from serve_app.http.request_handling import HandlesRequests
+from serve_app.http.route_access import admin_of
+from serve_app.http.routes.table import route
+
+
+class ConsoleRoutes(HandlesRequests):
+    """The console's pages and forms."""
+
+    @route("GET", "/console", "console")
+    async def console_page(self, request: Request) -> Response:
+        return await self.console.page(request, admin_of(request))
+
+    @route("POST", "/console/login", "console")
+    async def console_login(self, request: Request) -> Response:
+        return await self.console.login(request)
+
+    @route("POST", "/console/logout", "console")
+    async def console_logout(self, request: Request) -> Response:
+        return await self.console.logout(request)
+
+    @route("POST", "/console/teams", "console")
+    async def console_create_team(self, request: Request) -> Response:
+        return await self.console.act(request, admin_of(request), "team")
+
+    @route("POST", "/console/keys", "console")
+    async def console_create_key(self, request: Request) -> Response:
+        return await self.console.act(request, admin_of(request), "key")
+
+    @route("POST", "/console/keys/{key}/revoke", "console")
+    async def console_revoke_key(self, key: str, request: Request) -> Response:
+        return await self.console.act(request, admin_of(request), "revoke", key)
+
+    @route("POST", "/console/keys/{key}/limits", "console")
+    async def console_key_limits(self, key: str, request: Request) -> Response:
+        return await self.console.act(request, admin_of(request), "limits", key)
