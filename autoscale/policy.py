@@ -99,7 +99,9 @@ def decide(load: Load, current: int, now: float, state: State, config: ScalingCo
     since = state.since if state.direction == direction and state.since is not None else now
     delay = config.upscale_delay_s if direction > 0 else config.downscale_delay_s
     if now - since < delay:
-        return Decision(current, wanted, f"{reason}, waiting {delay - (now - since):.0f}s more", State(direction, since))
+        return Decision(
+            current, wanted, f"{reason}, waiting {delay - (now - since):.0f}s more", State(direction, since)
+        )
     if direction > 0:
         return Decision(wanted, wanted, reason, State())
     # Down one replica per delay: the next step needs the wish to persist again.

@@ -64,7 +64,12 @@ class LLMAutoscalingPolicy:
         if decision.replicas != current:
             logger.info(
                 "autoscale %s: %d -> %d replicas (%s; ongoing %.1f, engine waiting %.1f, KV cache %.0f%%)",
-                ctx.deployment_name, current, decision.replicas, decision.reason,
-                load.ongoing_requests, load.waiting_requests, 100 * load.kv_cache_usage,
+                ctx.deployment_name,
+                current,
+                decision.replicas,
+                decision.reason,
+                load.ongoing_requests,
+                load.waiting_requests,
+                100 * load.kv_cache_usage,
             )
         return decision.replicas, {_DIRECTION: decision.state.direction, _SINCE: decision.state.since}

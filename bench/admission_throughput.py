@@ -7,7 +7,8 @@ Each process runs what an ingress replica runs per request (serve_app.admission.
 the response path) in a closed loop with ``--concurrency`` requests in flight,
 over 1,000 API keys with generous limits (admitted, not refused: the full write
 path). ``1x1`` (one process, one admission at a time) is the bare round trip;
-more in flight measures throughput (latency then includes the queue). Redis servers are started here on loopback (the cluster: 3 primaries, 3
+more in flight measures throughput (latency then includes the queue). Redis servers are started here on loopback (the
+cluster: 3 primaries, 3
 replicas). Latency is the ``admit`` call as the gateway sees it, client CPU
 included; the load generator shares the box with Redis.
 
@@ -38,13 +39,15 @@ KEYS = 1000
 TEAMS = 10  # with two levels: the keys spread over this many teams
 
 
-def run_process(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int = 0,
-                levels: int = 1) -> None:
+def run_process(
+    url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int = 0, levels: int = 1
+) -> None:
     asyncio.run(_drive(url, duration_s, concurrency, seed, results, acknowledge, levels))
 
 
-async def _drive(url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int,
-                 levels: int) -> None:
+async def _drive(
+    url: str, duration_s: float, concurrency: int, seed: int, results, acknowledge: int, levels: int
+) -> None:
     from contract.replica_wire import Usage
     from serve_app.http.services import build_quota_services
     from serve_app.identity.keys import KeyRecord
@@ -58,10 +61,20 @@ async def _drive(url: str, duration_s: float, concurrency: int, seed: int, resul
     if levels == 2:
         from serve_app.limits import KeyLimits
 
-        teams = [(await services.stores.teams.create(f"bench-{seed}-{time.monotonic_ns()}-{j}", KeyLimits(**generous))).id
-                 for j in range(TEAMS)]
-    keys = [KeyRecord(id=f"kb{seed}x{i}", name=f"bench-{seed}-{i}", created_at=0,
-                      team=teams[i % TEAMS] if teams else None, **generous) for i in range(KEYS)]
+        teams = [
+            (await services.stores.teams.create(f"bench-{seed}-{time.monotonic_ns()}-{j}", KeyLimits(**generous))).id
+            for j in range(TEAMS)
+        ]
+    keys = [
+        KeyRecord(
+            id=f"kb{seed}x{i}",
+            name=f"bench-{seed}-{i}",
+            created_at=0,
+            team=teams[i % TEAMS] if teams else None,
+            **generous,
+        )
+        for i in range(KEYS)
+    ]
     usage = Usage(prompt_tokens=20, completion_tokens=40)
     for key in keys[:concurrency]:  # scripts loaded, connections open
         services.gate.settle(await services.gate.admit(key, "m", 60), "completed", usage)
@@ -104,13 +117,23 @@ def redis_cpu_s(ports: list[int]) -> float:
     return total
 
 
-def measure(url: str, ports: list[int], processes: int, duration_s: float, concurrency: int,
-            acknowledge: int = 0, levels: int = 1) -> dict:
+def measure(
+    url: str,
+    ports: list[int],
+    processes: int,
+    duration_s: float,
+    concurrency: int,
+    acknowledge: int = 0,
+    levels: int = 1,
+) -> dict:
     redis_before = redis_cpu_s(ports)
     results = multiprocessing.get_context("spawn").Queue()
-    workers = [multiprocessing.get_context("spawn").Process(
-        target=run_process, args=(url, duration_s, concurrency, n, results, acknowledge, levels))
-        for n in range(processes)]
+    workers = [
+        multiprocessing.get_context("spawn").Process(
+            target=run_process, args=(url, duration_s, concurrency, n, results, acknowledge, levels)
+        )
+        for n in range(processes)
+    ]
     for worker in workers:
         worker.start()
     parts = [results.get(timeout=duration_s + 120) for _ in workers]
@@ -120,44 +143,67 @@ def measure(url: str, ports: list[int], processes: int, duration_s: float, concu
     took = max(part[1] for part in parts)
     sampled = sorted(latency for part in parts for latency in part[2])
     assert not sum(part[3] for part in parts), "some admissions fell back to local limits: Redis timed out"
-    return {"admissions/s": count / took, "p50 ms": 1000 * statistics.median(sampled),
-            "p99 ms": 1000 * sampled[int(0.99 * (len(sampled) - 1))],
-            "gateway us": 1e6 * sum(part[4] for part in parts) / count,
-            "redis us": 1e6 * (redis_cpu_s(ports) - redis_before) / count}
+    return {
+        "admissions/s": count / took,
+        "p50 ms": 1000 * statistics.median(sampled),
+        "p99 ms": 1000 * sampled[int(0.99 * (len(sampled) - 1))],
+        "gateway us": 1e6 * sum(part[4] for part in parts) / count,
+        "redis us": 1e6 * (redis_cpu_s(ports) - redis_before) / count,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per point")
-    parser.add_argument("--points", nargs="+", default=["1x1", "1x64", "4x64"],
-                        help="PROCESSESxIN_FLIGHT per process: 1x1 is the bare round trip, the others throughput")
-    parser.add_argument("--levels", nargs="+", type=int, default=[1, 2], choices=[1, 2],
-                        help="1: keys alone; 2: keys in teams")
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=["1x1", "1x64", "4x64"],
+        help="PROCESSESxIN_FLIGHT per process: 1x1 is the bare round trip, the others throughput",
+    )
+    parser.add_argument(
+        "--levels", nargs="+", type=int, default=[1, 2], choices=[1, 2], help="1: keys alone; 2: keys in teams"
+    )
     parser.add_argument("--no-wait", action="store_true", help="leave out the WAIT-for-a-replica cluster rows")
     args = parser.parse_args()
     points = [tuple(int(n) for n in point.split("x")) for point in args.points]
     rows = []
     with running_redis() as node, running_redis_cluster() as cluster:
         cluster_ports = [n.port for n in cluster.nodes]
-        targets = [("one node", node.url, [node.port], 0),
-                   ("cluster, 3 primaries", cluster.url, cluster_ports, 0),
-                   ("cluster, 3 primaries, WAIT 1 replica", cluster.url, cluster_ports, 1)]
+        targets = [
+            ("one node", node.url, [node.port], 0),
+            ("cluster, 3 primaries", cluster.url, cluster_ports, 0),
+            ("cluster, 3 primaries, WAIT 1 replica", cluster.url, cluster_ports, 1),
+        ]
         if args.no_wait:
             targets.pop()
         for name, url, ports, acknowledge in targets:
             for levels in args.levels:
                 for processes, in_flight in points:
-                    rows.append((name, levels, processes, in_flight,
-                                 measure(url, ports, processes, args.duration, in_flight, acknowledge, levels)))
-    print(f"\nadmit (one EVALSHA per level) + settle per request, {args.duration:.0f} s per point, {KEYS} keys; "
-          f"CPU per admitted request: the gateway processes' and every redis-server's (replicas included)\n")
-    print("| Redis | levels | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms "
-          "| gateway CPU µs | Redis CPU µs |")
+                    rows.append(
+                        (
+                            name,
+                            levels,
+                            processes,
+                            in_flight,
+                            measure(url, ports, processes, args.duration, in_flight, acknowledge, levels),
+                        )
+                    )
+    print(
+        f"\nadmit (one EVALSHA per level) + settle per request, {args.duration:.0f} s per point, {KEYS} keys; "
+        f"CPU per admitted request: the gateway processes' and every redis-server's (replicas included)\n"
+    )
+    print(
+        "| Redis | levels | gateway processes | in flight per process | admissions/s | admit p50 ms | admit p99 ms "
+        "| gateway CPU µs | Redis CPU µs |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, levels, processes, in_flight, figures in rows:
-        print(f"| {name} | {levels} | {processes} | {in_flight} | {figures['admissions/s']:,.0f} | "
-              f"{figures['p50 ms']:.2f} | "
-              f"{figures['p99 ms']:.2f} | {figures['gateway us']:.0f} | {figures['redis us']:.0f} |")
+        print(
+            f"| {name} | {levels} | {processes} | {in_flight} | {figures['admissions/s']:,.0f} | "
+            f"{figures['p50 ms']:.2f} | "
+            f"{figures['p99 ms']:.2f} | {figures['gateway us']:.0f} | {figures['redis us']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

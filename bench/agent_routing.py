@@ -48,25 +48,35 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from contract.edge import DEFAULT_SESSION_HEADER  # noqa: E402
-from contract.model_config import ModelConfig, direct_app_name  # noqa: E402
 from prefix_routing import engine_loads, stack_config  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
 from serving_overhead import bench_api_key, serve_stack  # noqa: E402
+
+from contract.edge import DEFAULT_SESSION_HEADER  # noqa: E402
+from contract.model_config import ModelConfig, direct_app_name  # noqa: E402
 from serve_app.app import with_direct_apps  # noqa: E402
 
 POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity", "sessions"]
 METRICS = ["TTFT p50 ms", "TTFT p90 ms", "output tok/s", "prefix-cache hit rate", "max/mean replica load"]
-WORDS = ("license grant patent copyright notice source object form work derivative contribution contributor "
-         "warranty liability trademark redistribution submission agreement").split()
+WORDS = (
+    "license grant patent copyright notice source object form work derivative contribution contributor "
+    "warranty liability trademark redistribution submission agreement"
+).split()
 
 
 def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
-async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng: random.Random, args,
-                       samples: list[tuple[float, int]], session: str | None = None) -> None:
+async def conversation(
+    client: openai.AsyncOpenAI,
+    model: str,
+    system: str,
+    rng: random.Random,
+    args,
+    samples: list[tuple[float, int]],
+    session: str | None = None,
+) -> None:
     """One agent loop: ``args.turns`` user turns, each answer appended to the history;
     every turn names ``session`` when given."""
     headers = {DEFAULT_SESSION_HEADER: session} if session else None
@@ -76,9 +86,15 @@ async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng:
         started = time.perf_counter()
         first, text, tokens = None, [], 0
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=args.output_len, stream=True, temperature=0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": args.output_len},
-            extra_headers=headers)
+            model=model,
+            messages=messages,
+            max_tokens=args.output_len,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "min_tokens": args.output_len},
+            extra_headers=headers,
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
@@ -94,10 +110,11 @@ async def conversation(client: openai.AsyncOpenAI, model: str, system: str, rng:
 async def run_load(url: str, model: str, args, sessions: bool = False) -> tuple[list[tuple[float, int]], float]:
     rng = random.Random(0)  # the same conversations for every policy
     systems = [f"You are application {app}. " + words(rng, args.system_words) for app in range(args.apps)]
-    plans = [(systems[n % args.apps], random.Random(1000 + n), f"conversation-{n}" if sessions else None)
-             for n in range(args.conversations)]
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ["OPENAI_API_KEY"], max_retries=0,
-                                timeout=600)
+    plans = [
+        (systems[n % args.apps], random.Random(1000 + n), f"conversation-{n}" if sessions else None)
+        for n in range(args.conversations)
+    ]
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ["OPENAI_API_KEY"], max_retries=0, timeout=600)
     samples: list[tuple[float, int]] = []
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -119,14 +136,17 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--apps", type=int, default=4)
-    parser.add_argument("--system-words", type=int, default=600, help="each application's system prompt (~1,000 tokens)")
+    parser.add_argument(
+        "--system-words", type=int, default=600, help="each application's system prompt (~1,000 tokens)"
+    )
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16, help="conversations at a time")
-    parser.add_argument("--think-ms", type=float, default=0.0,
-                        help="pause between a conversation's turns (an agent's tool call)")
+    parser.add_argument(
+        "--think-ms", type=float, default=0.0, help="pause between a conversation's turns (an agent's tool call)"
+    )
     parser.add_argument("--kv-blocks", type=int, default=128, help="KV-cache blocks (128 tokens) per replica")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES)
     parser.add_argument("--source", default="demo:small", help="demo:small (default) or demo (the tiny model)")
@@ -140,30 +160,39 @@ def main() -> None:
         for repeat in range(args.repeats):  # the policies in turn within each repeat: drift hits all alike
             for policy in args.policies:
                 runs[policy].append(run_policy(policy, args, Path(tmp) / f"{policy}-{repeat}.log"))
-                print(f"{policy} (repeat {repeat + 1}): " + ", ".join(f"{k} {v:.3f}" for k, v in runs[policy][-1].items()),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{policy} (repeat {repeat + 1}): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in runs[policy][-1].items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
 
-    print(f"\n{args.source} model, 2 replicas{' behind its direct route (/v1 in one hop)' if args.one_hop else ''} "
-          f"({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} applications with a {args.system_words}-word "
-          f"system prompt, {args.conversations} conversations x {args.turns} turns of {args.user_words} words, "
-          f"{args.output_len} output tokens, {args.concurrency} conversations at a time, {args.think_ms:g} ms "
-          f"between turns; "
-          f"median of {args.repeats} repeat(s) (each repeat's value after it)\n")
+    print(
+        f"\n{args.source} model, 2 replicas{' behind its direct route (/v1 in one hop)' if args.one_hop else ''} "
+        f"({args.kv_blocks} KV blocks of 128 tokens each); {args.apps} applications with a {args.system_words}-word "
+        f"system prompt, {args.conversations} conversations x {args.turns} turns of {args.user_words} words, "
+        f"{args.output_len} output tokens, {args.concurrency} conversations at a time, {args.think_ms:g} ms "
+        f"between turns; "
+        f"median of {args.repeats} repeat(s) (each repeat's value after it)\n"
+    )
     print("| metric | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))
     for metric in METRICS:
         cells = []
         for values in ([run[metric] for run in policy_runs] for policy_runs in runs.values()):
-            shown = [f"{v:.1%}" if metric == "prefix-cache hit rate" else f"{v:,.2f}"
-                     for v in [statistics.median(values)] + values]
+            shown = [
+                f"{v:.1%}" if metric == "prefix-cache hit rate" else f"{v:,.2f}"
+                for v in [statistics.median(values)] + values
+            ]
             cells.append(shown[0] + (f" ({' / '.join(shown[1:])})" if len(values) > 1 else ""))
         print(f"| {metric} | " + " | ".join(cells) + " |")
 
 
 def run_policy(policy: str, args, log: Path) -> dict[str, float]:
     """One policy's run on a freshly started stack (empty prefix caches)."""
-    serve_config = stack_config("prefix_affinity" if policy == "sessions" else policy, args.kv_blocks,
-                                args.source, direct=args.one_hop)
+    serve_config = stack_config(
+        "prefix_affinity" if policy == "sessions" else policy, args.kv_blocks, args.source, direct=args.one_hop
+    )
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
     app_name = direct_app_name(config.name) if args.one_hop else "llm"
     if args.one_hop:
@@ -174,16 +203,15 @@ def run_policy(policy: str, args, log: Path) -> dict[str, float]:
             samples, wall = asyncio.run(run_load(url, config.name, args, sessions=policy == "sessions"))
             after = engine_loads(config.name, app_name)
     except Exception:
-        print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
-              file=sys.stderr)
+        print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""), file=sys.stderr)
         raise
-    looked_up = {r: after[r]["prefix_cache_queries"] - before.get(r, {}).get("prefix_cache_queries", 0)
-                 for r in after}
+    looked_up = {r: after[r]["prefix_cache_queries"] - before.get(r, {}).get("prefix_cache_queries", 0) for r in after}
     hits = sum(after[r]["prefix_cache_hits"] - before.get(r, {}).get("prefix_cache_hits", 0) for r in after)
     mean = statistics.mean(looked_up.values()) if looked_up else 0
     ttfts = [ttft * 1000 for ttft, _ in samples]
     return {
-        "TTFT p50 ms": percentile(ttfts, 0.5), "TTFT p90 ms": percentile(ttfts, 0.9),
+        "TTFT p50 ms": percentile(ttfts, 0.5),
+        "TTFT p90 ms": percentile(ttfts, 0.9),
         "output tok/s": sum(tokens for _, tokens in samples) / wall,
         "prefix-cache hit rate": hits / sum(looked_up.values()) if looked_up else 0.0,
         "max/mean replica load": max(looked_up.values()) / mean if mean else 0.0,

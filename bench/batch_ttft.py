@@ -57,19 +57,33 @@ def stack_config(files_dir: str) -> dict:
 
 
 def batch_lines(count: int, output_len: int) -> bytes:
-    return "".join(json.dumps({
-        "custom_id": f"b-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Summarise item {i}."}],
-                 "max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True}}) + "\n"
-        for i in range(count)).encode()
+    return "".join(
+        json.dumps(
+            {
+                "custom_id": f"b-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"Summarise item {i}."}],
+                    "max_tokens": output_len,
+                    "min_tokens": output_len,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        + "\n"
+        for i in range(count)
+    ).encode()
 
 
 async def with_batch(interactive, batch_client, args) -> dict:
-    file = await batch_client.files.create(file=("jobs.jsonl", io.BytesIO(batch_lines(args.batch_requests,
-                                                                                      args.output_len))),
-                                           purpose="batch")
-    batch = await batch_client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                              completion_window="24h")
+    file = await batch_client.files.create(
+        file=("jobs.jsonl", io.BytesIO(batch_lines(args.batch_requests, args.output_len))), purpose="batch"
+    )
+    batch = await batch_client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     while (await batch_client.batches.retrieve(batch.id)).request_counts.completed < 2:
         await asyncio.sleep(0.2)  # running
     before = await batch_client.batches.retrieve(batch.id)
@@ -79,28 +93,39 @@ async def with_batch(interactive, batch_client, args) -> dict:
     after = await batch_client.batches.retrieve(batch.id)
     await batch_client.batches.cancel(batch.id)
     background = (after.usage.output_tokens - before.usage.output_tokens) if after.usage else 0
-    return {"tally": tally, "took": took, "background_tokens": background,
-            "background_done": after.request_counts.completed - before.request_counts.completed}
+    return {
+        "tally": tally,
+        "took": took,
+        "background_tokens": background,
+        "background_done": after.request_counts.completed - before.request_counts.completed,
+    }
 
 
 async def as_clients(interactive, other, args) -> dict:
     background = Tally()
     tally, started = Tally(), time.monotonic()
-    await asyncio.gather(closed_loop(interactive, tally, args.interactive, args.seconds, args.output_len),
-                         closed_loop(other, background, args.concurrency, args.seconds, args.output_len))
-    return {"tally": tally, "took": time.monotonic() - started, "background_tokens": background.tokens,
-            "background_done": len(background.ttft)}
+    await asyncio.gather(
+        closed_loop(interactive, tally, args.interactive, args.seconds, args.output_len),
+        closed_loop(other, background, args.concurrency, args.seconds, args.output_len),
+    )
+    return {
+        "tally": tally,
+        "took": time.monotonic() - started,
+        "background_tokens": background.tokens,
+        "background_done": len(background.ttft),
+    }
 
 
 async def run(url: str, keys: dict[str, str], args) -> dict:
     import openai
 
-    clients = {name: openai.AsyncOpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=300)
-               for name, secret in keys.items()}
+    clients = {
+        name: openai.AsyncOpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=300)
+        for name, secret in keys.items()
+    }
     idle, started = Tally(), time.monotonic()
     await closed_loop(clients["interactive"], idle, args.interactive, args.seconds, args.output_len)
-    rows = {"idle": {"tally": idle, "took": time.monotonic() - started, "background_tokens": 0,
-                     "background_done": 0}}
+    rows = {"idle": {"tally": idle, "took": time.monotonic() - started, "background_tokens": 0, "background_done": 0}}
     rows["batch"] = await with_batch(clients["interactive"], clients["batch"], args)
     await asyncio.sleep(3)  # the cancelled batch's running requests end
     rows["as clients"] = await as_clients(clients["interactive"], clients["batch"], args)
@@ -124,13 +149,16 @@ def main() -> None:
             with serve_stack(stack_config(tmp + "/files"), MODEL, log, MAKEFILE_ENV) as url:
                 rows = asyncio.run(run(url, keys, args))
         except Exception:
-            print("failed; the stack's log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
-                  file=sys.stderr)
+            print(
+                "failed; the stack's log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""), file=sys.stderr
+            )
             raise
 
-    print(f"\ndemo model, 1 replica, priority scheduling; interactive: {args.interactive} streams at a time; "
-          f"background: {args.concurrency} at a time; {args.output_len} output tokens each; "
-          f"{args.seconds:g} s per phase\n")
+    print(
+        f"\ndemo model, 1 replica, priority scheduling; interactive: {args.interactive} streams at a time; "
+        f"background: {args.concurrency} at a time; {args.output_len} output tokens each; "
+        f"{args.seconds:g} s per phase\n"
+    )
     columns = list(rows)
     print(f"{'metric':<34}" + "".join(f"{name:>14}" for name in columns))
 

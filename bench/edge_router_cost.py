@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from hop_profile import cpu_seconds, processes  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
 from serving_overhead import bench_api_key, serve_stack, wait_ready  # noqa: E402
+
 from serve_app.app import with_direct_apps  # noqa: E402
 
 ROUTED, BALANCED = "routed", "balanced"
@@ -62,10 +63,12 @@ def stack_config() -> dict:
 
 def groups() -> dict[str, tuple[str, ...]]:
     """The processes whose CPU is counted, by what their command line (Ray's process title) holds."""
-    return {"edge router": (f"ServeReplica:direct-{ROUTED}:edge-router-{ROUTED}",),
-            "haproxy": ("haproxy -db",),
-            ROUTED: (f"ServeReplica:direct-{ROUTED}:model-{ROUTED}",),
-            BALANCED: (f"ServeReplica:direct-{BALANCED}:model-{BALANCED}",)}
+    return {
+        "edge router": (f"ServeReplica:direct-{ROUTED}:edge-router-{ROUTED}",),
+        "haproxy": ("haproxy -db",),
+        ROUTED: (f"ServeReplica:direct-{ROUTED}:model-{ROUTED}",),
+        BALANCED: (f"ServeReplica:direct-{BALANCED}:model-{BALANCED}",),
+    }
 
 
 def one_repeat(client: httpx.Client, args, rng: random.Random) -> dict[str, float]:
@@ -78,8 +81,11 @@ def one_repeat(client: httpx.Client, args, rng: random.Random) -> dict[str, floa
             before = {group: cpu_seconds(procs) for group, procs in found.items()}
             for _ in range(min(args.block, args.requests - start)):
                 system = " ".join(rng.choice(WORDS) for _ in range(args.system_words))
-                body = {"model": model, "max_tokens": 1,
-                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where?"}]}
+                body = {
+                    "model": model,
+                    "max_tokens": 1,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where?"}],
+                }
                 began = time.perf_counter()
                 answer = client.post("/v1/chat/completions", json=body)
                 latency[model].append((time.perf_counter() - began) * 1000)
@@ -126,15 +132,20 @@ def main() -> None:
                     rows = []
                     for repeat in range(args.repeats):
                         rows.append(one_repeat(client, args, rng))
-                        print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items()),
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"repeat {repeat + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items()),
+                            file=sys.stderr,
+                            flush=True,
+                        )
         except Exception:
             print("the stack's log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""), file=sys.stderr)
             raise
 
-    print(f"\nthe demo chat model twice, each on 2 replicas behind its direct route (/v1, one hop); "
-          f"{args.requests} requests per model and repeat, one at a time in alternating blocks of {args.block}, "
-          f"max_tokens 1, a {args.system_words}-word system prompt each; medians of {args.repeats} repeats\n")
+    print(
+        f"\nthe demo chat model twice, each on 2 replicas behind its direct route (/v1, one hop); "
+        f"{args.requests} requests per model and repeat, one at a time in alternating blocks of {args.block}, "
+        f"max_tokens 1, a {args.system_words}-word system prompt each; medians of {args.repeats} repeats\n"
+    )
     print("| metric | median | repeats |")
     print("|---|---|---|")
     for metric in rows[0]:

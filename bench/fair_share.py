@@ -66,8 +66,12 @@ def stack_config(fair_share: dict, ongoing: int) -> dict:
     serve_config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
     app = serve_config["applications"][0]["args"]
     [chat] = [model for model in app["models"] if model["name"] == MODEL]
-    chat["deployment"] = {**chat.get("deployment", {}), "num_replicas": 1, "max_ongoing_requests": ongoing,
-                          "max_queued_requests": 256}
+    chat["deployment"] = {
+        **chat.get("deployment", {}),
+        "num_replicas": 1,
+        "max_ongoing_requests": ongoing,
+        "max_queued_requests": 256,
+    }
     chat["fair_share"] = fair_share
     chat.pop("direct_route", None)  # the ingress' fair-share gate is what is measured
     app["models"] = [chat]
@@ -86,9 +90,13 @@ async def one_stream(client, tally: Tally, output_len: int) -> None:
     first = None
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=output_len,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"min_tokens": output_len, "ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a story."}],
+            max_tokens=output_len,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"min_tokens": output_len, "ignore_eos": True},
+        )
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.monotonic()
@@ -114,8 +122,10 @@ async def closed_loop(client, tally: Tally, concurrency: int, seconds: float, ou
 async def run_mode(url: str, keys: dict[str, str], args, heavy_streams: int) -> dict:
     import openai
 
-    clients = {name: openai.AsyncOpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=300)
-               for name, secret in keys.items()}
+    clients = {
+        name: openai.AsyncOpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=300)
+        for name, secret in keys.items()
+    }
     idle = Tally()
     await closed_loop(clients["light"], idle, 1, args.idle_seconds, args.output_len)
     heavy, light = Tally(), Tally()
@@ -156,16 +166,24 @@ def main() -> None:
                     heavy_streams = no_wait_heavy_streams(args) if mode == "no_wait" else args.heavy
                     rows[mode] = asyncio.run(run_mode(url, keys, args, heavy_streams))
             except Exception:
-                print(f"{mode} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
-                      file=sys.stderr)
+                print(
+                    f"{mode} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
+                    file=sys.stderr,
+                )
                 raise
             result = rows[mode]
-            print(f"{mode}: heavy {result['heavy'].tokens} tokens, light {result['light'].tokens} tokens, "
-                  f"errors {result['heavy'].errors + result['light'].errors}", file=sys.stderr, flush=True)
+            print(
+                f"{mode}: heavy {result['heavy'].tokens} tokens, light {result['light'].tokens} tokens, "
+                f"errors {result['heavy'].errors + result['light'].errors}",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    print(f"\ndemo model, 1 replica taking {args.ongoing} requests at a time; heavy key {args.heavy} streams at a "
-          f"time (no_wait: {no_wait_heavy_streams(args)}), light key {args.light}; {args.output_len} output tokens each; "
-          f"{args.seconds:g} s per mode\n")
+    print(
+        f"\ndemo model, 1 replica taking {args.ongoing} requests at a time; heavy key {args.heavy} streams at a "
+        f"time (no_wait: {no_wait_heavy_streams(args)}), light key {args.light}; {args.output_len} output tokens each; "
+        f"{args.seconds:g} s per mode\n"
+    )
     columns = list(rows)
     print(f"{'metric':<34}" + "".join(f"{mode:>18}" for mode in columns))
 

@@ -40,8 +40,12 @@ sys.path.insert(0, str(REPO))
 # Ray's Python proxy instead of HAProxy (the default before).
 from serve_env import MAKEFILE_ENV, RAY_PROXY_ENV  # noqa: E402
 
-TARGETS = {"shipped": MAKEFILE_ENV, "ray-proxy": RAY_PROXY_ENV,
-           "traced-unsampled": MAKEFILE_ENV, "traced-all": MAKEFILE_ENV}
+TARGETS = {
+    "shipped": MAKEFILE_ENV,
+    "ray-proxy": RAY_PROXY_ENV,
+    "traced-unsampled": MAKEFILE_ENV,
+    "traced-all": MAKEFILE_ENV,
+}
 # Traces (serve_app/tracing.py) to an OTLP sink in this process: the sample ratio per
 # target (None: telemetry.tracing unset, as shipped). "traced-unsampled": an endpoint
 # set and nothing sampled (every request still carries an unsampled span context).
@@ -105,8 +109,13 @@ async def drive(url: str, secret: str, tokens: int, concurrency: int, duration_s
     cpu = {group: after[group] - before[group] for group in GROUPS}
     quantile = lambda values, q: statistics.quantiles(values, n=100)[q - 1] * 1000 if len(values) > 1 else float("nan")  # noqa: E731
     return {
-        "requests": done, "failures": failures, "requests_s": done / elapsed, "tokens_s": done * tokens / elapsed,
-        "ttft_p50_ms": quantile(ttfts, 50), "ttft_p99_ms": quantile(ttfts, 99), "e2e_p99_ms": quantile(latencies, 99),
+        "requests": done,
+        "failures": failures,
+        "requests_s": done / elapsed,
+        "tokens_s": done * tokens / elapsed,
+        "ttft_p50_ms": quantile(ttfts, 50),
+        "ttft_p99_ms": quantile(ttfts, 99),
+        "e2e_p99_ms": quantile(latencies, 99),
         **{f"{group}_us_per_request": cpu[group] / max(done, 1) * 1e6 for group in GROUPS},
         **{f"{group}_us_per_token": cpu[group] / max(done * tokens, 1) * 1e6 for group in GROUPS},
     }
@@ -137,24 +146,28 @@ def run_target(args) -> None:
     """Child process: Ray and Serve with this process's environment, the loads, JSON on stdout."""
     import ray
     from ray import serve
+    from serving_overhead import bench_api_key, free_port
 
     from contract.model_config import ModelConfig
     from serve_app.app import model_deployment
     from serve_app.http.ingress import Ingress
-    from serve_app.settings import AppSettings
-    from serving_overhead import bench_api_key, free_port
-
-    from serve_app.settings import TracingConfig
+    from serve_app.settings import AppSettings, TracingConfig
 
     ratio = TRACE_RATIO.get(args.run_target)
     tracing = TracingConfig(endpoint=otlp_sink() if ratio is not None else None, sample_ratio=ratio or 0.0)
-    model = ModelConfig(name=MODEL, queue_timeout_s=60, engine=INSTANT_ENGINE, cpus_per_replica=0.25,
-                        stream_batch_interval_ms=args.batch_interval_ms,
-                        deployment={"max_ongoing_requests": 1024, "max_queued_requests": 1024})
+    model = ModelConfig(
+        name=MODEL,
+        queue_timeout_s=60,
+        engine=INSTANT_ENGINE,
+        cpus_per_replica=0.25,
+        stream_batch_interval_ms=args.batch_interval_ms,
+        deployment={"max_ongoing_requests": 1024, "max_queued_requests": 1024},
+    )
     settings = AppSettings(models=[model], redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ingress_actor = {"num_cpus": 0.25, "runtime_env": {"env_vars": tracing.env("llm-gateway")}}
     app = Ingress.options(num_replicas=1, max_ongoing_requests=1024, ray_actor_options=ingress_actor).bind(
-        settings, {MODEL: model_deployment(model, tracing.env(f"llm-model-{MODEL}"))})
+        settings, {MODEL: model_deployment(model, tracing.env(f"llm-model-{MODEL}"))}
+    )
     port = free_port()
     ray.init(log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
@@ -179,18 +192,24 @@ def run_target(args) -> None:
 
 
 COLUMNS = [
-    ("requests_s", "req/s", "{:.0f}"), ("tokens_s", "tok/s", "{:.0f}"),
-    ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+    ("requests_s", "req/s", "{:.0f}"),
+    ("tokens_s", "tok/s", "{:.0f}"),
+    ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+    ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
     ("e2e_p99_ms", "e2e p99 ms", "{:.0f}"),
-    ("proxy_us_per_request", "proxy µs/req", "{:.0f}"), ("ingress_us_per_request", "ingress µs/req", "{:.0f}"),
-    ("proxy_us_per_token", "proxy µs/tok", "{:.1f}"), ("ingress_us_per_token", "ingress µs/tok", "{:.1f}"),
+    ("proxy_us_per_request", "proxy µs/req", "{:.0f}"),
+    ("ingress_us_per_request", "ingress µs/req", "{:.0f}"),
+    ("proxy_us_per_token", "proxy µs/tok", "{:.1f}"),
+    ("ingress_us_per_token", "ingress µs/tok", "{:.1f}"),
     ("engine_us_per_token", "replica µs/tok (no engine)", "{:.1f}"),
 ]
 
 
 def table(results: dict[str, dict], concurrency: list[int]) -> str:
-    lines = ["| target | c | " + " | ".join(title for _, title, _ in COLUMNS) + " | failures |",
-             "|---|---|" + "---|" * len(COLUMNS) + "---|"]
+    lines = [
+        "| target | c | " + " | ".join(title for _, title, _ in COLUMNS) + " | failures |",
+        "|---|---|" + "---|" * len(COLUMNS) + "---|",
+    ]
     for target, by_c in results.items():
         for c in concurrency:
             row = by_c[str(c)]
@@ -204,11 +223,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="streamed tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of load per concurrency")
-    parser.add_argument("--batch-interval-ms", type=float, default=50.0,
-                        help="the replica's stream_batch_interval_ms (configs/local.yaml: 50)")
+    parser.add_argument(
+        "--batch-interval-ms",
+        type=float,
+        default=50.0,
+        help="the replica's stream_batch_interval_ms (configs/local.yaml: 50)",
+    )
     parser.add_argument("--targets", nargs="+", default=["shipped", "ray-proxy"], choices=list(TARGETS))
-    parser.add_argument("--profile", metavar="DIR", help="one more load at the highest concurrency under py-spy "
-                        "(bench/hop_profile.py): CPU per request/token per process, top functions")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="one more load at the highest concurrency under py-spy "
+        "(bench/hop_profile.py): CPU per request/token per process, top functions",
+    )
     parser.add_argument("--run-target", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_target:
@@ -216,16 +243,30 @@ def main() -> int:
         return 0
     results = {}
     for target in args.targets:
-        child = [sys.executable, __file__, "--run-target", target, "--tokens", str(args.tokens),
-                 "--duration", str(args.duration), "--batch-interval-ms", str(args.batch_interval_ms),
-                 "--concurrency", *map(str, args.concurrency)] + (["--profile", args.profile] if args.profile else [])
+        child = [
+            sys.executable,
+            __file__,
+            "--run-target",
+            target,
+            "--tokens",
+            str(args.tokens),
+            "--duration",
+            str(args.duration),
+            "--batch-interval-ms",
+            str(args.batch_interval_ms),
+            "--concurrency",
+            *map(str, args.concurrency),
+        ] + (["--profile", args.profile] if args.profile else [])
         done = subprocess.run(child, env={**os.environ, **TARGETS[target]}, capture_output=True, text=True, cwd=REPO)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
             return 1
-        results[target] = json.loads(lines[-1][len("RESULT "):])
-    print(f"\nGateway capacity: no engine (replicas/instant_engine.py), {args.tokens} tokens/request, {args.duration:g} s per concurrency\n")
+        results[target] = json.loads(lines[-1][len("RESULT ") :])
+    print(
+        f"\nGateway capacity: no engine (replicas/instant_engine.py), {args.tokens} tokens/request, "
+        f"{args.duration:g} s per concurrency\n"
+    )
     print(table(results, args.concurrency))
     for target, by_c in results.items():
         if "profile" in by_c:

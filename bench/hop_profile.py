@@ -35,9 +35,18 @@ GROUPS = {
     "engine": ("VLLM::EngineCore", "VLLM::Worker"),  # for scale; the engine is vLLM's, not sampled
     # Counted, not sampled: Ray's daemons and Serve's control actors, off the request
     # path but on the engine's cores on a small node (bare vLLM has none).
-    "ray daemons": ("gcs_server", "raylet/raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent",
-                    "ray/dashboard/dashboard.py", "ray-dashboard-", "_private/log_monitor.py",
-                    "autoscaler/_private/monitor.py", "ray::ServeController", "ray::HAProxyManager"),
+    "ray daemons": (
+        "gcs_server",
+        "raylet/raylet",
+        "ray::DashboardAgent",
+        "ray::RuntimeEnvAgent",
+        "ray/dashboard/dashboard.py",
+        "ray-dashboard-",
+        "_private/log_monitor.py",
+        "autoscaler/_private/monitor.py",
+        "ray::ServeController",
+        "ray::HAProxyManager",
+    ),
 }
 NOT_SAMPLED = {"engine", "ray daemons"}
 SAMPLE_RATE_HZ = 200
@@ -98,9 +107,21 @@ def profiled(out_dir: Path, groups: dict[str, tuple[str, ...]] = GROUPS):
                 continue
             path = out_dir / f"{group}-{proc.pid}.txt"
             recorder = subprocess.Popen(
-                [py_spy, "record", "--pid", str(proc.pid), "--rate", str(SAMPLE_RATE_HZ), "--format", "raw",
-                 "--output", str(path), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    py_spy,
+                    "record",
+                    "--pid",
+                    str(proc.pid),
+                    "--rate",
+                    str(SAMPLE_RATE_HZ),
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(path),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             recorders.append((group, path, recorder))
     time.sleep(1.0)  # py-spy attaches
@@ -159,14 +180,23 @@ def report(profiles: dict[str, HopProfile], requests: int, tokens: int, top: int
     for profile in profiles.values():
         if not profile.cpu_s and not profile.samples:
             continue  # no such process in this target (e.g. no engine behind a fake one)
-        lines.append(f"| {profile.group} | {profile.cpu_s:.1f} | {profile.cpu_s * 1e6 / max(requests, 1):,.0f} | "
-                     f"{profile.cpu_s * 1e6 / max(tokens, 1):,.1f} |")
+        lines.append(
+            f"| {profile.group} | {profile.cpu_s:.1f} | {profile.cpu_s * 1e6 / max(requests, 1):,.0f} | "
+            f"{profile.cpu_s * 1e6 / max(tokens, 1):,.1f} |"
+        )
     for profile in profiles.values():
         if not profile.samples:
             continue
-        lines += ["", f"{profile.group}: {profile.samples} samples; self time by package: " + ", ".join(
-            f"{package} {count / profile.samples:.0%}" for package, count in profile.by_package.most_common(top))]
-        lines += [f"  {count / profile.samples:6.1%}  {function}" for function, count in profile.by_function.most_common(top)]
+        lines += [
+            "",
+            f"{profile.group}: {profile.samples} samples; self time by package: "
+            + ", ".join(
+                f"{package} {count / profile.samples:.0%}" for package, count in profile.by_package.most_common(top)
+            ),
+        ]
+        lines += [
+            f"  {count / profile.samples:6.1%}  {function}" for function, count in profile.by_function.most_common(top)
+        ]
     return "\n".join(lines)
 
 

@@ -37,14 +37,19 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from contract.model_config import ModelConfig, deployment_name  # noqa: E402
-from replicas.sources import resolve_source  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
 from serving_overhead import bench_api_key, serve_stack  # noqa: E402
 
+from contract.model_config import ModelConfig, deployment_name  # noqa: E402
+from replicas.sources import resolve_source  # noqa: E402
+
 POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity"]
-METRICS = [("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
-           ("output_throughput", "output tok/s")]
+METRICS = [
+    ("median_ttft_ms", "TTFT p50 ms"),
+    ("p99_ttft_ms", "TTFT p99 ms"),
+    ("median_tpot_ms", "TPOT p50 ms"),
+    ("output_throughput", "output tok/s"),
+]
 
 
 def stack_config(policy: str, kv_blocks: int, source: str, direct: bool = False) -> dict:
@@ -91,25 +96,62 @@ print(json.dumps(asyncio.run(ask())))
 def prefix_cache_totals(model: str) -> tuple[int, int, int]:
     """(queries, hits, replicas seen) summed over the model's two replicas."""
     seen = engine_loads(model)
-    return (sum(v["prefix_cache_queries"] for v in seen.values()), sum(v["prefix_cache_hits"] for v in seen.values()),
-            len(seen))
+    return (
+        sum(v["prefix_cache_queries"] for v in seen.values()),
+        sum(v["prefix_cache_hits"] for v in seen.values()),
+        len(seen),
+    )
 
 
 def run_load(url: str, config: ModelConfig, source: str, args, out_dir: Path, prompts: int, seed: int) -> dict:
     name = f"prefix-{time.monotonic_ns()}.json"
     cmd = [
-        sys.executable, "-m", "replicas.vllm_cli", "bench", "serve",
-        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-        "--base-url", url, "--model", source, "--served-model-name", config.name, "--tokenizer", source,
-        "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(args.prefix_len),
-        "--prefix-repetition-suffix-len", str(args.suffix_len),
-        "--prefix-repetition-num-prefixes", str(args.prefixes),
-        "--prefix-repetition-output-len", str(args.output_len),
-        "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
-        "--ignore-eos", "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
-        "--seed", str(seed), "--disable-tqdm",
-        "--save-result", "--result-dir", str(out_dir), "--result-filename", name,
+        sys.executable,
+        "-m",
+        "replicas.vllm_cli",
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        url,
+        "--model",
+        source,
+        "--served-model-name",
+        config.name,
+        "--tokenizer",
+        source,
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        str(args.prefix_len),
+        "--prefix-repetition-suffix-len",
+        str(args.suffix_len),
+        "--prefix-repetition-num-prefixes",
+        str(args.prefixes),
+        "--prefix-repetition-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,tpot",
+        "--metric-percentiles",
+        "50,99",
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
     ]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return json.loads((out_dir / name).read_text())
@@ -145,19 +187,29 @@ def main() -> None:
                     result = run_load(url, config, source, args, out_dir, args.prefixes * args.prompts_per_prefix, 0)
                     after = prefix_cache_totals(config.name)
             except Exception:
-                print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
-                      file=sys.stderr)
+                print(
+                    f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
+                    file=sys.stderr,
+                )
                 raise
             queries, hits = after[0] - before[0], after[1] - before[1]
             result["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
             result["replicas_seen"] = after[2]
             results[policy] = result
-            print(f"{policy}: " + ", ".join(f"{label} {result[key]:.1f}" for key, label in METRICS)
-                  + f", prefix cache hits {result['prefix_cache_hit_rate']:.1%}", file=sys.stderr, flush=True)
+            print(
+                f"{policy}: "
+                + ", ".join(f"{label} {result[key]:.1f}" for key, label in METRICS)
+                + f", prefix cache hits {result['prefix_cache_hit_rate']:.1%}",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    print(f"\n{args.source} model, 2 replicas ({args.kv_blocks} KV blocks of 128 tokens each); {args.prefixes} prefixes of "
-          f"{args.prefix_len} tokens x {args.prompts_per_prefix} questions of {args.suffix_len} tokens, "
-          f"{args.output_len} output tokens, concurrency {args.concurrency}\n")
+    print(
+        f"\n{args.source} model, 2 replicas ({args.kv_blocks} KV blocks of 128 tokens each); "
+        f"{args.prefixes} prefixes of "
+        f"{args.prefix_len} tokens x {args.prompts_per_prefix} questions of {args.suffix_len} tokens, "
+        f"{args.output_len} output tokens, concurrency {args.concurrency}\n"
+    )
     base = results.get("power_of_two")
     print(f"{'metric':<22}" + "".join(f"{policy:>28}" for policy in results))
     for key, label in [*METRICS, ("prefix_cache_hit_rate", "prefix cache hit rate")]:

@@ -56,19 +56,24 @@ def renderer_for_demo():
     from contract.model_config import ModelConfig
     from replicas.vllm_engine import engine_config
 
-    _, _, vllm_config = engine_config(ModelConfig(name="m", source="demo",
-                                                  engine_kwargs={"max_model_len": MAX_MODEL_LEN}))
+    _, _, vllm_config = engine_config(
+        ModelConfig(name="m", source="demo", engine_kwargs={"max_model_len": MAX_MODEL_LEN})
+    )
     plain = renderer_from_config(vllm_config)
-    return plain, vllm_config.model_config, lambda engine_input: extract_prompt_len(vllm_config.model_config,
-                                                                                     engine_input)
+    return (
+        plain,
+        vllm_config.model_config,
+        lambda engine_input: extract_prompt_len(vllm_config.model_config, engine_input),
+    )
 
 
 def render_chat(renderer, model_config, body):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     request = ChatCompletionRequest.model_validate(body)
-    _, inputs = renderer.render_chat([request.messages], request.build_chat_params(None, "auto"),
-                                     request.build_tok_params(model_config))
+    _, inputs = renderer.render_chat(
+        [request.messages], request.build_chat_params(None, "auto"), request.build_tok_params(model_config)
+    )
     return inputs
 
 
@@ -100,24 +105,32 @@ def main() -> None:
             estimate = reserve("chat", dict(body), raw, default_max_tokens=16, context_length=MAX_MODEL_LEN).prompt
             inputs = render_chat(renderer, model_config, body)
             tokens = sum(length(engine_input) for engine_input in inputs)
-            render_us = cpu_us(lambda: render_chat(renderer, model_config, body), args.repeats)
+            render_us = cpu_us(lambda body=body: render_chat(renderer, model_config, body), args.repeats)
 
-            def counted():
+            def counted(tokens=tokens, inputs=inputs):
                 with allowing(tokens):
                     count_rendered(inputs, length)
 
             count_us = cpu_us(counted, args.repeats * 10)
             rows.append((script, size, raw, estimate, tokens, render_us, count_us))
 
-    print(f"vLLM renderer of the demo model (byte-level BPE, ChatML), chat of one user message; "
-          f"CPU time of this thread, medians of {args.repeats} (the count: of {args.repeats * 10})")
-    print(f"{'script':<14} {'KB':>3} {'body B':>7} {'estimate':>8} {'engine':>7} {'ratio':>6} {'resize':>6} "
-          f"{'render µs':>9} {'µs/KB':>7} {'count µs':>8}")
+    print(
+        f"vLLM renderer of the demo model (byte-level BPE, ChatML), chat of one user message; "
+        f"CPU time of this thread, medians of {args.repeats} (the count: of {args.repeats * 10})"
+    )
+    print(
+        f"{'script':<14} {'KB':>3} {'body B':>7} {'estimate':>8} {'engine':>7} {'ratio':>6} {'resize':>6} "
+        f"{'render µs':>9} {'µs/KB':>7} {'count µs':>8}"
+    )
     for script, size, raw, estimate, tokens, render_us, count_us in rows:
-        print(f"{script:<14} {size:>3} {raw:>7} {estimate:>8} {tokens:>7} {tokens / estimate:>6.2f} "
-              f"{'yes' if tokens > estimate else 'no':>6} {render_us:>9.0f} {render_us / size:>7.0f} {count_us:>8.2f}")
-    print("ratio: engine tokens / estimate; resize: the replica refuses it at its estimate and the gateway "
-          "admits it again (a second rendering, as 'render µs', and two Redis round trips).")
+        print(
+            f"{script:<14} {size:>3} {raw:>7} {estimate:>8} {tokens:>7} {tokens / estimate:>6.2f} "
+            f"{'yes' if tokens > estimate else 'no':>6} {render_us:>9.0f} {render_us / size:>7.0f} {count_us:>8.2f}"
+        )
+    print(
+        "ratio: engine tokens / estimate; resize: the replica refuses it at its estimate and the gateway "
+        "admits it again (a second rendering, as 'render µs', and two Redis round trips)."
+    )
 
 
 if __name__ == "__main__":

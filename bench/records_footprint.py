@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_footprint import used  # noqa: E402  (bench/, beside this file)
 from redis_server import running_redis  # noqa: E402
 
-from serve_app.redis_store import redis_client, redis_names  # noqa: E402
 from serve_app.http.services import build_quota_services  # noqa: E402
 from serve_app.identity.keys import KeyStore  # noqa: E402
+from serve_app.redis_store import redis_client, redis_names  # noqa: E402
 from serve_app.settings import AppSettings  # noqa: E402
 from serve_app.telemetry import Telemetry  # noqa: E402
 
@@ -73,8 +73,10 @@ def main() -> None:
     with running_redis() as server, tempfile.TemporaryDirectory() as folder:
         without = asyncio.run(run(server.url, None, args.rounds, args.requests, args.recent_s))
         with_sink = asyncio.run(run(server.url, Path(folder), args.rounds, args.requests, args.recent_s))
-    print(f"{'requests served':>16} | {'Redis bytes, no sink':>21} | {'Redis bytes, sink':>18} | "
-          f"{'sink bytes':>11} | {'sink bytes/request':>18}")
+    print(
+        f"{'requests served':>16} | {'Redis bytes, no sink':>21} | {'Redis bytes, sink':>18} | "
+        f"{'sink bytes':>11} | {'sink bytes/request':>18}"
+    )
     print("-" * 97)
     for (served, plain, _), (_, shipped, sink) in zip(without, with_sink):
         print(f"{served:>16,} | {plain:>21,} | {shipped:>18,} | {sink:>11,} | {sink / served:>18.0f}")

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from redis_server import running_redis  # noqa: E402
 
+from serve_app.accounting.usage import new_request_id  # noqa: E402
 from serve_app.admission.scripts import Admission  # noqa: E402
+from serve_app.identity.keys import KeyRecord  # noqa: E402
 from serve_app.stored.batches import BatchStore  # noqa: E402
 from serve_app.stored.files_api import FileStore  # noqa: E402
-from serve_app.identity.keys import KeyRecord  # noqa: E402
 from serve_app.stored.stored_responses import ResponseStore, stored_space  # noqa: E402
-from serve_app.accounting.usage import new_request_id  # noqa: E402
 
 
 async def used(client) -> int:
@@ -61,8 +61,9 @@ async def measure(url: str, count: int) -> list[tuple[str, float, float]]:
         await admission.index_http_id(http_id, request_id)
         await admission.settle(key, request_id, "completed", 20, 40, "replica-abc123", "tiny-llama")
     stats = await client.info("commandstats")
-    rows.append(("admitted + settled", (await used(client) - before) / count,
-                 stats["cmdstat_evalsha"]["calls"] / count))
+    rows.append(
+        ("admitted + settled", (await used(client) - before) / count, stats["cmdstat_evalsha"]["calls"] / count)
+    )
 
     # Refused (requests/min exhausted), each with a 4 KB x-request-id.
     key = KeyRecord(id="kbench2", name="bench2", created_at=0, requests_per_minute=1)
@@ -73,15 +74,29 @@ async def measure(url: str, count: int) -> list[tuple[str, float, float]]:
     for i in range(count):
         await admission.admit(key, new_request_id(key.id), "tiny-llama", 1, f"{i:04d}" + "x" * 4092)
     stats = await client.info("commandstats")
-    rows.append(("refused (4 KB x-request-id)", (await used(client) - before) / count,
-                 stats["cmdstat_evalsha"]["calls"] / count))
+    rows.append(
+        (
+            "refused (4 KB x-request-id)",
+            (await used(client) - before) / count,
+            stats["cmdstat_evalsha"]["calls"] / count,
+        )
+    )
     await client.aclose()
     return rows
 
 
 def _line(custom_id: str, url: str = "/v1/chat/completions") -> bytes:
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}}).encode() + b"\n"
+    return (
+        json.dumps(
+            {
+                "custom_id": custom_id,
+                "method": "POST",
+                "url": url,
+                "body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            }
+        ).encode()
+        + b"\n"
+    )
 
 
 async def measure_objects(url: str, count: int) -> list[tuple[str, float, float]]:
@@ -108,29 +123,41 @@ async def measure_objects(url: str, count: int) -> list[tuple[str, float, float]
 
         await per_object("file (100 lines, 15 kB on disk)", "kfiles", lambda i: upload("kfiles"), files.space)
         good = await upload("kbatch")
-        body = {"endpoint": "/v1/chat/completions", "completion_window": "24h", "input_file_id": good,
-                "metadata": {f"k{i}": "v" * 512 for i in range(16)}}
-        await per_object("batch (16 metadata pairs of 512)", "kbatch", lambda i: batches.create("kbatch", body),
-                         account)
+        body = {
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "input_file_id": good,
+            "metadata": {f"k{i}": "v" * 512 for i in range(16)},
+        }
+        await per_object(
+            "batch (16 metadata pairs of 512)", "kbatch", lambda i: batches.create("kbatch", body), account
+        )
         bad = await upload("kbad")
         with open(files.path("kbad", bad), "wb") as out:  # 100 lines whose url is 20,000 characters
             out.write(b"".join(_line(f"r{i}", "/v1/" + "u" * 20_000) for i in range(100)))
-        await per_object("batch failed (100 errors, 20 kB urls)", "kbad",
-                         lambda i: batches.create("kbad", {**body, "input_file_id": bad, "metadata": None}), account)
+        await per_object(
+            "batch failed (100 errors, 20 kB urls)",
+            "kbad",
+            lambda i: batches.create("kbad", {**body, "input_file_id": bad, "metadata": None}),
+            account,
+        )
 
     responses = ResponseStore(client, account)
-    answer = {"object": "response", "output": [{"type": "message", "role": "assistant", "content": [
-        {"type": "output_text", "text": "word " * 50}]}], "usage": {"input_tokens": 30, "output_tokens": 50}}
+    answer = {
+        "object": "response",
+        "output": [
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "word " * 50}]}
+        ],
+        "usage": {"input_tokens": 30, "output_tokens": 50},
+    }
 
     async def respond(key_id: str, i: int, text: str) -> None:
         context = [{"type": "message", "role": "user", "content": text}]
         pending = await responses.reserve(key_id, 4 * len(text) + 65536)
         await responses.put(key_id, {**answer, "id": f"resp_{key_id}_{i}"}, context, context, pending)
 
-    await per_object("stored response (1 kB input)", "kresp1", lambda i: respond("kresp1", i, "x" * 1024),
-                     account)
-    await per_object("stored response (100 kB input)", "kresp2", lambda i: respond("kresp2", i, "x" * 102_400),
-                     account)
+    await per_object("stored response (1 kB input)", "kresp1", lambda i: respond("kresp1", i, "x" * 1024), account)
+    await per_object("stored response (100 kB input)", "kresp2", lambda i: respond("kresp2", i, "x" * 102_400), account)
     await client.aclose()
     return rows
 

@@ -55,10 +55,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # ports: where the targets listen
 
+from ports import free_port  # noqa: E402
+
 from contract.model_config import ModelConfig  # noqa: E402
 from replicas.sources import resolve_source  # noqa: E402
 from replicas.vllm_engine import vllm_serve_command  # noqa: E402
-from ports import free_port  # noqa: E402
 
 METRICS = [
     ("median_ttft_ms", "TTFT p50 ms"),
@@ -196,8 +197,11 @@ def ray_serve_llm_config(config: ModelConfig, source: str, ingress_cpus: float |
     its ingress with our ingress' CPU share (``ingress_cpus``; Serve's default of
     one CPU would not fit beside the model on two cores). None: no ingress
     deployment (direct streaming, where the model deployment is the ingress)."""
-    deployment = {k: v for k, v in config.deployment.items()
-                  if k in ("num_replicas", "max_ongoing_requests", "autoscaling_config")}
+    deployment = {
+        k: v
+        for k, v in config.deployment.items()
+        if k in ("num_replicas", "max_ongoing_requests", "autoscaling_config")
+    }
     if "autoscaling_config" not in deployment:
         deployment.setdefault("num_replicas", 1)
     # Ray Serve LLM adds the replica actor's CPUs (default 1) to the engine's bundle:
@@ -206,19 +210,25 @@ def ray_serve_llm_config(config: ModelConfig, source: str, ingress_cpus: float |
     serve_config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1"},
-        "applications": [{
-            "name": "rsllm",
-            "route_prefix": "/",
-            "import_path": "ray.serve.llm:build_openai_app",
-            "args": {"llm_configs": [{
-                "model_loading_config": {"model_id": config.name, "model_source": source},
-                "accelerator_config": {"kind": "cpu"},
-                "engine_kwargs": dict(config.engine_kwargs),
-                "placement_group_config": {"bundles": [{"CPU": config.cpus_per_replica}]},
-                "deployment_config": deployment,
-                "runtime_env": {"env_vars": dict(config.env)},
-            }]},
-        }],
+        "applications": [
+            {
+                "name": "rsllm",
+                "route_prefix": "/",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "args": {
+                    "llm_configs": [
+                        {
+                            "model_loading_config": {"model_id": config.name, "model_source": source},
+                            "accelerator_config": {"kind": "cpu"},
+                            "engine_kwargs": dict(config.engine_kwargs),
+                            "placement_group_config": {"bundles": [{"CPU": config.cpus_per_replica}]},
+                            "deployment_config": deployment,
+                            "runtime_env": {"env_vars": dict(config.env)},
+                        }
+                    ]
+                },
+            }
+        ],
     }
     if ingress_cpus is not None:
         app = serve_config["applications"][0]["args"]
@@ -236,7 +246,10 @@ def serve_stack(serve_config: dict, model: str, log: Path, env: dict[str, str]):
     with log.open("w") as out:
         proc = subprocess.Popen(
             [str(serve_bin), "run", str(config_file)],
-            env={**os.environ, **env}, stdout=out, stderr=out, cwd=REPO,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=out,
+            cwd=REPO,
         )
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, model)
@@ -250,8 +263,11 @@ def profile_target(url: str, config: ModelConfig, source: str, target: str, args
 
     groups = GROUPS
     if target.startswith("rsllm"):  # Ray Serve LLM's own deployments in the "rsllm" application
-        groups = {**GROUPS, "ingress": ("ServeReplica:rsllm:OpenAiIngress",),
-                  "replica": ("ServeReplica:rsllm:LLMServer",)}
+        groups = {
+            **GROUPS,
+            "ingress": ("ServeReplica:rsllm:OpenAiIngress",),
+            "replica": ("ServeReplica:rsllm:LLMServer",),
+        }
     if target in ("stack", "stack-direct"):  # the model's replicas answer HTTP in their own application
         groups = {**GROUPS, "replica": ("ServeReplica:llm:model-", "ServeReplica:direct-")}
     if target == "vllm":  # `vllm serve`'s API server process is what a model replica is here
@@ -283,17 +299,51 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
     name = f"c{concurrency}-{time.monotonic_ns()}.json"
     cmd = [
         *args.client_prefix,
-        sys.executable, "-m", "replicas.vllm_cli", "bench", "serve",
-        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-        "--base-url", url, "--model", source, "--served-model-name", config.name,
-        "--tokenizer", source, "--dataset-name", "random",
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--random-range-ratio", str(args.range_ratio),
-        "--num-prompts", str(max(args.num_prompts, concurrency * args.min_rounds)),
-        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
-        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--seed", "0", "--disable-tqdm",
-        "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", name,
+        sys.executable,
+        "-m",
+        "replicas.vllm_cli",
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        url,
+        "--model",
+        source,
+        "--served-model-name",
+        config.name,
+        "--tokenizer",
+        source,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--random-range-ratio",
+        str(args.range_ratio),
+        "--num-prompts",
+        str(max(args.num_prompts, concurrency * args.min_rounds)),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--seed",
+        "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
     ]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     result = json.loads((out_dir / name).read_text())
@@ -308,17 +358,24 @@ def print_per_repeat(results: dict[tuple[str, int], list[dict]], targets: list[s
     (1.5x within one run here), so which target leads within a repeat, where all
     ran at one speed, says more than medians across repeats."""
     print("\nper repeat (r1 / r2 / ...), targets in the order they ran within each repeat\n")
-    cells = {(t, concurrency, key): " / ".join(f"{r[key]:.2f}" for r in results[(t, concurrency)])
-             for t in targets for concurrency in concurrencies for key, _ in METRICS}
+    cells = {
+        (t, concurrency, key): " / ".join(f"{r[key]:.2f}" for r in results[(t, concurrency)])
+        for t in targets
+        for concurrency in concurrencies
+        for key, _ in METRICS
+    }
     width = max(len(cell) for cell in [*cells.values(), *targets]) + 3  # never run into each other
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>{width}}" for t in targets))
     for concurrency in concurrencies:
         for key, label in METRICS:
-            print(f"{concurrency:>4}  {label:<14}" + "".join(f"{cells[(t, concurrency, key)]:>{width}}" for t in targets))
+            print(
+                f"{concurrency:>4}  {label:<14}" + "".join(f"{cells[(t, concurrency, key)]:>{width}}" for t in targets)
+            )
 
 
-def print_pooled_tails(results: dict[tuple[str, int], list[dict]], targets: list[str],
-                       concurrencies: list[int]) -> list[dict]:
+def print_pooled_tails(
+    results: dict[tuple[str, int], list[dict]], targets: list[str], concurrencies: list[int]
+) -> list[dict]:
     """TTFT p50/p99 over every request of every repeat per target, then each of
     this stack's targets against each of Ray Serve LLM's: the difference (ms,
     negative = this stack ahead) and its 95% bootstrap interval."""
@@ -331,8 +388,10 @@ def print_pooled_tails(results: dict[tuple[str, int], list[dict]], targets: list
     for concurrency in concurrencies:
         for target in targets:
             samples = pooled[(target, concurrency)]
-            print(f"{concurrency:>4}  {target:<16}{len(samples):>9}{percentile_ms(samples, 50):>9.2f}"
-                  f"{percentile_ms(samples, 99):>9.2f}")
+            print(
+                f"{concurrency:>4}  {target:<16}{len(samples):>9}{percentile_ms(samples, 50):>9.2f}"
+                f"{percentile_ms(samples, 99):>9.2f}"
+            )
     ours = [t for t in targets if t.startswith("stack")]
     theirs = [t for t in targets if t.startswith("rsllm")]
     comparisons = []
@@ -343,12 +402,23 @@ def print_pooled_tails(results: dict[tuple[str, int], list[dict]], targets: list
                 for second in theirs:
                     for q in (50, 99):
                         difference, low, high = bootstrap_difference(
-                            pooled[(first, concurrency)], pooled[(second, concurrency)], q)
-                        comparisons.append({"concurrency": concurrency, "first": first, "second": second,
-                                            "percentile": q, "difference_ms": difference,
-                                            "low_ms": low, "high_ms": high})
-                        print(f"{concurrency:>4}  {first} - {second} p{q}: {difference:+.2f} "
-                              f"[{low:+.2f}, {high:+.2f}]  {verdict(low, high)}")
+                            pooled[(first, concurrency)], pooled[(second, concurrency)], q
+                        )
+                        comparisons.append(
+                            {
+                                "concurrency": concurrency,
+                                "first": first,
+                                "second": second,
+                                "percentile": q,
+                                "difference_ms": difference,
+                                "low_ms": low,
+                                "high_ms": high,
+                            }
+                        )
+                        print(
+                            f"{concurrency:>4}  {first} - {second} p{q}: {difference:+.2f} "
+                            f"[{low:+.2f}, {high:+.2f}]  {verdict(low, high)}"
+                        )
     return comparisons
 
 
@@ -357,30 +427,55 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "local.yaml")
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=TARGETS)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--num-prompts", type=int, default=1000,
-                        help="requests per point (at least): a p99 over n requests is about the n/100-th "
-                             "slowest, so over 128 it is the second slowest and flips with one stall of the box")
-    parser.add_argument("--min-rounds", type=int, default=2,
-                        help="at least this many requests per concurrent client: more samples where the "
-                             "concurrency is high (a c=32 point's first round is a burst on an idle engine)")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=1000,
+        help="requests per point (at least): a p99 over n requests is about the n/100-th "
+        "slowest, so over 128 it is the second slowest and flips with one stall of the box",
+    )
+    parser.add_argument(
+        "--min-rounds",
+        type=int,
+        default=2,
+        help="at least this many requests per concurrent client: more samples where the "
+        "concurrency is high (a c=32 point's first round is a burst on an idle engine)",
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="input and output lengths drawn from len x [1-r, 1+r] (same seed, same draws for "
-                             "every target): with 0, every request ends on the same step and a c=32 point is "
-                             "rounds of 32 arriving at once, whose split into prefill steps sets its TTFT")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="input and output lengths drawn from len x [1-r, 1+r] (same seed, same draws for "
+        "every target): with 0, every request ends on the same step and a c=32 point is "
+        "rounds of 32 arriving at once, whose split into prefill steps sets its TTFT",
+    )
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--client-class", choices=("realtime", "normal"), default="realtime",
-                        help="the load generator's scheduling class: realtime (SCHED_FIFO 1, the default) reads "
-                             "answers as they arrive; normal lets a busy target's processes starve it "
-                             "(every run before 2026-11-28's afternoon)")
+    parser.add_argument(
+        "--client-class",
+        choices=("realtime", "normal"),
+        default="realtime",
+        help="the load generator's scheduling class: realtime (SCHED_FIFO 1, the default) reads "
+        "answers as they arrive; normal lets a busy target's processes starve it "
+        "(every run before 2026-11-28's afternoon)",
+    )
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
-    parser.add_argument("--stack-env", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra environment for this stack's targets (e.g. Ray Serve knobs)")
+    parser.add_argument(
+        "--stack-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for this stack's targets (e.g. Ray Serve knobs)",
+    )
     parser.add_argument("--batch-ms", type=float, help="override stream_batch_interval_ms")
-    parser.add_argument("--profile", type=Path, metavar="DIR",
-                        help="after each target's measured loads, one more at the highest concurrency under "
-                             "py-spy (bench/hop_profile.py): CPU per request/token per process, top functions")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="after each target's measured loads, one more at the highest concurrency under "
+        "py-spy (bench/hop_profile.py): CPU per request/token per process, top functions",
+    )
     args = parser.parse_args()
     args.client_prefix = client_priority(args.client_class)  # asked once: the header says what ran
 
@@ -405,19 +500,33 @@ def main() -> None:
         out_dir = Path(tmp)
         starts = {
             "vllm": lambda: bare_vllm(config, source, out_dir / "vllm.log"),
-            "stack": lambda: serve_stack(with_direct_apps(serve_config), config.name, out_dir / "stack.log",
-                                         {**MAKEFILE_ENV, **stack_env}),
-            "stack-ingress": lambda: serve_stack(without_direct_route(serve_config), config.name,
-                                                 out_dir / "stack-ingress.log", {**MAKEFILE_ENV, **stack_env}),
-            "stack-direct": lambda: direct_stack(serve_config, config, out_dir / "stack-direct.log",
-                                                 {**MAKEFILE_ENV, **stack_env}),
-            "stack-ray-proxy": lambda: serve_stack(without_direct_route(serve_config), config.name,
-                                                   out_dir / "stack-ray-proxy.log",
-                                                   {**RAY_PROXY_ENV, **stack_env}),
-            "rsllm": lambda: serve_stack(ray_serve_llm_config(config, source, ingress_cpus), config.name,
-                                         out_dir / "rsllm.log", RAY_DEFAULT_ENV),
-            "rsllm-fast": lambda: serve_stack(ray_serve_llm_config(config, source, None), config.name,
-                                              out_dir / "rsllm-fast.log", {**RAY_DEFAULT_ENV, **RSLLM_FAST_ENV}),
+            "stack": lambda: serve_stack(
+                with_direct_apps(serve_config), config.name, out_dir / "stack.log", {**MAKEFILE_ENV, **stack_env}
+            ),
+            "stack-ingress": lambda: serve_stack(
+                without_direct_route(serve_config),
+                config.name,
+                out_dir / "stack-ingress.log",
+                {**MAKEFILE_ENV, **stack_env},
+            ),
+            "stack-direct": lambda: direct_stack(
+                serve_config, config, out_dir / "stack-direct.log", {**MAKEFILE_ENV, **stack_env}
+            ),
+            "stack-ray-proxy": lambda: serve_stack(
+                without_direct_route(serve_config),
+                config.name,
+                out_dir / "stack-ray-proxy.log",
+                {**RAY_PROXY_ENV, **stack_env},
+            ),
+            "rsllm": lambda: serve_stack(
+                ray_serve_llm_config(config, source, ingress_cpus), config.name, out_dir / "rsllm.log", RAY_DEFAULT_ENV
+            ),
+            "rsllm-fast": lambda: serve_stack(
+                ray_serve_llm_config(config, source, None),
+                config.name,
+                out_dir / "rsllm-fast.log",
+                {**RAY_DEFAULT_ENV, **RSLLM_FAST_ENV},
+            ),
         }
         for _ in range(args.repeats):
             for target in args.targets:
@@ -427,14 +536,20 @@ def main() -> None:
                         for concurrency in args.concurrency:
                             result = run_load(url, config, source, concurrency, args, out_dir)
                             results.setdefault((target, concurrency), []).append(result)
-                            print(f"{target} c={concurrency}: " + ", ".join(
-                                f"{label} {result[key]:.2f}" for key, label in METRICS), file=sys.stderr, flush=True)
+                            print(
+                                f"{target} c={concurrency}: "
+                                + ", ".join(f"{label} {result[key]:.2f}" for key, label in METRICS),
+                                file=sys.stderr,
+                                flush=True,
+                            )
                         if args.profile:
                             profiles[target] = profile_target(url, config, source, target, args, out_dir)
                 except Exception:
                     log = out_dir / f"{target}.log"
-                    print(f"target {target} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
-                          file=sys.stderr)
+                    print(
+                        f"target {target} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""),
+                        file=sys.stderr,
+                    )
                     raise
 
     def median(target: str, concurrency: int, key: str) -> float:
@@ -444,9 +559,11 @@ def main() -> None:
     beside = f"load generator in the {'realtime' if args.client_prefix else 'normal'} class"
     if stack_targets:
         beside += f", Redis in the {redis_class()}"
-    print(f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok{spread}, "
-          f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
-          f"{beside}; (x) = ratio to bare vllm\n")
+    print(
+        f"\nmodel {config.name}; input {args.input_len} tok, output {args.output_len} tok{spread}, "
+        f"max({args.num_prompts}, {args.min_rounds} x c) prompts per point, median of {args.repeats} repeat(s); "
+        f"{beside}; (x) = ratio to bare vllm\n"
+    )
     print(f"{'conc':>4}  {'metric':<14}" + "".join(f"{t:>22}" for t in args.targets))
     raw = []
     for concurrency in args.concurrency:
@@ -462,11 +579,19 @@ def main() -> None:
         print_per_repeat(results, args.targets, args.concurrency)
     comparisons = print_pooled_tails(results, args.targets, args.concurrency)
     if args.json:
-        per_repeat = [{"target": target, "concurrency": concurrency, "repeat": index + 1,
-                       **{key: result[key] for key, _ in METRICS}}
-                      for (target, concurrency), runs in results.items() for index, result in enumerate(runs)]
-        args.json.write_text(json.dumps({"medians": raw, "repeats": per_repeat,
-                                         "pooled_ttft_differences": comparisons}, indent=2))
+        per_repeat = [
+            {
+                "target": target,
+                "concurrency": concurrency,
+                "repeat": index + 1,
+                **{key: result[key] for key, _ in METRICS},
+            }
+            for (target, concurrency), runs in results.items()
+            for index, result in enumerate(runs)
+        ]
+        args.json.write_text(
+            json.dumps({"medians": raw, "repeats": per_repeat, "pooled_ttft_differences": comparisons}, indent=2)
+        )
     for target, text in profiles.items():
         print(f"\n## {target}: CPU by process at c={max(args.concurrency)} (py-spy, {args.profile / target})\n\n{text}")
 

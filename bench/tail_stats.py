@@ -23,8 +23,9 @@ def percentile_ms(samples_s: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples_s) * 1000, q))
 
 
-def bootstrap_difference(a_s: list[float], b_s: list[float], q: float, iterations: int = 2000,
-                         seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+def bootstrap_difference(
+    a_s: list[float], b_s: list[float], q: float, iterations: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
     """The q-th percentile of ``a`` minus that of ``b`` (ms), with the bounds of
     its ``level`` bootstrap interval: each side resampled with replacement,
     independently (the two targets' requests are not paired)."""

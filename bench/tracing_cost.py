@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway_capacity import otlp_sink  # noqa: E402 - the same sink the whole-stack bench exports to
+
 from serve_app.telemetry import RequestRecord  # noqa: E402
 
 MODES = {"off": None, "unsampled": "0", "sampled": "1"}
@@ -57,8 +58,11 @@ def cpu_per_request(mode: str, endpoint: str, requests: int) -> float:
     for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"):
         os.environ.pop(name, None)
     if MODES[mode] is not None:
-        os.environ.update(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=endpoint, OTEL_TRACES_SAMPLER="parentbased_traceidratio",
-                          OTEL_TRACES_SAMPLER_ARG=MODES[mode])
+        os.environ.update(
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=endpoint,
+            OTEL_TRACES_SAMPLER="parentbased_traceidratio",
+            OTEL_TRACES_SAMPLER_ARG=MODES[mode],
+        )
     tracing = importlib.reload(tracing)  # its process tracer, made again from the environment
     headers = {"authorization": "Bearer sk-x", "content-type": "application/json"}
     started = time.process_time()

@@ -97,19 +97,29 @@ RouteNames = dict[str, tuple[list[str], list[str]]]
 # The statuses HAProxy itself answers (those its `errorfile` takes), what each
 # tells an OpenAI client, and OpenAI's error type and code for it.
 EDGE_ERRORS = {
-    400: ("The request could not be read (a malformed request, or a request line or headers too long).",
-          "invalid_request_error", "bad_request"),
+    400: (
+        "The request could not be read (a malformed request, or a request line or headers too long).",
+        "invalid_request_error",
+        "bad_request",
+    ),
     403: ("The request was refused.", "permission_error", "forbidden"),
     405: ("Method not allowed.", "invalid_request_error", "method_not_allowed"),
-    408: (f"The request was not sent in time (its headers, and the start of a model request's body, within "
-          f"{REQUEST_HEADERS_TIMEOUT_S}s).", "invalid_request_error", "request_timeout"),
+    408: (
+        f"The request was not sent in time (its headers, and the start of a model request's body, within "
+        f"{REQUEST_HEADERS_TIMEOUT_S}s).",
+        "invalid_request_error",
+        "request_timeout",
+    ),
     413: ("The request is too large.", "invalid_request_error", "request_too_large"),
     429: ("Too many requests.", "rate_limit_error", "rate_limit_exceeded"),
     500: ("The server had an error processing your request.", "server_error", None),
     501: ("Not implemented.", "server_error", None),
     502: ("No replica of the service answered. Please retry.", "server_error", "bad_gateway"),
-    503: ("The service has no replica ready. Please retry shortly.", "service_unavailable_error",
-          "service_unavailable"),
+    503: (
+        "The service has no replica ready. Please retry shortly.",
+        "service_unavailable_error",
+        "service_unavailable",
+    ),
     504: ("The service did not answer in time. Please retry.", "server_error", "gateway_timeout"),
 }
 
@@ -151,15 +161,22 @@ def _private(section: str) -> str:
     return section
 
 
-_OWN_SETTINGS = re.compile(r"^\s*(timeout http-request|timeout http-keep-alive|errorfile|option forwardfor)\b.*\n", re.MULTILINE)
+_OWN_SETTINGS = re.compile(
+    r"^\s*(timeout http-request|timeout http-keep-alive|errorfile|option forwardfor)\b.*\n", re.MULTILINE
+)
 
 
 def error_response(status: int) -> bytes:
     """HAProxy's errorfile for ``status``: a whole HTTP response, OpenAI's envelope as JSON."""
     message, kind, code = EDGE_ERRORS[status]
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
-               f"Content-Length: {len(body)}", "Cache-Control: no-cache", "Connection: close"]
+    headers = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Cache-Control: no-cache",
+        "Connection: close",
+    ]
     if status in (429, 503):
         headers.append("Retry-After: 1")
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
@@ -172,11 +189,13 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     ``route_names``'s), HAProxy's own listeners private; the error files are written
     to ``error_dir``."""
     error_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
-             f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s",
-             # The client's address, after any X-Forwarded-For it sent: the gateway throttles
-             # failed admin credentials per client (serve_app/identity/credential_guard.py).
-             "    option forwardfor"]
+    lines = [
+        f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
+        f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s",
+        # The client's address, after any X-Forwarded-For it sent: the gateway throttles
+        # failed admin credentials per client (serve_app/identity/credential_guard.py).
+        "    option forwardfor",
+    ]
     for status in EDGE_ERRORS:
         path = error_dir / f"{status}.http"
         path.write_bytes(error_response(status))
@@ -185,25 +204,37 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
     # Each declared backend's replicas (its servers but Ray's fallback proxy).
-    replicas = {_backend_name(section): [name for name, _ in _replicas(section)] for section in sections
-                if _backend_name(section) is not None}
+    replicas = {
+        _backend_name(section): [name for name, _ in _replicas(section)]
+        for section in sections
+        if _backend_name(section) is not None
+    }
     # The direct applications' backends (named by a direct route's ACL, and declared)
     # whose replica HAProxy picks: those with an ingress request router have it picked
     # there, sessions included (serve_app/http/edge_router.py).
-    direct_backends = {backend for backend, _ in _DIRECT_ACL.findall(config)
-                       if backend in replicas and backend + ROUTED_BACKEND_SUFFIX not in replicas}
+    direct_backends = {
+        backend
+        for backend, _ in _DIRECT_ACL.findall(config)
+        if backend in replicas and backend + ROUTED_BACKEND_SUFFIX not in replicas
+    }
     sections = [_private(section) for section in sections]
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
         if section.startswith("defaults")
-        else _with_session_rules(_FRONTEND.sub(lambda head: head.group(0) + stamp
-                                               + one_hop_rules(section, replicas, names), section),
-                                 direct_backends)
+        else _with_session_rules(
+            _FRONTEND.sub(
+                lambda head, section=section: head.group(0) + stamp + one_hop_rules(section, replicas, names), section
+            ),
+            direct_backends,
+        )
         if section.startswith("frontend")
-        else _with_body_buffer(section) if section.startswith("global") and _DIRECT_ACL.search(config)
-        else section + session_backend(section) if _backend_name(section) in direct_backends
+        else _with_body_buffer(section)
+        if section.startswith("global") and _DIRECT_ACL.search(config)
+        else section + session_backend(section)
+        if _backend_name(section) in direct_backends
         else section
-        for section in sections)
+        for section in sections
+    )
 
 
 def _backend_name(section: str) -> str | None:
@@ -216,10 +247,12 @@ def session_backend(backend: str) -> str:
     by a consistent hash of its header, bounded by the replicas' load; its servers
     track the originals' health checks (Ray's own router backends do the same)."""
     name = _backend_name(backend)
-    lines = [f"backend {name}{SESSION_BACKEND_SUFFIX}",
-             f"    balance hdr({session_header()})",
-             "    hash-type consistent",
-             f"    hash-balance-factor {SESSION_BALANCE_FACTOR}"]
+    lines = [
+        f"backend {name}{SESSION_BACKEND_SUFFIX}",
+        f"    balance hdr({session_header()})",
+        "    hash-type consistent",
+        f"    hash-balance-factor {SESSION_BALANCE_FACTOR}",
+    ]
     for line in backend.splitlines()[1:]:
         server = _SERVER.match(line)
         if server is None:
@@ -239,9 +272,11 @@ def _with_session_rules(frontend: str, direct_backends: set[str]) -> str:
     first = _FIRST_USE_BACKEND.search(frontend)
     if not backends or first is None:
         return frontend
-    rules = "".join(f"    use_backend {name}{SESSION_BACKEND_SUFFIX} if is_{name} "
-                    f"{{ req.hdr({session_header()}) -m found }}\n" for name in backends)
-    return frontend[:first.start()] + rules + frontend[first.start():]
+    rules = "".join(
+        f"    use_backend {name}{SESSION_BACKEND_SUFFIX} if is_{name} {{ req.hdr({session_header()}) -m found }}\n"
+        for name in backends
+    )
+    return frontend[: first.start()] + rules + frontend[first.start() :]
 
 
 def one_hop_rules(frontend: str, replicas: dict[str, list[str]], names: RouteNames | None = None) -> str:
@@ -261,28 +296,41 @@ def one_hop_rules(frontend: str, replicas: dict[str, list[str]], names: RouteNam
     if not models:
         return ""
     routes = "{ path " + " ".join(ONE_HOP_ROUTES) + " }"
-    rules = [f"http-request wait-for-body time {ONE_HOP_BODY_WAIT_S}s if METH_POST {routes}",
-             f"http-request set-var(txn.llm_model) req.body,json_query('$.model') if METH_POST {routes}",
-             # The name as the route prefix writes it ("/" as "--"): what the ACLs list.
-             "http-request set-var(txn.llm_one_hop) var(txn.llm_model),regsub(/,--,g) if { var(txn.llm_model) -m found }"]
+    rules = [
+        f"http-request wait-for-body time {ONE_HOP_BODY_WAIT_S}s if METH_POST {routes}",
+        f"http-request set-var(txn.llm_model) req.body,json_query('$.model') if METH_POST {routes}",
+        # The name as the route prefix writes it ("/" as "--"): what the ACLs list.
+        "http-request set-var(txn.llm_one_hop) var(txn.llm_model),regsub(/,--,g) if { var(txn.llm_model) -m found }",
+    ]
     for model in models:
         whole, beginnings = (names or {}).get(model, ([], []))
         for match, words in (("str", whole), ("beg", beginnings)):
             words = [word for word in words if _CONFIG_WORD.fullmatch(word)]
-            rules += [f"http-request set-var(txn.llm_one_hop) str({model}) "
-                      f"if {{ var(txn.llm_model) -m {match} {' '.join(words[i:i + NAMES_PER_RULE])} }}"
-                      for i in range(0, len(words), NAMES_PER_RULE)]
-    up = [f"acl llm_replica_up_{model} srv_is_up({backends[model]}/{server})"
-          for model in models for server in replicas[backends[model]]]
-    rules += [f"http-request set-path {DIRECT_ROUTE_ROOT}{model}%[path]"
-              f" if {{ var(txn.llm_one_hop) -m str {model} }} llm_replica_up_{model}" for model in models]
+            rules += [
+                f"http-request set-var(txn.llm_one_hop) str({model}) "
+                f"if {{ var(txn.llm_model) -m {match} {' '.join(words[i : i + NAMES_PER_RULE])} }}"
+                for i in range(0, len(words), NAMES_PER_RULE)
+            ]
+    up = [
+        f"acl llm_replica_up_{model} srv_is_up({backends[model]}/{server})"
+        for model in models
+        for server in replicas[backends[model]]
+    ]
+    rules += [
+        f"http-request set-path {DIRECT_ROUTE_ROOT}{model}%[path]"
+        f" if {{ var(txn.llm_one_hop) -m str {model} }} llm_replica_up_{model}"
+        for model in models
+    ]
     return "".join(f"    {line}\n" for line in up + rules)
 
 
 def _replicas(backend: str) -> list[tuple[str, str]]:
     """The (name, address) of each server of a ``backend`` section but Ray's fallback proxy (a backup)."""
-    return [(name, address) for _, name, address, options in _SERVER.findall(backend)
-            if not re.search(r"\bbackup\b", options)]
+    return [
+        (name, address)
+        for _, name, address, options in _SERVER.findall(backend)
+        if not re.search(r"\bbackup\b", options)
+    ]
 
 
 def route_names(config: str, timeout_s: float = NAMES_TIMEOUT_S, budget_s: float = NAMES_BUDGET_S) -> RouteNames:

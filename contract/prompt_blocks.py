@@ -61,7 +61,7 @@ def block_hashes(text: str, block_chars: int) -> list[bytes]:
     hashes: list[bytes] = []
     previous = b""
     for start in range(0, len(text) - block_chars + 1, block_chars):
-        block = text[start:start + block_chars].encode("utf-8", "surrogatepass")
+        block = text[start : start + block_chars].encode("utf-8", "surrogatepass")
         previous = hashlib.blake2b(block, key=previous, digest_size=12).digest()
         hashes.append(previous)
     return hashes

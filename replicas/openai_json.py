@@ -7,17 +7,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-
 # Fields OpenAI's Response object requires but allows to be null; vLLM's other
 # nulls (`user`, `prompt`, ...) are optional fields the spec wants absent.
-_RESPONSE_REQUIRED_NULLABLE = frozenset({"error", "incomplete_details", "instructions", "metadata",
-                                         "temperature", "top_p"})
+_RESPONSE_REQUIRED_NULLABLE = frozenset(
+    {"error", "incomplete_details", "instructions", "metadata", "temperature", "top_p"}
+)
 
 
 def responses_json(response: dict[str, Any]) -> dict[str, Any]:
     """A full Responses answer as OpenAI's wire format has it."""
-    response = {key: _drop_nulls(value) for key, value in response.items()
-                if value is not None or key in _RESPONSE_REQUIRED_NULLABLE}
+    response = {
+        key: _drop_nulls(value)
+        for key, value in response.items()
+        if value is not None or key in _RESPONSE_REQUIRED_NULLABLE
+    }
     for key in _RESPONSE_REQUIRED_NULLABLE:
         response.setdefault(key, None)  # vLLM leaves `error` out
     for tool in response.get("tools") or ():
@@ -42,7 +45,8 @@ def _drop_nulls(node: Any) -> Any:
 
 async def responses_sse(events):
     async for event in events:
-        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+        data = event.model_dump_json(indent=None, by_alias=True)
+        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
 
 
 # A forced call of one named function ends with finish_reason "stop" in vLLM;

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
+
 class PromptOverAllowance(ValueError):
     """Raised inside vLLM's renderer; vLLM's handlers turn a ValueError into an
     error response, and the replica reads the allowance, not the message."""

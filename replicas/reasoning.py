@@ -32,7 +32,7 @@ def add_to_stream(text: str) -> str:
     for index, event in enumerate(events):
         if not (event.startswith("data: {") and _MARK in event):
             continue
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning") is not None:

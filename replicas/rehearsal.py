@@ -35,5 +35,10 @@ async def start_recording(config: ModelConfig) -> EngineBinding:
     from replicas.engine_stats import EngineLoad
 
     _, _, vllm_config = engine_config(config)
-    return EngineBinding(engine=IdleEngine(), load=EngineLoad(), max_model_len=vllm_config.model_config.max_model_len,
-                         endpoints={}, facts={**placement_facts(vllm_config), "engine": "recording (not started)"})
+    return EngineBinding(
+        engine=IdleEngine(),
+        load=EngineLoad(),
+        max_model_len=vllm_config.model_config.max_model_len,
+        endpoints={},
+        facts={**placement_facts(vllm_config), "engine": "recording (not started)"},
+    )

@@ -4,11 +4,11 @@ on first use; runs on the replica's node, never in the ingress."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
 from contract.model_config import ADAPTER_NAME, DEMO_RERANKER_SOURCE, DEMO_SOURCE, PACKAGE_PREFIX, ModelConfig
+from replicas.packaged_models import packaged_model_path
 
 
 def resolve_source(config: ModelConfig) -> str:
@@ -22,7 +22,7 @@ def resolve_source(config: ModelConfig) -> str:
 
         return str(build_demo_reranker())
     if config.source.startswith(PACKAGE_PREFIX):
-        return str(packaged_model_path(config.source[len(PACKAGE_PREFIX):]))
+        return str(packaged_model_path(config.source[len(PACKAGE_PREFIX) :]))
     return config.source
 
 
@@ -44,12 +44,3 @@ def resolve_adapter(config: ModelConfig, adapter: str) -> str | None:
         return None
     path = Path(lora.dir) / folder
     return str(path) if (path / "adapter_config.json").is_file() else None
-
-
-def packaged_model_path(module_name: str) -> Path:
-    """Weights shipped inside a Python package: its ``get_model_path()`` if it
-    has one, else its ``model/`` folder."""
-    module = importlib.import_module(module_name)
-    if hasattr(module, "get_model_path"):
-        return Path(module.get_model_path())
-    return Path(module.__file__).parent / "model"

@@ -41,9 +41,12 @@ def call_span(trace: dict[str, str] | None, operation: str, model: str, replica:
     tracer = _process_tracer() if trace else None
     if tracer is None:
         return None
-    return tracer.start_span(f"replica {operation}", context=_PROPAGATOR.extract(trace), kind=SpanKind.SERVER,
-                             attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-                                         "llm.replica": replica})
+    return tracer.start_span(
+        f"replica {operation}",
+        context=_PROPAGATOR.extract(trace),
+        kind=SpanKind.SERVER,
+        attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": model, "llm.replica": replica},
+    )
 
 
 def engine_request(span: Span | None) -> Any:

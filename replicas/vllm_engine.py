@@ -181,8 +181,13 @@ def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
         # price charges them (serve_app/accounting/costs.py), the usage API counts them.
         argv.append("--enable-prompt-tokens-details")
     if config.lora is not None:
-        argv += ["--enable-lora", "--max-loras", str(config.lora.max_adapters_per_replica),
-                 "--max-lora-rank", str(config.lora.max_rank)]
+        argv += [
+            "--enable-lora",
+            "--max-loras",
+            str(config.lora.max_adapters_per_replica),
+            "--max-lora-rank",
+            str(config.lora.max_rank),
+        ]
     # vLLM enforces the same media policy as the gateway (defence in depth). Its
     # empty domain list means "any host", so no allowed domain is a list of one
     # that cannot resolve (RFC 2606 reserves .invalid): deny-all.
@@ -214,10 +219,18 @@ def endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
     found: dict[str, tuple[Any, frozenset[str], Any]] = {}
     chat = getattr(state, "openai_serving_chat", None)
     if chat is not None:
-        found["chat"] = (TypeAdapter(ChatCompletionRequest), field_names(ChatCompletionRequest), chat.create_chat_completion)
+        found["chat"] = (
+            TypeAdapter(ChatCompletionRequest),
+            field_names(ChatCompletionRequest),
+            chat.create_chat_completion,
+        )
     completion = getattr(state, "openai_serving_completion", None)
     if completion is not None:
-        found["completions"] = (TypeAdapter(CompletionRequest), field_names(CompletionRequest), completion.create_completion)
+        found["completions"] = (
+            TypeAdapter(CompletionRequest),
+            field_names(CompletionRequest),
+            completion.create_completion,
+        )
     embedding = getattr(state, "serving_embedding", None)
     if embedding is not None:
         found["embeddings"] = (TypeAdapter(EmbeddingRequest), field_names(EmbeddingRequest), embedding)
@@ -230,10 +243,16 @@ def endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
     if messages is not None:
         from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 
-        found["messages"] = (TypeAdapter(AnthropicMessagesRequest), field_names(AnthropicMessagesRequest),
-                             messages.create_messages)
-        found["count_tokens"] = (TypeAdapter(AnthropicCountTokensRequest), field_names(AnthropicCountTokensRequest),
-                                 messages.count_tokens)
+        found["messages"] = (
+            TypeAdapter(AnthropicMessagesRequest),
+            field_names(AnthropicMessagesRequest),
+            messages.create_messages,
+        )
+        found["count_tokens"] = (
+            TypeAdapter(AnthropicCountTokensRequest),
+            field_names(AnthropicCountTokensRequest),
+            messages.count_tokens,
+        )
     scores = getattr(state, "serving_scores", None)
     if scores is not None:
         from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
@@ -244,13 +263,22 @@ def endpoints(state) -> dict[str, tuple[Any, frozenset[str], Any]]:
     if tokenization is not None:
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
-        found["tokenize"] = (TypeAdapter(TokenizeRequest), field_names(TokenizeRequest),
-                             lambda request: tokenization.create_tokenize(request, None))
-        found["detokenize"] = (TypeAdapter(DetokenizeRequest), field_names(DetokenizeRequest),
-                               lambda request: tokenization.create_detokenize(request, None))
+        found["tokenize"] = (
+            TypeAdapter(TokenizeRequest),
+            field_names(TokenizeRequest),
+            lambda request: tokenization.create_tokenize(request, None),
+        )
+        found["detokenize"] = (
+            TypeAdapter(DetokenizeRequest),
+            field_names(DetokenizeRequest),
+            lambda request: tokenization.create_detokenize(request, None),
+        )
         if chat is not None and completion is not None:
             found["templated_completions"] = (
-                found["completions"][0], found["completions"][1], _templated(tokenization, completion.create_completion))
+                found["completions"][0],
+                found["completions"][1],
+                _templated(tokenization, completion.create_completion),
+            )
     assert found.keys() <= REPLICA_OPERATIONS, found.keys() - REPLICA_OPERATIONS  # contract/replica_wire.py names each
     return found
 
@@ -265,13 +293,15 @@ def _templated(tokenization, complete):
     async def handler(request):
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
-            return tokenization.create_error_response("Prompts sent through the chat template must be text.",
-                                                      param="prompt")
+            return tokenization.create_error_response(
+                "Prompts sent through the chat template must be text.", param="prompt"
+            )
         rendered = []
         for prompt in prompts:
             with uncounted():  # rendered to be tokenized only: the ids are counted when completed
                 tokens = await tokenization.create_tokenize(
-                    TokenizeChatRequest(model=request.model, messages=[{"role": "user", "content": prompt}]), None)
+                    TokenizeChatRequest(model=request.model, messages=[{"role": "user", "content": prompt}]), None
+                )
             if is_error(tokens):
                 return tokens
             rendered.append(tokens.tokens)

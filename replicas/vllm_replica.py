@@ -29,12 +29,29 @@ from ray import serve
 from contract.autoscaling import ENGINE_WAITING, KV_CACHE_USAGE
 from contract.model_config import ModelConfig
 from contract.prompt_blocks import CACHED_BLOCKS
-from contract.replica_wire import (PROMPT_OVER_ALLOWANCE, PROMPT_OVER_ALLOWANCE_STATUS, ReplicaAnswer, ReplicaError,
-                                   ReplicaOperation, StreamStart, Usage, as_replica_stream)
+from contract.replica_wire import (
+    PROMPT_OVER_ALLOWANCE,
+    PROMPT_OVER_ALLOWANCE_STATUS,
+    ReplicaAnswer,
+    ReplicaError,
+    ReplicaOperation,
+    StreamStart,
+    Usage,
+    as_replica_stream,
+)
 from replicas import reasoning
 from replicas.kv_events import TRACKED_OPERATIONS, HeldPrompts, follow, prompt_tokens_in
-from replicas.openai_json import (FINISH_STOP, FINISH_TOOL_CALLS, finish_named_tool_calls, is_error, names_a_tool,
-                                  openai_json, responses_json, responses_sse, validation_error)
+from replicas.openai_json import (
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
+    finish_named_tool_calls,
+    is_error,
+    names_a_tool,
+    openai_json,
+    responses_json,
+    responses_sse,
+    validation_error,
+)
 from replicas.prompt_allowance import allowing
 from replicas.streaming import batch_tokens, coalesce
 from replicas.tracing import call_span, end_span, engine_request
@@ -84,8 +101,11 @@ class VLLMReplica:
         once and its requests fail over (503 with retry-after at the ingress)."""
         while not self.engine.errored:
             await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
-        logger.error("the vLLM engine of model %s died: replica %s exits so that Serve replaces it",
-                     self.config.name, self.replica)
+        logger.error(
+            "the vLLM engine of model %s died: replica %s exits so that Serve replaces it",
+            self.config.name,
+            self.replica,
+        )
         await asyncio.sleep(ERROR_FLUSH_S)
         os._exit(1)
 
@@ -94,8 +114,9 @@ class VLLMReplica:
     def _refusal(self, status: int, error: dict[str, Any]) -> ReplicaError:
         return ReplicaError(status, error, self.replica)
 
-    async def _start(self, operation: str, body: dict[str, Any], adapter: str | None, span=None,
-                     prompt_allowance: int | None = None):
+    async def _start(
+        self, operation: str, body: dict[str, Any], adapter: str | None, span=None, prompt_allowance: int | None = None
+    ):
         """vLLM's answer to ``body``: a stream, a full response, or a ``ReplicaError``;
         ``span``: the call's (vLLM's engine span joins it). ``prompt_allowance``: the
         prompt tokens the gateway reserved for it (replicas/prompt_allowance.py); a
@@ -105,18 +126,24 @@ class VLLMReplica:
         if allowance is not None and allowance.exceeded:
             if not isinstance(result, ReplicaError) and not is_error(result):
                 await _close(result)  # not reached: the renderer raised before any engine request
-            return self._refusal(PROMPT_OVER_ALLOWANCE_STATUS, {
-                "message": f"The prompt has {allowance.used} tokens; {allowance.limit} were reserved for it.",
-                "code": PROMPT_OVER_ALLOWANCE,
-                "prompt_tokens": allowance.used,
-            })
+            return self._refusal(
+                PROMPT_OVER_ALLOWANCE_STATUS,
+                {
+                    "message": f"The prompt has {allowance.used} tokens; {allowance.limit} were reserved for it.",
+                    "code": PROMPT_OVER_ALLOWANCE,
+                    "prompt_tokens": allowance.used,
+                },
+            )
         if is_error(result):
             result = self._refusal(result.error.code, result.error.model_dump())
         if self.engine.errored and isinstance(result, ReplicaError):
-            return self._refusal(503, {
-                "message": f"The engine of a replica of model '{self.config.name}' stopped. Please retry.",
-                "code": "replica_unavailable",
-            })
+            return self._refusal(
+                503,
+                {
+                    "message": f"The engine of a replica of model '{self.config.name}' stopped. Please retry.",
+                    "code": "replica_unavailable",
+                },
+            )
         return result
 
     async def _answer(self, operation: str, body: dict[str, Any], adapter: str | None, span=None):
@@ -128,18 +155,24 @@ class VLLMReplica:
                     raise LookupError(adapter)
                 await self._adapter(adapter)
             except LookupError:
-                return self._refusal(404, {
-                    "message": f"The model '{adapter}' does not exist or you do not have access to it.",
-                    "param": "model",
-                    "code": "model_not_found",
-                })
+                return self._refusal(
+                    404,
+                    {
+                        "message": f"The model '{adapter}' does not exist or you do not have access to it.",
+                        "param": "model",
+                        "code": "model_not_found",
+                    },
+                )
             body["model"] = adapter  # vLLM applies the adapter registered under this name
         endpoint = self._endpoints.get(operation)
         if endpoint is None:
-            return self._refusal(400, {
-                "message": f"Model '{self.config.name}' does not support {OPERATIONS[operation]}.",
-                "param": "model",
-            })
+            return self._refusal(
+                400,
+                {
+                    "message": f"Model '{self.config.name}' does not support {OPERATIONS[operation]}.",
+                    "param": "model",
+                },
+            )
         request_type, fields, handler = endpoint
         unknown = body.keys() - fields
         if unknown:
@@ -170,16 +203,23 @@ class VLLMReplica:
             return body, None
         return {**body, "session_id": key, "vllm_xargs": {**xargs, "kv_cache_report_mode": "full"}}, key
 
-    async def call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
-                   span=None, prompt_allowance: int | None = None) -> ReplicaAnswer | ReplicaError:
+    async def call(
+        self,
+        operation: ReplicaOperation,
+        body: dict[str, Any],
+        adapter: str | None = None,
+        span=None,
+        prompt_allowance: int | None = None,
+    ) -> ReplicaAnswer | ReplicaError:
         body, held_key = self._tracked(operation, body)
         answer = await self._call(operation, body, adapter, span, prompt_allowance)
         if held_key is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
             self._held.ended(held_key, answer.usage.prompt_tokens)
         return answer
 
-    async def _call(self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None,
-                    span, prompt_allowance: int | None) -> ReplicaAnswer | ReplicaError:
+    async def _call(
+        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None, span, prompt_allowance: int | None
+    ) -> ReplicaAnswer | ReplicaError:
         result = await self._start(operation, body, adapter, span, prompt_allowance)
         if isinstance(result, ReplicaError):
             return result
@@ -194,8 +234,9 @@ class VLLMReplica:
             response = result.model_dump(mode="json", by_alias=True, exclude_none=operation != "responses")
             if operation == "responses":
                 response = responses_json(response)
-            return ReplicaAnswer(json.dumps(response).encode(), Usage.from_input_output(response.get("usage")),
-                                 self.replica)
+            return ReplicaAnswer(
+                json.dumps(response).encode(), Usage.from_input_output(response.get("usage")), self.replica
+            )
         else:
             response = result.model_dump()
             if names_a_tool(body):
@@ -205,8 +246,12 @@ class VLLMReplica:
         return ReplicaAnswer(openai_json(response), Usage.from_openai(response.get("usage")), self.replica)
 
     async def call_streamed(
-        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
-        trace: dict[str, str] | None = None, prompt_allowance: int | None = None,
+        self,
+        operation: ReplicaOperation,
+        body: dict[str, Any],
+        adapter: str | None = None,
+        trace: dict[str, str] | None = None,
+        prompt_allowance: int | None = None,
     ) -> AsyncIterator[ReplicaAnswer | ReplicaError]:
         """``call``'s answer as a stream of one item, which is how the gateway sends a
         unary call: Serve's gRPC transport hands a stream to its caller when a replica
@@ -218,15 +263,23 @@ class VLLMReplica:
         try:
             answer = await self.call(operation, body, adapter, span, prompt_allowance)
             if span is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
-                span.set_attributes({"gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
-                                     "gen_ai.usage.output_tokens": answer.usage.completion_tokens})
+                span.set_attributes(
+                    {
+                        "gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
+                        "gen_ai.usage.output_tokens": answer.usage.completion_tokens,
+                    }
+                )
         finally:
             end_span(span)
         yield answer
 
     async def stream(
-        self, operation: ReplicaOperation, body: dict[str, Any], adapter: str | None = None,
-        trace: dict[str, str] | None = None, prompt_allowance: int | None = None,
+        self,
+        operation: ReplicaOperation,
+        body: dict[str, Any],
+        adapter: str | None = None,
+        trace: dict[str, str] | None = None,
+        prompt_allowance: int | None = None,
     ) -> AsyncIterator[StreamStart | str | ReplicaError]:
         # Counted from its start: a round of requests arriving together sees itself.
         self._streams += 1
@@ -239,7 +292,9 @@ class VLLMReplica:
                 yield result
                 return
             if not isinstance(result, AsyncIterator):  # a full response: send it as one event
-                yield StreamStart(self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n")
+                yield StreamStart(
+                    self.replica, f"data: {openai_json(result.model_dump()).decode()}\n\ndata: [DONE]\n\n"
+                )
                 return
             if operation == "responses":  # typed events: SSE as vLLM's own router writes them
                 result = responses_sse(result)
@@ -273,7 +328,7 @@ class VLLMReplica:
 
     # -- LoRA adapters -----------------------------------------------------
 
-    async def _load_adapter(self, adapter: str) -> "_LoadedAdapter":
+    async def _load_adapter(self, adapter: str) -> _LoadedAdapter:
         """Load ``adapter`` into the engine under its own name (called through
         Serve's multiplexing cache, once per adapter while it stays cached).
         LookupError when this model has no such adapter (raised, so Serve
@@ -287,7 +342,9 @@ class VLLMReplica:
             path = resolve_adapter(self.config, adapter)
             if path is None:
                 raise LookupError(adapter)
-            result = await self._serving_models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=adapter, lora_path=path))
+            result = await self._serving_models.load_lora_adapter(
+                LoadLoRAAdapterRequest(lora_name=adapter, lora_path=path)
+            )
             if is_error(result):
                 logger.warning("LoRA adapter %s failed to load: %s", adapter, result.error.message)
                 raise LookupError(adapter)

@@ -15,7 +15,6 @@ from replicas.vllm_replica import VLLMReplica
 from serve_app.http.ingress import Ingress
 from serve_app.settings import AppSettings
 
-
 # Any config change redeploys the ingress (it holds the settings): let the old
 # replica relay its streams to their end before it exits (Serve's 20 s cuts them).
 # No surge by default: with no spare capacity a surge never schedules and the
@@ -54,8 +53,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         for model in settings.models
         if not model.direct_route  # in its own application (build_direct_app)
     }
-    ingress = with_transport_env({**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment},
-                                 tracing.env("llm-gateway"))
+    ingress = with_transport_env(
+        {**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment}, tracing.env("llm-gateway")
+    )
     return Ingress.options(**ingress).bind(settings, models)
 
 
@@ -144,7 +144,8 @@ def direct_route_problems(serve_config: dict[str, Any]) -> list[str]:
             problems.append(
                 f"application {name!r} is missing: model {model!r} has direct_route and is served by it alone "
                 f"(declare it with route_prefix {expected['route_prefix']}, import_path "
-                f"{expected['import_path']}, args: {args_of_main}; configs/gpu.yaml does it with a YAML anchor)")
+                f"{expected['import_path']}, args: {args_of_main}; configs/gpu.yaml does it with a YAML anchor)"
+            )
             continue
         for field in ("route_prefix", "import_path", "args"):
             if found.get(field) != expected[field]:

@@ -38,8 +38,11 @@ MONEY_FLAGS = {"daily_usd": "daily_cost_budget_usd", "monthly_usd": "monthly_cos
 
 
 def _limit_changes(args: argparse.Namespace) -> dict:
-    changes = {field: getattr(args, flag) for flag, field in {**LIMIT_FLAGS, **MONEY_FLAGS}.items()
-               if getattr(args, flag) is not None}
+    changes = {
+        field: getattr(args, flag)
+        for flag, field in {**LIMIT_FLAGS, **MONEY_FLAGS}.items()
+        if getattr(args, flag) is not None
+    }
     if getattr(args, "team", None) is not None:
         changes["team"] = args.team
     if args.models is not None:
@@ -68,8 +71,8 @@ def _admin_access(redis):
 async def _admin_command(args: argparse.Namespace, work) -> int:
     """``await work(access, actor)``, an admin operation of admin/operations.py (validated
     and audited as through the admin API); its refusal is printed, exit status 1."""
-    from serve_app.errors import OpenAIError
     from serve_app.accounting.audit import llmctl_actor
+    from serve_app.errors import OpenAIError
 
     redis = _redis(args)
     try:
@@ -173,25 +176,47 @@ async def _usage(args: argparse.Namespace) -> int:
             _print({"team": team["name"], "id": team["id"], "keys": team["keys"], **team["usage"]}, True)
             return
         today = int(time.time()) // 86400 * 86400
-        params = QueryParams({"start_time": today - ((args.days or 7) - 1) * 86400, "limit": args.days or 7,
-                              "group_by": args.by, **({"api_key_ids": key["id"]} if key else {}),
-                              **({"project_ids": team["id"]} if team else {})})
+        params = QueryParams(
+            {
+                "start_time": today - ((args.days or 7) - 1) * 86400,
+                "limit": args.days or 7,
+                "group_by": args.by,
+                **({"api_key_ids": key["id"]} if key else {}),
+                **({"project_ids": team["id"]} if team else {}),
+            }
+        )
         page = await admin.completions_usage(access, params)
         if not args.csv:
             _print(page, True)
             return
         names = {k["id"]: k["name"] for k in (await admin.list_keys(access))["data"]}
         teams = {t["id"]: t["name"] for t in (await admin.list_teams(access))["data"]}
-        columns = ("date", "team", "api_key_id", "key_name", "model", "num_model_requests", "input_tokens",
-                   "output_tokens", "reserved_tokens")
+        columns = (
+            "date",
+            "team",
+            "api_key_id",
+            "key_name",
+            "model",
+            "num_model_requests",
+            "input_tokens",
+            "output_tokens",
+            "reserved_tokens",
+        )
         out = csv.writer(sys.stdout)
         out.writerow(columns)
         for bucket in page["data"]:
             date = time.strftime("%Y-%m-%d", time.gmtime(bucket["start_time"]))
             for result in bucket["results"]:
-                out.writerow([date, teams.get(result["project_id"], ""), result["api_key_id"] or "",
-                              names.get(result["api_key_id"], ""), result["model"] or "",
-                              *(result[c] for c in columns[5:])])
+                out.writerow(
+                    [
+                        date,
+                        teams.get(result["project_id"], ""),
+                        result["api_key_id"] or "",
+                        names.get(result["api_key_id"], ""),
+                        result["model"] or "",
+                        *(result[c] for c in columns[5:]),
+                    ]
+                )
 
     return await _admin_command(args, work)
 
@@ -203,9 +228,9 @@ def _default_records_dir() -> str:
 
 
 async def _request(args: argparse.Namespace) -> int:
-    from serve_app.identity.keys import KeyNotFound, KeyStore
     from serve_app.accounting.record_sink import RecordSink
     from serve_app.accounting.usage import request_state
+    from serve_app.identity.keys import KeyNotFound, KeyStore
 
     redis = _redis(args)
     sink = RecordSink(args.records_dir, retention_s=0) if args.records_dir else None  # retention: never swept here
@@ -316,11 +341,17 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     for flag in LIMIT_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None)
     for flag in MONEY_FLAGS:
-        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=float, default=None,
-                            help="spend budget in USD at the models' prices")
+        parser.add_argument(
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            type=float,
+            default=None,
+            help="spend budget in USD at the models' prices",
+        )
     parser.add_argument("--models", default=None, help="comma-separated model names; '*' = all")
-    parser.add_argument("--priority", default=None, choices=PRIORITY_TIERS,
-                        help="scheduling tier under load (default normal)")
+    parser.add_argument(
+        "--priority", default=None, choices=PRIORITY_TIERS, help="scheduling tier under load (default normal)"
+    )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -336,7 +367,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="llmctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -360,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.choices["keys"].set_defaults(run=lambda a: asyncio.run(_keys(a)))
 
     teams = commands.add_parser("teams", help="manage teams (limits over their keys)").add_subparsers(
-        dest="action", required=True)
+        dest="action", required=True
+    )
     _add_limit_flags(teams_create := teams.add_parser("create", help="create a team"))
     teams_create.add_argument("name")
     teams.add_parser("list")
@@ -378,10 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     usage = commands.add_parser("usage", help="a key's usage today and this month, or the usage report by day")
     usage.add_argument("--key", default=None, help="key id or name (alone: its today and month)")
     usage.add_argument("--days", type=int, default=None, help="the report: the last N days (UTC), 1-31")
-    usage.add_argument("--team", default=None, help="team id or name (alone: its today and month; with --days "
-                                                    "or --csv: the report of its keys)")
-    usage.add_argument("--by", default="project_id,api_key_id,model",
-                       help="the report's grouping: any of project_id (the team), api_key_id, model")
+    usage.add_argument(
+        "--team",
+        default=None,
+        help="team id or name (alone: its today and month; with --days or --csv: the report of its keys)",
+    )
+    usage.add_argument(
+        "--by",
+        default="project_id,api_key_id,model",
+        help="the report's grouping: any of project_id (the team), api_key_id, model",
+    )
     usage.add_argument("--csv", action="store_true", help="the report as CSV, a row per day, key and model")
     usage.set_defaults(run=lambda a: asyncio.run(_usage(a)))
 
@@ -389,9 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     show = requests.add_parser("show", help="by request id, completion id or x-request-id")
     show.add_argument("request_id")
     show.add_argument("--key", default=None, help="look an x-request-id up among this key's requests (id or name)")
-    show.add_argument("--records-dir", default=_default_records_dir(),
-                      help="the record sink (records.sink_dir), read for records no longer in Redis; "
-                           "'' for Redis only (default: $LLM_CLUSTER_RECORDS__SINK_DIR or the config default)")
+    show.add_argument(
+        "--records-dir",
+        default=_default_records_dir(),
+        help="the record sink (records.sink_dir), read for records no longer in Redis; "
+        "'' for Redis only (default: $LLM_CLUSTER_RECORDS__SINK_DIR or the config default)",
+    )
     commands.choices["requests"].set_defaults(run=lambda a: asyncio.run(_request(a)))
 
     batches = commands.add_parser("batches", help="any key's batches").add_subparsers(dest="action", required=True)
@@ -400,8 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     batches.add_parser("cancel", help="cancel a batch not ended yet").add_argument("batch_id")
     commands.choices["batches"].set_defaults(run=lambda a: asyncio.run(_batches(a)))
 
-    admins = commands.add_parser("admins", help="named admin credentials").add_subparsers(dest="action",
-                                                                                          required=True)
+    admins = commands.add_parser("admins", help="named admin credentials").add_subparsers(dest="action", required=True)
     admins.add_parser("create", help="a new admin credential; prints its secret once").add_argument("name")
     admins.add_parser("list")
     admins.add_parser("revoke", help="the credential stops working at once").add_argument("name")
@@ -422,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="serve a config on a local Ray instance until Ctrl-C or `llmctl stop`")
     run.add_argument("config", type=Path, nargs="?", default=Path("configs/local.yaml"))
     run.add_argument("--grace", type=float, default=None, help="seconds requests in flight get when stopping")
-    run.add_argument("--log", type=Path, default=None,
-                     help="where Ray's and vLLM's output goes (default: the data dir's logs/run.log; VERBOSE=1: the terminal)")
+    run.add_argument(
+        "--log",
+        type=Path,
+        default=None,
+        help="where Ray's and vLLM's output goes (default: the data dir's logs/run.log; VERBOSE=1: the terminal)",
+    )
     run.set_defaults(run=_run_local)
     commands.add_parser("stop", help="stop the stack `llmctl run` started").set_defaults(run=_stop_local)
     status = commands.add_parser("status", help="models, replicas, engine load, Redis: what runs here")

@@ -99,9 +99,7 @@ def error_type_for(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
-def envelope(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+def envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -119,7 +117,9 @@ def from_engine_error(status: int, error: dict[str, Any]) -> OpenAIError:
     exception-class `type`) into OpenAI's envelope, keeping message and param."""
     message = str(error.get("message") or HTTPStatus(status).phrase)
     code = error.get("code")  # vLLM's is the numeric status; the replica's own are names
-    return OpenAIError(status, message, param=error.get("param"), code=code if isinstance(code, str) else _engine_code(status))
+    return OpenAIError(
+        status, message, param=error.get("param"), code=code if isinstance(code, str) else _engine_code(status)
+    )
 
 
 def _engine_code(status: int) -> str | None:
@@ -142,8 +142,9 @@ def quota_store_unavailable() -> OpenAIError:
 
 def records_backlog() -> OpenAIError:
     """The record sink has not taken ``records.max_backlog`` final records: no new request until it does."""
-    return _quota_store_503("The service cannot record requests right now (its record sink is behind).",
-                            "records_backlog")
+    return _quota_store_503(
+        "The service cannot record requests right now (its record sink is behind).", "records_backlog"
+    )
 
 
 def _quota_store_503(message: str, code: str) -> OpenAIError:

@@ -21,7 +21,8 @@ class KeyLimits(BaseModel):
     daily_token_budget: int = Field(0, ge=0, description="Tokens per UTC day.")
     monthly_token_budget: int = Field(0, ge=0, description="Tokens per UTC month.")
     daily_cost_budget_usd: float = Field(
-        0, ge=0, le=1e6, description="Spend per UTC day in USD at the models' prices (reserved at admission).")
+        0, ge=0, le=1e6, description="Spend per UTC day in USD at the models' prices (reserved at admission)."
+    )
     monthly_cost_budget_usd: float = Field(0, ge=0, le=1e6, description="Spend per UTC month in USD.")
     priority: PriorityTier = Field(
         "normal",

@@ -12,8 +12,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, fiel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.model_config import ModelConfig
-from serve_app.redis_store import redis_client
 from serve_app.limits import KeyLimits
+from serve_app.redis_store import redis_client
 
 
 class IngressConfig(BaseModel):
@@ -21,11 +21,11 @@ class IngressConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_body_bytes: int = Field(
-        8 * 1024 * 1024, description="Requests larger than this get 413 before parsing."
-    )
+    max_body_bytes: int = Field(8 * 1024 * 1024, description="Requests larger than this get 413 before parsing.")
     body_timeout_s: float = Field(
-        60.0, gt=0, description="A request body (not a file upload: that holds one of its key's concurrency "
+        60.0,
+        gt=0,
+        description="A request body (not a file upload: that holds one of its key's concurrency "
         "slots) must arrive whole within this, else 408. HAProxy gives the headers 10 s, and "
         "the first 256 KiB of a body it reads to send the request to a model's direct route "
         "in one hop the same 10 s (cluster/haproxy_edge.py).",
@@ -49,19 +49,27 @@ class QuotaConfig(BaseModel):
         5.0, ge=0, description="Ingress caches key records this long: a revoked key stops within it."
     )
     key_cache_max: int = Field(
-        10_000, gt=0, description="Key records an ingress caches at most (least recently used go first).",
+        10_000,
+        gt=0,
+        description="Key records an ingress caches at most (least recently used go first).",
     )
     key_stale_max_s: float = Field(
-        300.0, ge=0, description="While Redis is unreachable, a cached key authenticates only if Redis "
+        300.0,
+        ge=0,
+        description="While Redis is unreachable, a cached key authenticates only if Redis "
         "confirmed it within this long (fail_mode open); older ones get 503.",
     )
     concurrency_lease_s: float = Field(
-        60.0, gt=0, description="A concurrency slot expires after this unless its ingress renews it "
+        60.0,
+        gt=0,
+        description="A concurrency slot expires after this unless its ingress renews it "
         "(every third of it while the request runs): an ingress that died holds a key's slots this long at most.",
     )
     request_retention_s: int = Field(7 * 86400, gt=0, description="How long request records are kept.")
     default_max_tokens: int = Field(
-        1024, gt=0, description="max_tokens set on a chat request that names none (never beyond the "
+        1024,
+        gt=0,
+        description="max_tokens set on a chat request that names none (never beyond the "
         "model's context); what it reserves.",
     )
     fail_mode: Literal["open", "closed"] = Field(
@@ -71,23 +79,30 @@ class QuotaConfig(BaseModel):
         0.5, gt=0, description="Per-command Redis timeout; past it Redis counts as unreachable (fail_mode)."
     )
     replicas_to_acknowledge: int = Field(
-        0, ge=0, le=16, description="Admissions, settlements and lease renewals count as written only once "
+        0,
+        ge=0,
+        le=16,
+        description="Admissions, settlements and lease renewals count as written only once "
         "this many replicas of their primary acknowledge them (Redis WAIT, once per pipeline): a failover then "
         "loses none. Past replica_ack_timeout_ms, Redis counts as unreachable (fail_mode). 0: Redis' "
-        "asynchronous replication (docs/quotas.md, \"When a primary dies\").",
+        'asynchronous replication (docs/quotas.md, "When a primary dies").',
     )
     replica_ack_timeout_ms: int = Field(
-        100, gt=0, description="How long an admission waits for replicas_to_acknowledge replicas.",
+        100,
+        gt=0,
+        description="How long an admission waits for replicas_to_acknowledge replicas.",
     )
     overlap_admission: bool = Field(
-        True, description="On a model's direct route, while the model is busy, a stream of a key Redis last "
+        True,
+        description="On a model's direct route, while the model is busy, a stream of a key Redis last "
         "admitted with room to spare "
         "starts in the engine while its admission is in Redis (nothing is sent before Redis admits it; a "
         "refusal aborts it): the Redis round trip leaves the time to first token. Bounded per key by the room "
         "Redis last reported (serve_app/admission/overlap.py). false: every request waits for its admission first.",
     )
     overlap_admission_when_idle: bool = Field(
-        True, description="overlap_admission on an idle model too (its first request, not only those arriving "
+        True,
+        description="overlap_admission on an idle model too (its first request, not only those arriving "
         "while others run): the round trip leaves the time to first token of a lone stream as well. It wants a "
         "Redis that gets a core while the engine computes: on its own host, or on the engine's in the real-time "
         "class (scripts/ensure_redis.sh starts it so); a Redis in the normal class on the engine's cores answered "
@@ -106,7 +121,9 @@ class TracingConfig(BaseModel):
         "http://collector:4318/v1/traces. Unset: no traces (nothing is recorded or sent).",
     )
     sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0,
+        1.0,
+        ge=0.0,
+        le=1.0,
         description="Share of requests traced when the client sent no traceparent; a client's sampled "
         "flag is followed (parent-based sampling).",
     )
@@ -137,7 +154,9 @@ class TelemetryConfig(BaseModel):
         "dashboard's top-key panels), for at most per_key_max_keys keys per ingress replica.",
     )
     per_key_max_keys: int = Field(
-        100, ge=1, le=10_000,
+        100,
+        ge=1,
+        le=10_000,
         description="Key names an ingress replica labels metrics with: the first this many it "
         "sees; later keys count together as '(other keys)', so minted keys cannot grow the "
         "series without bound. Team names (the team metrics, always on) are bounded the same "
@@ -161,33 +180,46 @@ class BatchConfig(BaseModel):
     )
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="Largest upload (OpenAI's: 200 MB).")
     max_bytes_per_key: int = Field(
-        10 * 1024**3, gt=0, description="Bytes one key's files may hold at once (uploads and batch results; "
+        10 * 1024**3,
+        gt=0,
+        description="Bytes one key's files may hold at once (uploads and batch results; "
         "OpenAI's: 2.5 TB per project). Every key shares files_dir's disk: an upload that would pass this is a "
         "400 before a byte is written, so no key can fill the disk for the others. Size the disk for the keys "
         "that run batches, or lower this.",
     )
     max_files_per_key: int = Field(
-        10_000, gt=0, description="Files one key may hold at once (bounds its metadata in Redis).")
+        10_000, gt=0, description="Files one key may hold at once (bounds its metadata in Redis)."
+    )
     max_requests: int = Field(50_000, gt=0, description="Requests one batch file may hold (OpenAI's: 50,000).")
     max_active_per_key: int = Field(
-        100, gt=0, description="Batches of one key not ended yet (validating, in progress, cancelling); one more "
+        100,
+        gt=0,
+        description="Batches of one key not ended yet (validating, in progress, cancelling); one more "
         "is a 429 too_many_active_batches before its file is read.",
     )
     batches_at_once: int = Field(
-        4, ge=1, description="Batches an ingress replica runs side by side (of any keys). A batch that cannot "
+        4,
+        ge=1,
+        description="Batches an ingress replica runs side by side (of any keys). A batch that cannot "
         "proceed (its key refused: a limit, a budget) is parked and holds no place.",
     )
     batches_per_key: int = Field(
-        1, ge=1, description="Of those, batches of one key at most: a key with many batches takes this many "
+        1,
+        ge=1,
+        description="Of those, batches of one key at most: a key with many batches takes this many "
         "places per ingress replica; the others go to other keys' batches.",
     )
     concurrency: int = Field(
-        4, ge=1, description="Requests of one batch an ingress replica runs at once. Each is sent only while "
+        4,
+        ge=1,
+        description="Requests of one batch an ingress replica runs at once. Each is sent only while "
         "no interactive request of its model waits at that ingress, at an engine priority below every "
         "key's tier: batches fill idle capacity and yield to interactive traffic.",
     )
     lease_s: float = Field(
-        15.0, gt=0, description="A batch is run by one ingress replica at a time, under a lease it renews; "
+        15.0,
+        gt=0,
+        description="A batch is run by one ingress replica at a time, under a lease it renews; "
         "if that replica dies, another resumes the batch this long after.",
     )
     poll_s: float = Field(1.0, gt=0, description="How often an idle ingress replica looks for a batch to run.")
@@ -200,13 +232,17 @@ class StoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_bytes_per_key: int = Field(
-        64 * 1024 * 1024, gt=0, description="Bytes one key's stored responses and batch records may hold in "
+        64 * 1024 * 1024,
+        gt=0,
+        description="Bytes one key's stored responses and batch records may hold in "
         "Redis. A response that would pass it is refused (400 storage_limit_exceeded) before it runs, unless "
         "sent with store: false; a batch, before its file is read. Redis is shared by every key and runs "
         "with noeviction: a full Redis refuses every admission.",
     )
     max_objects_per_key: int = Field(
-        10_000, gt=0, description="Stored responses and batch records one key may hold at once.",
+        10_000,
+        gt=0,
+        description="Stored responses and batch records one key may hold at once.",
     )
 
 
@@ -225,11 +261,15 @@ class RecordsConfig(BaseModel):
         "on a cluster a shared mount. Unset (null): records stay in Redis for the whole retention.",
     )
     recent_s: int = Field(
-        3600, gt=0, description="How long a final record stays in Redis too (the quick lookups of the last "
+        3600,
+        gt=0,
+        description="How long a final record stays in Redis too (the quick lookups of the last "
         "hour); Redis holds about this long of traffic instead of the whole retention.",
     )
     max_backlog: int = Field(
-        100_000, gt=0, description="Final records waiting for the sink (a Redis stream) past which new "
+        100_000,
+        gt=0,
+        description="Final records waiting for the sink (a Redis stream) past which new "
         "requests are refused, 503 records_backlog, until the sink takes them: a sink that is down stops the "
         "service after this many requests rather than losing records or growing Redis without bound.",
     )
@@ -246,21 +286,31 @@ class JwtConfig(BaseModel):
     audience: str = Field(description="The `aud` every token must name (this gateway's client id).")
     jwks_url: str = Field(description="Where the provider publishes its signing keys (JWKS), http(s).")
     algorithms: list[Literal["RS256", "RS384", "RS512", "ES256", "ES384", "PS256"]] = Field(
-        ["RS256", "ES256"], min_length=1, description="Signature algorithms accepted (never `none` or HMAC).")
+        ["RS256", "ES256"], min_length=1, description="Signature algorithms accepted (never `none` or HMAC)."
+    )
     user_claim: str = Field("sub", description="The claim that names the user (`sub`, `email`): its limits' owner.")
     tier_claim: str | None = Field(None, description="A claim naming the user's priority tier (high|normal|low).")
-    models_claim: str | None = Field(None, description="A claim listing the models the user may use "
-                                                       "(within `limits.models`).")
-    team_claim: str | None = Field(None, description="A claim naming the user's team, or listing its groups "
-                                                     "(the first that `teams` maps): the user is admitted and "
-                                                     "charged as a key of that team.")
-    teams: dict[str, str] = Field(default_factory=dict, description="`team_claim` values → team names; empty: "
-                                                                    "the claim's value is the team's name.")
+    models_claim: str | None = Field(
+        None, description="A claim listing the models the user may use (within `limits.models`)."
+    )
+    team_claim: str | None = Field(
+        None,
+        description="A claim naming the user's team, or listing its groups "
+        "(the first that `teams` maps): the user is admitted and "
+        "charged as a key of that team.",
+    )
+    teams: dict[str, str] = Field(
+        default_factory=dict,
+        description="`team_claim` values → team names; empty: the claim's value is the team's name.",
+    )
     limits: KeyLimits = Field(default_factory=KeyLimits, description="Every user's limits, as a key's.")
     leeway_s: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on `exp` and `nbf`.")
     jwks_cache_s: float = Field(3600.0, gt=0, description="How long fetched signing keys are trusted.")
-    jwks_refresh_min_s: float = Field(30.0, ge=0, description="An unknown `kid` fetches the JWKS again at "
-                                                              "most this often (a flood of made-up kids cannot).")
+    jwks_refresh_min_s: float = Field(
+        30.0,
+        ge=0,
+        description="An unknown `kid` fetches the JWKS again at most this often (a flood of made-up kids cannot).",
+    )
     jwks_timeout_s: float = Field(3.0, gt=0, description="A JWKS fetch gives up after this.")
 
     @field_validator("jwks_url")
@@ -278,18 +328,20 @@ class AuthConfig(BaseModel):
 
     jwt: JwtConfig | None = Field(None, description="Tokens of an OIDC provider; unset = API keys only.")
     admin_failures_per_minute: int = Field(
-        20, ge=0, description="Failed admin credentials (admin API, console login) one client may send in a "
+        20,
+        ge=0,
+        description="Failed admin credentials (admin API, console login) one client may send in a "
         "clock minute; past it that client's are refused unchecked (429) until the minute ends. 0 = no limit.",
     )
 
 
 class AppSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid"
-    )
+    model_config = SettingsConfigDict(env_prefix="LLM_CLUSTER_", env_nested_delimiter="__", extra="forbid")
 
-    models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig(name="tiny-llama")],
-                                      description="The served models, one deployment each (below).")
+    models: list[ModelConfig] = Field(
+        default_factory=lambda: [ModelConfig(name="tiny-llama")],
+        description="The served models, one deployment each (below).",
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -298,12 +350,14 @@ class AppSettings(BaseSettings):
     store: StoreConfig = Field(default_factory=StoreConfig)
     records: RecordsConfig = Field(default_factory=RecordsConfig)
     redis_url: str = Field(
-        "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("redis_url", "REDIS_URL"),
+        "redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("redis_url", "REDIS_URL"),
         description="One node, a Redis Cluster or a Sentinel's primary: serve_app/redis_store/redis_client.py.",
     )
     admin_token: SecretStr | None = Field(
-        None, description="The /admin API's shared bootstrap token (LLM_CLUSTER_ADMIN_TOKEN); unset = only named "
-        "admin credentials (`llmctl admins create`) are accepted."
+        None,
+        description="The /admin API's shared bootstrap token (LLM_CLUSTER_ADMIN_TOKEN); unset = only named "
+        "admin credentials (`llmctl admins create`) are accepted.",
     )
 
     @field_validator("redis_url")
@@ -314,9 +368,7 @@ class AppSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _unique_names(self):
-        names = [
-            name for m in self.models for name in (m.name, *m.aliases, *(m.lora.adapters if m.lora else ()))
-        ]
+        names = [name for m in self.models for name in (m.name, *m.aliases, *(m.lora.adapters if m.lora else ()))]
         if len(names) != len(set(names)):
             raise ValueError(f"model names, aliases and adapter names must be unique, got {names}")
         if not names:

@@ -16,9 +16,8 @@ per streamed chunk.
 
 from __future__ import annotations
 
-import collections
-
 import asyncio
+import collections
 import json
 import logging
 import sys
@@ -145,32 +144,40 @@ class Telemetry:
             "llm_gateway_requests", "Requests answered, by model, route and HTTP status.", ("model", "route", "status")
         )
         self.refusals = Counter(
-            "llm_gateway_rate_limit_refusals", "429s by model, the limit that refused them and its level "
-            "(the key's own, or its team's).", ("model", "limit", "level")
+            "llm_gateway_rate_limit_refusals",
+            "429s by model, the limit that refused them and its level (the key's own, or its team's).",
+            ("model", "limit", "level"),
         )
         # Teams (serve_app/identity/teams.py): what each charged and spent, and its keys'
         # refusals by level. Team names are bounded as key names are (KeyLabels).
         self.team_tokens = Counter(
-            "llm_gateway_team_tokens", "Tokens charged to a team's keys, by kind (prompt, completion, or reserved: "
-            "a stream whose usage never came) (bounded: KeyLabels).", ("team", "kind")
+            "llm_gateway_team_tokens",
+            "Tokens charged to a team's keys, by kind (prompt, completion, or reserved: "
+            "a stream whose usage never came) (bounded: KeyLabels).",
+            ("team", "kind"),
         )
         self.team_spend = Counter(
             "llm_gateway_team_spend_usd", "What a team's requests cost at their models' prices, USD.", ("team",)
         )
         self.team_refusals = Counter(
-            "llm_gateway_team_refusals", "429s of a team's keys, by the level that refused: the key's own limit, "
-            "or the team's.", ("team", "level")
+            "llm_gateway_team_refusals",
+            "429s of a team's keys, by the level that refused: the key's own limit, or the team's.",
+            ("team", "level"),
         )
         self.duration = Histogram(
-            "llm_gateway_request_duration_seconds", "End-to-end request latency at the ingress.",
-            LATENCY_BUCKETS, ("model", "route"),
+            "llm_gateway_request_duration_seconds",
+            "End-to-end request latency at the ingress.",
+            LATENCY_BUCKETS,
+            ("model", "route"),
         )
         self.ttft = Histogram(
             "llm_gateway_time_to_first_token_seconds", "Streams: time to the first chunk.", LATENCY_BUCKETS, ("model",)
         )
         self.tpot = Histogram(
-            "llm_gateway_time_per_output_token_seconds", "Streams: time per output token after the first.",
-            PER_TOKEN_BUCKETS, ("model",),
+            "llm_gateway_time_per_output_token_seconds",
+            "Streams: time per output token after the first.",
+            PER_TOKEN_BUCKETS,
+            ("model",),
         )
         self.prompt_tokens = Counter("llm_gateway_prompt_tokens", "Prompt tokens of answered requests.", ("model",))
         self.completion_tokens = Counter(
@@ -180,36 +187,46 @@ class Telemetry:
         self.admission = Histogram(
             "llm_gateway_admission_seconds", "Time of the quota decision (one Redis script call).", ADMISSION_BUCKETS
         )
-        self.redis_errors = Counter("llm_gateway_redis_errors", "Redis calls that failed, by operation.", ("operation",))
+        self.redis_errors = Counter(
+            "llm_gateway_redis_errors", "Redis calls that failed, by operation.", ("operation",)
+        )
         self.fallbacks = Counter(
-            "llm_gateway_redis_fallbacks", "Requests decided without Redis (fail-open: cached key, local limits).",
+            "llm_gateway_redis_fallbacks",
+            "Requests decided without Redis (fail-open: cached key, local limits).",
             ("kind",),
         )
         self.disconnects = Counter(
             "llm_gateway_client_disconnects", "Streams the client cancelled before the end.", ("model",)
         )
         self.early_starts = Counter(
-            "llm_gateway_early_starts", "Streams sent to the engine before their admission returned "
+            "llm_gateway_early_starts",
+            "Streams sent to the engine before their admission returned "
             "(quota.overlap_admission), by outcome: admitted, or withdrawn (refused, or the client left).",
             ("model", "outcome"),
         )
         self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
         self.prompt_resizes = Counter(
-            "llm_gateway_prompt_resizes", "Requests admitted again because their prompt rendered to more tokens "
+            "llm_gateway_prompt_resizes",
+            "Requests admitted again because their prompt rendered to more tokens "
             "than the gateway's estimate reserved (the replica refused it before the engine ran it).",
             ("model",),
         )
         self.answered_counts: collections.Counter[str] = collections.Counter()  # requests by route, this process
         # Final request records on their way to the record sink (accounting/record_shipper.py).
         self.record_backlog = Gauge(
-            "llm_gateway_request_records_backlog", "Final request records waiting in Redis for the record sink "
-            "(records.max_backlog refuses new requests).")
-        self.records_written = Counter("llm_gateway_request_records_shipped",
-                                       "Final request records written to the record sink.")
+            "llm_gateway_request_records_backlog",
+            "Final request records waiting in Redis for the record sink (records.max_backlog refuses new requests).",
+        )
+        self.records_written = Counter(
+            "llm_gateway_request_records_shipped", "Final request records written to the record sink."
+        )
         self.record_bytes = Counter("llm_gateway_request_record_bytes", "Bytes written to the record sink.")
         self.record_failures = Counter(
-            "llm_gateway_request_record_failures", "Record shipping attempts that failed, by kind: redis, sink "
-            "(retried), lost (Redis refused a record and the ingress' own buffer was full).", ("kind",))
+            "llm_gateway_request_record_failures",
+            "Record shipping attempts that failed, by kind: redis, sink "
+            "(retried), lost (Redis refused a record and the ingress' own buffer was full).",
+            ("kind",),
+        )
         # An info metric: joins Serve's per-deployment metrics (replicas, autoscaling
         # target) to model names in PromQL (`* on(deployment) group_left(model)`).
         self.model_info = Gauge(

@@ -52,7 +52,7 @@ def now_ns() -> int:
     return time.time_ns()
 
 
-def replica_context(trace: "RequestTrace | None", model: str) -> dict[str, str] | None:
+def replica_context(trace: RequestTrace | None, model: str) -> dict[str, str] | None:
     """What a call to ``model``'s replica carries of ``trace`` (None: not traced)."""
     return trace.replica_call(model) if trace is not None else None
 
@@ -73,7 +73,7 @@ class RequestTrace:
             self.tracer.start_span("edge", context=self.context, start_time=edge_ns).end(self.root.start_time)
 
     @classmethod
-    def start(cls, name: str, headers: Mapping[str, str]) -> "RequestTrace | None":
+    def start(cls, name: str, headers: Mapping[str, str]) -> RequestTrace | None:
         tracer = process_tracer()
         return cls(tracer, name, headers) if tracer is not None else None
 
@@ -81,8 +81,9 @@ class RequestTrace:
         """A stage that began at ``started_ns`` and ends now."""
         if not self.recording:
             return
-        span = self.tracer.start_span(name, context=self.context, start_time=started_ns,
-                                      attributes=_attributes(attributes))
+        span = self.tracer.start_span(
+            name, context=self.context, start_time=started_ns, attributes=_attributes(attributes)
+        )
         span.end()
 
     def replica_call(self, model: str) -> dict[str, str] | None:
@@ -92,8 +93,9 @@ class RequestTrace:
         if not self.recording:
             return None
         if self.call is None:
-            self.call = self.tracer.start_span("replica call", context=self.context, kind=SpanKind.CLIENT,
-                                               attributes={"gen_ai.request.model": model})
+            self.call = self.tracer.start_span(
+                "replica call", context=self.context, kind=SpanKind.CLIENT, attributes={"gen_ai.request.model": model}
+            )
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=set_span_in_context(self.call))
         return carrier
@@ -114,21 +116,23 @@ class RequestTrace:
         if not self.recording:
             self.root.end()
             return
-        attributes = _attributes({
-            "http.response.status_code": record.status,
-            "gen_ai.operation.name": record.operation,
-            "gen_ai.request.model": record.model,
-            "gen_ai.usage.input_tokens": record.prompt_tokens,
-            "gen_ai.usage.output_tokens": record.completion_tokens,
-            "llm.request_id": record.request_id,  # the answer's x-request-id: the access log's request_id
-            "llm.key.id": record.key_id,
-            "llm.key.team": record.team,
-            "llm.key.tier": record.tier,
-            "llm.stream": record.stream,
-            "llm.cancelled": record.cancelled,
-            "llm.limit": record.limit,
-            "error.type": record.error_code,
-        })
+        attributes = _attributes(
+            {
+                "http.response.status_code": record.status,
+                "gen_ai.operation.name": record.operation,
+                "gen_ai.request.model": record.model,
+                "gen_ai.usage.input_tokens": record.prompt_tokens,
+                "gen_ai.usage.output_tokens": record.completion_tokens,
+                "llm.request_id": record.request_id,  # the answer's x-request-id: the access log's request_id
+                "llm.key.id": record.key_id,
+                "llm.key.team": record.team,
+                "llm.key.tier": record.tier,
+                "llm.stream": record.stream,
+                "llm.cancelled": record.cancelled,
+                "llm.limit": record.limit,
+                "error.type": record.error_code,
+            }
+        )
         if self.call is not None:
             self.call.set_attributes({k: v for k, v in attributes.items() if k.startswith("gen_ai.usage")})
             self.call.end()

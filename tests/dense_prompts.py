@@ -34,21 +34,32 @@ def estimate(prompt: str) -> int:
     return (len(json.dumps(prompt)) + 200) // 4
 
 
-def burst(base_url: str, secrets: list[str], prompts: list[str], max_tokens: int, model: str,
-          stream: bool = False, clients: int = CLIENTS) -> list:
+def burst(
+    base_url: str,
+    secrets: list[str],
+    prompts: list[str],
+    max_tokens: int,
+    model: str,
+    stream: bool = False,
+    clients: int = CLIENTS,
+) -> list:
     """``clients`` chats sent at once (client i with secrets[i % len] and prompts[i % len]);
     the usage of each one answered (a 429 is left out)."""
     answered, lock, go = [], threading.Lock(), threading.Barrier(clients)
 
     def one(i: int) -> None:
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key=secrets[i % len(secrets)],
-                               max_retries=0, timeout=180)
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=secrets[i % len(secrets)], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
         go.wait()
         try:
             if stream:
-                chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                        stream=True, stream_options={"include_usage": True})
+                chunks = client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 usage = [chunk.usage for chunk in chunks if chunk.usage][-1]
             else:
                 usage = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens).usage

@@ -45,8 +45,11 @@ class Jwks:
         self.url = f"http://127.0.0.1:{self.server.server_port}/jwks.json"
 
     def add(self, kid: str, kind: str = "rsa"):
-        self.keys[kid] = (rsa.generate_private_key(public_exponent=65537, key_size=2048) if kind == "rsa"
-                          else ec.generate_private_key(ec.SECP256R1()))
+        self.keys[kid] = (
+            rsa.generate_private_key(public_exponent=65537, key_size=2048)
+            if kind == "rsa"
+            else ec.generate_private_key(ec.SECP256R1())
+        )
         return self.keys[kid]
 
     def public(self, kid: str) -> dict:
@@ -59,8 +62,9 @@ class Jwks:
         alg = alg or ("RS256" if isinstance(key, rsa.RSAPrivateKey) else "ES256")
         now = int(time.time())
         body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "iat": now, "exp": now + 300, **claims}
-        return jwt.encode({k: v for k, v in body.items() if v is not None}, key, algorithm=alg,
-                          headers={"kid": kid} if kid else None)
+        return jwt.encode(
+            {k: v for k, v in body.items() if v is not None}, key, algorithm=alg, headers={"kid": kid} if kid else None
+        )
 
     def stop(self) -> None:
         self.server.shutdown()

@@ -11,9 +11,10 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                        ExportTraceServiceResponse)
-
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from ports import free_port
 
 
@@ -75,10 +76,20 @@ class OtlpReceiver:
             service = attributes.get("service.name", "")
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    found.append(ReceivedSpan(
-                        service, span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
-                        span.kind, span.start_time_unix_nano, span.end_time_unix_nano,
-                        {a.key: _value(a.value) for a in span.attributes}, {e.name: e.time_unix_nano for e in span.events}))
+                    found.append(
+                        ReceivedSpan(
+                            service,
+                            span.name,
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            span.parent_span_id.hex(),
+                            span.kind,
+                            span.start_time_unix_nano,
+                            span.end_time_unix_nano,
+                            {a.key: _value(a.value) for a in span.attributes},
+                            {e.name: e.time_unix_nano for e in span.events},
+                        )
+                    )
         with self._lock:
             self.spans.extend(found)
 

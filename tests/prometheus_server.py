@@ -15,13 +15,14 @@ from pathlib import Path
 
 import httpx
 import yaml
-
 from http_checks import serving_process
 from ports import free_port
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "dashboards" / "prometheus.yml"
 # Where Ray's dashboard lists every node's metrics endpoint (the shipped config reads it).
-[SERVICE_DISCOVERY_FILE] = yaml.safe_load(SHIPPED_CONFIG.read_text())["scrape_configs"][0]["file_sd_configs"][0]["files"]
+[SERVICE_DISCOVERY_FILE] = yaml.safe_load(SHIPPED_CONFIG.read_text())["scrape_configs"][0]["file_sd_configs"][0][
+    "files"
+]
 
 
 class PrometheusError(AssertionError):
@@ -61,8 +62,10 @@ class Prometheus:
             if result and check(value):
                 return value
             if time.monotonic() > deadline:
-                targets = [(t["scrapeUrl"], t["health"], t.get("lastError"), t.get("lastScrapeDuration"))
-                           for t in self._get("/api/v1/targets")["activeTargets"]]
+                targets = [
+                    (t["scrapeUrl"], t["health"], t.get("lastError"), t.get("lastScrapeDuration"))
+                    for t in self._get("/api/v1/targets")["activeTargets"]
+                ]
                 raise AssertionError(f"{expr}: {value} after {timeout_s:.0f}s; targets: {targets}")
             time.sleep(1)
 
@@ -81,12 +84,18 @@ def running_prometheus(scrape_interval: str = "2s"):
     workdir = Path(tempfile.mkdtemp(prefix="prometheus-test-"))
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    command = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-               f"--web.listen-address=127.0.0.1:{port}"]
+    command = [
+        binary,
+        f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
     url = f"http://127.0.0.1:{port}"
     try:
-        with (workdir / "prometheus.log").open("w") as log, \
-                serving_process(command, url + "/-/ready", timeout_s=30, stdout=log, stderr=subprocess.STDOUT):
+        with (
+            (workdir / "prometheus.log").open("w") as log,
+            serving_process(command, url + "/-/ready", timeout_s=30, stdout=log, stderr=subprocess.STDOUT),
+        ):
             yield Prometheus(url)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -33,10 +33,24 @@ class RedisServer:
         assert binary, "redis-server is not installed (make test installs it)"
         self.extra_args = extra_args if extra_args is not None else getattr(self, "extra_args", [])
         self.proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.dir,
-             "--save", "", "--appendonly", "yes" if self.persistent else "no",
-             "--appendfsync", "always", *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dir",
+                self.dir,
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.persistent else "no",
+                "--appendfsync",
+                "always",
+                *self.extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while True:
@@ -55,8 +69,9 @@ class RedisServer:
 
 
 def _cli(port: int, *command: str) -> str:
-    done = subprocess.run([shutil.which("redis-cli"), "-p", str(port), *command],
-                          capture_output=True, text=True, timeout=10)
+    done = subprocess.run(
+        [shutil.which("redis-cli"), "-p", str(port), *command], capture_output=True, text=True, timeout=10
+    )
     return done.stdout
 
 
@@ -88,29 +103,51 @@ class RedisClusterServers:
         for node in self.nodes:
             # The bus port is explicit: the default (port + 10000) overflows for high free ports.
             # No 5 s wait before a replica's first sync (repl-diskless-sync-delay).
-            node.start(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-                        "--cluster-port", str(free_port()), "--cluster-config-file", f"{node.dir}/nodes.conf",
-                        "--repl-diskless-sync-delay", "0"])
+            node.start(
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    str(free_port()),
+                    "--cluster-config-file",
+                    f"{node.dir}/nodes.conf",
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ]
+            )
         create = subprocess.run(
-            [shutil.which("redis-cli"), "--cluster", "create",
-             *(f"127.0.0.1:{node.port}" for node in self.nodes),
-             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
+            [
+                shutil.which("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert create.returncode == 0, create.stdout + create.stderr
         # Ready when every node sees the cluster ok and every replica has synced: a
         # replica that never synced refuses to take over (cluster-replica-validity-factor).
         deadline = time.monotonic() + 30
-        while not (all("cluster_state:ok" in _cli(node.port, "cluster", "info") for node in self.nodes)
-                   and self._replicas_synced()):
+        while not (
+            all("cluster_state:ok" in _cli(node.port, "cluster", "info") for node in self.nodes)
+            and self._replicas_synced()
+        ):
             assert time.monotonic() < deadline, "the Redis Cluster did not become ok with every replica synced"
             time.sleep(0.2)
 
     def _replicas_synced(self) -> bool:
         roles = [_cli(node.port, "info", "replication") for node in self.nodes]
         replicas = [role for role in roles if "role:slave" in role]
-        return (len(replicas) == self.primaries * self.replicas
-                and all("master_link_status:up" in role for role in replicas))
+        return len(replicas) == self.primaries * self.replicas and all(
+            "master_link_status:up" in role for role in replicas
+        )
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -161,13 +198,18 @@ class RedisSentinelSetup:
         for port in self.sentinel_ports:
             conf = f"{self.dir}/sentinel-{port}.conf"
             with open(conf, "w") as out:
-                out.write(f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
-                          f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} 2\n"
-                          f"sentinel down-after-milliseconds {self.service} 2000\n"
-                          f"sentinel failover-timeout {self.service} 10000\n")
+                out.write(
+                    f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                    f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} 2\n"
+                    f"sentinel down-after-milliseconds {self.service} 2000\n"
+                    f"sentinel failover-timeout {self.service} 10000\n"
+                )
             with open(f"{self.dir}/sentinel-{port}.log", "w") as log:
-                self.sentinels.append(subprocess.Popen([shutil.which("redis-server"), conf, "--sentinel"],
-                                                       stdout=log, stderr=subprocess.STDOUT))
+                self.sentinels.append(
+                    subprocess.Popen(
+                        [shutil.which("redis-server"), conf, "--sentinel"], stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
         # A sentinel learns of replicas from the primary's INFO, which it reads every
         # 10 s: a replica that connects just after the first read waits for the next.
         deadline = time.monotonic() + 60

@@ -44,5 +44,8 @@ def counters(redis, account_id: str) -> dict[str, int]:
     """What a key or team was charged today, from its usage hash (requests, tokens,
     cost_nanos, refused, ...)."""
     prefix = time.strftime("d:%Y%m%d", time.gmtime()) + ":"
-    return {name.decode()[len(prefix):]: int(value) for name, value in redis.hgetall(redis_names.usage(account_id)).items()
-            if name.decode().startswith(prefix) and name.decode().count(":") == 2}
+    return {
+        name.decode()[len(prefix) :]: int(value)
+        for name, value in redis.hgetall(redis_names.usage(account_id)).items()
+        if name.decode().startswith(prefix) and name.decode().count(":") == 2
+    }

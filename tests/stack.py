@@ -120,8 +120,11 @@ def replica_engine_processes(model: str | None = None) -> list[psutil.Process]:
 def haproxy_processes() -> list[psutil.Process]:
     """Live haproxy processes (Ray Serve's HAProxy ingress): none may outlive its
     stack, or it keeps the stack's port (cluster/haproxy_guard.py)."""
-    return [p for p in psutil.process_iter(["name", "status"])
-            if (p.info["name"] or "") == "haproxy" and p.info["status"] != psutil.STATUS_ZOMBIE]
+    return [
+        p
+        for p in psutil.process_iter(["name", "status"])
+        if (p.info["name"] or "") == "haproxy" and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def edge_server_states(backend: str) -> dict[str, str]:
@@ -177,14 +180,22 @@ def serve_stack(
     # The previous module's Ray may still be exiting (a CI run's ray.init timed out
     # waiting for its raylet 2 s after the chaos module's `ray stop --force`).
     wait_for_no_ray()
-    start_ray(include_dashboard=dashboard, log_to_driver=False, logging_level="WARNING",
-              _system_config=ray_system_config or {})
+    start_ray(
+        include_dashboard=dashboard,
+        log_to_driver=False,
+        logging_level="WARNING",
+        _system_config=ray_system_config or {},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         for direct in direct_apps(args):  # models with direct_route: an application each
-            serve.run(build_direct_app(direct["args"]), name=direct["name"], route_prefix=direct["route_prefix"],
-                      blocking=False)
+            serve.run(
+                build_direct_app(direct["args"]),
+                name=direct["name"],
+                route_prefix=direct["route_prefix"],
+                blocking=False,
+            )
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_serve_and_ray()
@@ -242,8 +253,11 @@ def stop_every_ray() -> None:
 
 def ray_processes() -> list[psutil.Process]:
     """Live raylet and GCS processes on this machine (zombies hold nothing)."""
-    return [p for p in psutil.process_iter(["name", "status"])
-            if (p.info["name"] or "") in ("raylet", "gcs_server") and p.info["status"] != psutil.STATUS_ZOMBIE]
+    return [
+        p
+        for p in psutil.process_iter(["name", "status"])
+        if (p.info["name"] or "") in ("raylet", "gcs_server") and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def wait_for_no_ray(timeout_s: float = 30) -> None:
@@ -281,10 +295,14 @@ class CliStack:
     def start(self) -> None:
         log = open(self.log_path, "a")
         # A session of its own, as a terminal's foreground job would be.
-        self.proc = subprocess.Popen([str(BIN / "llmctl"), "run", str(self.config), "--log", str(self.serve_log_path)],
-                                     cwd=REPO, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "REDIS_URL": self.redis_url})
+        self.proc = subprocess.Popen(
+            [str(BIN / "llmctl"), "run", str(self.config), "--log", str(self.serve_log_path)],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "REDIS_URL": self.redis_url},
+        )
         log.close()
 
     def wait_ready(self, timeout_s: float = 800) -> None:
@@ -310,8 +328,15 @@ class CliStack:
     def serves(self, secret: str) -> bool:
         body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         try:
-            return httpx.post(self.base_url + "/v1/chat/completions", json=body, timeout=30,
-                              headers={"authorization": f"Bearer {secret}"}).status_code == 200
+            return (
+                httpx.post(
+                    self.base_url + "/v1/chat/completions",
+                    json=body,
+                    timeout=30,
+                    headers={"authorization": f"Bearer {secret}"},
+                ).status_code
+                == 200
+            )
         except httpx.HTTPError:
             return False
 

@@ -33,16 +33,20 @@ def build_sentencepiece_model(path: Path) -> Path:
         byte_tokens = [f"<0x{byte:02X}>" for byte in range(256)]
         tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                               decoders.Strip(" ", 1, 0)])
-        trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials + byte_tokens,
-                                      min_frequency=2, show_progress=False)
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE, special_tokens=specials + byte_tokens, min_frequency=2, show_progress=False
+        )
         tokenizer.train([str(CORPUS)], trainer)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                       unk_token="<unk>", pad_token="<unk>")
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+        )
         fast.chat_template = LLAMA2_TEMPLATE
         fast.save_pretrained(out)
-        LlamaConfig(vocab_size=len(fast), bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                    **SIZES["tiny"]).save_pretrained(out)
+        LlamaConfig(
+            vocab_size=len(fast), bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, **SIZES["tiny"]
+        ).save_pretrained(out)
 
     return build_once(path, "config.json", build)

@@ -47,21 +47,32 @@ class AuditLog:
     def __init__(self, redis):
         self.redis = redis
 
-    async def record(self, actor: str, action: str, target: str, before: dict[str, Any] | None = None,
-                     after: dict[str, Any] | None = None) -> str:
+    async def record(
+        self,
+        actor: str,
+        action: str,
+        target: str,
+        before: dict[str, Any] | None = None,
+        after: dict[str, Any] | None = None,
+    ) -> str:
         """Append one entry; returns its id."""
         oldest_ms = int((time.time() - RETENTION_S) * 1000)
-        fields = {"actor": actor, "action": action, "target": target,
-                  "before": json.dumps(before, separators=(",", ":")),
-                  "after": json.dumps(after, separators=(",", ":"))}
+        fields = {
+            "actor": actor,
+            "action": action,
+            "target": target,
+            "before": json.dumps(before, separators=(",", ":")),
+            "after": json.dumps(after, separators=(",", ":")),
+        }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xadd(redis_names.AUDIT_LOG, fields, minid=oldest_ms, approximate=False)
             pipe.xtrim(redis_names.AUDIT_LOG, maxlen=MAX_ENTRIES, approximate=False)
             entry_id, _ = await pipe.execute()
         return as_text(entry_id)
 
-    async def read(self, limit: int = 100, before: str | None = None, actor: str | None = None,
-                   target: str | None = None) -> dict[str, Any]:
+    async def read(
+        self, limit: int = 100, before: str | None = None, actor: str | None = None, target: str | None = None
+    ) -> dict[str, Any]:
         """A page of entries, newest first, older than the entry ``before`` (an id
         of the previous page), only those of ``actor`` and ``target`` if given."""
         if before is not None and not _STREAM_ID.fullmatch(before):
@@ -79,15 +90,21 @@ class AuditLog:
             if len(rows) < _SCAN_BATCH:
                 break
             upper = f"({as_text(rows[-1][0])}"
-        more = bool(page) and bool(await self.redis.xrevrange(redis_names.AUDIT_LOG, max=f"({page[-1]['id']}",
-                                                              min="-", count=1))
+        more = bool(page) and bool(
+            await self.redis.xrevrange(redis_names.AUDIT_LOG, max=f"({page[-1]['id']}", min="-", count=1)
+        )
         return {"object": "list", "data": page, "has_more": len(page) == limit and more}
 
 
 def _entry(entry_id, fields: dict) -> dict[str, Any]:
     values = {as_text(name): as_text(value) for name, value in fields.items()}
     entry_id = as_text(entry_id)
-    return {"id": entry_id, "at": int(entry_id.split("-")[0]) / 1000, "actor": values["actor"],
-            "action": values["action"], "target": values["target"],
-            "before": json.loads(values["before"]), "after": json.loads(values["after"])}
-
+    return {
+        "id": entry_id,
+        "at": int(entry_id.split("-")[0]) / 1000,
+        "actor": values["actor"],
+        "action": values["action"],
+        "target": values["target"],
+        "before": json.loads(values["before"]),
+        "after": json.loads(values["after"]),
+    }

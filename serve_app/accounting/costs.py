@@ -22,13 +22,19 @@ class Rates:
     cached_prompt: float
 
     @classmethod
-    def of(cls, pricing: Pricing, batch: bool = False) -> "Rates":
+    def of(cls, pricing: Pricing, batch: bool = False) -> Rates:
         factor = 1 - pricing.batch_discount if batch else 1.0
-        cached = pricing.prompt_per_million if pricing.cached_prompt_per_million is None \
+        cached = (
+            pricing.prompt_per_million
+            if pricing.cached_prompt_per_million is None
             else pricing.cached_prompt_per_million
+        )
         # USD per million tokens = nano-dollars per token × 1,000.
-        return cls(pricing.prompt_per_million * 1000 * factor, pricing.completion_per_million * 1000 * factor,
-                   cached * 1000 * factor)
+        return cls(
+            pricing.prompt_per_million * 1000 * factor,
+            pricing.completion_per_million * 1000 * factor,
+            cached * 1000 * factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,15 @@ class Cost:
         return self.input_nanos + self.output_nanos + self.reserved_nanos
 
     @classmethod
-    def of(cls, rates: Rates | None, prompt: int, completion: int, reserved_prompt: int,
-           reserved_completion: int, cached_prompt: int = 0) -> "Cost":
+    def of(
+        cls,
+        rates: Rates | None,
+        prompt: int,
+        completion: int,
+        reserved_prompt: int,
+        reserved_completion: int,
+        cached_prompt: int = 0,
+    ) -> Cost:
         """``prompt`` -1: usage unknown, the reservation is what was charged (at the
         full prompt price: what admission reserved). ``cached_prompt``: how many of
         ``prompt`` the engine had cached (never more than ``prompt``)."""
@@ -58,8 +71,11 @@ class Cost:
             return cls(cached_prompt_tokens=cached)
         if prompt < 0:
             return cls(reserved_nanos=round(reserved_prompt * rates.prompt + reserved_completion * rates.completion))
-        return cls(round((prompt - cached) * rates.prompt + cached * rates.cached_prompt),
-                   round(completion * rates.completion), cached_prompt_tokens=cached)
+        return cls(
+            round((prompt - cached) * rates.prompt + cached * rates.cached_prompt),
+            round(completion * rates.completion),
+            cached_prompt_tokens=cached,
+        )
 
 
 def reservation_nanos(rates: Rates | None, reserved_prompt: int, reserved_completion: int) -> int:

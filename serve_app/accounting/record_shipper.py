@@ -30,8 +30,8 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from serve_app.redis_store import redis_names
 from serve_app.accounting.record_sink import RecordSink
+from serve_app.redis_store import redis_names
 
 logger = logging.getLogger("ray.serve")
 
@@ -71,8 +71,9 @@ class RecordShipper:
             await self.redis.xadd(redis_names.RECORD_OUTBOX, {"r": entry})
         except RedisError:
             if len(self._unsent) >= MAX_UNSENT:
-                logger.error("request record %s lost: Redis refused it and %d wait already", record.get("id"),
-                             MAX_UNSENT)
+                logger.error(
+                    "request record %s lost: Redis refused it and %d wait already", record.get("id"), MAX_UNSENT
+                )
                 self._failed("lost")
                 return
             self._unsent.append(entry)
@@ -162,8 +163,9 @@ class RecordShipper:
         return [(entry_id, fields) for entry_id, fields in entries if fields]  # deleted meanwhile: no fields
 
     async def _claim(self) -> list:
-        reply = await self.redis.xautoclaim(redis_names.RECORD_OUTBOX, GROUP, self.writer, CLAIM_IDLE_MS,
-                                            start_id="0-0", count=BATCH)
+        reply = await self.redis.xautoclaim(
+            redis_names.RECORD_OUTBOX, GROUP, self.writer, CLAIM_IDLE_MS, start_id="0-0", count=BATCH
+        )
         return [(entry_id, fields) for entry_id, fields in reply[1] if fields]
 
     def _failed(self, kind: str) -> None:

@@ -29,7 +29,7 @@ _HOUR_MS = 3600 * 1000
 
 
 def _hour_dir(root: Path, ms: int) -> Path:
-    when = datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc)
+    when = datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
     return root / when.strftime("%Y%m%d") / when.strftime("%H")
 
 
@@ -57,15 +57,16 @@ class RecordSink:
             written += len(data)
         return written
 
-    def find(self, request_id: str | None = None, *, http_request_id: str | None = None,
-             key_id: str | None = None) -> dict[str, Any] | None:
+    def find(
+        self, request_id: str | None = None, *, http_request_id: str | None = None, key_id: str | None = None
+    ) -> dict[str, Any] | None:
         """The record of ``request_id`` (a request id of ours: read from the hour
         it names), or of ``http_request_id`` (a client's x-request-id: every file
         of the retention is read, oldest first; among ``key_id``'s requests the
         last that used it, else the first of any key, as Redis' index answers)."""
         if request_id is not None:
             when = id_time(request_id)
-            files = (self._files_near(when) if when is not None else self._files(newest_first=True))
+            files = self._files_near(when) if when is not None else self._files(newest_first=True)
             needle = f'"id":{json.dumps(request_id)}'.encode()
             for record in self._matching(files, needle):
                 if record.get("id") == request_id:
@@ -86,7 +87,7 @@ class RecordSink:
         """Remove the days wholly past the retention; returns how many."""
         if not self.root.is_dir():
             return 0
-        oldest = datetime.datetime.fromtimestamp(now_s - self.retention_s, datetime.timezone.utc)
+        oldest = datetime.datetime.fromtimestamp(now_s - self.retention_s, datetime.UTC)
         removed = 0
         for day in self.root.iterdir():
             if _DAY.match(day.name) and day.name < oldest.strftime("%Y%m%d"):

@@ -17,8 +17,19 @@ from serve_app.redis_store import lua_scripts
 
 
 class StorageAccount:
-    def __init__(self, redis, names: Callable[[str], list[str]], max_bytes: int, max_objects: int,
-                 retention_s: float, *, what: str, remedy: str, param: str, code: str):
+    def __init__(
+        self,
+        redis,
+        names: Callable[[str], list[str]],
+        max_bytes: int,
+        max_objects: int,
+        retention_s: float,
+        *,
+        what: str,
+        remedy: str,
+        param: str,
+        code: str,
+    ):
         """``names(key_id)``: the account's two Redis keys; ``retention_s``: the
         longest an object is kept (the account's own keys outlive it by a day). A
         reservation past a bound is a 400 (``param``, ``code``) saying what the key's
@@ -30,28 +41,35 @@ class StorageAccount:
 
     def _refusal(self, total: int, count: int, size: int) -> OpenAIError:
         return OpenAIError(
-            400, f"This key's {self._what} hold {total} bytes in {count} objects; the limit is {self.max_bytes} "
+            400,
+            f"This key's {self._what} hold {total} bytes in {count} objects; the limit is {self.max_bytes} "
             f"bytes and {self.max_objects} objects per key, and this needs up to {size} bytes more. {self._remedy}",
-            param=self._param, code=self._code)
+            param=self._param,
+            code=self._code,
+        )
 
-    async def _call(self, op: str, key_id: str, object_id: str, size: int = 0, expires_s: float = 0,
-                    now_s: float | None = None) -> tuple[bool, int, int]:
+    async def _call(
+        self, op: str, key_id: str, object_id: str, size: int = 0, expires_s: float = 0, now_s: float | None = None
+    ) -> tuple[bool, int, int]:
         now_ms = int((time.time() if now_s is None else now_s) * 1000)
         done, total, count = await self._script(
             keys=self._names(key_id),
-            args=[op, object_id, size, int(expires_s * 1000), now_ms, self.max_bytes, self.max_objects, self._ttl_ms])
+            args=[op, object_id, size, int(expires_s * 1000), now_ms, self.max_bytes, self.max_objects, self._ttl_ms],
+        )
         return bool(done), int(total), int(count)
 
-    async def reserve(self, key_id: str, object_id: str, size: int, expires_s: float,
-                      now_s: float | None = None) -> None:
+    async def reserve(
+        self, key_id: str, object_id: str, size: int, expires_s: float, now_s: float | None = None
+    ) -> None:
         """Room for a new object of at most ``size`` bytes until ``expires_s`` (unless
         recorded or released before), or the account's refusal."""
         done, total, count = await self._call("reserve", key_id, object_id, size, expires_s, now_s)
         if not done:
             raise self._refusal(total, count, size)
 
-    async def record(self, key_id: str, object_id: str, size: int, expires_s: float,
-                     now_s: float | None = None) -> None:
+    async def record(
+        self, key_id: str, object_id: str, size: int, expires_s: float, now_s: float | None = None
+    ) -> None:
         await self._call("record", key_id, object_id, size, expires_s, now_s)
 
     async def release(self, key_id: str, object_id: str, now_s: float | None = None) -> None:

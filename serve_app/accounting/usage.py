@@ -22,8 +22,13 @@ _COMPLETION_PREFIXES = ("chatcmpl-", "cmpl-")
 # carried their time are 16 random hex digits.
 _OUR_ID = re.compile(r"^k[0-9a-z]+-(?:[0-9a-f]{8})?[0-9a-f]{16}$")
 _INT_FIELDS = {
-    "received_ms", "first_token_ms", "finished_ms", "reserved_tokens",
-    "prompt_tokens", "completion_tokens", "total_tokens",
+    "received_ms",
+    "first_token_ms",
+    "finished_ms",
+    "reserved_tokens",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
 }
 
 
@@ -48,7 +53,7 @@ def key_id_of(request_id: str) -> tuple[str, str]:
     """(key id, bare request id) of a request or completion id."""
     for prefix in _COMPLETION_PREFIXES:
         if request_id.startswith(prefix):
-            request_id = request_id[len(prefix):]
+            request_id = request_id[len(prefix) :]
     key_id, sep, _ = request_id.partition("-")
     if not sep:
         raise ValueError(f"not a request id: {request_id!r}")
@@ -95,13 +100,12 @@ def as_state(request_id: str, raw: dict) -> dict[str, Any]:
 async def key_usage(redis, key_id: str, now: datetime.datetime | None = None) -> dict[str, Any]:
     """Today's and this month's (UTC) counters of one key, and its refusals
     (today's count; the last hour's by limit kind)."""
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     raw = {_text(k): int(v) for k, v in (await redis.hgetall(redis_names.usage(key_id))).items()}
     periods = {"today": now.strftime("d:%Y%m%d"), "month": now.strftime("m:%Y%m")}
     counters = ("requests", "tokens", "prompt_tokens", "completion_tokens", "cost_nanos")
     usage: dict[str, Any] = {
-        label: {counter: raw.get(f"{period}:{counter}", 0) for counter in counters}
-        for label, period in periods.items()
+        label: {counter: raw.get(f"{period}:{counter}", 0) for counter in counters} for label, period in periods.items()
     }
     usage["today"]["refused"] = raw.get(f"{periods['today']}:refused", 0)
     # Refusals of the last hour by kind (admit.lua keeps them per minute).

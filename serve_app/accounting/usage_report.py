@@ -28,11 +28,11 @@ from typing import Any
 
 from starlette.datastructures import QueryParams
 
+from serve_app.accounting.costs import NANOS_PER_USD
 from serve_app.errors import OpenAIError
+from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store import redis_names
 from serve_app.redis_store.redis_client import as_text
-from serve_app.accounting.costs import NANOS_PER_USD
-from serve_app.identity.keys import KeyRecord
 
 DAY_S = 86400
 DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's for 1d buckets
@@ -42,8 +42,14 @@ MAX_RANGE_DAYS = 400
 GROUPS = ("project_id", "api_key_id", "model")  # what a usage result may be grouped by here
 COST_GROUPS = ("project_id", "api_key_id", "line_item")  # and a cost result (a line item: "<model>, input")
 COST_PARTS = ("input", "output", "reserved")
-COUNTERS = ("requests", "input_tokens", "input_cached_tokens", "output_tokens", "reserved_tokens",
-            *(f"cost_{part}_nanos" for part in COST_PARTS))
+COUNTERS = (
+    "requests",
+    "input_tokens",
+    "input_cached_tokens",
+    "output_tokens",
+    "reserved_tokens",
+    *(f"cost_{part}_nanos" for part in COST_PARTS),
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class UsageQuery:
 def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQuery:
     """The query of OpenAI's usage (or, with ``COST_GROUPS``, costs) endpoint; a 400
     names the parameter it cannot take."""
+
     def many(name: str) -> list[str]:
         values = [*params.getlist(name), *params.getlist(name + "[]")]
         return [part for value in values for part in value.split(",") if part]
@@ -84,12 +91,17 @@ def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQ
         raise OpenAIError(400, "'start_time' (Unix seconds) is required.", param="start_time")
     end_time = integer("end_time", start_time + 1, 2**40)
     if end_time is not None and end_time - start_time > MAX_RANGE_DAYS * DAY_S:
-        raise OpenAIError(400, f"The range from 'start_time' to 'end_time' spans more than {MAX_RANGE_DAYS} days; "
-                          "usage is kept 35 days. Ask for a shorter range.", param="end_time")
+        raise OpenAIError(
+            400,
+            f"The range from 'start_time' to 'end_time' spans more than {MAX_RANGE_DAYS} days; "
+            "usage is kept 35 days. Ask for a shorter range.",
+            param="end_time",
+        )
     width = one("bucket_width") or "1d"
     if width != "1d":
-        raise OpenAIError(400, f"bucket_width '{width}' is not served here: usage is counted per day ('1d').",
-                          param="bucket_width")
+        raise OpenAIError(
+            400, f"bucket_width '{width}' is not served here: usage is counted per day ('1d').", param="bucket_width"
+        )
     group_by = tuple(dict.fromkeys(many("group_by")))
     unknown = [name for name in group_by if name not in groups]
     if unknown:
@@ -97,22 +109,33 @@ def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQ
     limit = integer("limit", 1, MAX_BUCKETS) or DEFAULT_BUCKETS
     page = integer("page", 0, 2**40)
     keys, models, projects = many("api_key_ids"), many("models"), many("project_ids")
-    return UsageQuery(start_time, end_time, group_by, frozenset(keys) if keys else None,
-                      frozenset(models) if models else None, frozenset(projects) if projects else None, limit, page)
+    return UsageQuery(
+        start_time,
+        end_time,
+        group_by,
+        frozenset(keys) if keys else None,
+        frozenset(models) if models else None,
+        frozenset(projects) if projects else None,
+        limit,
+        page,
+    )
 
 
-async def completions_usage(redis, keys: list[KeyRecord], query: UsageQuery,
-                            now: float | None = None) -> dict[str, Any]:
+async def completions_usage(
+    redis, keys: list[KeyRecord], query: UsageQuery, now: float | None = None
+) -> dict[str, Any]:
     """OpenAI's ``page`` of ``bucket``s of ``organization.usage.completions.result``."""
     shown, more, rows = await _rows(redis, keys, query, now)
-    sums: dict[int, dict[tuple, dict[str, int]]] = {day: defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
-                                                   for day in shown}
+    sums: dict[int, dict[tuple, dict[str, int]]] = {
+        day: defaultdict(lambda: dict.fromkeys(COUNTERS, 0)) for day in shown
+    }
     for day, key_id, team, model, counter, value in rows:
         by = {"project_id": team, "api_key_id": key_id, "model": model}
         group = tuple((name, by[name]) for name in query.group_by)
         sums[day][group][counter] += value
-    return _page(shown, more, {day: [_result(dict(group), counts) for group, counts in _sorted(sums[day])]
-                               for day in shown})
+    return _page(
+        shown, more, {day: [_result(dict(group), counts) for group, counts in _sorted(sums[day])] for day in shown}
+    )
 
 
 async def costs(redis, keys: list[KeyRecord], query: UsageQuery, now: float | None = None) -> dict[str, Any]:
@@ -128,8 +151,9 @@ async def costs(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
         by = {"project_id": team, "api_key_id": key_id, "line_item": f"{model}, {part}"}
         group = tuple((name, by[name]) for name in query.group_by)
         sums[day][group] += value
-    return _page(shown, more, {day: [_cost_result(dict(group), nanos) for group, nanos in _sorted(sums[day])]
-                               for day in shown})
+    return _page(
+        shown, more, {day: [_cost_result(dict(group), nanos) for group, nanos in _sorted(sums[day])] for day in shown}
+    )
 
 
 def _sorted(groups: dict[tuple, Any]) -> list[tuple[tuple, Any]]:
@@ -140,7 +164,7 @@ def _sorted(groups: dict[tuple, Any]) -> list[tuple[tuple, Any]]:
 async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | None):
     """The days of this page, whether more follow, and every per-model counter of
     those days the query selects: (day start, key id, its team, model, counter, value)."""
-    now = now if now is not None else datetime.datetime.now(datetime.timezone.utc).timestamp()
+    now = now if now is not None else datetime.datetime.now(datetime.UTC).timestamp()
     first = (query.page if query.page is not None else query.start_time) // DAY_S * DAY_S
     end = query.end_time if query.end_time is not None else int(now) + 1
     # This page's days and the next page's first, never the whole range as a list.
@@ -165,15 +189,20 @@ async def _rows(redis, keys: list[KeyRecord], query: UsageQuery, now: float | No
 
 
 def _page(shown: list[int], more: list[int], results: dict[int, list]) -> dict[str, Any]:
-    buckets = [{"object": "bucket", "start_time": day, "end_time": day + DAY_S, "results": results[day]}
-               for day in shown]
+    buckets = [
+        {"object": "bucket", "start_time": day, "end_time": day + DAY_S, "results": results[day]} for day in shown
+    ]
     return {"object": "page", "data": buckets, "has_more": bool(more), "next_page": str(more[0]) if more else None}
 
 
 def _cost_result(group: dict[str, str], nanos: int) -> dict[str, Any]:
-    return {"object": "organization.costs.result", "amount": {"value": nanos / NANOS_PER_USD, "currency": "usd"},
-            "line_item": group.get("line_item"), "project_id": group.get("project_id"),
-            "api_key_id": group.get("api_key_id")}
+    return {
+        "object": "organization.costs.result",
+        "amount": {"value": nanos / NANOS_PER_USD, "currency": "usd"},
+        "line_item": group.get("line_item"),
+        "project_id": group.get("project_id"),
+        "api_key_id": group.get("api_key_id"),
+    }
 
 
 def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:
@@ -196,7 +225,7 @@ def _result(group: dict[str, str], counts: dict[str, int]) -> dict[str, Any]:
 
 
 def _day_field(day_start: int) -> str:
-    return datetime.datetime.fromtimestamp(day_start, datetime.timezone.utc).strftime("d:%Y%m%d")
+    return datetime.datetime.fromtimestamp(day_start, datetime.UTC).strftime("d:%Y%m%d")
 
 
 def _model_counter(field: str) -> tuple[str, str | None, str, str] | None:
@@ -212,4 +241,3 @@ def _model_counter(field: str) -> tuple[str, str | None, str, str] | None:
         return None
     model, _, counter = rest[7:].rpartition(":")
     return (day, team, model, counter) if model and counter in COUNTERS else None
-

@@ -14,16 +14,16 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from serve_app.errors import OpenAIError, invalid_request
 from contract.model_config import PriorityTier
-from serve_app.identity.admins import AdminNotFound, AdminStore
+from serve_app.accounting import usage_report
 from serve_app.accounting.audit import AuditLog, changed
 from serve_app.accounting.record_shipper import RecordShipper
-from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
-from serve_app.limits import KeyLimits
-from serve_app.identity.teams import TeamNotFound, TeamRecord, TeamStore
-from serve_app.accounting import usage_report
 from serve_app.accounting.usage import key_usage, request_state
+from serve_app.errors import OpenAIError, invalid_request
+from serve_app.identity.admins import AdminNotFound, AdminStore
+from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
+from serve_app.identity.teams import TeamNotFound, TeamRecord, TeamStore
+from serve_app.limits import KeyLimits
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class AdminStores:
 def _printable_name(name: str) -> str:
     if not name.strip():
         raise ValueError("a name must not be empty or blank")
-    if any(ord(char) < 0x20 or ord(char) == 0x7f for char in name):
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in name):
         raise ValueError("a name must not contain control characters")
     return name
 
@@ -114,8 +114,9 @@ async def _team_to_join(stores: AdminStores, id_or_name: str) -> TeamRecord:
     """A team a key may be put in: an enabled one."""
     team = await _team(stores, id_or_name)
     if not team.enabled:
-        raise OpenAIError(400, f"The team '{team.name}' is disabled: no key can join it.", param="team",
-                          code="team_disabled")
+        raise OpenAIError(
+            400, f"The team '{team.name}' is disabled: no key can join it.", param="team", code="team_disabled"
+        )
     return team
 
 
@@ -184,8 +185,11 @@ async def list_teams(stores: AdminStores) -> dict[str, Any]:
 
 async def show_team(stores: AdminStores, id_or_name: str) -> dict[str, Any]:
     team = await _team(stores, id_or_name)
-    return {**team.model_dump(), "keys": await stores.teams.members(team.id),
-            "usage": await key_usage(stores.redis, team.id)}
+    return {
+        **team.model_dump(),
+        "keys": await stores.teams.members(team.id),
+        "usage": await key_usage(stores.redis, team.id),
+    }
 
 
 async def update_team(stores: AdminStores, id_or_name: str, body: Any, actor: str) -> dict[str, Any]:
@@ -263,8 +267,13 @@ async def cancel_batch(stores: AdminStores, batches, batch_id: str, actor: str) 
     return {**cancelled, "key_id": key_id}
 
 
-async def audit_trail(stores: AdminStores, limit: Any = 100, before: str | None = None, actor: str | None = None,
-                      target: str | None = None) -> dict[str, Any]:
+async def audit_trail(
+    stores: AdminStores,
+    limit: Any = 100,
+    before: str | None = None,
+    actor: str | None = None,
+    target: str | None = None,
+) -> dict[str, Any]:
     """A page of the audit trail, newest first (``before``: the last id of the previous page)."""
     try:
         limit = int(limit)

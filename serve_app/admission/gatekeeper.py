@@ -51,9 +51,15 @@ MAX_UNSETTLED = 10_000
 
 
 class Gatekeeper:
-    def __init__(self, redis, settings: AppSettings, telemetry: Telemetry,
-                 team_of: Callable[[KeyRecord, str], Awaitable[TeamRecord | None]],
-                 replica_count: Callable[[], int], records: RecordShipper | None = None):
+    def __init__(
+        self,
+        redis,
+        settings: AppSettings,
+        telemetry: Telemetry,
+        team_of: Callable[[KeyRecord, str], Awaitable[TeamRecord | None]],
+        replica_count: Callable[[], int],
+        records: RecordShipper | None = None,
+    ):
         """``team_of(key, model)``: the key's team as admission applies it (a 401/403 for a
         team that refuses it: identity/authentication.py); ``replica_count()``: how many
         replicas share a key's limits while Redis is down (maintenance.IngressReplicas);
@@ -63,9 +69,12 @@ class Gatekeeper:
         self.records = records
         self._team_of = team_of
         self.admission = Admission(
-            redis, lease_s=quota.concurrency_lease_s, retention_s=quota.request_retention_s,
+            redis,
+            lease_s=quota.concurrency_lease_s,
+            retention_s=quota.request_retention_s,
             settled_s=settings.records.recent_s if records is not None else None,
-            replicas_to_acknowledge=quota.replicas_to_acknowledge, acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
+            replicas_to_acknowledge=quota.replicas_to_acknowledge,
+            acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
         )
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens
@@ -89,8 +98,15 @@ class Gatekeeper:
         in Redis (overlap.py); if so, the room it assumes is spent."""
         return self.overlap is not None and self.overlap.try_spend(key, reserve_tokens)
 
-    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",
-                    request_id: str | None = None, reserve_nanos: int = 0) -> Ticket | Refusal:
+    async def admit(
+        self,
+        key: KeyRecord,
+        model: str,
+        reserve_tokens: int,
+        http_request_id: str = "",
+        request_id: str | None = None,
+        reserve_nanos: int = 0,
+    ) -> Ticket | Refusal:
         """A ``Ticket`` to run, or the ``Refusal`` of a limit of the key or of its team
         (rendered by the caller). A quota store that cannot decide raises its 503.
         ``request_id``: the id the request was already sent to the engine under (an
@@ -111,9 +127,17 @@ class Gatekeeper:
             # admitted where 7 fit). The price: a round trip per level.
             decisions = []
             for level in levels:
-                decisions.append(await self.admission.admit(
-                    level, request_id, model, reserve_tokens, http_request_id if level is key else "",
-                    reserve_nanos, team.id if team is not None and level is key else ""))
+                decisions.append(
+                    await self.admission.admit(
+                        level,
+                        request_id,
+                        model,
+                        reserve_tokens,
+                        http_request_id if level is key else "",
+                        reserve_nanos,
+                        team.id if team is not None and level is key else "",
+                    )
+                )
                 if not decisions[-1].admitted:
                     break
         except asyncio.CancelledError:
@@ -156,8 +180,14 @@ class Gatekeeper:
                 await self._release(levels[0], request_id, model, "team_" + last.kind)
             if team is not None:
                 self.telemetry.team_refused(team.name, "key" if len(decisions) == 1 else "team")
-            return Refusal(last.as_applied(levels[len(decisions) - 1]), last.kind, reserve_tokens, last,
-                           level="key" if len(decisions) == 1 else "team", reserved_nanos=reserve_nanos)
+            return Refusal(
+                last.as_applied(levels[len(decisions) - 1]),
+                last.kind,
+                reserve_tokens,
+                last,
+                level="key" if len(decisions) == 1 else "team",
+                reserved_nanos=reserve_nanos,
+            )
         if self.overlap is not None:
             self.overlap.admitted(key, decision)
         ticket = Ticket(key, request_id, model, decision.headers(key), team=team)
@@ -207,8 +237,7 @@ class Gatekeeper:
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
-    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int,
-                       exc) -> Ticket | Refusal:
+    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc) -> Ticket | Refusal:
         if not self.fail_open:
             raise quota_store_unavailable()
         self.telemetry.fell_back("local_limits")
@@ -249,10 +278,12 @@ class Gatekeeper:
         if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
             self.overlap.ended(ticket.key.id)
         for level in ticket.levels():
-            self._spawn(self._settle_now(
-                (level, ticket.request_id, status, prompt, completion, replica, ticket.model, cost),
-                ticket.trace if level is ticket.key else None,
-            ))
+            self._spawn(
+                self._settle_now(
+                    (level, ticket.request_id, status, prompt, completion, replica, ticket.model, cost),
+                    ticket.trace if level is ticket.key else None,
+                )
+            )
 
     async def _settle_now(self, settlement: tuple, trace=None) -> None:
         """``trace``: the request's, which gets a ``settle`` span (after its answer)."""

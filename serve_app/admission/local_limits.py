@@ -1,7 +1,8 @@
 """Approximate per-replica limits for when Redis is unreachable (fail_mode: open).
 
 Each ingress replica enforces its share of a key's limits (limit / number of
-ingress replicas, read when deciding: an autoscaled ingress changes it) in memory, with the same GCRA rule as the Redis script, so a
+ingress replicas, read when deciding: an autoscaled ingress changes it) in memory, with the same GCRA rule as the
+Redis script, so a
 key cannot run unbounded while Redis is down. Budgets are not enforced here:
 they need the shared counters.
 """

@@ -61,8 +61,16 @@ def _running_replicas_of_this_deployment() -> int:
 
 
 class Maintenance:
-    def __init__(self, gate: Gatekeeper, keys: KeyStore, teams: TeamStore, replicas: IngressReplicas,
-                 records: RecordShipper | None, lease_s: float, key_cache_ttl_s: float):
+    def __init__(
+        self,
+        gate: Gatekeeper,
+        keys: KeyStore,
+        teams: TeamStore,
+        replicas: IngressReplicas,
+        records: RecordShipper | None,
+        lease_s: float,
+        key_cache_ttl_s: float,
+    ):
         self.gate, self.keys, self.teams, self.replicas, self.records = gate, keys, teams, replicas, records
         self.renew_every_s = lease_s / 3
         # How often the keys of running requests are read again (a revoked key's streams stop).

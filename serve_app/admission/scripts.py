@@ -28,12 +28,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.accounting.costs import NANOS_PER_USD, Cost
+from serve_app.accounting.usage import as_state, key_id_of
+from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store import lua_scripts, redis_names
 from serve_app.redis_store.auto_pipeline import AutoPipeline
-from serve_app.accounting.costs import NANOS_PER_USD, Cost
-from serve_app.identity.keys import KeyRecord
-from serve_app.accounting.usage import as_state, key_id_of
-
 
 # What 429 bodies say, by refusal kind: (OpenAI `type`, `code`).
 REFUSALS = {
@@ -49,7 +48,6 @@ REFUSALS = {
     # record), though the replica's cached record said otherwise. Answered as a 401.
     "revoked": ("authentication_error", "invalid_api_key"),
 }
-
 
 
 @dataclass(frozen=True)
@@ -73,11 +71,17 @@ class Decision:
         if not self.applied:
             return key
         rpm, tpm, concurrent, daily, monthly, daily_nanos, monthly_nanos = map(int, self.applied.split(","))
-        return key.model_copy(update={
-            "requests_per_minute": rpm, "tokens_per_minute": tpm, "max_concurrent": concurrent,
-            "daily_token_budget": daily, "monthly_token_budget": monthly,
-            "daily_cost_budget_usd": daily_nanos / NANOS_PER_USD, "monthly_cost_budget_usd": monthly_nanos / NANOS_PER_USD,
-        })
+        return key.model_copy(
+            update={
+                "requests_per_minute": rpm,
+                "tokens_per_minute": tpm,
+                "max_concurrent": concurrent,
+                "daily_token_budget": daily,
+                "monthly_token_budget": monthly,
+                "daily_cost_budget_usd": daily_nanos / NANOS_PER_USD,
+                "monthly_cost_budget_usd": monthly_nanos / NANOS_PER_USD,
+            }
+        )
 
     def budget_used(self) -> dict[str, int]:
         """Tokens counted against each budget period, this request included
@@ -157,9 +161,16 @@ def indexable_http_id(http_request_id: str) -> str:
 
 
 class Admission:
-    def __init__(self, redis, *, lease_s: float, retention_s: int, settled_s: int | None = None,
-                 replicas_to_acknowledge: int = 0,
-                 acknowledge_timeout_ms: int = 100):
+    def __init__(
+        self,
+        redis,
+        *,
+        lease_s: float,
+        retention_s: int,
+        settled_s: int | None = None,
+        replicas_to_acknowledge: int = 0,
+        acknowledge_timeout_ms: int = 100,
+    ):
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
         self.retention_s = retention_s
@@ -169,8 +180,9 @@ class Admission:
         self.settled_s = settled_s
         # Called by EVALSHA, through the auto-pipeline (its module says how a
         # missing script is loaded, and how replicas acknowledge).
-        self.pipeline = AutoPipeline(redis, replicas_to_acknowledge=replicas_to_acknowledge,
-                                     acknowledge_timeout_ms=acknowledge_timeout_ms)
+        self.pipeline = AutoPipeline(
+            redis, replicas_to_acknowledge=replicas_to_acknowledge, acknowledge_timeout_ms=acknowledge_timeout_ms
+        )
         self._admit = lua_scripts.register(redis, __package__, "admit")
         self._running = lua_scripts.register(redis, __package__, "running")
         self._settle = lua_scripts.register(redis, __package__, "settle")
@@ -178,8 +190,14 @@ class Admission:
         self._release = lua_scripts.register(redis, __package__, "release")
 
     async def admit(
-        self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, http_request_id: str = "",
-        reserve_nanos: int = 0, team_id: str = "",
+        self,
+        key: KeyRecord,
+        request_id: str,
+        model: str,
+        reserve_tokens: int,
+        http_request_id: str = "",
+        reserve_nanos: int = 0,
+        team_id: str = "",
     ) -> Decision:
         """One EVALSHA. ``http_request_id`` is stored in the record when indexable
         (``index_http_id`` writes its lookup key, off the request path);
@@ -188,25 +206,40 @@ class Admission:
         usage API reports it there, wherever the key moves later)."""
         keys = redis_names.admission_keys(key.id, request_id)
         args = [
-            request_id, model, key.requests_per_minute, key.tokens_per_minute,
-            key.max_concurrent, key.daily_token_budget, key.monthly_token_budget,
-            reserve_tokens, self.lease_ms, self.retention_s, key.id, indexable_http_id(http_request_id),
+            request_id,
+            model,
+            key.requests_per_minute,
+            key.tokens_per_minute,
+            key.max_concurrent,
+            key.daily_token_budget,
+            key.monthly_token_budget,
+            reserve_tokens,
+            self.lease_ms,
+            self.retention_s,
+            key.id,
+            indexable_http_id(http_request_id),
             redis_names.request_record_prefix(key.id),
-            usd_nanos(key.daily_cost_budget_usd), usd_nanos(key.monthly_cost_budget_usd), str(int(reserve_nanos)),
+            usd_nanos(key.daily_cost_budget_usd),
+            usd_nanos(key.monthly_cost_budget_usd),
+            str(int(reserve_nanos)),
             "1" if redis_names.has_stored_limits(key.id) else "0",
             team_id,
         ]
         reply = await self.pipeline.call(self._admit, keys, args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply[:8]
         applied = _text(reply[8]) if len(reply) > 8 else ""
-        return Decision(bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail),
-                        applied)
+        return Decision(
+            bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail), applied
+        )
 
     async def release(self, key: KeyRecord, request_id: str, refused_by: str) -> bool:
         """Undo ``request_id``'s admission at ``key``'s level (another level refused
         it: ``refused_by`` names that level's limit, e.g. ``team_requests``)."""
-        reply = await self.pipeline.call(self._release, redis_names.admission_keys(key.id, request_id),
-                                         [request_id, key.requests_per_minute, key.tokens_per_minute, refused_by])
+        reply = await self.pipeline.call(
+            self._release,
+            redis_names.admission_keys(key.id, request_id),
+            [request_id, key.requests_per_minute, key.tokens_per_minute, refused_by],
+        )
         return bool(reply)
 
     async def index_http_id(self, http_request_id: str, request_id: str) -> None:
@@ -236,41 +269,69 @@ class Admission:
     ) -> Settled | None:
         """Final accounting. Idempotent: safe to retry; None when the request was
         settled already."""
-        reply = await self.pipeline.call(self._settle, redis_names.admission_keys(key.id, request_id),
-                                         self._settle_args(key, request_id, status, prompt_tokens, completion_tokens,
-                                                           replica, model, cost))
+        reply = await self.pipeline.call(
+            self._settle,
+            redis_names.admission_keys(key.id, request_id),
+            self._settle_args(key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost),
+        )
         return _settled(request_id, reply)
 
-    def _settle_args(self, key, request_id, status, prompt_tokens, completion_tokens, replica, model,
-                     cost: Cost = Cost()) -> list:
-        now = datetime.datetime.now(datetime.timezone.utc)
+    def _settle_args(
+        self, key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost: Cost = Cost()
+    ) -> list:
+        now = datetime.datetime.now(datetime.UTC)
         ship = self.settled_s is not None and key_id_of(request_id)[0] == key.id
-        return [request_id, status, prompt_tokens, completion_tokens, key.tokens_per_minute,
-                self.settled_s or self.retention_s, replica, key.id, model, now.strftime("d:%Y%m%d"),
-                now.strftime("m:%Y%m"), cost.input_nanos, cost.output_nanos, cost.reserved_nanos,
-                cost.cached_prompt_tokens, "1" if ship else "0"]
+        return [
+            request_id,
+            status,
+            prompt_tokens,
+            completion_tokens,
+            key.tokens_per_minute,
+            self.settled_s or self.retention_s,
+            replica,
+            key.id,
+            model,
+            now.strftime("d:%Y%m%d"),
+            now.strftime("m:%Y%m"),
+            cost.input_nanos,
+            cost.output_nanos,
+            cost.reserved_nanos,
+            cost.cached_prompt_tokens,
+            "1" if ship else "0",
+        ]
 
     async def settle_many(self, settlements: list[tuple]) -> list[tuple[bool, Settled | None]]:
         """Settle several requests in one pipeline (retries after Redis was
         unreachable); each item is ``settle``'s arguments. Returns, per item,
         whether Redis answered for it (an answered settle is done, whatever it did)
         and what ``settle`` returns."""
-        calls = [(self._settle, redis_names.admission_keys(key.id, request_id),
-                  self._settle_args(key, request_id, status, prompt, completion, replica, model, *cost))
-                 for key, request_id, status, prompt, completion, replica, model, *cost in settlements]
+        calls = [
+            (
+                self._settle,
+                redis_names.admission_keys(key.id, request_id),
+                self._settle_args(key, request_id, status, prompt, completion, replica, model, *cost),
+            )
+            for key, request_id, status, prompt, completion, replica, model, *cost in settlements
+        ]
         replies = await self._script_batch(calls)
-        return [(False, None) if isinstance(reply, BaseException) else (True, _settled(item[1], reply))
-                for item, reply in zip(settlements, replies)]
+        return [
+            (False, None) if isinstance(reply, BaseException) else (True, _settled(item[1], reply))
+            for item, reply in zip(settlements, replies)
+        ]
 
     async def renew(self, running: dict[str, list[str]]) -> int:
         """Renew the leases of running requests, ``{key id: [request ids]}``, in
         one pipeline (one script call per key). Returns leases renewed."""
         if not running:
             return 0
-        calls = [(self._renew,
-                  [redis_names.concurrency(key_id)] + [redis_names.request_record(key_id, r) for r in request_ids],
-                  [self.lease_ms, *request_ids])
-                 for key_id, request_ids in running.items()]
+        calls = [
+            (
+                self._renew,
+                [redis_names.concurrency(key_id)] + [redis_names.request_record(key_id, r) for r in request_ids],
+                [self.lease_ms, *request_ids],
+            )
+            for key_id, request_ids in running.items()
+        ]
         replies = await self._script_batch(calls)
         for reply in replies:
             if isinstance(reply, BaseException):
@@ -283,8 +344,9 @@ class Admission:
         Raises what failed them all (Redis unreachable)."""
         replies = []
         for start in range(0, len(calls), self.pipeline.max_pipeline):
-            replies += await self.pipeline.run(calls[start:start + self.pipeline.max_pipeline])
+            replies += await self.pipeline.run(calls[start : start + self.pipeline.max_pipeline])
         return replies
+
 
 @dataclass(frozen=True)
 class Settled:

@@ -55,8 +55,15 @@ class Gate(Protocol):
 
     def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool: ...
 
-    async def admit(self, key: KeyRecord, model: str, reserve_tokens: int, http_request_id: str = "",
-                    request_id: str | None = None, reserve_nanos: int = 0) -> Ticket | Refusal: ...
+    async def admit(
+        self,
+        key: KeyRecord,
+        model: str,
+        reserve_tokens: int,
+        http_request_id: str = "",
+        request_id: str | None = None,
+        reserve_nanos: int = 0,
+    ) -> Ticket | Refusal: ...
 
     async def withdraw(self, ticket: Ticket) -> None: ...
 

@@ -36,5 +36,6 @@ def error_response(exc: OpenAIError) -> Response:
     kind = _ERROR_TYPES.get(exc.status) or ("api_error" if exc.status >= 500 else "invalid_request_error")
     message = exc.message if exc.param is None or f"'{exc.param}'" in exc.message else f"{exc.message} ({exc.param})"
     body = {"type": "error", "error": {"type": kind, "message": message}}
-    return Response(json.dumps(body).encode(), status_code=exc.status, media_type="application/json",
-                    headers=exc.headers)
+    return Response(
+        json.dumps(body).encode(), status_code=exc.status, media_type="application/json", headers=exc.headers
+    )

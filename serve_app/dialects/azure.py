@@ -18,16 +18,27 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from serve_app.wire.calls import Call, ModelRegistry
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
+from serve_app.wire.calls import Call, ModelRegistry
 
 # The request fields of Azure's API (azure-ai-inference REST spec).
 KNOWN_PARAMETERS = {
     "chat": frozenset(
         {
-            "messages", "model", "frequency_penalty", "presence_penalty", "temperature", "top_p",
-            "max_tokens", "response_format", "stop", "stream", "tools", "tool_choice", "seed",
+            "messages",
+            "model",
+            "frequency_penalty",
+            "presence_penalty",
+            "temperature",
+            "top_p",
+            "max_tokens",
+            "response_format",
+            "stop",
+            "stream",
+            "tools",
+            "tool_choice",
+            "seed",
         }
     ),
     "embeddings": frozenset({"input", "model", "dimensions", "encoding_format", "input_type"}),
@@ -75,7 +86,11 @@ async def info(key: KeyRecord, headers: Mapping[str, str], gateway: ModelRegistr
     card = await gateway.model_card(model)
     operation = (card.get("capabilities") or [None])[0]  # none yet: a scale-to-zero model not started
     return JSONResponse(
-        {"model_name": card["id"], "model_type": MODEL_TYPES.get(operation, "unknown"), "model_provider_name": card["owned_by"]}
+        {
+            "model_name": card["id"],
+            "model_type": MODEL_TYPES.get(operation, "unknown"),
+            "model_provider_name": card["owned_by"],
+        }
     )
 
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
+from serve_app.errors import RETRY_HEADERS, OpenAIError
 from serve_app.wire.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS, TEMPLATED_COMPLETIONS
 from serve_app.wire.calls import Call, ModelRegistry, Reply
-from serve_app.errors import RETRY_HEADERS, OpenAIError
 from serve_app.wire.reservation import MAX_TOKENS_LIMIT, integer_parameter
 from serve_app.wire.sse import DONE, events
 
@@ -83,8 +83,12 @@ async def _completion(body: dict[str, Any], gateway: ModelRegistry) -> Call:
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(text, str) for text in prompts):
-        raise OpenAIError(400, "A prompt sent through the chat template must be text or a list of texts "
-                               "(token ids need 'use_raw_prompt': true).", param="prompt")
+        raise OpenAIError(
+            400,
+            "A prompt sent through the chat template must be text or a list of texts "
+            "(token ids need 'use_raw_prompt': true).",
+            param="prompt",
+        )
     echo = body.pop("echo", False)
     if not isinstance(echo, bool):
         raise OpenAIError(400, "'echo' must be a boolean.", param="echo")
@@ -111,8 +115,9 @@ def _finished(call: Call, body: dict[str, Any], echoed: list[str], suffix: str) 
 
     def respond(reply: Reply) -> Response:
         if reply.stream is not None:
-            return StreamingResponse(_edited_events(reply.stream, edit), media_type="text/event-stream",
-                                     headers=reply.headers)
+            return StreamingResponse(
+                _edited_events(reply.stream, edit), media_type="text/event-stream", headers=reply.headers
+            )
         completion = json.loads(reply.body)
         for choice in completion.get("choices") or ():
             edit(choice, set())

@@ -6,7 +6,8 @@ in OpenAI's format, streams as OpenAI SSE), and ``inputs`` + ``parameters``
 is LMI's own text-generation schema, answered as ``{"generated_text": ...}``
 (plus ``details`` when asked) or, with ``"stream": true``, as JSON lines of
 ``{"token": {...}, "generated_text": null, "details": null}`` ending with one
-that carries the whole text. ``GET /ping`` is SageMaker's health check: the ingress answers it as readiness (``/ready``).
+that carries the whole text. ``GET /ping`` is SageMaker's health check: the ingress answers it as readiness
+(``/ready``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.wire.calls import Call, ModelRegistry, Reply
 from serve_app.errors import OpenAIError
+from serve_app.wire.calls import Call, ModelRegistry, Reply
 from serve_app.wire.sse import events
 
 # LMI's defaults: greedy decoding, 30 new tokens.
@@ -69,7 +70,9 @@ def _lmi_call(body: dict[str, Any]) -> Call:
     inputs, parameters, stream = body["inputs"], {} if parameters is None else parameters, bool(body.get("stream"))
     if not isinstance(parameters, dict):
         raise OpenAIError(400, "'parameters' must be an object.", param="parameters")
-    if not (isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(i, str) for i in inputs))):
+    if not (
+        isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(i, str) for i in inputs))
+    ):
         raise OpenAIError(400, "'inputs' must be a string or a list of strings.", param="inputs")
     if stream and isinstance(inputs, list):
         raise OpenAIError(400, "Streaming takes one input string, not a list.", param="inputs")
@@ -160,8 +163,11 @@ async def _json_lines(stream: AsyncIterator[str], prompt: str, prefix_prompt: bo
                 if last:
                     final["generated_text"] = (prompt if prefix_prompt else "") + "".join(text)
                     if details:
-                        final["details"] = {"finish_reason": _finish_reason(choice), "generated_tokens": count, "inputs": prompt}
+                        final["details"] = {
+                            "finish_reason": _finish_reason(choice),
+                            "generated_tokens": count,
+                            "inputs": prompt,
+                        }
                 lines.append(json.dumps(final))
         if lines:
             yield "\n".join(lines) + "\n"
-

@@ -22,23 +22,28 @@ from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from serve_app.errors import OpenAIError
 from serve_app.accounting import usage_report
+from serve_app.accounting.costs import NANOS_PER_USD
+from serve_app.accounting.usage import key_usage
 from serve_app.admin import operations as admin
 from serve_app.admin.operations import AdminStores
-from serve_app.identity.authentication import Authenticator
+from serve_app.errors import OpenAIError
 from serve_app.identity.admins import SESSION_S
-from serve_app.accounting.costs import NANOS_PER_USD
+from serve_app.identity.authentication import Authenticator
 from serve_app.identity.credential_guard import client_of
-from serve_app.accounting.usage import key_usage
 
 COOKIE = "llm_console"
 DAYS = 14
 MAX_FORM_BYTES = 16 * 1024
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f")
 # Form fields → the admin operations' limits, and how each is read.
-LIMIT_FIELDS = {"requests_per_minute": int, "tokens_per_minute": int, "max_concurrent": int,
-                "daily_token_budget": int, "daily_cost_budget_usd": float}
+LIMIT_FIELDS = {
+    "requests_per_minute": int,
+    "tokens_per_minute": int,
+    "max_concurrent": int,
+    "daily_token_budget": int,
+    "daily_cost_budget_usd": float,
+}
 e = html.escape
 
 
@@ -60,8 +65,9 @@ class Console:
         form = await _form(request)
         credential = form.get("credential", "")
         try:  # counted against this client's failed admin credentials (credential_guard.py)
-            actor = await self.authenticator.admin_actor({"authorization": f"Bearer {credential}",
-                                                   "x-forwarded-for": client_of(request.headers)})
+            actor = await self.authenticator.admin_actor(
+                {"authorization": f"Bearer {credential}", "x-forwarded-for": client_of(request.headers)}
+            )
         except OpenAIError as exc:
             if exc.status == 429:
                 return _page("Log in", _login_form(exc.message), status=429)
@@ -102,8 +108,10 @@ class Console:
                 if form.get("team"):
                     body["team"] = form["team"]
                 created = await admin.create_key(self.stores, body, actor)
-                notice = (f"<div class='notice'>Key <b>{e(created['name'])}</b> created. Its secret, shown only "
-                          f"now: <code id='new-secret'>{e(created['secret'])}</code></div>")
+                notice = (
+                    f"<div class='notice'>Key <b>{e(created['name'])}</b> created. Its secret, shown only "
+                    f"now: <code id='new-secret'>{e(created['secret'])}</code></div>"
+                )
                 return await self.page(request, actor, notice, status=201)
             elif action == "revoke":
                 await admin.revoke_key(self.stores, target, actor)
@@ -121,19 +129,28 @@ class Console:
         start = int(time.time()) // 86400 * 86400 - (DAYS - 1) * 86400
         query = QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id,model"})
         daily = await usage_report.completions_usage(stores.redis, keys, usage_report.parse_query(query))
-        spent = await usage_report.costs(stores.redis, keys, usage_report.parse_query(
-            QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id"}), usage_report.COST_GROUPS))
+        spent = await usage_report.costs(
+            stores.redis,
+            keys,
+            usage_report.parse_query(
+                QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id"}), usage_report.COST_GROUPS
+            ),
+        )
         trail = (await stores.audit.read(20))["data"]
-        return "".join([
-            f"<header><h1>Operator console</h1><form method='post' action='/console/logout'>"
-            f"<span>{e(actor)}</span> <button>Log out</button></form></header>",
-            notice,
-            _section("Teams", _teams_table(teams, usage) + _team_form()),
-            _section("Keys", _keys_table(keys, team_names, usage) + _key_form(teams)),
-            _section(f"Usage, last {DAYS} days", _chart(daily, team_names) + _usage_table(daily, spent, team_names)),
-            _section("Refusals, last hour", _refusals_table(teams, keys, usage)),
-            _section("Audit trail", _audit_table(trail)),
-        ])
+        return "".join(
+            [
+                f"<header><h1>Operator console</h1><form method='post' action='/console/logout'>"
+                f"<span>{e(actor)}</span> <button>Log out</button></form></header>",
+                notice,
+                _section("Teams", _teams_table(teams, usage) + _team_form()),
+                _section("Keys", _keys_table(keys, team_names, usage) + _key_form(teams)),
+                _section(
+                    f"Usage, last {DAYS} days", _chart(daily, team_names) + _usage_table(daily, spent, team_names)
+                ),
+                _section("Refusals, last hour", _refusals_table(teams, keys, usage)),
+                _section("Audit trail", _audit_table(trail)),
+            ]
+        )
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -164,18 +181,27 @@ form.inline{display:inline}input[type=number]{width:7em}code{background:#f4f4f4;
 
 
 def _page(title: str, body: str, status: int = 200) -> HTMLResponse:
-    return HTMLResponse(f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
-                        f"<style>{STYLE}</style></head><body>{body}</body></html>", status_code=status,
-                        headers={"cache-control": "no-store", "x-frame-options": "DENY",
-                                 "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                                                            "form-action 'self'; frame-ancestors 'none'"})
+    return HTMLResponse(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
+        f"<style>{STYLE}</style></head><body>{body}</body></html>",
+        status_code=status,
+        headers={
+            "cache-control": "no-store",
+            "x-frame-options": "DENY",
+            "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
+            "form-action 'self'; frame-ancestors 'none'",
+        },
+    )
 
 
 def _login_form(error: str = "") -> str:
-    return ("<h1>Operator console</h1>" + (f"<div class='error'>{e(error)}</div>" if error else "") +
-            "<form method='post' action='/console/login'><label>Admin credential "
-            "<input type='password' name='credential' id='credential' autocomplete='off'></label> "
-            "<button id='login'>Log in</button></form>")
+    return (
+        "<h1>Operator console</h1>"
+        + (f"<div class='error'>{e(error)}</div>" if error else "")
+        + "<form method='post' action='/console/login'><label>Admin credential "
+        "<input type='password' name='credential' id='credential' autocomplete='off'></label> "
+        "<button id='login'>Log in</button></form>"
+    )
 
 
 def _section(title: str, body: str) -> str:
@@ -185,17 +211,24 @@ def _section(title: str, body: str) -> str:
 def _table(head: list[str], rows: list[list[str]], table_id: str) -> str:
     if not rows:
         return "<p>None yet.</p>"
-    return (f"<table id='{table_id}'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>" +
-            "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows) + "</table>")
+    return (
+        f"<table id='{table_id}'><tr>"
+        + "".join(f"<th>{e(h)}</th>" for h in head)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+        + "</table>"
+    )
 
 
 def _limits_text(record) -> str:
-    parts = [f"{record.requests_per_minute}/min" if record.requests_per_minute else "",
-             f"{record.tokens_per_minute} tok/min" if record.tokens_per_minute else "",
-             f"{record.max_concurrent} at once" if record.max_concurrent else "",
-             f"{record.daily_token_budget} tok/day" if record.daily_token_budget else "",
-             f"${record.daily_cost_budget_usd:g}/day" if record.daily_cost_budget_usd else "",
-             "models: " + ", ".join(record.models) if record.models is not None else ""]
+    parts = [
+        f"{record.requests_per_minute}/min" if record.requests_per_minute else "",
+        f"{record.tokens_per_minute} tok/min" if record.tokens_per_minute else "",
+        f"{record.max_concurrent} at once" if record.max_concurrent else "",
+        f"{record.daily_token_budget} tok/day" if record.daily_token_budget else "",
+        f"${record.daily_cost_budget_usd:g}/day" if record.daily_cost_budget_usd else "",
+        "models: " + ", ".join(record.models) if record.models is not None else "",
+    ]
     return e("; ".join(p for p in parts if p) or "unlimited")
 
 
@@ -204,11 +237,24 @@ def _usd(nanos: int) -> str:
 
 
 def _teams_table(teams, usage) -> str:
-    rows = [[e(t.name), f"<code>{e(t.id)}</code>", _limits_text(t), e(t.priority),
-             str(usage[t.id]["today"]["requests"]), str(usage[t.id]["today"]["tokens"]),
-             _usd(usage[t.id]["today"]["cost_nanos"]), "yes" if t.enabled else "disabled"] for t in teams]
-    return _table(["Team", "Id", "Limits", "Default tier", "Requests today", "Tokens today", "Spend today", "Enabled"],
-                  rows, "teams")
+    rows = [
+        [
+            e(t.name),
+            f"<code>{e(t.id)}</code>",
+            _limits_text(t),
+            e(t.priority),
+            str(usage[t.id]["today"]["requests"]),
+            str(usage[t.id]["today"]["tokens"]),
+            _usd(usage[t.id]["today"]["cost_nanos"]),
+            "yes" if t.enabled else "disabled",
+        ]
+        for t in teams
+    ]
+    return _table(
+        ["Team", "Id", "Limits", "Default tier", "Requests today", "Tokens today", "Spend today", "Enabled"],
+        rows,
+        "teams",
+    )
 
 
 def _keys_table(keys, team_names, usage) -> str:
@@ -216,40 +262,62 @@ def _keys_table(keys, team_names, usage) -> str:
     for k in keys:
         actions = ""
         if k.enabled:
-            actions = (f"<form class='inline' method='post' action='/console/keys/{e(k.id)}/limits'>"
-                       f"<input type='number' min='0' name='requests_per_minute' placeholder='req/min'> "
-                       f"<input type='number' min='0' name='tokens_per_minute' placeholder='tok/min'> "
-                       f"<button>Set</button></form> "
-                       f"<form class='inline' method='post' action='/console/keys/{e(k.id)}/revoke'>"
-                       f"<button id='revoke-{e(k.id)}'>Revoke</button></form>")
+            actions = (
+                f"<form class='inline' method='post' action='/console/keys/{e(k.id)}/limits'>"
+                f"<input type='number' min='0' name='requests_per_minute' placeholder='req/min'> "
+                f"<input type='number' min='0' name='tokens_per_minute' placeholder='tok/min'> "
+                f"<button>Set</button></form> "
+                f"<form class='inline' method='post' action='/console/keys/{e(k.id)}/revoke'>"
+                f"<button id='revoke-{e(k.id)}'>Revoke</button></form>"
+            )
         today = usage[k.id]["today"]
-        rows.append([e(k.name), f"<code>{e(k.id)}</code>", e(team_names.get(k.team, k.team or "")), _limits_text(k),
-                     str(today["requests"]), str(today["tokens"]), _usd(today["cost_nanos"]),
-                     "yes" if k.enabled else "revoked", actions])
-    return _table(["Key", "Id", "Team", "Limits", "Requests today", "Tokens today", "Spend today", "Enabled", ""],
-                  rows, "keys")
+        rows.append(
+            [
+                e(k.name),
+                f"<code>{e(k.id)}</code>",
+                e(team_names.get(k.team, k.team or "")),
+                _limits_text(k),
+                str(today["requests"]),
+                str(today["tokens"]),
+                _usd(today["cost_nanos"]),
+                "yes" if k.enabled else "revoked",
+                actions,
+            ]
+        )
+    return _table(
+        ["Key", "Id", "Team", "Limits", "Requests today", "Tokens today", "Spend today", "Enabled", ""], rows, "keys"
+    )
 
 
 def _number_inputs() -> str:
-    return ("<input type='number' min='0' name='requests_per_minute' placeholder='requests/min'> "
-            "<input type='number' min='0' name='tokens_per_minute' placeholder='tokens/min'> "
-            "<input type='number' min='0' name='daily_token_budget' placeholder='tokens/day'> "
-            "<input type='number' min='0' step='0.01' name='daily_cost_budget_usd' placeholder='USD/day'> ")
+    return (
+        "<input type='number' min='0' name='requests_per_minute' placeholder='requests/min'> "
+        "<input type='number' min='0' name='tokens_per_minute' placeholder='tokens/min'> "
+        "<input type='number' min='0' name='daily_token_budget' placeholder='tokens/day'> "
+        "<input type='number' min='0' step='0.01' name='daily_cost_budget_usd' placeholder='USD/day'> "
+    )
 
 
 def _team_form() -> str:
-    return ("<form method='post' action='/console/teams'><b>New team</b> "
-            "<input name='name' id='team-name' placeholder='name' required> " + _number_inputs() +
-            "<button id='create-team'>Create team</button></form>")
+    return (
+        "<form method='post' action='/console/teams'><b>New team</b> "
+        "<input name='name' id='team-name' placeholder='name' required> "
+        + _number_inputs()
+        + "<button id='create-team'>Create team</button></form>"
+    )
 
 
 def _key_form(teams) -> str:
     options = "<option value=''>(no team)</option>" + "".join(
-        f"<option value='{e(t.id)}'>{e(t.name)}</option>" for t in teams if t.enabled)
-    return ("<form method='post' action='/console/keys'><b>New key</b> "
-            "<input name='name' id='key-name' placeholder='name' required> "
-            f"<select name='team' id='key-team'>{options}</select> " + _number_inputs() +
-            "<button id='create-key'>Create key</button></form>")
+        f"<option value='{e(t.id)}'>{e(t.name)}</option>" for t in teams if t.enabled
+    )
+    return (
+        "<form method='post' action='/console/keys'><b>New key</b> "
+        "<input name='name' id='key-name' placeholder='name' required> "
+        f"<select name='team' id='key-team'>{options}</select> "
+        + _number_inputs()
+        + "<button id='create-key'>Create key</button></form>"
+    )
 
 
 def _chart(daily: dict, team_names: dict) -> str:
@@ -265,9 +333,10 @@ def _chart(daily: dict, team_names: dict) -> str:
                 teams.append(team)
     top = max([sum(d.values()) for d in per_day] + [1])
     width, height, bar = 40 * len(days) + 60, 180, 28
-    parts = [f"<svg id='usage-chart' width='{width}' height='{height + 40}' role='img' "
-             f"aria-label='tokens per day by team'>",
-             f"<text x='0' y='12' font-size='11'>{top:,} tokens</text>"]
+    parts = [
+        f"<svg id='usage-chart' width='{width}' height='{height + 40}' role='img' aria-label='tokens per day by team'>",
+        f"<text x='0' y='12' font-size='11'>{top:,} tokens</text>",
+    ]
     for i, day in enumerate(per_day):
         y = height + 16
         for team in teams:
@@ -276,13 +345,16 @@ def _chart(daily: dict, team_names: dict) -> str:
             if h:
                 y -= h
                 color = PALETTE[teams.index(team) % len(PALETTE)]
-                parts.append(f"<rect x='{50 + 40 * i}' y='{y}' width='{bar}' height='{h}' fill='{color}'>"
-                             f"<title>{e(team)}: {day[team]:,}</title></rect>")
+                parts.append(
+                    f"<rect x='{50 + 40 * i}' y='{y}' width='{bar}' height='{h}' fill='{color}'>"
+                    f"<title>{e(team)}: {day[team]:,}</title></rect>"
+                )
         label = time.strftime("%m-%d", time.gmtime(days[i]["start_time"]))
         parts.append(f"<text x='{50 + 40 * i}' y='{height + 32}' font-size='10'>{label}</text>")
     parts.append("</svg>")
-    legend = " ".join(f"<span style='color:{PALETTE[i % len(PALETTE)]}'>&#9632;</span> {e(t)}"
-                      for i, t in enumerate(teams))
+    legend = " ".join(
+        f"<span style='color:{PALETTE[i % len(PALETTE)]}'>&#9632;</span> {e(t)}" for i, t in enumerate(teams)
+    )
     return "".join(parts) + f"<div>{legend}</div>"
 
 
@@ -297,12 +369,17 @@ def _usage_table(daily: dict, spent: dict, team_names: dict) -> str:
     for bucket in spent["data"]:
         for r in bucket["results"]:
             money[r["project_id"]] += r["amount"]["value"]
-    rows = [[e(team_names.get(team, team or "(no team)")), e(model or ""), str(n), f"{tokens:,}"]
-            for (team, model), (n, tokens, _) in sorted(totals.items(), key=lambda i: (i[0][0] or "", i[0][1] or ""))]
-    spend = [[e(team_names.get(team, team or "(no team)")), f"${usd:,.4f}"] for team, usd in sorted(
-        money.items(), key=lambda i: i[0] or "")]
-    return (_table(["Team", "Model", "Requests", "Tokens"], rows, "usage") +
-            _table(["Team", f"Spend, {DAYS} days"], spend, "spend"))
+    rows = [
+        [e(team_names.get(team, team or "(no team)")), e(model or ""), str(n), f"{tokens:,}"]
+        for (team, model), (n, tokens, _) in sorted(totals.items(), key=lambda i: (i[0][0] or "", i[0][1] or ""))
+    ]
+    spend = [
+        [e(team_names.get(team, team or "(no team)")), f"${usd:,.4f}"]
+        for team, usd in sorted(money.items(), key=lambda i: i[0] or "")
+    ]
+    return _table(["Team", "Model", "Requests", "Tokens"], rows, "usage") + _table(
+        ["Team", f"Spend, {DAYS} days"], spend, "spend"
+    )
 
 
 def _refusals_table(teams, keys, usage) -> str:
@@ -315,9 +392,18 @@ def _refusals_table(teams, keys, usage) -> str:
 
 
 def _audit_table(trail: list[dict]) -> str:
-    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry["at"])) if isinstance(entry.get("at"), (int, float))
-             else e(str(entry.get("at", ""))), e(entry["actor"]), e(entry["action"]), f"<code>{e(entry['target'])}</code>",
-             e(str(entry.get("after") or entry.get("before") or ""))] for entry in trail]
+    rows = [
+        [
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry["at"]))
+            if isinstance(entry.get("at"), (int, float))
+            else e(str(entry.get("at", ""))),
+            e(entry["actor"]),
+            e(entry["action"]),
+            f"<code>{e(entry['target'])}</code>",
+            e(str(entry.get("after") or entry.get("before") or "")),
+        ]
+        for entry in trail
+    ]
     return _table(["When", "Who", "What", "Target", "Change"], rows, "audit")
 
 

@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
-from serve_app.http.services import build_gateway
 from serve_app.http.request_handling import HandlesRequests, openai_app
 from serve_app.http.route_access import Routes
+from serve_app.http.services import build_gateway
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -100,21 +100,29 @@ class InProcessReplica:
         self._adapter = adapter
         self.deployment_name = deployment_name(replica.config.name)
 
-    def options(self, *, stream: bool | None = None, multiplexed_model_id: str | None = None,
-                session_id: str | None = None) -> "InProcessReplica":
+    def options(
+        self, *, stream: bool | None = None, multiplexed_model_id: str | None = None, session_id: str | None = None
+    ) -> InProcessReplica:
         # A session needs no placing here: the edge placed it on this replica.
         return InProcessReplica(self._replica, multiplexed_model_id or self._adapter)
 
     @property
     def call_streamed(self) -> _Method:
-        return _Method(lambda operation, body, trace=None, prompt_allowance=None: _Stream(
-            self._replica.call_streamed(operation, body, self._adapter, trace=trace,
-                                        prompt_allowance=prompt_allowance)))
+        return _Method(
+            lambda operation, body, trace=None, prompt_allowance=None: _Stream(
+                self._replica.call_streamed(
+                    operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance
+                )
+            )
+        )
 
     @property
     def stream(self) -> _Method:
-        return _Method(lambda operation, body, trace=None, prompt_allowance=None: _Stream(
-            self._replica.stream(operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance)))
+        return _Method(
+            lambda operation, body, trace=None, prompt_allowance=None: _Stream(
+                self._replica.stream(operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance)
+            )
+        )
 
     @property
     def model_info(self) -> _Method:
@@ -143,14 +151,21 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
         await VLLMReplica.func_or_class.__init__(self, config)
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
-        self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
-                                   settings.telemetry.per_key_max_keys)
+        self.telemetry = Telemetry(
+            settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys
+        )
         self.telemetry.models_served({config.name: deployment_name(config.name)})
         self.telemetry.keep_gauges_fresh()
         # Its replicas share a key's limits during a Redis outage (fail_mode open).
         services, self.gateway = build_gateway(
-            settings, self.telemetry, {config.name: InProcessReplica(self)}, [config], config.serve_options(),
-            start_early=True, start_early_when_idle=settings.quota.overlap_admission_when_idle)
+            settings,
+            self.telemetry,
+            {config.name: InProcessReplica(self)},
+            [config],
+            config.serve_options(),
+            start_early=True,
+            start_early_when_idle=settings.quota.overlap_admission_when_idle,
+        )
         self.authenticator = services.authenticator
 
     @direct_route("POST", "/v1/chat/completions", "key")

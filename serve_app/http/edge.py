@@ -28,8 +28,10 @@ class RefuseServeControlHeaders:
             for name, _ in scope["headers"]:  # ASGI lowercases header names
                 if name in SERVE_CONTROL_HEADERS:
                     refusal = OpenAIError(
-                        400, f"The '{name.decode()}' header is reserved for the serving layer.",
-                        param=name.decode(), code="header_not_allowed",
+                        400,
+                        f"The '{name.decode()}' header is reserved for the serving layer.",
+                        param=name.decode(),
+                        code="header_not_allowed",
                     )
                     await refusal.response()(scope, receive, send)
                     return

@@ -108,5 +108,9 @@ def edge_router(model_app, config: ModelConfig) -> Any:
     every direct application's deployments side by side)."""
     # max_ongoing_requests: every request of the model asks it first; Serve's default (5) would queue them.
     env = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": QUEUE_LENGTH_REFRESH_S}
-    return serve.deployment(EdgeRouter, name=edge_router_name(config.name), max_ongoing_requests=1000,
-                            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}}).bind(model_app, config)
+    return serve.deployment(
+        EdgeRouter,
+        name=edge_router_name(config.name),
+        max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+    ).bind(model_app, config)

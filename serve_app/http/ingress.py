@@ -49,17 +49,24 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
-        self.telemetry = Telemetry(settings.telemetry.per_key_metrics, settings.telemetry.access_log,
-                                   settings.telemetry.per_key_max_keys)
+        self.telemetry = Telemetry(
+            settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys
+        )
         # A model with direct_route lives in its own application (serve_app/http/direct.py).
-        models = {**models, **{
-            model.name: DeploymentHandle(deployment_name(model.name), direct_app_name(model.name))
-            for model in settings.models if model.direct_route
-        }}
+        models = {
+            **models,
+            **{
+                model.name: DeploymentHandle(deployment_name(model.name), direct_app_name(model.name))
+                for model in settings.models
+                if model.direct_route
+            },
+        }
         deployments = {name: handle.deployment_name for name, handle in models.items()}
         self.telemetry.models_served(deployments)
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
-        describers = {name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()}
+        describers = {
+            name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()
+        }
         services, self.gateway = build_gateway(settings, self.telemetry, models, settings.models, describers=describers)
         self.authenticator, self.gate, self.admin_stores = services.authenticator, services.gate, services.stores
         self.console = Console(self.authenticator, self.admin_stores)
@@ -67,13 +74,24 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
         stored = stored_space(redis, settings.store.max_bytes_per_key, settings.store.max_objects_per_key)
         self.responses = ResponseStore(redis, stored)
         batch = settings.batch
-        self.files = FileStore(redis, batch.files_dir, batch.max_file_bytes, batch.max_bytes_per_key,
-                               batch.max_files_per_key)
-        self.batches = BatchStore(redis, self.files, batch.max_requests, batch.max_active_per_key,
-                                  max_line_bytes=self.max_body_bytes, records=stored)
-        self.batch_runner = BatchRunner(self.batches, self.files, self.gateway, self.admin_stores.keys, self.telemetry,
-                                        batch)
+        self.files = FileStore(
+            redis, batch.files_dir, batch.max_file_bytes, batch.max_bytes_per_key, batch.max_files_per_key
+        )
+        self.batches = BatchStore(
+            redis,
+            self.files,
+            batch.max_requests,
+            batch.max_active_per_key,
+            max_line_bytes=self.max_body_bytes,
+            records=stored,
+        )
+        self.batch_runner = BatchRunner(
+            self.batches, self.files, self.gateway, self.admin_stores.keys, self.telemetry, batch
+        )
         self.batch_runner.start()  # takes batches from Redis: any ingress replica runs any key's batch
-        self.readiness = Readiness(settings.models, deployments, self.gateway.catalog.described,
-                                   {model.name: direct_app_name(model.name) for model in settings.models
-                                    if model.direct_route})
+        self.readiness = Readiness(
+            settings.models,
+            deployments,
+            self.gateway.catalog.described,
+            {model.name: direct_app_name(model.name) for model in settings.models if model.direct_route},
+        )

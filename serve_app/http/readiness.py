@@ -27,8 +27,13 @@ STATUS_TTL_S = 1.0
 
 
 class Readiness:
-    def __init__(self, configs: list[ModelConfig], deployments: dict[str, str], describe: Callable[[str], bool],
-                 apps: dict[str, str] | None = None):
+    def __init__(
+        self,
+        configs: list[ModelConfig],
+        deployments: dict[str, str],
+        describe: Callable[[str], bool],
+        apps: dict[str, str] | None = None,
+    ):
         """``deployments``: model name → its Serve deployment; ``describe(name)``:
         whether a replica of it has answered, starting a description if not;
         ``apps``: model name → the application its deployment is in, where not
@@ -45,8 +50,11 @@ class Readiness:
         await self._fresh_status()
         ready = [name for name in self._kept_up if self._running.get(name, 0) > 0 and self._describe(name)]
         is_ready = len(ready) == len(self._kept_up)
-        return is_ready, {"status": "ready" if is_ready else "starting", "models_ready": len(ready),
-                          "models": len(self._kept_up)}
+        return is_ready, {
+            "status": "ready" if is_ready else "starting",
+            "models_ready": len(ready),
+            "models": len(self._kept_up),
+        }
 
     async def _fresh_status(self) -> None:
         if time.monotonic() - self._read_at < STATUS_TTL_S:

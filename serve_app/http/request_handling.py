@@ -18,13 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from contract.edge import session_header
-from serve_app.wire.api_requests import parse_json_object
-from serve_app.wire.calls import Call
-from serve_app.http.edge import RefuseServeControlHeaders
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
+from serve_app.http.edge import RefuseServeControlHeaders
 from serve_app.identity.keys import KeyRecord
 from serve_app.telemetry import RequestRecord
 from serve_app.tracing import RequestTrace, now_ns
+from serve_app.wire.api_requests import parse_json_object
+from serve_app.wire.calls import Call
 
 # The header naming a request's session (Ray's RAY_SERVE_SESSION_ID_HEADER_KEY, else x-session-id).
 SESSION_HEADER = session_header()
@@ -58,6 +58,7 @@ def openai_app(title: str) -> FastAPI:
 
 def as_call(operation: str):
     """The translation of a route whose body is already the canonical request."""
+
     async def as_is(body: dict[str, Any], key: KeyRecord) -> Call:
         return Call(operation, body)
 
@@ -97,8 +98,9 @@ class HandlesRequests:
                         raise self._too_large()
                     chunks.append(chunk)
         except TimeoutError:
-            raise OpenAIError(408, f"The request body did not arrive within {self.body_timeout_s:g}s.",
-                              code="request_timeout") from None
+            raise OpenAIError(
+                408, f"The request body did not arrive within {self.body_timeout_s:g}s.", code="request_timeout"
+            ) from None
         return b"".join(chunks)
 
     def _too_large(self) -> OpenAIError:
@@ -124,14 +126,22 @@ class HandlesRequests:
         the body into a ``Call`` of this route's dialect, run it, answer; every
         outcome is recorded once (access log + metrics, ``serve_app/telemetry.py``).
         ``on_error`` renders errors in the dialect's shape."""
-        record = RequestRecord(route, serve_request_id(request), trace=RequestTrace.start(_span_name(request), request.headers))
+        record = RequestRecord(
+            route, serve_request_id(request), trace=RequestTrace.start(_span_name(request), request.headers)
+        )
         try:
             key, body, size = await self._read(request, record)
             call = await translate(body, key)
             try:
-                reply = await self.gateway.run(key, call.operation, call.body, size + call.bytes_once_admitted, record,
-                                               once_admitted=call.once_admitted,
-                                               session=request.headers.get(SESSION_HEADER))
+                reply = await self.gateway.run(
+                    key,
+                    call.operation,
+                    call.body,
+                    size + call.bytes_once_admitted,
+                    record,
+                    once_admitted=call.once_admitted,
+                    session=request.headers.get(SESSION_HEADER),
+                )
             except BaseException:
                 if call.abandon is not None:
                     await asyncio.shield(call.abandon())

@@ -17,7 +17,7 @@ declared without its check and a handler cannot skip it:
   login form and act on nothing).
 
 The table of every route's access (``Routes.access``) drives the tests that call every
-route with every kind of credential (tests/e2e/shared_stack/test_route_access_e2e.py), so
+route with every kind of credential (tests/e2e/quota_stack/test_1_route_access_e2e.py), so
 a route added without a test of its access cannot be missed.
 """
 
@@ -95,8 +95,7 @@ def _key_checked(handler: Callable) -> Callable:
         finally:
             reset_credential_checked(started)
         if response.status_code < 400 and checked != "key":
-            logger.error("%s answered %d without checking the caller's key", handler.__qualname__,
-                         response.status_code)
+            logger.error("%s answered %d without checking the caller's key", handler.__qualname__, response.status_code)
             raise OpenAIError(500, "The server had an error processing your request.", type="server_error")
         return response
 
@@ -124,5 +123,8 @@ def _session_first(handler: Callable) -> Callable:
 
 
 GUARDS: dict[RouteAccess, Callable[[Callable], Callable]] = {
-    "probe": _open, "key": _key_checked, "admin": _admin_first, "console": _session_first,
+    "probe": _open,
+    "key": _key_checked,
+    "admin": _admin_first,
+    "console": _session_first,
 }

@@ -36,29 +36,38 @@ class QuotaServices:
         return self.stores.redis
 
 
-def build_quota_services(settings: AppSettings, telemetry: Telemetry,
-                         deployment: Mapping[str, Any] | None = None) -> QuotaServices:
+def build_quota_services(
+    settings: AppSettings, telemetry: Telemetry, deployment: Mapping[str, Any] | None = None
+) -> QuotaServices:
     """``deployment``: the Serve options of the deployment this runs in, whose replicas
     share a key's limits during a Redis outage (the ingress' unless given: a model's
     direct route passes its own)."""
     quota, records = settings.quota, settings.records
     redis = redis_client.connect(settings.redis_url, timeout_s=quota.redis_timeout_s)
     # Final records to the record sink (record_shipper.py); Redis keeps them recent_s.
-    shipper = (RecordShipper(redis, RecordSink(records.sink_dir, quota.request_retention_s), records.max_backlog,
-                             telemetry)
-               if records.sink_dir else None)
+    shipper = (
+        RecordShipper(redis, RecordSink(records.sink_dir, quota.request_retention_s), records.max_backlog, telemetry)
+        if records.sink_dir
+        else None
+    )
     stores = AdminStores.over(redis, shipper)
     authenticator = Authenticator(stores.keys, stores.teams, stores.admins, settings, telemetry)
     replicas = IngressReplicas(dict(settings.ingress.deployment if deployment is None else deployment))
     gate = Gatekeeper(redis, settings, telemetry, authenticator.team_of, replicas.count, shipper)
-    maintenance = Maintenance(gate, stores.keys, stores.teams, replicas, shipper, quota.concurrency_lease_s,
-                              quota.key_cache_ttl_s)
+    maintenance = Maintenance(
+        gate, stores.keys, stores.teams, replicas, shipper, quota.concurrency_lease_s, quota.key_cache_ttl_s
+    )
     return QuotaServices(stores, authenticator, gate, maintenance)
 
 
-def build_gateway(settings: AppSettings, telemetry: Telemetry, models: Mapping[str, Any],
-                  configs: list[ModelConfig], deployment: Mapping[str, Any] | None = None,
-                  **gateway_options) -> tuple[QuotaServices, Gateway]:
+def build_gateway(
+    settings: AppSettings,
+    telemetry: Telemetry,
+    models: Mapping[str, Any],
+    configs: list[ModelConfig],
+    deployment: Mapping[str, Any] | None = None,
+    **gateway_options,
+) -> tuple[QuotaServices, Gateway]:
     """The quota services, their maintenance loop started (Serve runs ``__init__`` on the
     replica's event loop), and the ``Gateway`` over ``models`` (name -> what calls its
     replicas) admitting through them."""

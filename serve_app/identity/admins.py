@@ -13,9 +13,9 @@ import time
 
 from pydantic import BaseModel
 
+from serve_app.identity.keys import digest
 from serve_app.redis_store import redis_names
 from serve_app.redis_store.redis_client import as_text
-from serve_app.identity.keys import digest
 
 SECRET_PREFIX = "sk-admin-"
 # Who an admin API call authenticated with the shared admin token is (the audit trail's actor).
@@ -89,7 +89,6 @@ class AdminStore:
             pipe.srem(redis_names.ADMIN_INDEX, name)
             await pipe.execute()
         return record
-
 
     # -- operator console sessions (serve_app/http/console.py) ----------------------
 

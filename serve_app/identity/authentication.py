@@ -42,7 +42,7 @@ def start_credential_check() -> Token:
 
 
 def credential_checked() -> str | None:
-    """"key" or "admin" once this request's credential was checked, else None."""
+    """ "key" or "admin" once this request's credential was checked, else None."""
     return _CHECKED.get()
 
 
@@ -68,8 +68,9 @@ def secret_from(headers: Mapping[str, str]) -> str | None:
 
 
 class Authenticator:
-    def __init__(self, keys: KeyStore, teams: TeamStore, admins: AdminStore, settings: AppSettings,
-                 telemetry: Telemetry):
+    def __init__(
+        self, keys: KeyStore, teams: TeamStore, admins: AdminStore, settings: AppSettings, telemetry: Telemetry
+    ):
         quota, auth = settings.quota, settings.auth
         self.keys, self.teams, self.admins = keys, teams, admins
         self.telemetry = telemetry
@@ -152,8 +153,10 @@ class Authenticator:
         if secret:  # a client past its failed credentials of the minute is not even checked
             await self.credential_guard.check(headers)
         # As bytes: compare_digest refuses str with non-ASCII characters (a header may carry any).
-        if self.admin_token is not None and secret and hmac.compare_digest(
-            secret.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8")
+        if (
+            self.admin_token is not None
+            and secret
+            and hmac.compare_digest(secret.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8"))
         ):
             _CHECKED.set("admin")
             return ADMIN_TOKEN_ACTOR
@@ -199,9 +202,14 @@ class Authenticator:
             else:
                 self._team_cache.put(key.team, team)
         if team is None or not team.enabled:
-            raise OpenAIError(401, f"The team of API key '{key.name}' is disabled or does not exist.",
-                              code="team_disabled")
+            raise OpenAIError(
+                401, f"The team of API key '{key.name}' is disabled or does not exist.", code="team_disabled"
+            )
         if model and not team.allows_model(model):
-            raise OpenAIError(403, f"The team '{team.name}' of this API key may not use model '{model}'.",
-                              param="model", code="model_not_allowed")
+            raise OpenAIError(
+                403,
+                f"The team '{team.name}' of this API key may not use model '{model}'.",
+                param="model",
+                code="model_not_allowed",
+            )
         return team

@@ -35,8 +35,9 @@ REDIS_FAILED = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 def client_of(headers) -> str:
     """The client's address as the edge saw it: the last X-Forwarded-For entry."""
-    forwarded = headers.getlist("x-forwarded-for") if hasattr(headers, "getlist") else [
-        headers.get("x-forwarded-for") or ""]
+    forwarded = (
+        headers.getlist("x-forwarded-for") if hasattr(headers, "getlist") else [headers.get("x-forwarded-for") or ""]
+    )
     last = (forwarded[-1] if forwarded else "").rpartition(",")[2].strip()
     return last or "unknown"
 
@@ -62,9 +63,12 @@ class CredentialGuard:
         if failures >= self.limit:
             wait_s = max(1, math.ceil(WINDOW_S - now % WINDOW_S))
             raise OpenAIError(
-                429, f"Too many failed admin credentials from this client ({failures} this minute). "
-                f"Try again in {wait_s}s.", type="requests", code="rate_limit_exceeded",
-                headers={"retry-after": str(wait_s), "retry-after-ms": str(wait_s * 1000)})
+                429,
+                f"Too many failed admin credentials from this client ({failures} this minute). Try again in {wait_s}s.",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"retry-after": str(wait_s), "retry-after-ms": str(wait_s * 1000)},
+            )
 
     async def failed(self, headers) -> None:
         """Count a failed credential of this client."""

@@ -78,8 +78,13 @@ class JwtAuthenticator:
             raise _refused(f"signed by an unknown key {kid[:64]!r}")
         try:
             claims = jwt.decode(
-                token, key=key, algorithms=[alg], audience=self.config.audience, issuer=self.config.issuer,
-                leeway=self.config.leeway_s, options={"require": ["exp", "iss", "aud"]},
+                token,
+                key=key,
+                algorithms=[alg],
+                audience=self.config.audience,
+                issuer=self.config.issuer,
+                leeway=self.config.leeway_s,
+                options={"require": ["exp", "iss", "aud"]},
             )
         except jwt.ExpiredSignatureError:
             raise _refused("expired") from None

@@ -25,9 +25,12 @@ class KeyRecord(KeyLimits):
     name: str
     enabled: bool = True
     created_at: int
-    team: str | None = Field(None, description="The id of the team the key belongs to (identity/teams.py; an "
-                                                "identity token's user: the team's name); its limits apply on "
-                                                "top of the key's own.")
+    team: str | None = Field(
+        None,
+        description="The id of the team the key belongs to (identity/teams.py; an "
+        "identity token's user: the team's name); its limits apply on "
+        "top of the key's own.",
+    )
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -22,9 +22,9 @@ import secrets
 import time
 from typing import Any
 
-from serve_app.redis_store import redis_names
 from serve_app.identity.keys import KeyRecord
 from serve_app.limits import KeyLimits
+from serve_app.redis_store import redis_names
 from serve_app.redis_store.redis_client import as_text
 
 TEAM_ID_PREFIX = "t"
@@ -53,8 +53,7 @@ class TeamStore:
         team_id = TEAM_ID_PREFIX + secrets.token_hex(6)
         if not await self.redis.set(redis_names.team_name(name), team_id, nx=True):
             raise ValueError(f"a team named {name!r} already exists")
-        record = TeamRecord(id=team_id, name=name, created_at=int(time.time()),
-                            **(limits or KeyLimits()).model_dump())
+        record = TeamRecord(id=team_id, name=name, created_at=int(time.time()), **(limits or KeyLimits()).model_dump())
         await self.redis.set(redis_names.team_record(team_id), record.model_dump_json())
         await self.redis.sadd(redis_names.TEAM_INDEX, team_id)
         return record

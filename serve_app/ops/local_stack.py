@@ -120,8 +120,10 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
         return 2
     host, port = http_address(_read_yaml(config))
     if port_in_use(host, port):
-        print(f"port {port} on {host} is taken by another program: stop it, or set "
-              f"http_options.port in {config}", file=sys.stderr)
+        print(
+            f"port {port} on {host} is taken by another program: stop it, or set http_options.port in {config}",
+            file=sys.stderr,
+        )
         return 1
     signals: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -132,9 +134,13 @@ def run(config: Path, grace_s: float = DEFAULT_GRACE_S, log: Path | None = None,
         log.parent.mkdir(parents=True, exist_ok=True)
         output = open(log, "w")
     serve = Path(sys.executable).parent / "serve"
-    stack = subprocess.Popen([str(serve), "run", "--address", "local", str(serve_config)],
-                             start_new_session=True, env={**os.environ, **LOOPBACK_RAY},
-                             stdout=output, stderr=subprocess.STDOUT if output else None)
+    stack = subprocess.Popen(
+        [str(serve), "run", "--address", "local", str(serve_config)],
+        start_new_session=True,
+        env={**os.environ, **LOOPBACK_RAY},
+        stdout=output,
+        stderr=subprocess.STDOUT if output else None,
+    )
     if output is not None:
         output.close()  # the child holds it
     path = pid_file()
@@ -176,15 +182,19 @@ class ReadyBanner:
         serve_config = _read_yaml(config)
         host, port = http_address(serve_config)
         self.base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        self.models = [m["name"] for app in serve_config.get("applications", [])
-                       for m in (app.get("args") or {}).get("models", [])]
+        self.models = [
+            m["name"] for app in serve_config.get("applications", []) for m in (app.get("args") or {}).get("models", [])
+        ]
         self.log = log
         self.started = time.monotonic()
         self._polled = self._reported = self.started
         self.shown = False
         where = f"logs: {log}" if log else "VERBOSE: Ray's and vLLM's output below"
-        print(f"starting {', '.join(self.models) or 'the stack'} ({where}); "
-              "the ready banner follows once every model answers", flush=True)
+        print(
+            f"starting {', '.join(self.models) or 'the stack'} ({where}); "
+            "the ready banner follows once every model answers",
+            flush=True,
+        )
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -220,8 +230,10 @@ class ReadyBanner:
         except http.client.HTTPException as exc:
             # Something answers there, but not in HTTP (another program took the port):
             # the stack is not ready, and the banner is no reason to end it.
-            return {"problem": f"{self.base_url} answers, but not in HTTP ({type(exc).__name__}): "
-                               "is another program on that port?"}
+            return {
+                "problem": f"{self.base_url} answers, but not in HTTP ({type(exc).__name__}): "
+                "is another program on that port?"
+            }
         except (OSError, ValueError):  # not listening yet
             return {}
 
@@ -231,16 +243,18 @@ class ReadyBanner:
         key_file = data_dir() / "dev-api-key"
         key = key_file.read_text().strip() if key_file.exists() else "create one: llmctl keys create NAME"
         rule = "─" * 72
-        return "\n".join([
-            rule,
-            f"  Ready after {took_s:.0f} s: every model answers.",
-            f"  URL      {self.base_url}/v1   (OpenAI SDK: base_url)",
-            f"  models   {', '.join(self.models)}",
-            f"  API key  {key}",
-            f"  logs     {self.log or 'this terminal (VERBOSE=1)'}",
-            "  stop     Ctrl-C here, or `make stop` from another shell",
-            rule,
-        ])
+        return "\n".join(
+            [
+                rule,
+                f"  Ready after {took_s:.0f} s: every model answers.",
+                f"  URL      {self.base_url}/v1   (OpenAI SDK: base_url)",
+                f"  models   {', '.join(self.models)}",
+                f"  API key  {key}",
+                f"  logs     {self.log or 'this terminal (VERBOSE=1)'}",
+                "  stop     Ctrl-C here, or `make stop` from another shell",
+                rule,
+            ]
+        )
 
 
 class _RayWatch:

@@ -43,8 +43,11 @@ def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
         if app is None:
             return {"error": f"no Serve application '{app_name}' runs"}
         # A model with a direct route has its deployment in an application of its own.
-        served = {name: each for name, each in applications.items()
-                  if name == app_name or name.startswith(direct_app_name(""))}
+        served = {
+            name: each
+            for name, each in applications.items()
+            if name == app_name or name.startswith(direct_app_name(""))
+        }
         deployments, app_of = {}, {}
         for served_app, each in served.items():
             for name, deployment in each["deployments"].items():
@@ -52,8 +55,11 @@ def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
                 for replica in deployment.get("replicas", []):
                     state = _text(replica["state"])
                     states[state] = states.get(state, 0) + 1
-                deployments[name] = {"status": _text(deployment["status"]),
-                                     "target": deployment.get("target_num_replicas"), "replicas": states}
+                deployments[name] = {
+                    "status": _text(deployment["status"]),
+                    "target": deployment.get("target_num_replicas"),
+                    "replicas": states,
+                }
                 app_of[name] = served_app
         for name, entry in deployments.items():
             if name.startswith(deployment_name("")) and entry["replicas"].get("RUNNING"):
@@ -108,20 +114,27 @@ def render(serve_part: dict[str, Any], redis_part: dict[str, Any], redis_url: st
         lines.append(f"{'deployment':<28}{'status':<14}{'running':>8}{'starting':>9}{'target':>7}   engine")
         for name, entry in serve_part["deployments"].items():
             replicas = entry["replicas"]
-            starting = sum(n for state, n in replicas.items() if state in ("STARTING", "PENDING_MIGRATION", "RECOVERING"))
+            starting = sum(
+                n for state, n in replicas.items() if state in ("STARTING", "PENDING_MIGRATION", "RECOVERING")
+            )
             engine = entry.get("engine")
             if engine is None:
                 engine_text = ""
             elif "error" in engine:
                 engine_text = f"no answer ({engine['error']})"
             else:
-                engine_text = (f"{engine['running']} running, {engine['waiting']} waiting, "
-                               f"KV {engine['kv_cache_usage']:.0%}")
+                engine_text = (
+                    f"{engine['running']} running, {engine['waiting']} waiting, KV {engine['kv_cache_usage']:.0%}"
+                )
                 if engine.get("prefix_cache_queries"):  # one replica's, since its engine started
-                    engine_text += f", prefix cache hits {engine['prefix_cache_hits'] / engine['prefix_cache_queries']:.0%}"
+                    engine_text += (
+                        f", prefix cache hits {engine['prefix_cache_hits'] / engine['prefix_cache_queries']:.0%}"
+                    )
             target = "" if entry["target"] is None else entry["target"]
-            lines.append(f"{name:<28}{entry['status']:<14}{replicas.get('RUNNING', 0):>8}{starting:>9}{target:>7}   "
-                         f"{engine_text}")
+            lines.append(
+                f"{name:<28}{entry['status']:<14}{replicas.get('RUNNING', 0):>8}{starting:>9}{target:>7}   "
+                f"{engine_text}"
+            )
     from serve_app.redis_store.redis_client import redact
 
     shown = redact(redis_url)  # never a password on a terminal

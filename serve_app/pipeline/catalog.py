@@ -13,9 +13,9 @@ from ray.serve.handle import DeploymentHandle
 
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
-from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
 from serve_app.identity.authentication import authorize
 from serve_app.identity.keys import KeyRecord
+from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,9 +37,7 @@ class ModelCatalog:
         self._names = {config.name: config.name for config in configs}
         self._names.update({alias: config.name for config in configs for alias in config.aliases})
         # Configured LoRA adapter names -> their base model.
-        self._adapters = {
-            adapter: config.name for config in configs if config.lora for adapter in config.lora.adapters
-        }
+        self._adapters = {adapter: config.name for config in configs if config.lora for adapter in config.lora.adapters}
 
     def config(self, name: str) -> ModelConfig:
         """A configured model's config."""
@@ -155,12 +153,15 @@ class ModelCatalog:
         ``operation`` (any operation when None) of those ``key`` may use, else a 400
         asking for it that names only those (a 403 when it may use none of them)."""
         if operation is not None:  # what each serves: every model described side by side
-            await asyncio.gather(*(
-                self._details_within_queue_timeout(name)
-                for name, config in self._configs.items()
-                if (key is None or key.allows_model(name)) and name not in self._card_details
-                and not config.scales_to_zero
-            ))
+            await asyncio.gather(
+                *(
+                    self._details_within_queue_timeout(name)
+                    for name, config in self._configs.items()
+                    if (key is None or key.allows_model(name))
+                    and name not in self._card_details
+                    and not config.scales_to_zero
+                )
+            )
         served = [
             name
             for name in self._configs
@@ -171,16 +172,18 @@ class ModelCatalog:
         if len(names) == 1:
             return names[0]
         if served and not names:  # named to no one: which models exist is not this key's to learn
-            raise OpenAIError(403, "This API key may not use any model this endpoint serves.", param="model",
-                              code="model_not_allowed")
+            raise OpenAIError(
+                403, "This API key may not use any model this endpoint serves.", param="model", code="model_not_allowed"
+            )
         raise OpenAIError(
             400,
-            f"Missing required parameter: 'model'. This endpoint serves {', '.join(names) or 'no model for this operation'}.",
+            f"Missing required parameter: 'model'. This endpoint serves "
+            f"{', '.join(names) or 'no model for this operation'}.",
             param="model",
             code="missing_required_parameter",
         )
 
-    def seen_by(self, key: KeyRecord) -> "TenantCatalog":
+    def seen_by(self, key: KeyRecord) -> TenantCatalog:
         """This catalog as ``key``'s routes may ask it (a dialect's translation): a
         model it may not use is never picked nor named for it."""
         return TenantCatalog(self, key)
@@ -189,11 +192,13 @@ class ModelCatalog:
         """Every model ``key`` may use, each followed by its aliases and its
         configured adapters (adapters in a folder are loaded on demand, not listed).
         Models are described side by side: the list waits one queue timeout at most."""
-        await asyncio.gather(*(
-            self._details_within_queue_timeout(name)
-            for name, config in self._configs.items()
-            if key.allows_model(name) and name not in self._card_details and not config.scales_to_zero
-        ))
+        await asyncio.gather(
+            *(
+                self._details_within_queue_timeout(name)
+                for name, config in self._configs.items()
+                if key.allows_model(name) and name not in self._card_details and not config.scales_to_zero
+            )
+        )
         return [
             self._card(model)
             for name, config in self._configs.items()

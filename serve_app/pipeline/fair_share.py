@@ -109,7 +109,7 @@ class Place:
 
     __slots__ = ("_gate", "_key")
 
-    def __init__(self, gate: "FairGate", key: str):
+    def __init__(self, gate: FairGate, key: str):
         self._gate: FairGate | None = gate
         self._key = key
 

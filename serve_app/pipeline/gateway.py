@@ -26,19 +26,19 @@ from ray.serve.handle import DeploymentHandle
 from contract.edge import MAX_SESSION_ID_CHARS
 from contract.model_config import VLLM_PRIORITY, ModelConfig, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
+from serve_app.accounting.costs import Rates, reservation_nanos
+from serve_app.accounting.usage import new_request_id
+from serve_app.admission.scripts import Refusal
+from serve_app.admission.ticket import Gate, Ticket
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
+from serve_app.identity.authentication import authorize
+from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.catalog import ModelCatalog
 from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
-from serve_app.routing.places import replica_places
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
-from serve_app.admission.ticket import Gate, Ticket
-from serve_app.identity.authentication import authorize
-from serve_app.admission.scripts import Refusal
-from serve_app.accounting.costs import Rates, reservation_nanos
-from serve_app.identity.keys import KeyRecord
-from serve_app.accounting.usage import new_request_id
+from serve_app.routing.places import replica_places
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.tracing import RequestTrace, now_ns, replica_context
 from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
@@ -129,8 +129,14 @@ class Gateway:
         return self._waiting.get(model, 0)
 
     async def run(
-        self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int, record: RequestRecord,
-        background: bool = False, once_admitted: Callable[[], Awaitable[None]] | None = None,
+        self,
+        key: KeyRecord,
+        operation: str | Operation,
+        body: dict[str, Any],
+        raw_size: int,
+        record: RequestRecord,
+        background: bool = False,
+        once_admitted: Callable[[], Awaitable[None]] | None = None,
         session: str | None = None,
     ) -> Reply:
         """Admit ``body`` for ``key`` and answer it. Raises ``OpenAIError``.
@@ -167,14 +173,26 @@ class Gateway:
                 # counted (a 429 now if the key's limits cannot hold it), so that the
                 # engine never takes more than was reserved.
                 if resizes == PROMPT_RESIZES:
-                    raise OpenAIError(503, "The prompt's token count changed between two renderings. Please retry.",
-                                      code="prompt_resize_failed", headers={**ticket.headers, **RETRY_HEADERS}) from None
+                    raise OpenAIError(
+                        503,
+                        "The prompt's token count changed between two renderings. Please retry.",
+                        code="prompt_resize_failed",
+                        headers={**ticket.headers, **RETRY_HEADERS},
+                    ) from None
                 plan = plan.resized(over.prompt_tokens)
                 self.telemetry.prompt_resized(plan.model)
         raise AssertionError("unreachable")
 
-    def _plan(self, key: KeyRecord, operation: str | Operation, body: dict[str, Any], raw_size: int,
-              record: RequestRecord, background: bool, session: str | None = None) -> "_Plan":
+    def _plan(
+        self,
+        key: KeyRecord,
+        operation: str | Operation,
+        body: dict[str, Any],
+        raw_size: int,
+        record: RequestRecord,
+        background: bool,
+        session: str | None = None,
+    ) -> _Plan:
         """The request checked (shape, parameters, model, the key's right to it,
         media) and priced (its token reservation); raises the client's 4xx."""
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
@@ -208,11 +226,22 @@ class Gateway:
         if config.priority_scheduling and op.name in PRIORITIZED:
             body["priority"] = rank
         tier = "low" if background else key.priority
-        return _Plan(op, request, body, model, handle, config, reservation, rank, tier,
-                     streaming=bool(getattr(request, "stream", False)))
+        return _Plan(
+            op,
+            request,
+            body,
+            model,
+            handle,
+            config,
+            reservation,
+            rank,
+            tier,
+            streaming=bool(getattr(request, "stream", False)),
+        )
 
-    async def _admit(self, key: KeyRecord, plan: "_Plan", record: RequestRecord,
-                     may_start_early: bool = True) -> "tuple[Ticket, _EarlyStart | None]":
+    async def _admit(
+        self, key: KeyRecord, plan: _Plan, record: RequestRecord, may_start_early: bool = True
+    ) -> tuple[Ticket, _EarlyStart | None]:
         """The key's quotas in Redis (a refusal rendered as its 429), then the tier's
         share of the model's queue (503 when full). A stream of a key with room to
         spare may start in the engine meanwhile (serve_app/admission/overlap.py); nothing
@@ -220,8 +249,11 @@ class Gateway:
         model, body = plan.model, plan.body
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
-        early = (self._start_early(plan.handle, plan.op, body, key, model, plan.reservation, record.trace)
-                 if self.start_early and may_start_early and plan.streaming and not queue_full else None)
+        early = (
+            self._start_early(plan.handle, plan.op, body, key, model, plan.reservation, record.trace)
+            if self.start_early and may_start_early and plan.streaming and not queue_full
+            else None
+        )
         # Priced (accounting/costs.py): a batch request at the model's batch discount. The
         # reservation's cost is held against money budgets until settlement.
         rates = Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
@@ -246,8 +278,11 @@ class Gateway:
         finally:
             self._admitting[model] -= 1
         if record.trace is not None:
-            record.trace.stage("admission", admission_started, **{"llm.early_start": early is not None,
-                                                                   "llm.admitted": not isinstance(admitted, Refusal)})
+            record.trace.stage(
+                "admission",
+                admission_started,
+                **{"llm.early_start": early is not None, "llm.admitted": not isinstance(admitted, Refusal)},
+            )
         if isinstance(admitted, Refusal):
             if early is not None:
                 early.withdraw()
@@ -268,12 +303,14 @@ class Gateway:
         if queue_full:
             # This tier's share of the model's queue is full (the rest is kept for higher tiers).
             self.access.settle(ticket, "overloaded", Usage())
-            raise _unavailable(ticket, f"Model '{model}' is at capacity for {plan.tier}-priority requests. "
-                                       "Please retry shortly.", "model_overloaded")
+            raise _unavailable(
+                ticket,
+                f"Model '{model}' is at capacity for {plan.tier}-priority requests. Please retry shortly.",
+                "model_overloaded",
+            )
         return ticket, early
 
-    async def _call(self, plan: "_Plan", ticket: Ticket, record: RequestRecord,
-                    early: "_EarlyStart | None") -> Reply:
+    async def _call(self, plan: _Plan, ticket: Ticket, record: RequestRecord, early: _EarlyStart | None) -> Reply:
         """The call to one of the model's replicas, streamed or whole. What the
         cluster or the transport raises on the way is answered here, and settled:
         nothing is charged for what never ran."""
@@ -290,28 +327,44 @@ class Gateway:
         except BackPressureError:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
             self.access.settle(ticket, "overloaded", Usage())
-            raise _unavailable(ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded") from None
+            raise _unavailable(
+                ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded"
+            ) from None
         except QueueTimeout:
             # Still queued after the model's bound: replicas busy or starting (scale from zero).
             self.access.settle(ticket, "overloaded", Usage())
-            message = f"No replica of model '{model}' became available within {queue_timeout_s:g}s (it may be starting). Please retry."
+            message = (
+                f"No replica of model '{model}' became available within {queue_timeout_s:g}s (it may be starting). "
+                "Please retry."
+            )
             raise _unavailable(ticket, message, "model_unavailable") from None
         except (RayActorError, ActorUnavailableError):
             self.access.settle(ticket, "failed", Usage())
-            raise _unavailable(ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable") from None
-        except RequestCancelledError if ticket.revoked else ():
+            raise _unavailable(
+                ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable"
+            ) from None
+        except RequestCancelledError if ticket.revoked else ():  # noqa: B030 (only a revoked ticket's cancellation)
             # A cancelled call returns nothing, so what the engine generated before the
             # cut is not known here: the key is charged its prompt, never its reservation.
             self.access.settle(ticket, "failed", Usage(prompt_tokens=plan.reservation.prompt))
-            raise OpenAIError(401, "This API key (or its team) was revoked or disabled while the request ran.",
-                              type="authentication_error", code="invalid_api_key", headers=ticket.headers) from None
+            raise OpenAIError(
+                401,
+                "This API key (or its team) was revoked or disabled while the request ran.",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers=ticket.headers,
+            ) from None
         except Exception:
             # The call failed between ingress and replica (the transport refused a
             # message, the replica raised): nothing reached the client, nothing is charged.
             logger.exception("model %s: the call to its replica failed", model)
             self.access.settle(ticket, "failed", Usage())
-            raise OpenAIError(502, f"The call to a replica of model '{model}' failed. Please retry.",
-                              code="replica_call_failed", headers={**ticket.headers, **RETRY_HEADERS}) from None
+            raise OpenAIError(
+                502,
+                f"The call to a replica of model '{model}' failed. Please retry.",
+                code="replica_call_failed",
+                headers={**ticket.headers, **RETRY_HEADERS},
+            ) from None
         except BaseException:  # cancelled (the client left): the engine may have generated, the reservation holds
             self.access.settle(ticket, "failed")
             raise
@@ -323,17 +376,24 @@ class Gateway:
         record.used(answer.usage)
         return Reply(ticket.headers, body=answer.body)
 
-    async def _call_unary(self, plan: "_Plan", ticket: Ticket, trace: RequestTrace | None) -> ReplicaAnswer | ReplicaError:
+    async def _call_unary(
+        self, plan: _Plan, ticket: Ticket, trace: RequestTrace | None
+    ) -> ReplicaAnswer | ReplicaError:
         """A unary call travels as a stream of one item: over Serve's gRPC transport a
         unary call is known to be with a replica only once it has ended, so the queue
         timeout would bound the whole call and a cancel would never reach the replica."""
         op, body, handle = plan.op, plan.body, plan.handle
         context = replica_context(trace, plan.model)
         response = await self._hand_on(
-            plan.model, ticket,
+            plan.model,
+            ticket,
             lambda: handle.options(stream=True).call_streamed.remote(
-                op.replica_operation, body, trace=context, prompt_allowance=plan.reservation.prompt_allowance),
-            plan.config.queue_timeout_s, plan.rank, trace=trace)
+                op.replica_operation, body, trace=context, prompt_allowance=plan.reservation.prompt_allowance
+            ),
+            plan.config.queue_timeout_s,
+            plan.rank,
+            trace=trace,
+        )
         # Its key revoked or disabled while it runs (Maintenance.stop_revoked): the call is
         # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
         ticket.on_revoke = response.cancel
@@ -341,8 +401,9 @@ class Gateway:
             response.cancel()
         return await only_item(response)
 
-    async def _call_streamed(self, plan: "_Plan", ticket: Ticket, record: RequestRecord,
-                             early: "_EarlyStart | None") -> Reply:
+    async def _call_streamed(
+        self, plan: _Plan, ticket: Ticket, record: RequestRecord, early: _EarlyStart | None
+    ) -> Reply:
         """The call to a replica, relayed as it streams; the relay settles it."""
         op, body, handle, request = plan.op, plan.body, plan.handle, plan.request
         queue_timeout_s, rank, reservation = plan.config.queue_timeout_s, plan.rank, plan.reservation
@@ -353,15 +414,21 @@ class Gateway:
             _ask_for_usage(op, body)
             context = replica_context(trace, body["model"])
             chunks = await self._hand_on(
-                body["model"], ticket,
+                body["model"],
+                ticket,
                 lambda: handle.options(stream=True).stream.remote(
-                    op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance),
-                queue_timeout_s, rank, trace=trace)
+                    op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance
+                ),
+                queue_timeout_s,
+                rank,
+                trace=trace,
+            )
             next_item = chunks.__anext__()
         else:
             try:
-                chunks = await self._hand_on(body["model"], ticket, lambda: early.chunks, queue_timeout_s, rank,
-                                             early.place, trace)
+                chunks = await self._hand_on(
+                    body["model"], ticket, lambda: early.chunks, queue_timeout_s, rank, early.place, trace
+                )
             except BaseException:
                 early.withdraw()
                 raise
@@ -378,9 +445,19 @@ class Gateway:
         if trace is not None:
             trace.first_token()
         self.catalog.describe_while_up(body["model"])
-        relay = relay_stream(first, chunks, ticket, client_wants_usage, record, reservation, op.name == "chat",
-                             STREAM_SHAPES[op.streams_as], access=self.access, telemetry=self.telemetry,
-                             served=self._served)
+        relay = relay_stream(
+            first,
+            chunks,
+            ticket,
+            client_wants_usage,
+            record,
+            reservation,
+            op.name == "chat",
+            STREAM_SHAPES[op.streams_as],
+            access=self.access,
+            telemetry=self.telemetry,
+            served=self._served,
+        )
         # A client that hangs up before the first byte is sent never starts the
         # relay, so its `finally` never runs: settle when the unstarted relay is dropped
         # (otherwise its lease would be renewed for as long as the ingress lives).
@@ -399,8 +476,16 @@ class Gateway:
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
 
-    def _start_early(self, handle, op: Operation, body: dict, key: KeyRecord, model: str,
-                     reservation: Reservation, trace: RequestTrace | None) -> "_EarlyStart | None":
+    def _start_early(
+        self,
+        handle,
+        op: Operation,
+        body: dict,
+        key: KeyRecord,
+        model: str,
+        reservation: Reservation,
+        trace: RequestTrace | None,
+    ) -> _EarlyStart | None:
         """Send a stream to ``model``'s replicas before its admission, if its key may
         (``Gatekeeper.may_start_before_admission``), the fair-share gate has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
@@ -433,8 +518,9 @@ class Gateway:
             body["request_id"] = request_id
         _ask_for_usage(op, body)
         context = replica_context(trace, model)
-        chunks = handle.options(stream=True).stream.remote(op.replica_operation, body, trace=context,
-                                                           prompt_allowance=reservation.prompt_allowance)
+        chunks = handle.options(stream=True).stream.remote(
+            op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance
+        )
         # Pulling the first item is what starts an in-process replica's engine
         # request (a handle's call is already on its way to a replica).
         return _EarlyStart(request_id, chunks, asyncio.ensure_future(chunks.__anext__()), place)
@@ -443,8 +529,16 @@ class Gateway:
         """Whether ``model``'s queue holds ``limit`` waiting requests (a negative limit: unbounded)."""
         return 0 <= limit <= self._waiting[model]
 
-    async def _hand_on(self, model: str, ticket: Ticket, send, timeout_s: float, rank: int, place=None,
-                       trace: RequestTrace | None = None):
+    async def _hand_on(
+        self,
+        model: str,
+        ticket: Ticket,
+        send,
+        timeout_s: float,
+        rank: int,
+        place=None,
+        trace: RequestTrace | None = None,
+    ):
         """``send()`` the request to ``model``'s replicas once the fair-share gate gives
         it a place (at once while the model has room) and wait until a replica takes
         it. The model's queue timeout bounds both waits: past it the call is withdrawn
@@ -510,7 +604,7 @@ class _Plan:
     tier: str  # whose share of the model's queue it may take
     streaming: bool
 
-    def resized(self, prompt_tokens: int) -> "_Plan":
+    def resized(self, prompt_tokens: int) -> _Plan:
         """The same request, its prompt reserved as the replica counted it."""
         return dataclasses.replace(self, reservation=self.reservation.resized(prompt_tokens))
 

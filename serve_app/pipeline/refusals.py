@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from serve_app.errors import OpenAIError
-from serve_app.admission.scripts import REFUSALS, Decision, Refusal
 from serve_app.accounting.costs import NANOS_PER_USD
+from serve_app.admission.scripts import REFUSALS, Decision, Refusal
+from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
 
 
@@ -19,8 +19,9 @@ def render(refused: Refusal) -> OpenAIError:
     refused (the API key or its team) in its message and in ``x-ratelimit-scope``."""
     if refused.decision is None:
         return local_refusal(refused.key, refused.kind, refused.retry_s)
-    return refusal(refused.key, refused.decision, refused.reserved, refused.headers, refused.level,
-                   refused.reserved_nanos)
+    return refusal(
+        refused.key, refused.decision, refused.reserved, refused.headers, refused.level, refused.reserved_nanos
+    )
 
 
 def local_refusal(key: KeyRecord, kind: str, retry_s: float) -> OpenAIError:
@@ -39,26 +40,37 @@ def _usd(nanos: float) -> str:
     return f"${nanos / NANOS_PER_USD:,.6f}".rstrip("0").rstrip(".")
 
 
-def refusal(key: KeyRecord, decision: Decision, reserved: int, headers: dict[str, str], level: str = "key",
-            reserved_nanos: int = 0) -> OpenAIError:
+def refusal(
+    key: KeyRecord,
+    decision: Decision,
+    reserved: int,
+    headers: dict[str, str],
+    level: str = "key",
+    reserved_nanos: int = 0,
+) -> OpenAIError:
     kind_type, code = REFUSALS[decision.kind]
     who = f"team '{key.name}'" if level == "team" else f"API key '{key.name}'"
     if decision.kind == "revoked":  # disabled in Redis since this replica cached it
         if level == "team":
-            return OpenAIError(401, f"The {who} of this API key is disabled or does not exist.",
-                               type=kind_type, code="team_disabled")
+            return OpenAIError(
+                401, f"The {who} of this API key is disabled or does not exist.", type=kind_type, code="team_disabled"
+            )
         return OpenAIError(401, f"The {who} is disabled or does not exist.", type=kind_type, code=code)
     if decision.kind.endswith("_cost_budget"):
         budget = key.daily_cost_budget_usd if decision.kind == "daily_cost_budget" else key.monthly_cost_budget_usd
         budget_usd = _usd(budget * NANOS_PER_USD)  # every significant digit: $0.0005, not $0.00
         period = decision.kind.split("_")[0]
         if decision.retry_ms < 0:
-            message = (f"Request too large for {who}: its reservation costs up to {_usd(reserved_nanos)}, more than "
-                       f"the whole {period} spend budget of {budget_usd}. Lower max_tokens.")
+            message = (
+                f"Request too large for {who}: its reservation costs up to {_usd(reserved_nanos)}, more than "
+                f"the whole {period} spend budget of {budget_usd}. Lower max_tokens."
+            )
         else:
-            message = (f"You exceeded the {period} spend budget of {who} ({budget_usd}; spent "
-                       f"{_usd(int(decision.detail))}, this request reserves {_usd(reserved_nanos)}). "
-                       f"It renews in {decision.retry_ms / 1000:.0f}s.")
+            message = (
+                f"You exceeded the {period} spend budget of {who} ({budget_usd}; spent "
+                f"{_usd(int(decision.detail))}, this request reserves {_usd(reserved_nanos)}). "
+                f"It renews in {decision.retry_ms / 1000:.0f}s."
+            )
         return OpenAIError(429, message, type=kind_type, code=code, headers=headers)
     limit = {
         "requests": f"{key.requests_per_minute} requests per minute",

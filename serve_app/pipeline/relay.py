@@ -17,8 +17,7 @@ from serve_app.wire.sse import StreamShape
 logger = logging.getLogger("ray.serve")
 
 STREAM_FAILED = (
-    'data: {"error": {"message": "The model stream failed.", "type": "server_error", '
-    '"param": null, "code": null}}\n\n'
+    'data: {"error": {"message": "The model stream failed.", "type": "server_error", "param": null, "code": null}}\n\n'
 )
 KEY_REVOKED = (
     'data: {"error": {"message": "This API key (or its team) was revoked or disabled while the stream ran.", '

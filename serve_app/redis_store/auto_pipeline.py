@@ -48,8 +48,13 @@ class NotReplicated(RedisConnectionError):
 
 
 class AutoPipeline:
-    def __init__(self, redis, max_pipeline: int = MAX_PIPELINE, replicas_to_acknowledge: int = 0,
-                 acknowledge_timeout_ms: int = 100):
+    def __init__(
+        self,
+        redis,
+        max_pipeline: int = MAX_PIPELINE,
+        replicas_to_acknowledge: int = 0,
+        acknowledge_timeout_ms: int = 100,
+    ):
         self.redis = redis
         self.max_pipeline = max_pipeline
         self.replicas_to_acknowledge = replicas_to_acknowledge
@@ -73,7 +78,7 @@ class AutoPipeline:
     def _send_pending(self) -> None:
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), self.max_pipeline):
-            task = asyncio.get_running_loop().create_task(self._send(pending[start:start + self.max_pipeline]))
+            task = asyncio.get_running_loop().create_task(self._send(pending[start : start + self.max_pipeline]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -129,8 +134,9 @@ class AutoPipeline:
                 # connection, so a node's WAIT comes after its calls.
                 targets = list({node.name: node for node in nodes}.values()) if cluster else [None]
                 for node in targets if waits else []:
-                    pipe.execute_command("WAIT", waits, self.acknowledge_timeout_ms,
-                                         **({"target_nodes": node} if node else {}))
+                    pipe.execute_command(
+                        "WAIT", waits, self.acknowledge_timeout_ms, **({"target_nodes": node} if node else {})
+                    )
                 replies = await pipe.execute(raise_on_error=False)
         except BaseException as exc:
             cleared = clear_error(exc)
@@ -140,14 +146,20 @@ class AutoPipeline:
         replies = [clear_error(reply) if isinstance(reply, BaseException) else reply for reply in replies]
         if not waits:
             return replies
-        acknowledged = replies[len(calls):]
-        replies = replies[:len(calls)]
-        vouched = {target.name if target else None for target, count in zip(targets, acknowledged)
-                   if not isinstance(count, BaseException) and count >= waits}
-        for n, (script, keys, *_) in enumerate(calls):
+        acknowledged = replies[len(calls) :]
+        replies = replies[: len(calls)]
+        vouched = {
+            target.name if target else None
+            for target, count in zip(targets, acknowledged)
+            if not isinstance(count, BaseException) and count >= waits
+        }
+        for n, (_script, keys, *_) in enumerate(calls):
             # A call a cluster redirected ran on another node than the one WAIT asked.
             node = self.redis.get_node_from_key(keys[0]).name if cluster else None
-            if not isinstance(replies[n], BaseException) and (node not in vouched or (cluster and node != nodes[n].name)):
+            if not isinstance(replies[n], BaseException) and (
+                node not in vouched or (cluster and node != nodes[n].name)
+            ):
                 replies[n] = NotReplicated(
-                    f"fewer than {waits} replica(s) acknowledged the write within {self.acknowledge_timeout_ms} ms")
+                    f"fewer than {waits} replica(s) acknowledged the write within {self.acknowledge_timeout_ms} ms"
+                )
         return replies

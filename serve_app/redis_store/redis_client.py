@@ -30,8 +30,18 @@ import redis.asyncio.cluster
 import redis.asyncio.connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from redis.exceptions import (AuthenticationError, AuthorizationError, ClusterDownError, ClusterError, DataError,
-                              RedisClusterException, RedisError, ResponseError, SlotNotCoveredError, TryAgainError)
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    ClusterError,
+    DataError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
@@ -47,8 +57,15 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _POOL_CHECKS_CONNECTIONS = MaintNotificationsConfig(enabled=False)
 # Redis did not answer (it may still run what was sent): a quota decision falls to
 # ``quota.fail_mode`` (docs/quotas.md, "Keys and quotas").
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
-               ClusterDownError, TryAgainError, SlotNotCoveredError)
+UNREACHABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    TimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
+)
 # Anything the client raises about Redis (the cluster client's own errors are not RedisError).
 REDIS_FAILED = (RedisError, RedisClusterException)
 _TLS_QUERY = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
@@ -84,9 +101,15 @@ def parse(url: str) -> RedisTarget:
     if not hosts:
         raise ValueError("redis_url names no host")
     query = dict(parse_qsl(parts.query))
-    target = dict(mode="cluster" if scheme in CLUSTER_SCHEMES else "sentinel", url=url, hosts=hosts,
-                  username=unquote(username) or None, password=unquote(password) or None,
-                  tls=scheme.startswith("rediss"), query=query)
+    target = dict(
+        mode="cluster" if scheme in CLUSTER_SCHEMES else "sentinel",
+        url=url,
+        hosts=hosts,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        tls=scheme.startswith("rediss"),
+        query=query,
+    )
     path = [p for p in parts.path.split("/") if p]
     if target["mode"] == "sentinel":
         if not path:
@@ -159,8 +182,14 @@ class _ClearErrors:
     async def execute_command(self, *args, **options):
         try:
             return await super().execute_command(*args, **options)
-        except (AuthenticationError, AuthorizationError, ClusterError, RedisClusterException, AttributeError,
-                TypeError) as exc:
+        except (
+            AuthenticationError,
+            AuthorizationError,
+            ClusterError,
+            RedisClusterException,
+            AttributeError,
+            TypeError,
+        ) as exc:
             cleared = clear_error(exc)
             if cleared is exc:
                 raise
@@ -238,12 +267,20 @@ def connect(url: str, timeout_s: float | None = None):
     if target.mode == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
         return SafeRedisCluster(startup_nodes=nodes, **auth, **tls, **timeouts)
-    sentinel_auth = {"username": target.query.get("sentinel_username"),
-                     "password": target.query.get("sentinel_password")}
+    sentinel_auth = {
+        "username": target.query.get("sentinel_username"),
+        "password": target.query.get("sentinel_password"),
+    }
     sentinel_tls = tls if target.query.get("sentinel_tls", "yes").lower() not in ("no", "false", "0") else {}
     sentinel = Sentinel(target.hosts, sentinel_kwargs={**sentinel_auth, **sentinel_tls, **timeouts}, **timeouts)
-    return sentinel.master_for(target.service, redis_class=SafeRedis, db=target.db, **auth, **tls,
-                               maint_notifications_config=_POOL_CHECKS_CONNECTIONS)
+    return sentinel.master_for(
+        target.service,
+        redis_class=SafeRedis,
+        db=target.db,
+        **auth,
+        **tls,
+        maint_notifications_config=_POOL_CHECKS_CONNECTIONS,
+    )
 
 
 def _pack_in_c(self, *args) -> list[bytes]:

@@ -149,8 +149,15 @@ def has_stored_limits(account_id: str) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _key_names(key_id: str) -> tuple[str, ...]:
     """One key's admission names, made once per key (twice per request otherwise)."""
-    return (requests_rate(key_id), tokens_rate(key_id), concurrency(key_id), usage(key_id),
-            request_record_prefix(key_id), refusals(key_id), limits_record(key_id))
+    return (
+        requests_rate(key_id),
+        tokens_rate(key_id),
+        concurrency(key_id),
+        usage(key_id),
+        request_record_prefix(key_id),
+        refusals(key_id),
+        limits_record(key_id),
+    )
 
 
 def stored_response(key_id: str, response_id: str) -> str:

@@ -38,8 +38,13 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def matched(self, hashes: Sequence[bytes], replica_ids: Iterable[str],
-                published: Mapping[str, Collection[bytes]] | None = None, trust_own_s: float = 0.0) -> dict[str, int]:
+    def matched(
+        self,
+        hashes: Sequence[bytes],
+        replica_ids: Iterable[str],
+        published: Mapping[str, Collection[bytes]] | None = None,
+        trust_own_s: float = 0.0,
+    ) -> dict[str, int]:
         """How many leading blocks of the prompt each replica holds: a block it published
         (``published``: what the engines of the replicas that publish say they hold), or
         one this router sent it, within ``trust_own_s`` where the replica publishes."""

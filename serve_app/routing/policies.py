@@ -30,8 +30,9 @@ def rendezvous_order(prefix: str, replica_ids: Sequence[str]) -> list[str]:
     score is a hash of (prefix, id), so removing a replica changes the order of
     the others for no prefix."""
     digest = hashlib.blake2b(prefix.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    return sorted(replica_ids, key=lambda rid: hashlib.blake2b(rid.encode(), key=digest, digest_size=8).digest(),
-                  reverse=True)
+    return sorted(
+        replica_ids, key=lambda rid: hashlib.blake2b(rid.encode(), key=digest, digest_size=8).digest(), reverse=True
+    )
 
 
 def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], imbalance_threshold: int) -> str | None:
@@ -46,8 +47,9 @@ def affine_choice(order: Sequence[str], queue_lens: Mapping[str, int | None], im
     return None
 
 
-def cached_choice(order: Sequence[str], matched: Mapping[str, int], queue_lens: Mapping[str, int | None],
-                  imbalance_threshold: int) -> str | None:
+def cached_choice(
+    order: Sequence[str], matched: Mapping[str, int], queue_lens: Mapping[str, int | None], imbalance_threshold: int
+) -> str | None:
     """Among the replicas within the load guard (at most ``imbalance_threshold`` more
     requests than the least busy), the one holding the longest cached run of the
     prompt (``matched``: leading blocks held); of equals, the least busy, then the
@@ -62,8 +64,9 @@ def cached_choice(order: Sequence[str], matched: Mapping[str, int], queue_lens: 
     if best == 0:
         return eligible[0]
     rank = {rid: i for i, rid in enumerate(order)}
-    return min((rid for rid in eligible if matched.get(rid, 0) == best),
-               key=lambda rid: (queue_lens.get(rid) or 0, rank[rid]))
+    return min(
+        (rid for rid in eligible if matched.get(rid, 0) == best), key=lambda rid: (queue_lens.get(rid) or 0, rank[rid])
+    )
 
 
 class ChosenNotSent:

@@ -44,11 +44,13 @@ from collections.abc import Collection, Mapping
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from contract.prompt_blocks import CACHED_BLOCKS, MAX_HASHED_CHARS, block_hashes, prompt_text
+
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app.routing import places
 from serve_app.routing.block_index import BlockIndex
-from serve_app.routing.policies import ChosenNotSent, SESSION_KEY, affine_choice, cached_choice, rendezvous_order
+from serve_app.routing.policies import SESSION_KEY, ChosenNotSent, affine_choice, cached_choice, rendezvous_order
 from serve_app.routing.serve_private import PowerOfTwoChoicesRequestRouter
+
 
 class PublishesPlaces:
     """Router mixin: publishes the deployment's places (places.py) whenever its replicas change."""
@@ -158,8 +160,9 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
             counts = {rid: (length or 0) + picks[rid] for rid, length in lens.items()}
         return counts
 
-    async def _counts(self, replicas: list[RunningReplica], ask: set[str] = frozenset()
-                      ) -> tuple[dict[str, int | None], dict[str, int]]:
+    async def _counts(
+        self, replicas: list[RunningReplica], ask: set[str] = frozenset()
+    ) -> tuple[dict[str, int | None], dict[str, int]]:
         """Each replica's count (cached, or probed if stale or in ``ask``; None: no
         answer) and this router's picks of it that count has not seen."""
         lens: dict[str, int | None] = {}
@@ -185,15 +188,22 @@ class CacheAffinityRouter(PrefixAffinityRouter):
     the load guard. What a replica holds is what its engine says (its KV-cache events,
     translated by the replica into the router's block hashes, replicas/kv_events.py,
     handed here in Serve's routing stats) plus what this router sent it in the last
-    ``trust_own_s``; for a replica that publishes nothing, whatever it was sent. So a conversation follows its own history, which grows with every
+    ``trust_own_s``; for a replica that publishes nothing, whatever it was sent. So a conversation follows its own
+    history, which grows with every
     turn, instead of its application's shared system prompt; and once a hot system
     prompt has spilled past the guard onto several replicas, new conversations that
     share it go to the least busy of them. Adapters: among their holders, as the
     prefix router does. A prompt none of the eligible replicas holds goes where the
     prefix router would send it, so ingress replicas agree on it."""
 
-    def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4, block_chars: int = 256,
-                         max_blocks: int = 100_000, trust_own_s: float = 30.0) -> None:
+    def initialize_state(
+        self,
+        prefix_chars: int = 512,
+        imbalance_threshold: int = 4,
+        block_chars: int = 256,
+        max_blocks: int = 100_000,
+        trust_own_s: float = 30.0,
+    ) -> None:
         super().initialize_state(prefix_chars, imbalance_threshold)
         self._block_chars = block_chars
         self._trust_own_s = trust_own_s
@@ -226,7 +236,7 @@ class CacheAffinityRouter(PrefixAffinityRouter):
 
     def _choose(self, text: str, holders: list[str], queue_lens: dict[str, int]) -> str:
         hashes = block_hashes(text, self._block_chars)
-        order = rendezvous_order(text[:self._prefix_chars], holders)
+        order = rendezvous_order(text[: self._prefix_chars], holders)
         matched = self._index.matched(hashes, holders, self._published, self._trust_own_s)
         chosen = cached_choice(order, matched, queue_lens, self._imbalance_threshold)
         if chosen is None:  # every holder past the guard: the least busy replica of all (it will hold it)

@@ -46,17 +46,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from serve_app.redis_store import redis_names
-from serve_app.identity.keys import KeyStore
-from serve_app.stored.batches import ENDED, ENDPOINTS, BatchStore
 from serve_app.errors import OpenAIError
-from serve_app.stored.files_api import FileStore
+from serve_app.identity.keys import KeyRecord, KeyStore
 from serve_app.pipeline.gateway import Gateway
-from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store import redis_names
 from serve_app.redis_store.redis_client import as_text
 from serve_app.settings import BatchConfig
-from serve_app.tracing import RequestTrace
+from serve_app.stored.batches import ENDED, ENDPOINTS, BatchStore
+from serve_app.stored.files_api import FileStore
 from serve_app.telemetry import RequestRecord, Telemetry
+from serve_app.tracing import RequestTrace
 
 logger = logging.getLogger("ray.serve")
 
@@ -92,8 +91,15 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, files: FileStore, gateway: Gateway, keys: KeyStore, telemetry: Telemetry,
-                 config: BatchConfig):
+    def __init__(
+        self,
+        store: BatchStore,
+        files: FileStore,
+        gateway: Gateway,
+        keys: KeyStore,
+        telemetry: Telemetry,
+        config: BatchConfig,
+    ):
         self.store, self.files, self.gateway, self.keys = store, files, gateway, keys
         self.telemetry, self.config = telemetry, config
         self.redis = keys.redis
@@ -136,8 +142,9 @@ class BatchRunner:
                 return
             if batch_id in self._jobs or self._per_key.get(key_id, 0) >= self.config.batches_per_key:
                 continue
-            if await self.redis.set(redis_names.batch_lease(key_id, batch_id), self.owner, nx=True,
-                                    px=int(self.config.lease_s * 1000)):
+            if await self.redis.set(
+                redis_names.batch_lease(key_id, batch_id), self.owner, nx=True, px=int(self.config.lease_s * 1000)
+            ):
                 self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
                 task = asyncio.ensure_future(self._run_leased(key_id, batch_id))
                 self._jobs[batch_id] = task
@@ -191,8 +198,14 @@ class BatchJob:
         self.lost = False
         self.out = self.files.partial_path(key_id, batch_id + ".output")
         self.err = self.files.partial_path(key_id, batch_id + ".errors")
-        self.counts = {"completed": 0, "failed": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0,
-                       "reasoning_tokens": 0}
+        self.counts = {
+            "completed": 0,
+            "failed": 0,
+            "input_tokens": 0,
+            "cached_tokens": 0,
+            "output_tokens": 0,
+            "reasoning_tokens": 0,
+        }
         self.ends = "completed"  # or expired: some requests never ran within the window
         self.park_s: float | None = None  # set by a refusal of the key: how long the batch waits, parked
         self.key_gone = False  # the key was revoked or disabled: the batch stops
@@ -279,10 +292,14 @@ class BatchJob:
     async def _input_lost(self, exc: Exception) -> None:
         """The batch fails: its input file was deleted or changed while it ran."""
         message = exc.message if isinstance(exc, OpenAIError) else "The input file is no longer available."
-        await self.store.update(self.key_id, self.batch_id, errors=json.dumps(
-            [{"code": "invalid_input_file", "message": message, "param": "input_file_id", "line": None}]))
-        await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress",
-                                                                           "cancelling"))
+        await self.store.update(
+            self.key_id,
+            self.batch_id,
+            errors=json.dumps(
+                [{"code": "invalid_input_file", "message": message, "param": "input_file_id", "line": None}]
+            ),
+        )
+        await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress", "cancelling"))
         await self.store.ended(self.key_id, self.batch_id)
         for partial in (self.out, self.err):  # results of a batch that failed: never a file
             partial.unlink(missing_ok=True)
@@ -376,8 +393,9 @@ class BatchJob:
             record = RequestRecord("batch", line_id, trace=RequestTrace.start(f"batch {operation}", {}))
             record.for_key(key)
             try:
-                reply = await self.runner.gateway.run(key, operation, body, len(json.dumps(body)), record,
-                                                      background=True)
+                reply = await self.runner.gateway.run(
+                    key, operation, body, len(json.dumps(body)), record, background=True
+                )
             except OpenAIError as exc:
                 record.refused(exc.status, exc.code, exc.type, exc.headers)
                 self.runner.telemetry.finish(record)
@@ -404,8 +422,12 @@ class BatchJob:
             record.status = 200
             self.runner.telemetry.finish(record)
             answer = json.loads(reply.body)
-            line = {"id": line_id, "custom_id": request["custom_id"],
-                    "response": {"status_code": 200, "request_id": line_id, "body": answer}, "error": None}
+            line = {
+                "id": line_id,
+                "custom_id": request["custom_id"],
+                "response": {"status_code": 200, "request_id": line_id, "body": answer},
+                "error": None,
+            }
             return self._answer(request, line, ok=True)
 
     def _answer(self, request: dict[str, Any], line: dict[str, Any], ok: bool = False) -> None:
@@ -424,13 +446,21 @@ class BatchJob:
 
     @staticmethod
     def _failed_line(request: dict[str, Any], line_id: str, exc: OpenAIError) -> dict[str, Any]:
-        return {"id": line_id, "custom_id": request["custom_id"],
-                "response": {"status_code": exc.status, "request_id": line_id, "body": exc.body()}, "error": None}
+        return {
+            "id": line_id,
+            "custom_id": request["custom_id"],
+            "response": {"status_code": exc.status, "request_id": line_id, "body": exc.body()},
+            "error": None,
+        }
 
     @staticmethod
     def _error_line(request: dict[str, Any], code: str, message: str) -> dict[str, Any]:
-        return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": request["custom_id"], "response": None,
-                "error": {"code": code, "message": message}}
+        return {
+            "id": "batch_req_" + uuid.uuid4().hex,
+            "custom_id": request["custom_id"],
+            "response": None,
+            "error": {"code": code, "message": message},
+        }
 
     @staticmethod
     def _write(path: Path, line: dict[str, Any]) -> None:

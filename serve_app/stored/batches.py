@@ -22,13 +22,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from serve_app.redis_store import redis_names
-from serve_app.wire.api_requests import check_metadata
+from serve_app.accounting.storage_account import StorageAccount
 from serve_app.errors import OpenAIError, shown
+from serve_app.redis_store import redis_names
+from serve_app.redis_store.redis_client import as_text
 from serve_app.stored.files_api import FileStore, batch_lines
 from serve_app.stored.listings import index_page
-from serve_app.accounting.storage_account import StorageAccount
-from serve_app.redis_store.redis_client import as_text
+from serve_app.wire.api_requests import check_metadata
 
 ENDPOINTS = {  # batch endpoint -> the gateway's operation
     "/v1/chat/completions": "chat",
@@ -57,8 +57,7 @@ _RECORD_KEPT_S = COMPLETION_WINDOWS["24h"] + _ACTIVE_HORIZON_S + RECORD_RETENTIO
 ENDED = ("completed", "failed", "expired", "cancelled")
 _COUNTS = ("total", "completed", "failed")
 _USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
-_TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-          "cancelled_at")
+_TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 # KEYS[1] the batch; ARGV: new status, now, then the statuses it may change from.
 # Returns the status it had (unchanged unless that one is allowed), or false.
@@ -86,8 +85,15 @@ def not_found(batch_id: str) -> OpenAIError:
 
 
 class BatchStore:
-    def __init__(self, redis, files: FileStore, max_requests: int, max_active_per_key: int = 100,
-                 max_line_bytes: int = 8 * 1024 * 1024, records: StorageAccount | None = None):
+    def __init__(
+        self,
+        redis,
+        files: FileStore,
+        max_requests: int,
+        max_active_per_key: int = 100,
+        max_line_bytes: int = 8 * 1024 * 1024,
+        records: StorageAccount | None = None,
+    ):
         """``records``: the key's account of what it keeps in Redis, where each batch
         record counts (none: uncounted, for tools that only list and cancel)."""
         self.redis = redis
@@ -108,30 +114,51 @@ class BatchStore:
         a batch that failed, with one error per line, as OpenAI answers it."""
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
-            raise OpenAIError(400, f"Invalid 'endpoint': {shown(endpoint)}; one of {', '.join(ENDPOINTS)}.",
-                              param="endpoint", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"Invalid 'endpoint': {shown(endpoint)}; one of {', '.join(ENDPOINTS)}.",
+                param="endpoint",
+                code="invalid_value",
+            )
         window = body.get("completion_window")
         if window not in COMPLETION_WINDOWS:
-            raise OpenAIError(400, f"Invalid 'completion_window': {shown(window)}; only '24h' is supported.",
-                              param="completion_window", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"Invalid 'completion_window': {shown(window)}; only '24h' is supported.",
+                param="completion_window",
+                code="invalid_value",
+            )
         metadata = body.get("metadata")
         check_metadata(metadata)
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
-            raise OpenAIError(400, "'input_file_id' must be the id of a file uploaded with purpose 'batch'.",
-                              param="input_file_id", code="missing_required_parameter")
+            raise OpenAIError(
+                400,
+                "'input_file_id' must be the id of a file uploaded with purpose 'batch'.",
+                param="input_file_id",
+                code="missing_required_parameter",
+            )
         file = await self.files.get(key_id, file_id)
         if file["purpose"] != "batch":
-            raise OpenAIError(400, f"File {file_id} has purpose {file['purpose']!r}; a batch needs one "
-                                   "uploaded with purpose 'batch'.", param="input_file_id", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"File {file_id} has purpose {file['purpose']!r}; a batch needs one uploaded with purpose 'batch'.",
+                param="input_file_id",
+                code="invalid_value",
+            )
         batch_id = "batch_" + uuid.uuid4().hex
         # A place among the key's active batches before its file is read (up to
         # 200 MB read here): a key cannot queue batches, or this work, without bound.
         active = redis_names.active_batches_of(key_id)
-        if not await self._take_active_place(keys=[active], args=[batch_id, time.time(), self.max_active_per_key,
-                                                                   _ACTIVE_HORIZON_S]):
-            raise OpenAIError(429, f"This key has {self.max_active_per_key} batches not yet ended, its limit. "
-                                   "Wait for one to end, or cancel one.", code="too_many_active_batches")
+        if not await self._take_active_place(
+            keys=[active], args=[batch_id, time.time(), self.max_active_per_key, _ACTIVE_HORIZON_S]
+        ):
+            raise OpenAIError(
+                429,
+                f"This key has {self.max_active_per_key} batches not yet ended, its limit. "
+                "Wait for one to end, or cancel one.",
+                code="too_many_active_batches",
+            )
         try:
             if self.records is not None:  # its record's room, at most what a record can hold
                 await self.records.reserve(key_id, batch_id, MAX_RECORD_BYTES, time.time() + _RECORD_KEPT_S)
@@ -148,11 +175,23 @@ class BatchStore:
     async def _create(self, key_id: str, batch_id: str, endpoint: str, window: str, metadata, file_id: str):
         total, errors = await asyncio.to_thread(self._scan, key_id, file_id, endpoint)
         now = int(time.time())
-        fixed = {"id": batch_id, "object": "batch", "endpoint": endpoint, "input_file_id": file_id,
-                 "completion_window": window, "created_at": now, "expires_at": now + COMPLETION_WINDOWS[window],
-                 "metadata": metadata}
-        fields = {"fixed": json.dumps(fixed), "status": "failed" if errors else "validating",
-                  "total": total, "completed": 0, "failed": 0}
+        fixed = {
+            "id": batch_id,
+            "object": "batch",
+            "endpoint": endpoint,
+            "input_file_id": file_id,
+            "completion_window": window,
+            "created_at": now,
+            "expires_at": now + COMPLETION_WINDOWS[window],
+            "metadata": metadata,
+        }
+        fields = {
+            "fixed": json.dumps(fixed),
+            "status": "failed" if errors else "validating",
+            "total": total,
+            "completed": 0,
+            "failed": 0,
+        }
         if errors:
             fields.update(failed_at=now, errors=json.dumps(errors))
         record = redis_names.batch_record(key_id, batch_id)
@@ -182,12 +221,15 @@ class BatchStore:
 
     async def page(self, key_id: str, limit: int, after: str | None) -> dict[str, Any]:
         """One page of OpenAI's ListBatchesResponse, newest first."""
+
         async def load(batch_ids: list[str]) -> list[dict | None]:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for batch_id in batch_ids:
                     pipe.hgetall(redis_names.batch_record(key_id, batch_id))
-                return [as_batch({as_text(k): as_text(v) for k, v in fields.items()}) if fields else None
-                        for fields in await pipe.execute()]
+                return [
+                    as_batch({as_text(k): as_text(v) for k, v in fields.items()}) if fields else None
+                    for fields in await pipe.execute()
+                ]
 
         data, has_more = await index_page(self.redis, redis_names.batch_index(key_id), load, limit, after=after)
         page = {"object": "list", "data": data, "has_more": has_more}
@@ -202,8 +244,12 @@ class BatchStore:
         if was is None:
             raise not_found(batch_id)
         if was not in ("validating", "in_progress", "cancelling"):
-            raise OpenAIError(409, f"Batch {batch_id} is {was} and can no longer be cancelled.",
-                              param="batch_id", code="batch_not_cancellable")
+            raise OpenAIError(
+                409,
+                f"Batch {batch_id} is {was} and can no longer be cancelled.",
+                param="batch_id",
+                code="batch_not_cancellable",
+            )
         await self._unpark(keys=[redis_names.batch_lease(key_id, batch_id)])
         return await self.get(key_id, batch_id)
 
@@ -233,9 +279,15 @@ class BatchStore:
         for request in self.lines(key_id, file_id):
             total += 1
             if request["url"] != endpoint and len(errors) < 100:
-                errors.append({"code": "invalid_url", "line": request["line"], "param": "url",
-                               "message": f"The request's url {shown(request['url'])} is not the batch's "
-                                          f"endpoint {endpoint!r}."})
+                errors.append(
+                    {
+                        "code": "invalid_url",
+                        "line": request["line"],
+                        "param": "url",
+                        "message": f"The request's url {shown(request['url'])} is not the batch's "
+                        f"endpoint {endpoint!r}.",
+                    }
+                )
         return total, errors
 
     async def status(self, key_id: str, batch_id: str) -> str | None:
@@ -249,8 +301,9 @@ class BatchStore:
 
     async def transition(self, key_id: str, batch_id: str, status: str, allowed: tuple[str, ...]) -> str | None:
         """Set ``status`` if the batch is in one of ``allowed``; the status it had (None: no such batch)."""
-        was = await self._transition(keys=[redis_names.batch_record(key_id, batch_id)],
-                                     args=[status, int(time.time()), *allowed])
+        was = await self._transition(
+            keys=[redis_names.batch_record(key_id, batch_id)], args=[status, int(time.time()), *allowed]
+        )
         return as_text(was) if was else None
 
     async def update(self, key_id: str, batch_id: str, **fields: Any) -> None:
@@ -274,9 +327,11 @@ def as_batch(fields: dict[str, str]) -> dict[str, Any]:
         batch["errors"] = {"object": "list", "data": json.loads(fields["errors"])}
     batch["request_counts"] = {name: int(fields.get(name, 0)) for name in _COUNTS}
     tokens = {name: int(fields.get(name, 0)) for name in _USAGE}
-    batch["usage"] = {"input_tokens": tokens["input_tokens"],
-                      "input_tokens_details": {"cached_tokens": tokens["cached_tokens"]},
-                      "output_tokens": tokens["output_tokens"],
-                      "output_tokens_details": {"reasoning_tokens": tokens["reasoning_tokens"]},
-                      "total_tokens": tokens["input_tokens"] + tokens["output_tokens"]}
+    batch["usage"] = {
+        "input_tokens": tokens["input_tokens"],
+        "input_tokens_details": {"cached_tokens": tokens["cached_tokens"]},
+        "output_tokens": tokens["output_tokens"],
+        "output_tokens_details": {"reasoning_tokens": tokens["reasoning_tokens"]},
+        "total_tokens": tokens["input_tokens"] + tokens["output_tokens"],
+    }
     return batch

@@ -32,11 +32,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from serve_app.redis_store import redis_names
-from serve_app.wire.api_requests import parse_json_object
-from serve_app.errors import OpenAIError, shown
-from serve_app.stored.listings import index_page
 from serve_app.accounting.storage_account import StorageAccount
+from serve_app.errors import OpenAIError, shown
+from serve_app.redis_store import redis_names
+from serve_app.stored.listings import index_page
+from serve_app.wire.api_requests import parse_json_object
 
 RETENTION_S = 30 * 24 * 3600
 PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
@@ -52,8 +52,12 @@ class FileTooLarge(Exception):
 
 
 def storage_full() -> OpenAIError:
-    return OpenAIError(507, "The file store is full. Please retry later or delete files you no longer need.",
-                       type="server_error", code="storage_full")
+    return OpenAIError(
+        507,
+        "The file store is full. Please retry later or delete files you no longer need.",
+        type="server_error",
+        code="storage_full",
+    )
 
 
 def not_found(file_id: str) -> OpenAIError:
@@ -64,14 +68,22 @@ def file_space(redis, max_bytes: int, max_files: int) -> StorageAccount:
     """Each key's files on disk (uploads and batch results): reserved before an
     upload is written, recorded as written, released when deleted or expired."""
     return StorageAccount(
-        redis, lambda key_id: [redis_names.file_space(key_id), redis_names.file_space_expiry(key_id)], max_bytes,
-        max_files, RETENTION_S, what="files", param="file", code="file_storage_limit_exceeded",
-        remedy="Delete files you no longer need (DELETE /v1/files/{file_id}) to make room.")
+        redis,
+        lambda key_id: [redis_names.file_space(key_id), redis_names.file_space_expiry(key_id)],
+        max_bytes,
+        max_files,
+        RETENTION_S,
+        what="files",
+        param="file",
+        code="file_storage_limit_exceeded",
+        remedy="Delete files you no longer need (DELETE /v1/files/{file_id}) to make room.",
+    )
 
 
 class FileStore:
-    def __init__(self, redis, directory: str, max_bytes: int, max_key_bytes: int = 1 << 62,
-                 max_key_files: int = 1 << 62):
+    def __init__(
+        self, redis, directory: str, max_bytes: int, max_key_bytes: int = 1 << 62, max_key_files: int = 1 << 62
+    ):
         self.redis = redis
         self.dir = Path(directory).expanduser()
         self.max_bytes = max_bytes
@@ -108,8 +120,9 @@ class FileStore:
         try:
             size = await asyncio.to_thread(_copy_bounded, source, target, self.max_bytes)
         except FileTooLarge:
-            raise OpenAIError(413, f"The file is larger than {self.max_bytes} bytes.", param="file",
-                              code="file_too_large") from None
+            raise OpenAIError(
+                413, f"The file is larger than {self.max_bytes} bytes.", param="file", code="file_too_large"
+            ) from None
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise storage_full() from None
@@ -134,8 +147,16 @@ class FileStore:
 
     async def _register(self, key_id: str, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
         now = int(time.time())
-        record = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + RETENTION_S,
-                  "filename": filename, "purpose": purpose, "status": "processed"}
+        record = {
+            "id": file_id,
+            "object": "file",
+            "bytes": size,
+            "created_at": now,
+            "expires_at": now + RETENTION_S,
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+        }
         await self.space.record(key_id, file_id, size, now + RETENTION_S)  # before the file exists for the client
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(redis_names.file_record(key_id, file_id), json.dumps(record), ex=RETENTION_S)
@@ -156,17 +177,29 @@ class FileStore:
 
     async def page(self, key_id: str, purpose: str | None, limit: int, order: str, after: str | None) -> dict:
         """One page of OpenAI's ListFilesResponse (newest first by default)."""
+
         async def load(file_ids: list[str]) -> list[dict | None]:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for file_id in file_ids:
                     pipe.get(redis_names.file_record(key_id, file_id))
                 return [json.loads(raw) if raw else None for raw in await pipe.execute()]
 
-        data, has_more = await index_page(self.redis, redis_names.file_index(key_id), load, limit,
-                                          desc=order == "desc", after=after,
-                                          keep=lambda record: purpose is None or record["purpose"] == purpose)
-        return {"object": "list", "data": data, "has_more": has_more,
-                "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else ""}
+        data, has_more = await index_page(
+            self.redis,
+            redis_names.file_index(key_id),
+            load,
+            limit,
+            desc=order == "desc",
+            after=after,
+            keep=lambda record: purpose is None or record["purpose"] == purpose,
+        )
+        return {
+            "object": "list",
+            "data": data,
+            "has_more": has_more,
+            "first_id": data[0]["id"] if data else "",
+            "last_id": data[-1]["id"] if data else "",
+        }
 
     async def delete(self, key_id: str, file_id: str) -> dict[str, Any]:
         path = self.path(key_id, file_id)
@@ -278,8 +311,9 @@ def batch_lines(path: Path, max_requests: int, max_line_bytes: int) -> Iterator[
             if not isinstance(line.get("body"), dict):
                 raise _bad_line(number, "needs 'body', the request as a JSON object")
             if len(seen) == max_requests:
-                raise OpenAIError(400, f"The file has more than {max_requests} requests.", param="file",
-                                  code="too_many_requests")
+                raise OpenAIError(
+                    400, f"The file has more than {max_requests} requests.", param="file", code="too_many_requests"
+                )
             seen.add(custom_id)
             yield {"line": number, "custom_id": custom_id, "url": line["url"], "body": line["body"]}
     if not seen:

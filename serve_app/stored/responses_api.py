@@ -21,11 +21,8 @@ from typing import Any
 from redis.exceptions import RedisError
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.wire.api_requests import OPERATIONS, check_metadata
-from serve_app.wire.calls import Call, Reply
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
-from serve_app.wire.sse import completed_response
 from serve_app.stored.stored_responses import (
     MAX_STORED_BYTES,
     ResponseStore,
@@ -34,6 +31,9 @@ from serve_app.stored.stored_responses import (
     not_found,
     with_ids,
 )
+from serve_app.wire.api_requests import OPERATIONS, check_metadata
+from serve_app.wire.calls import Call, Reply
+from serve_app.wire.sse import completed_response
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,8 +49,12 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
     check_metadata(body.get("metadata"))  # stored with the response: OpenAI's bounds
     value = body.get("input")
     if not isinstance(value, (str, list)) or not value:
-        raise OpenAIError(400, "'input' must be a non-empty string or list of items.", param="input",
-                          code="missing_required_parameter" if value is None else "invalid_value")
+        raise OpenAIError(
+            400,
+            "'input' must be a non-empty string or list of items.",
+            param="input",
+            code="missing_required_parameter" if value is None else "invalid_value",
+        )
     own = input_items(value)
     history_bytes = 0
     if previous_id is not None:  # its size now, the conversation itself once admitted
@@ -63,9 +67,13 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
     context_bytes = history_bytes + len(json.dumps(own))
     if keep:
         if context_bytes > MAX_STORED_BYTES:
-            raise OpenAIError(400, f"The conversation is too long to store (over {MAX_STORED_BYTES} bytes); "
-                                   "start a new one or send it with 'store': false.", param="input",
-                              code="conversation_too_large")
+            raise OpenAIError(
+                400,
+                f"The conversation is too long to store (over {MAX_STORED_BYTES} bytes); "
+                "start a new one or send it with 'store': false.",
+                param="input",
+                code="conversation_too_large",
+            )
         # What storing it will take: the conversation (kept whole, and its own items
         # again), the request's other fields (the response echoes them) and the answer.
         echoed = len(json.dumps({name: value for name, value in body.items() if name != "input"}))
@@ -80,20 +88,30 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
         context[:0] = stored["context"] + as_input(stored["response"].get("output") or [])
 
     async def keep_answer(response: dict[str, Any]) -> bool:
-        return await kept.put({**response, "store": True, "previous_response_id": previous_id}, context,
-                              with_ids(own), context_bytes)
+        return await kept.put(
+            {**response, "store": True, "previous_response_id": previous_id}, context, with_ids(own), context_bytes
+        )
 
     async def respond(reply: Reply) -> Response:
         if reply.stream is not None:
-            return StreamingResponse(_stored_stream(reply.stream, stamp, keep_answer, kept),
-                                     media_type="text/event-stream", headers=reply.headers)
+            return StreamingResponse(
+                _stored_stream(reply.stream, stamp, keep_answer, kept),
+                media_type="text/event-stream",
+                headers=reply.headers,
+            )
         response = json.loads(reply.body)
         stored = await keep_answer(response)
         response.update(store=stored, previous_response_id=previous_id)
         return Response(json.dumps(response), media_type="application/json", headers=reply.headers)
 
-    return Call(OPERATIONS["responses"], body, respond, abandon=kept.release,
-                once_admitted=load_history if previous_id is not None else None, bytes_once_admitted=history_bytes)
+    return Call(
+        OPERATIONS["responses"],
+        body,
+        respond,
+        abandon=kept.release,
+        once_admitted=load_history if previous_id is not None else None,
+        bytes_once_admitted=history_bytes,
+    )
 
 
 # What a stored answer may add beyond its conversation and echoed fields, reserved
@@ -205,5 +223,9 @@ async def delete(store: ResponseStore, key: KeyRecord, response_id: str) -> dict
 
 
 def _store_unavailable(what: str) -> OpenAIError:
-    return OpenAIError(503, f"Stored responses cannot be {what} right now. Please retry shortly.",
-                       code="store_unavailable", headers={"retry-after": "1"})
+    return OpenAIError(
+        503,
+        f"Stored responses cannot be {what} right now. Please retry shortly.",
+        code="store_unavailable",
+        headers={"retry-after": "1"},
+    )

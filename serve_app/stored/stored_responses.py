@@ -21,9 +21,9 @@ import time
 import uuid
 from typing import Any
 
-from serve_app.redis_store import redis_names
-from serve_app.errors import OpenAIError
 from serve_app.accounting.storage_account import StorageAccount
+from serve_app.errors import OpenAIError
+from serve_app.redis_store import redis_names
 
 RETENTION_S = 30 * 24 * 3600
 MAX_STORED_BYTES = 8 * 1024 * 1024  # as a request body may be
@@ -39,10 +39,16 @@ PENDING_S = 3600
 def stored_space(redis, max_bytes: int, max_objects: int) -> StorageAccount:
     """What each key keeps in Redis: its stored responses and its batches' records."""
     return StorageAccount(
-        redis, lambda key_id: [redis_names.stored_space(key_id), redis_names.stored_space_expiry(key_id)],
-        max_bytes, max_objects, RETENTION_S, what="stored responses and batch records", param="store",
+        redis,
+        lambda key_id: [redis_names.stored_space(key_id), redis_names.stored_space_expiry(key_id)],
+        max_bytes,
+        max_objects,
+        RETENTION_S,
+        what="stored responses and batch records",
+        param="store",
         code="storage_limit_exceeded",
-        remedy="Delete stored responses you no longer need (DELETE /v1/responses/{id}), or send 'store': false.")
+        remedy="Delete stored responses you no longer need (DELETE /v1/responses/{id}), or send 'store': false.",
+    )
 
 
 class ResponseStore:
@@ -63,7 +69,7 @@ class ResponseStore:
         if not head:
             return None
         head = head.decode() if isinstance(head, bytes) else head
-        digits = head[len(_SIZE_FIELD):].partition(",")[0] if head.startswith(_SIZE_FIELD) else ""
+        digits = head[len(_SIZE_FIELD) :].partition(",")[0] if head.startswith(_SIZE_FIELD) else ""
         if digits.isascii() and digits.isdigit():
             return int(digits)
         return await self.redis.strlen(name)  # stored before records said it: at most the whole record
@@ -79,8 +85,15 @@ class ResponseStore:
         """The response was not stored (refused, failed, the client gone): its room back."""
         await self.space.release(key_id, pending)
 
-    async def put(self, key_id: str, response: dict[str, Any], context: list[dict], own: list[dict],
-                  pending: str, context_bytes: int) -> None:
+    async def put(
+        self,
+        key_id: str,
+        response: dict[str, Any],
+        context: list[dict],
+        own: list[dict],
+        pending: str,
+        context_bytes: int,
+    ) -> None:
         """Keep ``response``, the ``context`` it answered (history and its own input,
         as sent to the engine; ``context_bytes`` as JSON) and its own input items
         with their listed ids; what it really holds replaces its reservation
@@ -101,8 +114,9 @@ class ResponseStore:
 
 
 def not_found(response_id: str) -> OpenAIError:
-    return OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                       code="response_not_found")
+    return OpenAIError(
+        404, f"Response with id '{response_id}' not found.", param="response_id", code="response_not_found"
+    )
 
 
 def input_items(value: Any) -> list[Any]:
@@ -127,14 +141,21 @@ def item_list(items: list[Any], limit: int = 20, order: str = "desc", after: str
         if after not in ids:
             raise OpenAIError(400, f"No input item with id '{after}' in this response.", param="after")
         start = ids.index(after) + 1
-    data = ordered[start:start + limit]
-    return {"object": "list", "data": data, "has_more": start + limit < len(ordered),
-            "first_id": data[0]["id"] if data else "", "last_id": data[-1]["id"] if data else ""}
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": start + limit < len(ordered),
+        "first_id": data[0]["id"] if data else "",
+        "last_id": data[-1]["id"] if data else "",
+    }
 
 
 def with_ids(items: list[Any]) -> list[Any]:
-    return [{"id": f"msg_{uuid.uuid4().hex}", **item} if isinstance(item, dict) and "id" not in item else item
-            for item in items]
+    return [
+        {"id": f"msg_{uuid.uuid4().hex}", **item} if isinstance(item, dict) and "id" not in item else item
+        for item in items
+    ]
 
 
 def _as_resource(item: Any) -> Any:

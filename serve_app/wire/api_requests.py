@@ -130,7 +130,7 @@ class TokenizeEnvelope(BaseModel):
     stream: Literal[False] | None = None
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeEnvelope":
+    def _one_input(self) -> TokenizeEnvelope:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either 'prompt' or 'messages'")
         return self
@@ -228,8 +228,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     # A \uD800-\uDFFF escape not in a pair decodes to text no tokenizer takes;
     # only bodies with such escapes (emoji from ensure_ascii clients) are walked.
     if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
-        raise OpenAIError(400, "The JSON body of your request has an unpaired \\u surrogate escape (not Unicode text).",
-                          code="invalid_unicode")
+        raise OpenAIError(
+            400,
+            "The JSON body of your request has an unpaired \\u surrogate escape (not Unicode text).",
+            code="invalid_unicode",
+        )
     return body
 
 
@@ -277,8 +280,9 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 
 def _too_deep() -> OpenAIError:
-    return OpenAIError(400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.",
-                       code="json_too_deep")
+    return OpenAIError(
+        400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.", code="json_too_deep"
+    )
 
 
 # An integer as a query string may spell it: ASCII digits only (str.isdigit takes
@@ -304,10 +308,22 @@ METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 def check_metadata(metadata: Any) -> None:
     """A 400 unless ``metadata`` is None or at most 16 string pairs within OpenAI's lengths."""
-    if metadata is None or (isinstance(metadata, dict) and len(metadata) <= METADATA_PAIRS and all(
-            isinstance(k, str) and len(k) <= METADATA_KEY_CHARS and isinstance(v, str)
-            and len(v) <= METADATA_VALUE_CHARS for k, v in metadata.items())):
+    if metadata is None or (
+        isinstance(metadata, dict)
+        and len(metadata) <= METADATA_PAIRS
+        and all(
+            isinstance(k, str)
+            and len(k) <= METADATA_KEY_CHARS
+            and isinstance(v, str)
+            and len(v) <= METADATA_VALUE_CHARS
+            for k, v in metadata.items()
+        )
+    ):
         return
-    raise OpenAIError(400, f"'metadata' must be at most {METADATA_PAIRS} string pairs (keys up to "
-                           f"{METADATA_KEY_CHARS} characters, values up to {METADATA_VALUE_CHARS}).",
-                      param="metadata", code="invalid_value")
+    raise OpenAIError(
+        400,
+        f"'metadata' must be at most {METADATA_PAIRS} string pairs (keys up to "
+        f"{METADATA_KEY_CHARS} characters, values up to {METADATA_VALUE_CHARS}).",
+        param="metadata",
+        code="invalid_value",
+    )

@@ -64,7 +64,11 @@ def _check_url(url: str, policy: MediaPolicy) -> None:
         host = (parts.hostname or "").lower()
         if policy.allowed_domains and host in {d.lower() for d in policy.allowed_domains}:
             return
-        reason = "media URL fetching is off for this model" if not policy.allowed_domains else f"host '{host}' is not allowed"
+        reason = (
+            "media URL fetching is off for this model"
+            if not policy.allowed_domains
+            else f"host '{host}' is not allowed"
+        )
     elif scheme == "file":
         path = posixpath.normpath(unquote(parts.path))
         root = posixpath.normpath(policy.local_dir) if policy.local_dir else None

@@ -125,9 +125,7 @@ def apply_parameter_policy(operation: str, body: dict[str, Any]) -> None:
     for name in [name for name in body if name in unsupported]:  # request order: the first is named
         off, why = unsupported[name]
         if body[name] is not None and not _is_off(body[name], off):
-            raise OpenAIError(
-                400, f"Unsupported parameter: '{name}': {why}.", param=name, code="unsupported_parameter"
-            )
+            raise OpenAIError(400, f"Unsupported parameter: '{name}': {why}.", param=name, code="unsupported_parameter")
         del body[name]
     top = body.get("top_logprobs")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):

@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from serve_app.wire.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
 from serve_app.errors import OpenAIError
+from serve_app.wire.api_requests import COMPLETIONS_DEFAULT_MAX_TOKENS
 
 MAX_N = 128  # OpenAI's bound on n
 MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context; keeps every sum far below Redis' 2**63
@@ -53,7 +53,7 @@ class Reservation:
         """What the replica lets the request's prompts come to (None: not counted)."""
         return self.prompt if self.runs_prompt else None
 
-    def resized(self, prompt_tokens: int) -> "Reservation":
+    def resized(self, prompt_tokens: int) -> Reservation:
         """The reservation of the same request whose prompt the replica counted."""
         return replace(self, prompt=prompt_tokens)
 
@@ -75,7 +75,8 @@ def integer_parameter(body: dict[str, Any], name: str, minimum: int, maximum: in
             400,
             f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, but got {value} instead."
             if value < minimum
-            else f"Invalid '{name}': integer above maximum value. Expected a value <= {maximum}, but got {value} instead.",
+            else f"Invalid '{name}': integer above maximum value. Expected a value <= {maximum}, "
+            f"but got {value} instead.",
             param=name,
             code="integer_below_min_value" if value < minimum else "integer_above_max_value",
         )
@@ -91,7 +92,8 @@ def reserve(
     context_length: int | None,
 ) -> Reservation:
     """The reservation of a request of ``operation`` ("chat", "completions",
-    "embeddings", "score", "rerank", "tokenize", "detokenize", "count_tokens"); for generating operations ``body`` is changed in place so
+    "embeddings", "score", "rerank", "tokenize", "detokenize", "count_tokens"); for generating operations ``body`` is
+    changed in place so
     that it names its max tokens explicitly."""
     if operation in ("tokenize", "detokenize", "count_tokens"):
         return Reservation(0, 0, 0, runs_prompt=False)  # the tokenizer only: a request, no tokens of the budget

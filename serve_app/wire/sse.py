@@ -12,7 +12,6 @@ one is parsed. Dialects that answer in another shape parse every event
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 
 from contract.replica_wire import Usage
@@ -29,7 +28,7 @@ def take_usage(item: str, keep: bool) -> tuple[str, Usage | None]:
         event = events[index]
         if not event.startswith("data: {"):
             continue
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
         if chunk.get("choices") or "usage" not in chunk:
             return item, None
         if not keep:
@@ -48,11 +47,7 @@ def ends_in_error(item: str) -> bool:
 def events(item: str) -> list[dict]:
     """Every JSON event of a relayed item, in order (for dialects that answer
     streams in another shape; OpenAI-shaped streams never pay for this)."""
-    return [
-        json.loads(event[len("data: "):])
-        for event in item.split("\n\n")
-        if event.startswith("data: {")
-    ]
+    return [json.loads(event[len("data: ") :]) for event in item.split("\n\n") if event.startswith("data: {")]
 
 
 def anthropic_usage(item: str) -> Usage | None:
@@ -62,7 +57,7 @@ def anthropic_usage(item: str) -> Usage | None:
     at = item.find(marker)
     if at < 0:
         return None
-    line = item[at + len(marker):].split("\n", 1)[0]
+    line = item[at + len(marker) :].split("\n", 1)[0]
     return Usage.from_input_output(json.loads(line).get("usage"))
 
 
@@ -78,7 +73,7 @@ def completed_response(item: str) -> dict | None:
     at = item.find(marker)
     if at < 0:
         return None
-    return json.loads(item[at + len(marker):].split("\n", 1)[0]).get("response")
+    return json.loads(item[at + len(marker) :].split("\n", 1)[0]).get("response")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ import httpx
 import openai
 import pytest
 import redis as redis_sync
-
 from ports import free_port
 from redis_server import running_redis
 from stack import create_key, local_app_args, serve_stack

@@ -27,7 +27,6 @@ import httpx
 import openai
 import pytest
 import redis as redis_sync
-
 from http_checks import assert_error_envelope
 from ports import free_port
 from settled import wait_until_settled
@@ -38,8 +37,12 @@ pytestmark = pytest.mark.e2e
 
 CHAT, LAZY, IMPATIENT = "tiny-llama", "lazy-llama", "impatient-llama"
 FAST_SCALING = {"target_ongoing_requests": 2, "upscale_delay_s": 2, "downscale_delay_s": 8, "look_back_period_s": 2}
-STREAM = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 120, "temperature": 0,
-          "extra_body": {"min_tokens": 120, "ignore_eos": True}}
+STREAM = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 120,
+    "temperature": 0,
+    "extra_body": {"min_tokens": 120, "ignore_eos": True},
+}
 
 
 def _scale_to_zero_model(name: str, queue_timeout_s: float, base: dict) -> dict:
@@ -147,7 +150,12 @@ def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_u
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
     # Listing models does not wake it up; its card lacks what only a replica knows.
     cards = {card.id: card.model_extra for card in client.models.list().data}
-    assert "capabilities" not in cards[LAZY] and cards[CHAT]["capabilities"] == ["chat", "completions", "messages", "responses"]
+    assert "capabilities" not in cards[LAZY] and cards[CHAT]["capabilities"] == [
+        "chat",
+        "completions",
+        "messages",
+        "responses",
+    ]
     time.sleep(3)
     assert running_replicas(LAZY) == 0
     start = time.monotonic()

@@ -40,15 +40,22 @@ import psutil
 import pytest
 import redis as redis_sync
 import yaml
-
-from contract.model_config import deployment_name, direct_app_name
 from ports import free_port
 from redis_server import RedisServer
 from settled import wait_until_settled
 from stack import (
-    LOCAL_CONFIG, STACK_STOP_S, CliStack, assert_no_other_stack, create_key, quick_engines, engine_processes,
-    haproxy_processes, ray_processes,
+    LOCAL_CONFIG,
+    STACK_STOP_S,
+    CliStack,
+    assert_no_other_stack,
+    create_key,
+    engine_processes,
+    haproxy_processes,
+    quick_engines,
+    ray_processes,
 )
+
+from contract.model_config import deployment_name, direct_app_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -62,8 +69,14 @@ IN_FLIGHT_END_S = 5  # a request in flight at the fault ends within this
 ORPHAN_END_S = 10  # a vLLM process whose replica is gone ends within this
 # How long each fault may keep the model from serving (a new replica loads the
 # engine: about a minute on this 2-core machine).
-RECOVERY_BOUND_S = {"replica": 240, "engine": 240, "ingress": 90, "redis-pause": 30, "redis-restart": 30,
-                    "ray-stop": 300}
+RECOVERY_BOUND_S = {
+    "replica": 240,
+    "engine": 240,
+    "ingress": 90,
+    "redis-pause": 30,
+    "redis-restart": 30,
+    "ray-stop": 300,
+}
 
 RECOVERY: list[tuple[str, str, float]] = []  # (fault, what clients saw, seconds until served again)
 
@@ -172,15 +185,21 @@ class Load:
         assert not any(t.is_alive() for t in self._threads), "a client request hangs"
 
     def _run(self) -> None:
-        client = openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.secret, max_retries=0,
-                               timeout=QUEUE_TIMEOUT_S + 45)
+        client = openai.OpenAI(
+            base_url=self.base_url + "/v1", api_key=self.secret, max_retries=0, timeout=QUEUE_TIMEOUT_S + 45
+        )
         while not self._stop.is_set():
             outcome = Outcome(time.monotonic(), 0, "truncated")
             try:
                 stream = client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], stream=True,
-                    max_tokens=MAX_TOKENS, stream_options={"include_usage": True}, logprobs=True,
-                    extra_body={"ignore_eos": True})
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "Tell me a story."}],
+                    stream=True,
+                    max_tokens=MAX_TOKENS,
+                    stream_options={"include_usage": True},
+                    logprobs=True,
+                    extra_body={"ignore_eos": True},
+                )
                 for chunk in stream:
                     if chunk.usage is not None:
                         outcome.completion_tokens = chunk.usage.completion_tokens
@@ -208,8 +227,13 @@ def wait_for_both_ingresses(stack: CliStack) -> None:
     99 requests refused so)."""
     deadline = time.monotonic() + RECOVERY_BOUND_S["ingress"]
     while True:
-        shown = subprocess.run([str(BIN / "llmctl"), "status", "--json"], capture_output=True, text=True,
-                               timeout=120, env={**os.environ, "REDIS_URL": stack.redis_url})
+        shown = subprocess.run(
+            [str(BIN / "llmctl"), "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "REDIS_URL": stack.redis_url},
+        )
         if shown.returncode == 0:
             replicas = json.loads(shown.stdout)["serve"]["deployments"]["Ingress"]["replicas"]
             if replicas == {"RUNNING": 2}:
@@ -234,8 +258,12 @@ def confirm_key_on_every_ingress(stack: CliStack, secret: str) -> None:
 def unknown_key_refusal(outcome: Outcome) -> bool:
     """Refused before any token because its ingress could not check the key (Redis
     unreachable and the key unseen there): a 503 to retry, by design."""
-    return outcome.kind == "error" and outcome.received == 0 and "503" in outcome.error \
+    return (
+        outcome.kind == "error"
+        and outcome.received == 0
+        and "503" in outcome.error
         and "cannot check quotas" in outcome.error
+    )
 
 
 def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list[Outcome]:
@@ -361,8 +389,11 @@ def test_ray_stop_force(stack, redis):
         # `ray stop --force` kills Ray's processes one kind after another and then
         # waits for them; run_fault checks meanwhile that no vLLM process outlives
         # its replica by more than ORPHAN_END_S.
-        stopping.append(subprocess.Popen([str(BIN / "ray"), "stop", "--force"], stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL))
+        stopping.append(
+            subprocess.Popen(
+                [str(BIN / "ray"), "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        )
 
     def restart():  # the operator starts it again once `ray stop` is done
         try:

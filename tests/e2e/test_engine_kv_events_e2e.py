@@ -21,8 +21,11 @@ KV_BLOCKS = 20  # of 128 tokens: 2,560 tokens of cache, about four of these prom
 
 
 def chat(system: str, user: str) -> dict:
-    return {"model": "demo", "max_tokens": 2,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return {
+        "model": "demo",
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
 
 
 def system_prompt(n: int) -> str:
@@ -52,12 +55,19 @@ async def test_the_engine_s_events_say_what_it_holds_in_the_routers_terms(monkey
     from replicas.vllm_replica import VLLMReplica
 
     monkeypatch.setattr(vllm_engine, "placement_facts", lambda vllm_config: {})  # no Ray worker here
-    config = ModelConfig(name="demo", source="demo", routing={"policy": "cache_affinity"},
-                         engine_kwargs={"num_gpu_blocks_override": KV_BLOCKS, "max_model_len": 2048,
-                                        # A fixed KV size, so the CPU worker does not ask for its
-                                        # default 0.92 of the node's memory free (in a full run the
-                                        # earlier stacks' processes hold some: it refused to start).
-                                        "kv_cache_memory_bytes": 64 << 20})
+    config = ModelConfig(
+        name="demo",
+        source="demo",
+        routing={"policy": "cache_affinity"},
+        engine_kwargs={
+            "num_gpu_blocks_override": KV_BLOCKS,
+            "max_model_len": 2048,
+            # A fixed KV size, so the CPU worker does not ask for its
+            # default 0.92 of the node's memory free (in a full run the
+            # earlier stacks' processes hold some: it refused to start).
+            "kv_cache_memory_bytes": 64 << 20,
+        },
+    )
     binding = await vllm_engine.start_vllm(config)
     assert binding.kv_events is not None
     held = HeldPrompts(config.routing.block_chars)

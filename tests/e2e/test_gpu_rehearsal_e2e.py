@@ -11,19 +11,24 @@ CUDA's ``uni``; CUDA's own device count) is named where it is asserted."""
 from __future__ import annotations
 
 import pytest
+from stack import call_replica, start_ray, stop_serve_and_ray, wait_for_no_ray
 
 from contract.model_config import RECORDING_ENGINE, ModelConfig
 from replicas.sources import resolve_source
 from serve_app.app import TRANSPORT_ENV, model_deployment
-from stack import call_replica, start_ray, stop_serve_and_ray, wait_for_no_ray
 
 H100 = "accelerator_type:H100"
 
 
 def gpu_model(name: str, tensor_parallel_size: int) -> ModelConfig:
-    return ModelConfig(name=name, accelerator="gpu", accelerator_type="H100", engine=RECORDING_ENGINE,
-                       cpus_per_replica=0.5,
-                       engine_kwargs={"tensor_parallel_size": tensor_parallel_size, "max_model_len": 512})
+    return ModelConfig(
+        name=name,
+        accelerator="gpu",
+        accelerator_type="H100",
+        engine=RECORDING_ENGINE,
+        cpus_per_replica=0.5,
+        engine_kwargs={"tensor_parallel_size": tensor_parallel_size, "max_model_len": 512},
+    )
 
 
 MODELS = {"gpu-one": gpu_model("gpu-one", 1), "gpu-two": gpu_model("gpu-two", 2)}
@@ -48,8 +53,14 @@ def facts():
 
     wait_for_no_ray()
     # Three logical GPUs of one type: a replica of one GPU, and one of tensor parallelism 2.
-    start_ray(num_cpus=4, num_gpus=3, resources={H100: 1}, include_dashboard=False, log_to_driver=False,
-              logging_level="WARNING")
+    start_ray(
+        num_cpus=4,
+        num_gpus=3,
+        resources={H100: 1},
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="WARNING",
+    )
     try:
         serve.start()
         for name, model in MODELS.items():
@@ -86,8 +97,9 @@ def test_a_tensor_parallel_replica_gets_a_packed_group_one_gpu_per_rank_and_vllm
 def test_the_engine_gets_the_models_arguments_and_the_gateways_environment(facts):
     for name, seen in facts.items():
         assert seen["model"] == resolve_source(MODELS[name])
-        assert name in (seen["served_model_name"] if isinstance(seen["served_model_name"], list)
-                        else [seen["served_model_name"]])
+        assert name in (
+            seen["served_model_name"] if isinstance(seen["served_model_name"], list) else [seen["served_model_name"]]
+        )
         assert seen["max_model_len"] == 512
         assert seen["env"]["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"  # vLLM fetches no redirect
         for key, value in TRANSPORT_ENV.items():  # Serve's replica gRPC limit, as every gateway deployment

@@ -35,12 +35,12 @@ import httpx
 import openai
 import pytest
 import redis as redis_sync
-
 from ports import free_port
-from settled import records as records_of, wait_until_settled
+from settled import records as records_of
+from settled import wait_until_settled
+from stack import APP_NAME, call_replica, create_key, edge_server_states, edge_server_stats, local_app_args, serve_stack
+
 from serve_app.routing.policies import prompt_prefix, rendezvous_order
-from stack import (APP_NAME, call_replica, create_key, edge_server_states, edge_server_stats, local_app_args,
-                   serve_stack)
 
 pytestmark = pytest.mark.e2e
 
@@ -72,8 +72,11 @@ def base_url(redis_server):
     chat["lora"] = {"adapters": {ADAPTER: "demo"}, "max_adapters_per_replica": 1, "max_rank": 8}
     tiered.update(name=TIERED, cpus_per_replica=0.25)
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
-    tiered["deployment"] = {**tiered["deployment"], "max_ongoing_requests": TIERED_ONGOING,
-                            "max_queued_requests": TIERED_QUEUE}
+    tiered["deployment"] = {
+        **tiered["deployment"],
+        "max_ongoing_requests": TIERED_ONGOING,
+        "max_queued_requests": TIERED_QUEUE,
+    }
     # Past the replica's four places, requests wait in fair order; no place kept for
     # light keys (these tests pin the queue shares and the order of one backlog).
     tiered["fair_share"] = {"enabled": True, "light_key_places": 0}
@@ -110,7 +113,7 @@ def replica_ids(base_url) -> list[str]:
         time.sleep(1)
     prefix = f"SERVE_REPLICA::{direct_app_name(MODEL)}#{deployment_name(MODEL)}#"
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
-    ids = sorted(name[len(prefix):] for name in names if name.startswith(prefix))
+    ids = sorted(name[len(prefix) :] for name in names if name.startswith(prefix))
     assert len(ids) == 2, names
     return ids
 
@@ -126,8 +129,10 @@ def edge_states(replica_ids: list[str]) -> dict[str, str]:
     from contract.model_config import direct_app_name
 
     states = edge_server_states(f"http-{direct_app_name(MODEL)}-via-ingress-request-router")
-    return {rid: next((state for name, state in states.items() if name.endswith("-" + rid)), "absent")
-            for rid in replica_ids}
+    return {
+        rid: next((state for name, state in states.items() if name.endswith("-" + rid)), "absent")
+        for rid in replica_ids
+    }
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +163,9 @@ def client(base_url, key, replica_ids, redis_server):
     return client
 
 
-def system_prompts_preferring(replica: str, replica_ids: list[str], count: int, title: str = "Policy book"
-                              ) -> list[str]:
+def system_prompts_preferring(
+    replica: str, replica_ids: list[str], count: int, title: str = "Policy book"
+) -> list[str]:
     """Distinct long system prompts whose prefix ranks ``replica`` first."""
     found = []
     n = 0
@@ -186,8 +192,9 @@ def replicas_that_ran(redis_server, key, request_ids: list[str]) -> list[str]:
 
 def send(client, messages, max_tokens: int = 2, model: str = MODEL, **extra) -> str:
     """One chat request; its x-request-id."""
-    raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                           extra_body=extra or None)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=max_tokens, extra_body=extra or None
+    )
     raw.parse()
     return raw.headers["x-request-id"]
 
@@ -207,8 +214,13 @@ def test_through_the_ingress_the_model_is_routed_by_the_same_router(base_url, ke
     """Routes the edge does not send in one hop (here Azure's chat route) reach the
     model through the ingress' handle, whose request router is the same class: a
     shared prefix runs on the replica it ranks first there too."""
-    ingress = openai.OpenAI(base_url=base_url + "/models", api_key=key[1], max_retries=0, timeout=300,
-                            default_headers={"extra-parameters": "pass-through"})
+    ingress = openai.OpenAI(
+        base_url=base_url + "/models",
+        api_key=key[1],
+        max_retries=0,
+        timeout=300,
+        default_headers={"extra-parameters": "pass-through"},
+    )
     sent = []
     for replica in replica_ids:
         for system in system_prompts_preferring(replica, replica_ids, 2):
@@ -251,6 +263,7 @@ def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, r
     # one replica first. By prefix they all run there; by session each runs on the
     # replica its session id ranks first, every turn.
     [system] = system_prompts_preferring(replica_ids[0], replica_ids, 1)
+
     # Four sessions ranking each replica first, chosen from the replica ids of this run
     # (eight names taken blindly all ranked one replica first in a CI run: 1 in 128).
     def ranking_first(replica: str):
@@ -263,7 +276,8 @@ def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, r
         for session in sessions:
             messages = conversation(system, f"{session}: turn {turn}")
             raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=messages, max_tokens=2, extra_headers={DEFAULT_SESSION_HEADER: session})
+                model=MODEL, messages=messages, max_tokens=2, extra_headers={DEFAULT_SESSION_HEADER: session}
+            )
             raw.parse()
             sent.append(raw.headers["x-request-id"])
             expected.append(rendezvous_order(SESSION_KEY + session, replica_ids)[0])
@@ -276,12 +290,14 @@ def one_hop_counts(replica_ids: list[str]) -> dict[str, int]:
     from contract.model_config import direct_app_name
 
     stats = edge_server_stats(f"http-{direct_app_name(MODEL)}-via-ingress-request-router")
-    return {rid: sum(int(row["stot"]) for name, row in stats.items() if name.endswith("-" + rid))
-            for rid in replica_ids}
+    return {
+        rid: sum(int(row["stot"]) for name, row in stats.items() if name.endswith("-" + rid)) for rid in replica_ids
+    }
 
 
 def test_an_alias_and_an_adapter_take_the_one_hop_and_the_adapter_runs_where_it_is_loaded(
-        base_url, client, replica_ids, redis_server, key):
+    base_url, client, replica_ids, redis_server, key
+):
     """Every name of the model takes the edge's one hop (cluster/haproxy_edge.py: the
     names its replicas gave), and the edge router sends an adapter's requests to the
     replica that holds it (Serve's multiplexing), whatever replica their prompt ranks first."""
@@ -316,18 +332,26 @@ def tier_keys(base_url, redis_server, replica_ids) -> dict[str, tuple[str, str]]
 
 
 def _chat(base_url: str, secret: str, max_tokens: int, model: str = TIERED, **extra) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "min_tokens": max_tokens, "ignore_eos": True, **extra}
-    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=300,
-                      headers={"authorization": f"Bearer {secret}"})
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+    return httpx.post(
+        base_url + "/v1/chat/completions", json=body, timeout=300, headers={"authorization": f"Bearer {secret}"}
+    )
 
 
 class Stream(threading.Thread):
     """One streamed request in the background: its status, when its first
     chunk came, when it ended; ``stop`` hangs up."""
 
-    def __init__(self, base_url: str, secret: str, max_tokens: int, model: str = TIERED,
-                 messages: list[dict] | None = None):
+    def __init__(
+        self, base_url: str, secret: str, max_tokens: int, model: str = TIERED, messages: list[dict] | None = None
+    ):
         super().__init__(daemon=True)
         self.base_url, self.secret, self.max_tokens, self.model = base_url, secret, max_tokens, model
         self.messages = messages or [{"role": "user", "content": "hi"}]
@@ -339,11 +363,22 @@ class Stream(threading.Thread):
         self.ended_at: float | None = None
 
     def run(self) -> None:
-        body = {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
-                "min_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        body = {
+            "model": self.model,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            "min_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
-            with httpx.stream("POST", self.base_url + "/v1/chat/completions", json=body, timeout=300,
-                              headers={"authorization": f"Bearer {self.secret}"}) as response:
+            with httpx.stream(
+                "POST",
+                self.base_url + "/v1/chat/completions",
+                json=body,
+                timeout=300,
+                headers={"authorization": f"Bearer {self.secret}"},
+            ) as response:
                 self.status = response.status_code
                 self.request_id = response.headers.get("x-request-id", "")
                 for chunk in response.iter_bytes():
@@ -371,8 +406,9 @@ def at_replica(model: str, count: int) -> None:
     from contract.model_config import deployment_name
 
     prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment_name(model)}#"
-    [name] = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-              if actor["name"].startswith(prefix)]
+    [name] = [
+        actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True) if actor["name"].startswith(prefix)
+    ]
     replica = ray.get_actor(name, namespace="serve")
     deadline = time.monotonic() + 60
     while (held := ray.get(replica.get_num_ongoing_requests.remote())) != count:
@@ -398,8 +434,14 @@ def stop_all(streams: list) -> None:
         stream.join(60)
 
 
-def started(base_url: str, secret: str, max_tokens: int, wait_for_first_chunk: bool = True,
-            model: str = TIERED, messages: list[dict] | None = None) -> Stream:
+def started(
+    base_url: str,
+    secret: str,
+    max_tokens: int,
+    wait_for_first_chunk: bool = True,
+    model: str = TIERED,
+    messages: list[dict] | None = None,
+) -> Stream:
     stream = Stream(base_url, secret, max_tokens, model, messages)
     stream.start()
     if wait_for_first_chunk:
@@ -426,8 +468,10 @@ def test_as_the_queue_fills_lower_tiers_are_refused_first(base_url, tier_keys, r
     # The replica's four places: long streams of a high key.
     # One runs in the engine, three wait in it (its one sequence): their first
     # chunks would come one after another, so none is waited for.
-    running = [started(base_url, tier_keys["high"][1], BLOCKER_TOKENS, wait_for_first_chunk=False)
-               for _ in range(TIERED_ONGOING)]
+    running = [
+        started(base_url, tier_keys["high"][1], BLOCKER_TOKENS, wait_for_first_chunk=False)
+        for _ in range(TIERED_ONGOING)
+    ]
     try:
         _fill_the_queue_in_tier_order(base_url, tier_keys, redis_server, running)
     finally:
@@ -556,8 +600,10 @@ def test_a_cache_affinity_replica_tells_the_routers_what_its_engine_holds(base_u
         return count
 
     def messages(n: int) -> list[dict]:
-        return [{"role": "system", "content": f"Held application {n}. " + "Cite the policy, never promise refunds. " * 40},
-                {"role": "user", "content": "Where is my parcel?"}]
+        return [
+            {"role": "system", "content": f"Held application {n}. " + "Cite the policy, never promise refunds. " * 40},
+            {"role": "user", "content": "Where is my parcel?"},
+        ]
 
     deadline = time.monotonic() + 600
     while _chat(base_url, secret, 1, model=FAIR).status_code != 200:  # the fair model is up

@@ -1,6 +1,6 @@
 import pytest
-
 from redis_server import every_node, running_redis, running_redis_cluster, running_redis_sentinel
+
 from serve_app.redis_store import redis_client
 
 

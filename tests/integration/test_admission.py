@@ -4,12 +4,12 @@ import asyncio
 import datetime
 
 from redis.asyncio.cluster import RedisCluster
-
 from redis_server import every_node
-from serve_app.redis_store import redis_names
-from serve_app.admission.scripts import Admission
+
 from serve_app.accounting.costs import Cost
+from serve_app.admission.scripts import Admission
 from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store import redis_names
 
 _ids = iter(range(10**9))
 
@@ -95,7 +95,7 @@ async def test_daily_budget_counts_reservations_and_refunds(redis):
     _, d2 = await admit(adm, k, tokens=300)
     assert d1.admitted and not d2.admitted
     assert d2.kind == "daily_budget"
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     midnight = (now + datetime.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
     assert abs(d2.retry_ms / 1000 - (midnight - now).total_seconds()) < 5
     await adm.settle(k, first, "completed", prompt_tokens=30, completion_tokens=20)
@@ -111,14 +111,27 @@ async def test_work_that_reserves_nothing_is_never_refused_by_a_budget_it_is_ove
     """A tenant over its budgets (its limits lowered below what it used) may still list,
     read, delete and cancel: requests of no tokens and no cost. Anything that spends is refused."""
     adm = admission(redis)
-    spender = key(daily_token_budget=1000, monthly_token_budget=1000,
-                  daily_cost_budget_usd=1.0, monthly_cost_budget_usd=1.0)
+    spender = key(
+        daily_token_budget=1000, monthly_token_budget=1000, daily_cost_budget_usd=1.0, monthly_cost_budget_usd=1.0
+    )
     rid, spent = await admit(adm, spender, tokens=600)
     assert spent.admitted
-    await adm.settle(spender, rid, "completed", prompt_tokens=500, completion_tokens=100,
-                     cost=Cost(input_nanos=500_000, output_nanos=100_000))
-    lowered = spender.model_copy(update={"daily_token_budget": 100, "monthly_token_budget": 100,
-                                         "daily_cost_budget_usd": 1e-4, "monthly_cost_budget_usd": 1e-4})
+    await adm.settle(
+        spender,
+        rid,
+        "completed",
+        prompt_tokens=500,
+        completion_tokens=100,
+        cost=Cost(input_nanos=500_000, output_nanos=100_000),
+    )
+    lowered = spender.model_copy(
+        update={
+            "daily_token_budget": 100,
+            "monthly_token_budget": 100,
+            "daily_cost_budget_usd": 1e-4,
+            "monthly_cost_budget_usd": 1e-4,
+        }
+    )
     for _ in range(2):  # twice: an admission of nothing changes nothing
         rid = f"req-{next(_ids)}"
         decision = await adm.admit(lowered, rid, "", 0, reserve_nanos=0)
@@ -137,10 +150,13 @@ async def test_a_stored_accounts_limits_are_read_in_the_script_not_taken_from_th
     its next admission there, the refusal and headers name the limit applied, and a
     record disabled since is refused outright. A team's record the same."""
     adm = admission(redis)
-    for account_id, record_name in (("kstored", redis_names.key_record("kstored")),
-                                    ("tstored", redis_names.team_record("tstored"))):
-        cached = KeyRecord(id=account_id, name=account_id, created_at=0, daily_token_budget=1000,
-                           requests_per_minute=100)
+    for account_id, record_name in (
+        ("kstored", redis_names.key_record("kstored")),
+        ("tstored", redis_names.team_record("tstored")),
+    ):
+        cached = KeyRecord(
+            id=account_id, name=account_id, created_at=0, daily_token_budget=1000, requests_per_minute=100
+        )
         await redis.set(record_name, cached.model_dump_json())
         rid, first = await admit(adm, cached, tokens=300)
         assert first.admitted and first.headers(cached)["x-ratelimit-limit-requests"] == "100"
@@ -196,8 +212,10 @@ async def test_monthly_budget(redis):
     assert (await admit(adm, k, tokens=100))[1].admitted
     _, d = await admit(adm, k, tokens=1)
     assert not d.admitted and d.kind == "monthly_budget"
-    now = datetime.datetime.now(datetime.timezone.utc)
-    first_next = (now.replace(day=1) + datetime.timedelta(days=32)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    now = datetime.datetime.now(datetime.UTC)
+    first_next = (now.replace(day=1) + datetime.timedelta(days=32)).replace(
+        day=1, hour=0, minute=0, second=0, microsecond=0
+    )
     assert abs(d.retry_ms / 1000 - (first_next - now).total_seconds()) < 5
 
 
@@ -208,7 +226,9 @@ async def test_request_record_lifecycle_and_usage_counters(redis):
     assert (await redis.hget(record, "status")) == b"admitted"
     await adm.running(k.id, rid, "replica-1")
     assert (await redis.hget(record, "status")) == b"running"
-    assert (await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30, replica="replica-1")).delta == -450
+    assert (
+        await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30, replica="replica-1")
+    ).delta == -450
     assert await adm.settle(k, rid, "completed", prompt_tokens=20, completion_tokens=30) is None  # idempotent
     await adm.running(k.id, rid)  # never moves a settled request back
     fields = {key.decode(): value.decode() for key, value in (await redis.hgetall(record)).items()}
@@ -216,7 +236,7 @@ async def test_request_record_lifecycle_and_usage_counters(redis):
     assert fields["total_tokens"] == "50" and fields["replica"] == "replica-1"
     assert int(fields["received_ms"]) <= int(fields["first_token_ms"]) <= int(fields["finished_ms"])
     assert 0 < await redis.ttl(record) <= 3600
-    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     usage = await redis.hgetall(redis_names.usage(k.id))
     assert usage[f"d:{today}:tokens".encode()] == b"50"
     assert usage[f"d:{today}:requests".encode()] == b"1"
@@ -232,7 +252,7 @@ async def test_refusals_are_counted_per_minute_not_stored(redis):
     counts = await redis.hgetall(redis_names.refusals(k.id))
     assert list(counts.values()) == [b"5"] and list(counts)[0].endswith(b":requests")
     assert 3600 < await redis.ttl(redis_names.refusals(k.id)) <= 3660
-    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:refused") == b"5"
     from serve_app.accounting.usage import key_usage
 

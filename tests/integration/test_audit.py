@@ -8,19 +8,19 @@ import json
 import time
 
 import pytest
+from redis_server import running_redis
 
+from serve_app.accounting import audit
+from serve_app.accounting.audit import AuditLog, llmctl_actor
+from serve_app.admin import operations as admin
 from serve_app.cli import main
 from serve_app.errors import OpenAIError
-from serve_app.accounting import audit
-from serve_app.admin import operations as admin
-from serve_app.redis_store import redis_names
 from serve_app.http.services import build_quota_services
-from serve_app.accounting.audit import AuditLog, llmctl_actor
 from serve_app.identity.admins import ADMIN_TOKEN_ACTOR
 from serve_app.identity.keys import digest
+from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
-from redis_server import running_redis
 
 
 def llmctl(capsys, redis_url, *argv):
@@ -52,7 +52,9 @@ def test_llmctl_key_changes_are_recorded_with_who_what_before_and_after(capsys, 
 
 
 async def test_admin_operations_name_the_admin_token_and_refused_changes_record_nothing(redis_url, redis):
-    access = build_quota_services(AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False))
+    access = build_quota_services(
+        AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False)
+    )
     try:
         actor = await access.authenticator.admin_actor({"authorization": "Bearer audit-admin-token"})
         assert actor == ADMIN_TOKEN_ACTOR
@@ -163,8 +165,9 @@ async def test_a_named_admin_is_its_own_actor_apart_from_api_keys_and_stops_at_r
 
 async def test_with_redis_down_a_named_admin_is_a_503_and_the_bootstrap_token_still_works():
     with running_redis(persistent=True) as server:  # its own: this test stops it
-        access = build_quota_services(AppSettings(redis_url=server.url, admin_token="boot", quota={"redis_timeout_s": 1}),
-                        Telemetry(False, False))
+        access = build_quota_services(
+            AppSettings(redis_url=server.url, admin_token="boot", quota={"redis_timeout_s": 1}), Telemetry(False, False)
+        )
         try:
             made = await admin.create_admin(access.stores, {"name": "ops"}, "llmctl:root@host")
             server.stop()

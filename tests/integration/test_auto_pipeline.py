@@ -8,15 +8,15 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-
 from redis_server import every_node
-from serve_app.redis_store import redis_client, redis_names
-from serve_app.http.services import build_quota_services
+from test_admission import commandstats
+
 from serve_app.admission.scripts import Admission
+from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store import redis_client, redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
-from test_admission import commandstats
 
 _ids = iter(range(10**9))
 
@@ -40,7 +40,7 @@ async def test_calls_of_one_turn_share_one_pipeline_and_each_keeps_its_own_reply
     assert adm.pipeline.pipelines == sent + 1
     assert (await commandstats(redis))["cmdstat_evalsha"] == 200
     for n, key in enumerate(tenants):
-        mine = decisions[4 * n:4 * n + 4]
+        mine = decisions[4 * n : 4 * n + 4]
         assert sorted(d.admitted for d in mine) == [False, True, True, True], key.id
         assert [d.kind for d in mine if not d.admitted] == ["requests"]
         assert await redis.zcard(redis_names.concurrency(key.id)) == 3
@@ -92,7 +92,9 @@ async def test_a_pipeline_has_at_most_max_pipeline_calls(redis):
 
 
 async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, redis):
-    access = build_quota_services(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2}), Telemetry(False, False))
+    access = build_quota_services(
+        AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2}), Telemetry(False, False)
+    )
     key = keys(1, max_concurrent=1)[0]
     access.gate.settle(await access.gate.admit(key, "m", 10), "completed")  # connections open
     while access.gate._background:  # the settlement is sent off the request's path

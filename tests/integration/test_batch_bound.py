@@ -10,17 +10,26 @@ import time
 
 import pytest
 
+from serve_app.errors import OpenAIError
 from serve_app.redis_store import redis_names
 from serve_app.stored.batches import BatchStore
-from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import FileStore
 
 KEY = "k-batches"
 
 
 def line(custom_id: str, url: str = "/v1/chat/completions") -> bytes:
-    return (json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
-                        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}) + "\n").encode()
+    return (
+        json.dumps(
+            {
+                "custom_id": custom_id,
+                "method": "POST",
+                "url": url,
+                "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            }
+        )
+        + "\n"
+    ).encode()
 
 
 async def uploaded(files: FileStore, content: bytes) -> str:

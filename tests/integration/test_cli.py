@@ -13,8 +13,9 @@ def run(capsys, redis_url, *argv):
 
 def test_key_lifecycle(capsys, redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_CLUSTER_DATA_DIR", str(tmp_path))
-    code, out = run(capsys, redis_url, "keys", "create", "cli-team", "--rpm", "60", "--models", "a,b",
-                    "--priority", "low", "--json")
+    code, out = run(
+        capsys, redis_url, "keys", "create", "cli-team", "--rpm", "60", "--models", "a,b", "--priority", "low", "--json"
+    )
     created = json.loads(out)
     assert code == 0 and created["secret"].startswith("sk-llm-")
     assert created["requests_per_minute"] == 60 and created["models"] == ["a", "b"] and created["priority"] == "low"
@@ -23,8 +24,20 @@ def test_key_lifecycle(capsys, redis_url, tmp_path, monkeypatch):
     shown = json.loads(out)
     assert "secret" not in shown and shown["id"] == created["id"]
 
-    code, out = run(capsys, redis_url, "keys", "update", created["id"], "--tpm", "500", "--models", "*",
-                    "--priority", "high", "--json")
+    code, out = run(
+        capsys,
+        redis_url,
+        "keys",
+        "update",
+        created["id"],
+        "--tpm",
+        "500",
+        "--models",
+        "*",
+        "--priority",
+        "high",
+        "--json",
+    )
     updated = json.loads(out)
     assert updated["tokens_per_minute"] == 500 and updated["models"] is None and updated["priority"] == "high"
 
@@ -58,8 +71,20 @@ def test_team_lifecycle_and_its_usage(capsys, redis_url):
     from serve_app.settings import AppSettings
     from serve_app.telemetry import Telemetry
 
-    code, out = run(capsys, redis_url, "teams", "create", "cli-eng", "--rpm", "100", "--daily-usd", "2.5",
-                    "--priority", "high", "--json")
+    code, out = run(
+        capsys,
+        redis_url,
+        "teams",
+        "create",
+        "cli-eng",
+        "--rpm",
+        "100",
+        "--daily-usd",
+        "2.5",
+        "--priority",
+        "high",
+        "--json",
+    )
     team = json.loads(out)
     assert code == 0 and team["id"].startswith("t") and team["daily_cost_budget_usd"] == 2.5
     code, out = run(capsys, redis_url, "keys", "create", "cli-eng-key", "--team", "cli-eng", "--json")
@@ -77,6 +102,7 @@ def test_team_lifecycle_and_its_usage(capsys, redis_url):
             await access.gate.admission.settle(ticket.team, ticket.request_id, "completed", 3, 4, "", "chat")
         finally:
             await access.redis.aclose()
+
     asyncio.run(one_request())
     code, out = run(capsys, redis_url, "usage", "--team", "cli-eng")
     assert code == 0 and json.loads(out)["today"]["requests"] == 1 and json.loads(out)["keys"] == [key["id"]]

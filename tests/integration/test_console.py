@@ -14,15 +14,15 @@ import time
 import httpx
 import pytest
 import uvicorn
+from browser import click_and_wait, headless_chromium
+from ports import free_port
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from browser import click_and_wait, headless_chromium
-from ports import free_port
-from serve_app.http.console import Console
 from serve_app.admin import operations as admin
+from serve_app.http.console import Console
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -40,22 +40,26 @@ def console_url(redis_server):
     # As the ingress' ``console`` routes run them: the session read first (route_access.py).
     def act(action):
         async def handler(request):
-            return await console.act(request, await console.session_admin(request), action,
-                                     request.path_params.get("key", ""))
+            return await console.act(
+                request, await console.session_admin(request), action, request.path_params.get("key", "")
+            )
+
         return handler
 
     async def page(request):
         return await console.page(request, await console.session_admin(request))
 
-    app = Starlette(routes=[
-        Route("/console", page),
-        Route("/console/login", console.login, methods=["POST"]),
-        Route("/console/logout", console.logout, methods=["POST"]),
-        Route("/console/teams", act("team"), methods=["POST"]),
-        Route("/console/keys", act("key"), methods=["POST"]),
-        Route("/console/keys/{key}/revoke", act("revoke"), methods=["POST"]),
-        Route("/console/keys/{key}/limits", act("limits"), methods=["POST"]),
-    ])
+    app = Starlette(
+        routes=[
+            Route("/console", page),
+            Route("/console/login", console.login, methods=["POST"]),
+            Route("/console/logout", console.logout, methods=["POST"]),
+            Route("/console/teams", act("team"), methods=["POST"]),
+            Route("/console/keys", act("key"), methods=["POST"]),
+            Route("/console/keys/{key}/revoke", act("revoke"), methods=["POST"]),
+            Route("/console/keys/{key}/limits", act("limits"), methods=["POST"]),
+        ]
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -73,12 +77,14 @@ def make_access(redis_url: str) -> QuotaServices:
 
 def aside(redis_url: str, work):
     """``await work(access)`` with quota services of the test's own (its own loop and connections)."""
+
     async def run():
         access = make_access(redis_url)
         try:
             return await work(access)
         finally:
             await access.redis.aclose()
+
     return asyncio.run(run())
 
 
@@ -105,7 +111,9 @@ def test_an_operator_logs_in_makes_a_team_and_a_key_and_sees_its_first_request(c
         assert driver.find_element(By.TAG_NAME, "h1").text == "Operator console"
 
         driver.find_element(By.ID, "team-name").send_keys(f"console-team-{tag}")
-        driver.find_element(By.CSS_SELECTOR, "form[action='/console/teams'] input[name=requests_per_minute]").send_keys("50")
+        driver.find_element(By.CSS_SELECTOR, "form[action='/console/teams'] input[name=requests_per_minute]").send_keys(
+            "50"
+        )
         click_and_wait(driver, driver.find_element(By.ID, "create-team"))
         teams = driver.find_element(By.ID, "teams").text
         assert f"console-team-{tag}" in teams and "50/min" in teams
@@ -142,12 +150,15 @@ def test_a_form_from_another_site_and_a_revoked_admins_session_do_nothing(consol
     made = aside(redis_url, lambda a: admin.create_admin(a.stores, {"name": name}, "admin-token"))
     with httpx.Client(base_url=url, follow_redirects=False) as http:
         # Login CSRF: another site logging the victim's browser into the attacker's session.
-        planted = http.post("/console/login", data={"credential": made["secret"]},
-                            headers={"origin": "http://evil.example"})
+        planted = http.post(
+            "/console/login", data={"credential": made["secret"]}, headers={"origin": "http://evil.example"}
+        )
         assert planted.status_code == 403 and "llm_console" not in http.cookies
         assert http.post("/console/login", data={"credential": made["secret"]}).status_code == 303
         assert "llm_console" in http.cookies
-        forged = http.post("/console/teams", data={"name": f"forged-{name}"}, headers={"origin": "https://evil.example"})
+        forged = http.post(
+            "/console/teams", data={"name": f"forged-{name}"}, headers={"origin": "https://evil.example"}
+        )
         assert forged.status_code == 403
         assert f"forged-{name}" not in [t.name for t in aside(redis_url, lambda a: a.stores.teams.list())]
         assert http.get("/console").text.count("Log out") == 1

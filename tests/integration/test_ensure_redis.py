@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ensure_redis.sh"
@@ -29,8 +28,13 @@ def may_use_realtime() -> bool:
 
 
 def run_script(port: int, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "REDIS_URL": f"redis://127.0.0.1:{port}/0", **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "REDIS_URL": f"redis://127.0.0.1:{port}/0", **env},
+    )
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from serve_app.redis_store import redis_names
 from serve_app.errors import OpenAIError
+from serve_app.redis_store import redis_names
 from serve_app.stored.files_api import FileStore
 
 KEY = "k-files"
@@ -33,7 +33,8 @@ def on_disk(tmp_path) -> list:
 
 
 async def test_an_upload_past_the_keys_bytes_is_refused_before_a_byte_is_written_and_a_delete_makes_room(
-        tmp_path, redis):
+    tmp_path, redis
+):
     files = store(tmp_path, redis, key_bytes=3000)
     kept = [await upload(files, b"x" * 800) for _ in range(3)]  # 1,000 reserved each, 800 kept
     assert await files.space.used(KEY) == (2400, 3)
@@ -56,8 +57,9 @@ async def test_an_upload_past_the_keys_bytes_is_refused_before_a_byte_is_written
 
 async def test_a_flood_of_concurrent_uploads_never_holds_more_than_the_keys_bytes(tmp_path, redis):
     files = store(tmp_path, redis, key_bytes=5000)
-    outcomes = await asyncio.gather(*(upload(files, b"y" * 1000, declared=1000) for _ in range(16)),
-                                    return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(upload(files, b"y" * 1000, declared=1000) for _ in range(16)), return_exceptions=True
+    )
     refused = [o for o in outcomes if isinstance(o, OpenAIError)]
     assert len(refused) == 11 and {o.code for o in refused} == {"file_storage_limit_exceeded"}
     assert len(on_disk(tmp_path)) == 5 and sum(p.stat().st_size for p in on_disk(tmp_path)) == 5000

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from ports import free_port
 
 WRAPPER = Path(sys.executable).with_name("llm-haproxy")
@@ -22,7 +21,8 @@ WRAPPER = Path(sys.executable).with_name("llm-haproxy")
 
 def haproxy_config(tmp_path: Path, port: int) -> Path:
     config = tmp_path / "haproxy.cfg"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         defaults
           mode http
           timeout connect 1s
@@ -31,7 +31,8 @@ def haproxy_config(tmp_path: Path, port: int) -> Path:
         frontend web
           bind 127.0.0.1:{port}
           http-request return status 200 content-type text/plain string ok
-        """))
+        """)
+    )
     return config
 
 
@@ -54,11 +55,18 @@ def haproxy_children(parent: psutil.Process) -> list[psutil.Process]:
 
 def start_actor_like(binary: str, config: Path, env: dict[str, str]) -> subprocess.Popen:
     """The "actor": starts haproxy the way Ray's HAProxyManager does (-db: foreground), then waits."""
-    return subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time;"
-        f"subprocess.Popen([{binary!r}, '-db', '-f', {str(config)!r}]);"
-        "time.sleep(600)"
-    )], env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import subprocess, sys, time;"
+                f"subprocess.Popen([{binary!r}, '-db', '-f', {str(config)!r}]);"
+                "time.sleep(600)"
+            ),
+        ],
+        env=env,
+    )
 
 
 def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
@@ -72,8 +80,11 @@ def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
         assert Path(haproxy.exe()).name == "haproxy"  # the wrapper exec'd the real binary, no extra process
         starter.send_signal(signal.SIGKILL)
         starter.wait()
-        wait_for(lambda: not haproxy.is_running() or haproxy.status() == psutil.STATUS_ZOMBIE, 5,
-                 "haproxy outlived the process that started it")
+        wait_for(
+            lambda: not haproxy.is_running() or haproxy.status() == psutil.STATUS_ZOMBIE,
+            5,
+            "haproxy outlived the process that started it",
+        )
         wait_for(lambda: not accepts(port), 5, "the port is still taken")
     finally:
         starter.kill()
@@ -112,10 +123,13 @@ def edge_config(tmp_path: Path, port: int) -> Path:
     """A config shaped as Ray's: defaults with its plain-text errorfile, a frontend
     with a backend that has no server up (as before a replica is ready)."""
     ray_error = tmp_path / "500.http"
-    ray_error.write_text("HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n\r\n"
-                         "Internal Server Error")
+    ray_error.write_text(
+        "HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n\r\n"
+        "Internal Server Error"
+    )
     config = tmp_path / "haproxy.cfg"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         defaults
           mode http
           timeout connect 1s
@@ -129,7 +143,8 @@ def edge_config(tmp_path: Path, port: int) -> Path:
           default_backend none_up
         backend none_up
           server gone 127.0.0.1:1 disabled
-        """))
+        """)
+    )
     return config
 
 
@@ -165,7 +180,8 @@ def test_the_edge_closes_a_trickled_request_with_a_408_and_answers_its_own_5xx_i
         assert answer.startswith(b"HTTP/1.1 408")  # (HAProxy 2.8 answers its connection-level errors itself)
         assert REQUEST_HEADERS_TIMEOUT_S - 1 < time.monotonic() - started < REQUEST_HEADERS_TIMEOUT_S + 5
         assert raw_exchange(port, b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
-            b"HTTP/1.1 400")
+            b"HTTP/1.1 400"
+        )
         # No server up: 503 with retry-after, as JSON in OpenAI's envelope, not Ray's plain-text 500.
         answer = raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         status, error = envelope_of(answer)
@@ -200,7 +216,8 @@ def test_the_edge_stamps_each_request_with_its_time_whatever_the_client_sent(tmp
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = free_port()
     config = tmp_path / "haproxy.cfg"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         defaults
           mode http
           timeout connect 1s
@@ -211,13 +228,15 @@ def test_the_edge_stamps_each_request_with_its_time_whatever_the_client_sent(tmp
           default_backend app
         backend app
           server ingress 127.0.0.1:{server.server_address[1]}
-        """))
+        """)
+    )
     starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
     try:
         wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
         sent_us = time.time_ns() // 1000
-        answer = raw_exchange(port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{EDGE_TIME_HEADER}: 1\r\n"
-                                    "Connection: close\r\n\r\n".encode())
+        answer = raw_exchange(
+            port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{EDGE_TIME_HEADER}: 1\r\nConnection: close\r\n\r\n".encode()
+        )
         assert answer.split(b"\r\n")[0].endswith(b" 204 No Content"), answer
         [[stamped]] = seen  # one value: the client's was replaced
         assert sent_us <= int(stamped) <= time.time_ns() // 1000
@@ -253,7 +272,7 @@ class _Recorder:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
                 if self.headers.get("transfer-encoding") == "chunked":
-                    while (size := int(self.rfile.readline().strip(), 16)):
+                    while size := int(self.rfile.readline().strip(), 16):
                         body += self.rfile.read(size)
                         self.rfile.readline()
                     self.rfile.readline()
@@ -286,15 +305,34 @@ def ray_shaped_config(tmp_path: Path, port: int, ingress: int, direct: dict[str,
     for name, servers in direct.items():
         acls += [f"  acl is_direct-{name} path_beg /direct/{name}/", f"  acl is_direct-{name} path /direct/{name}"]
         uses.append(f"  use_backend direct-{name} if is_direct-{name}")
-        replicas = "".join(f"  server r{i} 127.0.0.1:{server} check inter 1s\n"
-                           for i, server in enumerate(servers if isinstance(servers, list) else [servers]))
+        replicas = "".join(
+            f"  server r{i} 127.0.0.1:{server} check inter 1s\n"
+            for i, server in enumerate(servers if isinstance(servers, list) else [servers])
+        )
         backends.append(f"backend direct-{name}\n  timeout server 5s\n{replicas}")
     config = tmp_path / "haproxy.cfg"
-    config.write_text("\n".join([
-        "global", "  maxconn 100", "  tune.bufsize 16384",
-        "defaults", "  mode http", "  timeout connect 1s", "  timeout client 10s", "  timeout server 5s",
-        "frontend http_frontend", f"  bind 127.0.0.1:{port}", *acls, "  acl is_llm path_beg /", "  acl is_llm path /",
-        *uses, "  use_backend llm if is_llm", *backends]))
+    config.write_text(
+        "\n".join(
+            [
+                "global",
+                "  maxconn 100",
+                "  tune.bufsize 16384",
+                "defaults",
+                "  mode http",
+                "  timeout connect 1s",
+                "  timeout client 10s",
+                "  timeout server 5s",
+                "frontend http_frontend",
+                f"  bind 127.0.0.1:{port}",
+                *acls,
+                "  acl is_llm path_beg /",
+                "  acl is_llm path /",
+                *uses,
+                "  use_backend llm if is_llm",
+                *backends,
+            ]
+        )
+    )
     return config
 
 
@@ -310,13 +348,16 @@ def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_h
 
     def post(path: str, body: bytes, pause_s: float = 0.0, chunked: bool = False) -> None:
         framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
-        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\nConnection: close\r\n\r\n"
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n"
+            "Connection: close\r\n\r\n"
+        )
         if chunked:
             body = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:7], body[7:])) + b"0\r\n\r\n"
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.sendall(head.encode() + body[:len(body) // 2])
+            sock.sendall(head.encode() + body[: len(body) // 2])
             time.sleep(pause_s)
-            sock.sendall(body[len(body) // 2:])
+            sock.sendall(body[len(body) // 2 :])
             answer = b""
             while chunk := sock.recv(65536):
                 answer += chunk
@@ -335,9 +376,11 @@ def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_h
         for path, body in sent.items():
             post(path, body)
         post("/v1/chat/completions?api-version=1", chat("tiny-llama"), chunked=True)
-        assert tiny.seen == [("/direct/tiny-llama/v1/chat/completions", sent["/v1/chat/completions"]),
-                             ("/direct/tiny-llama/v1/completions", sent["/v1/completions"]),
-                             ("/direct/tiny-llama/v1/chat/completions?api-version=1", chat("tiny-llama"))]
+        assert tiny.seen == [
+            ("/direct/tiny-llama/v1/chat/completions", sent["/v1/chat/completions"]),
+            ("/direct/tiny-llama/v1/completions", sent["/v1/completions"]),
+            ("/direct/tiny-llama/v1/chat/completions?api-version=1", chat("tiny-llama")),
+        ]
         assert org.seen == [("/direct/org--big/v1/embeddings", sent["/v1/embeddings"])]
         assert ingress.seen == []
 
@@ -370,8 +413,10 @@ def test_the_edge_sends_a_v1_request_naming_a_direct_model_to_its_route_in_one_h
 def post_completion(port: int, body: bytes) -> bytes:
     """The edge's whole answer to ``POST /v1/completions`` with ``body``, on a connection of its own."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -389,8 +434,9 @@ def test_aliases_and_adapters_take_the_one_hop_by_the_names_a_replica_gives(tmp_
     org = _Recorder({"names": ["org/big", "big"], "beginnings": []})
     port = free_port()
     # The first of tiny-llama's replicas is not listening: the edge asks the next.
-    config = ray_shaped_config(tmp_path, port, ingress.port, {"tiny-llama": [free_port(), tiny.port],
-                                                              "org--big": org.port})
+    config = ray_shaped_config(
+        tmp_path, port, ingress.port, {"tiny-llama": [free_port(), tiny.port], "org--big": org.port}
+    )
     starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
 
     def post(model) -> None:
@@ -406,7 +452,8 @@ def test_aliases_and_adapters_take_the_one_hop_by_the_names_a_replica_gives(tmp_
             post(model)
         assert [body for _, body in tiny.seen] == [
             json.dumps({"model": m, "prompt": "hi"}).encode()
-            for m in ("chat-default", "pirate", "tiny-llama:sql-v2", "tiny-llama")]
+            for m in ("chat-default", "pirate", "tiny-llama:sql-v2", "tiny-llama")
+        ]
         assert {path for path, _ in tiny.seen} == {"/direct/tiny-llama/v1/completions"}
         assert [path for path, _ in org.seen] == ["/direct/org--big/v1/completions"] * 2
         # Names no replica gave (a part of one, a longer one, another case) go to the ingress.

@@ -15,11 +15,11 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
 from jwks_server import AUDIENCE, ISSUER, Jwks
+
+from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.http.services import build_quota_services
-from serve_app.admission.scripts import Refusal
 from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import AppSettings, JwtConfig
 from serve_app.telemetry import Telemetry
@@ -27,6 +27,7 @@ from serve_app.telemetry import Telemetry
 
 def hs256(secret: bytes, header: dict, claims: dict) -> str:
     """A token signed by hand (PyJWT refuses to key HMAC with a public key, as an attacker would not)."""
+
     def part(data: bytes) -> str:
         return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -50,9 +51,17 @@ class Clock:
 
 
 def config(jwks: Jwks, **changes) -> JwtConfig:
-    return JwtConfig(**{"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": jwks.url, "tier_claim": "tier",
-                        "models_claim": "models",
-                        "limits": {"requests_per_minute": 2, "models": ["tiny-llama", "minilm"]}, **changes})
+    return JwtConfig(
+        **{
+            "issuer": ISSUER,
+            "audience": AUDIENCE,
+            "jwks_url": jwks.url,
+            "tier_claim": "tier",
+            "models_claim": "models",
+            "limits": {"requests_per_minute": 2, "models": ["tiny-llama", "minilm"]},
+            **changes,
+        }
+    )
 
 
 async def refused(auth: JwtAuthenticator, token: str) -> str:
@@ -90,12 +99,19 @@ async def test_forged_expired_and_misdirected_tokens_are_401s_naming_why(jwks):
     assert "sub" in await refused(auth, jwks.token("r1", sub={"id": 1}))
     assert "kid" in await refused(auth, jwks.token("", key=jwks.keys["r1"]))
     # alg none, and HMAC keyed with the provider's public key (the classic confusion).
-    unsigned = jwt.encode({"iss": ISSUER, "aud": AUDIENCE, "sub": "x", "exp": int(time.time()) + 60}, None,
-                          algorithm="none", headers={"kid": "r1"})
+    unsigned = jwt.encode(
+        {"iss": ISSUER, "aud": AUDIENCE, "sub": "x", "exp": int(time.time()) + 60},
+        None,
+        algorithm="none",
+        headers={"kid": "r1"},
+    )
     assert "algorithm" in await refused(auth, unsigned)
     public_pem = jwks.keys["r1"].public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
-    forged = hs256(public_pem, {"alg": "HS256", "kid": "r1", "typ": "JWT"},
-                   {"sub": "x", "iss": ISSUER, "aud": AUDIENCE, "exp": int(time.time()) + 60})
+    forged = hs256(
+        public_pem,
+        {"alg": "HS256", "kid": "r1", "typ": "JWT"},
+        {"sub": "x", "iss": ISSUER, "aud": AUDIENCE, "exp": int(time.time()) + 60},
+    )
     assert "algorithm" in await refused(auth, forged)
     # An ES256 header over the RSA key's kid: the key type does not fit.
     ec_key = ec.generate_private_key(ec.SECP256R1())
@@ -146,7 +162,9 @@ async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, red
         outcomes = [await access.gate.admit(user, "tiny-llama", 10) for _ in range(3)]  # requests_per_minute 2
         assert [isinstance(o, Refusal) for o in outcomes] == [False, False, True]
         # Another user of the same provider has limits of its own.
-        other = await access.authenticator.authenticate({"authorization": f"Bearer {jwks.token('k1', sub='grace-' + user.id)}"})
+        other = await access.authenticator.authenticate(
+            {"authorization": f"Bearer {jwks.token('k1', sub='grace-' + user.id)}"}
+        )
         assert not isinstance(await access.gate.admit(other, "tiny-llama", 10), Refusal)
         # Its running requests are not "revoked" for want of a stored key.
         assert await access.maintenance.stop_revoked() == 0
@@ -156,13 +174,19 @@ async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, red
 
 async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_it(jwks, redis_url):
     from serve_app.admin import operations as admin
-    from serve_app.redis_store import redis_names
     from serve_app.admission.ticket import Ticket
+    from serve_app.redis_store import redis_names
 
     jwks.add("k1")
     team_name = f"ml-{time.monotonic_ns()}"
-    settings = AppSettings(redis_url=redis_url, auth={"jwt": config(
-        jwks, team_claim="groups", teams={"grp-ml": team_name}, limits={"requests_per_minute": 10}).model_dump()})
+    settings = AppSettings(
+        redis_url=redis_url,
+        auth={
+            "jwt": config(
+                jwks, team_claim="groups", teams={"grp-ml": team_name}, limits={"requests_per_minute": 10}
+            ).model_dump()
+        },
+    )
     access = build_quota_services(settings, Telemetry(False, False))
     try:
         team = await admin.create_team(access.stores, {"name": team_name, "requests_per_minute": 2}, "admin:test")
@@ -178,7 +202,9 @@ async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_
         await admin.revoke_team(access.stores, team["id"], "admin:test")
         assert await access.maintenance.stop_revoked() == 2
         # A group no team is mapped to: the user's own limits only.
-        loner = await access.authenticator.authenticate({"authorization": f"Bearer {jwks.token('k1', groups=['grp-other'])}"})
+        loner = await access.authenticator.authenticate(
+            {"authorization": f"Bearer {jwks.token('k1', groups=['grp-other'])}"}
+        )
         assert loner.team is None and isinstance(await access.gate.admit(loner, "tiny-llama", 10), Ticket)
     finally:
         await access.redis.aclose()

@@ -3,7 +3,6 @@
 import pytest
 
 from serve_app.identity.keys import KeyStore, digest
-
 from serve_app.limits import KeyLimits
 
 
@@ -66,7 +65,6 @@ async def test_disabled_key_does_not_authenticate(redis):
     assert (await store.authenticate(secret)).id == record.id
 
 
-
 async def test_active_is_the_key_as_it_is_now_and_none_once_disabled_revoked_or_unknown(redis):
     store = KeyStore(redis)
     record, _ = await store.create("team-a", KeyLimits(tokens_per_minute=100))
@@ -78,6 +76,7 @@ async def test_active_is_the_key_as_it_is_now_and_none_once_disabled_revoked_or_
     await store.revoke(record.id)
     assert await store.active(record.id) is None
     assert await store.active("k" + "0" * 16) is None
+
 
 # -- a connection closed while in use (redis-py 8.1: redis/redis-py#4287) ------------------
 
@@ -99,14 +98,18 @@ async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_error(re
     client = connect(redis_server.url)
     try:
         await client.ping()
-        broken = _raising_in(redis.asyncio.connection.__file__,
-                             AttributeError("'NoneType' object has no attribute 'writelines'"))
+        broken = _raising_in(
+            redis.asyncio.connection.__file__, AttributeError("'NoneType' object has no attribute 'writelines'")
+        )
         monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", broken)
         with pytest.raises(RedisConnectionError, match="closed while in use"):
             await client.get("x")
         # The same error from anywhere else is a bug and stays what it is.
-        monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command",
-                            _raising_in(__file__, AttributeError("a bug of ours")))
+        monkeypatch.setattr(
+            redis.asyncio.connection.AbstractConnection,
+            "send_packed_command",
+            _raising_in(__file__, AttributeError("a bug of ours")),
+        )
         with pytest.raises(AttributeError, match="a bug of ours"):
             await client.get("x")
     finally:

@@ -56,12 +56,22 @@ async def test_a_purpose_filter_reads_on_past_the_others(tmp_path, redis):
 async def test_batches_page_newest_first_and_their_index_expires(tmp_path, redis):
     files = FileStore(redis, str(tmp_path), max_bytes=10_000)
     batches = BatchStore(redis, files, max_requests=10, max_active_per_key=10)
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    }
     async with files.reservation(KEY, 1000) as file_id:
         await files.upload(KEY, file_id, "in.jsonl", "batch", io.BytesIO(json.dumps(line).encode() + b"\n"))
-    made = [(await batches.create(KEY, {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                                         "completion_window": "24h"}))["id"] for _ in range(3)]
+    made = [
+        (
+            await batches.create(
+                KEY, {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            )
+        )["id"]
+        for _ in range(3)
+    ]
     first = await batches.page(KEY, limit=2, after=None)
     second = await batches.page(KEY, limit=2, after=first["last_id"])
     assert [b["id"] for b in first["data"] + second["data"]] == made[::-1]

@@ -49,8 +49,13 @@ def stubborn_stack(tmp_path) -> Iterator[tuple[subprocess.Popen, list[psutil.Pro
     try:
         deadline = time.monotonic() + 20
         while True:
-            session = [p for p in psutil.process_iter(["cmdline"]) if _sid(p.pid) == leader.pid
-                       and p.info["cmdline"] and p.info["cmdline"][-1] in ("leader", "child", "grandchild", "orphan")]
+            session = [
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if _sid(p.pid) == leader.pid
+                and p.info["cmdline"]
+                and p.info["cmdline"][-1] in ("leader", "child", "grandchild", "orphan")
+            ]
             orphan = [p for p in session if p.info["cmdline"][-1] == "orphan"]
             if len(session) == 4 and orphan[0].ppid() != _pid_of(session, "leader") and _reparented(orphan[0]):
                 break
@@ -155,6 +160,7 @@ def test_the_banner_outlasts_a_port_that_answers_in_something_other_than_http(tm
     # What a Ray replica's gRPC server answers an HTTP/1.1 request with: an HTTP/2
     # SETTINGS frame. The banner says so and waits on; it never ends `llmctl run`.
     with socket.create_server(("127.0.0.1", 0)) as grpc_like:
+
         def answer():
             conn, _ = grpc_like.accept()
             with conn:

@@ -19,23 +19,60 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizer_families import build_sentencepiece_model
 
 from contract.model_config import ModelConfig
 from replicas.prompt_allowance import PromptOverAllowance, allowing, enforce_on
 from serve_app.wire.reservation import reserve
-from tokenizer_families import build_sentencepiece_model
 
 # Text a hostile tenant would send: any code point but lone surrogates (JSON cannot
 # carry them: the gateway answers 400), weighted towards what tokenizes densely.
-DENSE = st.sampled_from(["😀", "👩‍💻", "🏳️‍🌈", "漢", "字", "த", "மி", "ழ்", "é", "e\u0301", "\u0300\u0301\u0302", "!?",
-                         "0", "9", " ", "\n", "\t", "<|im_start|>", "[INST]", "<s>", "\x00", "\u200b"])
-TEXT = st.lists(st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=40), DENSE),
-                max_size=30).map("".join)
+DENSE = st.sampled_from(
+    [
+        "😀",
+        "👩‍💻",
+        "🏳️‍🌈",
+        "漢",
+        "字",
+        "த",
+        "மி",
+        "ழ்",
+        "é",
+        "e\u0301",
+        "\u0300\u0301\u0302",
+        "!?",
+        "0",
+        "9",
+        " ",
+        "\n",
+        "\t",
+        "<|im_start|>",
+        "[INST]",
+        "<s>",
+        "\x00",
+        "\u200b",
+    ]
+)
+TEXT = st.lists(st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=40), DENSE), max_size=30).map(
+    "".join
+)
 ROLES = st.sampled_from(["system", "user", "assistant"])
 CONTENT = st.one_of(TEXT, st.lists(TEXT.map(lambda text: {"type": "text", "text": text}), min_size=1, max_size=3))
-TOOLS = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
-    "name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True), "description": TEXT,
-    "parameters": st.just({"type": "object", "properties": {"q": {"type": "string"}}})})}), max_size=2)
+TOOLS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {
+                    "name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+                    "description": TEXT,
+                    "parameters": st.just({"type": "object", "properties": {"q": {"type": "string"}}}),
+                }
+            ),
+        }
+    ),
+    max_size=2,
+)
 
 
 @st.composite
@@ -55,8 +92,14 @@ def chat_bodies(draw) -> dict[str, Any]:
 @st.composite
 def completion_bodies(draw) -> dict[str, Any]:
     ids = st.lists(st.integers(0, 255), min_size=1, max_size=40)
-    prompt = draw(st.one_of(TEXT.filter(bool), st.lists(TEXT.filter(bool), min_size=1, max_size=3), ids,
-                            st.lists(ids, min_size=1, max_size=3)))
+    prompt = draw(
+        st.one_of(
+            TEXT.filter(bool),
+            st.lists(TEXT.filter(bool), min_size=1, max_size=3),
+            ids,
+            st.lists(ids, min_size=1, max_size=3),
+        )
+    )
     return {"model": "m", "prompt": prompt, "max_tokens": draw(st.integers(0, 16))}
 
 
@@ -85,8 +128,9 @@ class Renderer:
             request = ChatCompletionRequest.model_validate(body)
             tools = [tool.model_dump() for tool in request.tools] if request.tools else None
             chat_params = request.build_chat_params(None, "auto").with_defaults({"tools": tools})
-            _, inputs = self.renderer.render_chat([request.messages], chat_params,
-                                                  request.build_tok_params(self.model_config))
+            _, inputs = self.renderer.render_chat(
+                [request.messages], chat_params, request.build_tok_params(self.model_config)
+            )
             return inputs
         request = CompletionRequest.model_validate(body)
         prompts = [parse_model_prompt(self.model_config, prompt) for prompt in prompt_to_seq(request.prompt)]
@@ -105,8 +149,9 @@ def prompt_tokens_run(renderer: Renderer, operation: str, body: dict[str, Any]) 
     sent as a client would: reserved by the gateway, refused by the renderer when
     its prompt is larger, reserved again at the count the replica reported."""
     raw_size = len(json.dumps(body, ensure_ascii=False).encode())
-    reservation = reserve(operation, body, raw_size, default_max_tokens=64,
-                          context_length=renderer.model_config.max_model_len)
+    reservation = reserve(
+        operation, body, raw_size, default_max_tokens=64, context_length=renderer.model_config.max_model_len
+    )
     from vllm.exceptions import VLLMValidationError
 
     for _ in range(2):
@@ -125,8 +170,9 @@ def prompt_tokens_run(renderer: Renderer, operation: str, body: dict[str, Any]) 
     raise AssertionError(f"not admitted after one resize: {allowance.used} > {reservation.prompt}")
 
 
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                             HealthCheck.function_scoped_fixture])
+PROPERTY = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 
 @PROPERTY

@@ -10,16 +10,16 @@ import signal
 
 import pytest
 import redis.asyncio as aioredis
+from redis_server import every_node, running_redis
 
 from contract.replica_wire import Usage
-from serve_app.redis_store import redis_names
-from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
-from redis_server import every_node, running_redis
 
 _ids = iter(range(10**9))
 
@@ -109,7 +109,7 @@ async def test_a_late_admit_after_its_settlement_changes_nothing(redis):
     assert await redis.zcard(redis_names.concurrency(k.id)) == 0
     record = {a.decode(): b.decode() for a, b in (await redis.hgetall(redis_names.request_record(k.id, rid))).items()}
     assert record["status"] == "completed" and record["admission"] == "local" and record["total_tokens"] == "12"
-    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"12"  # real usage, once
     assert (await admit(adm, k, tokens=500))[1].admitted  # the slot is free
 
@@ -124,7 +124,7 @@ async def test_an_admission_run_twice_stands_once(redis):
     again = await adm.admit(k, rid, "m", 100)
     assert first.admitted and again.admitted and again.kind == ""
     assert again.headers(k)["x-ratelimit-remaining-requests"] == "4"  # the state now: it, once
-    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     usage = await redis.hgetall(redis_names.usage(k.id))
     assert usage[f"d:{today}:requests".encode()] == b"1" and usage[f"d:{today}:tokens".encode()] == b"100"
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1
@@ -161,7 +161,7 @@ async def test_leases_that_expire_finalise_their_records(redis):
 
 async def test_usage_counters_keep_35_days_and_13_months(redis):
     adm, k = admission(redis), key()
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     old_day = (now - datetime.timedelta(days=40)).strftime("d:%Y%m%d")
     recent_day = (now - datetime.timedelta(days=3)).strftime("d:%Y%m%d")
     old_month = f"m:{now.year - 2}{now.month:02d}"
@@ -179,8 +179,9 @@ async def test_usage_counters_keep_35_days_and_13_months(redis):
 
 def ingress_access(url: str) -> QuotaServices:
     """What one ingress replica runs, with a short Redis timeout and lease."""
-    return build_quota_services(AppSettings(redis_url=url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30}),
-                  Telemetry(False, False))
+    return build_quota_services(
+        AppSettings(redis_url=url, quota={"redis_timeout_s": 0.3, "concurrency_lease_s": 30}), Telemetry(False, False)
+    )
 
 
 @pytest.fixture
@@ -252,7 +253,7 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's, unsettled
     record = await redis.hgetall(redis_names.request_record(k.id, ticket.request_id))
     assert record[b"status"] == b"completed" and record[b"total_tokens"] == b"13"
-    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"14"  # 1 reserved + 13 used
     await redis.delete(redis_names.concurrency(k.id))  # (the first request ends)
     assert not (await access.gate.admit(k, "m", 10)).local
@@ -264,7 +265,9 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
 async def test_random_bearer_tokens_leave_the_key_cache_bounded(redis_url):
     from serve_app.identity.key_cache import NEGATIVE_MAX
 
-    services = build_quota_services(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 5}), Telemetry(False, False))
+    services = build_quota_services(
+        AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 5}), Telemetry(False, False)
+    )
     try:
         for i in range(3 * NEGATIVE_MAX):
             with pytest.raises(OpenAIError) as caught:
@@ -293,8 +296,9 @@ async def test_failed_admin_credentials_are_throttled_per_client_even_the_right_
     """60 wrong admin credentials in 5 s were 60 x 401: past the minute's bound a client's
     credentials are refused unchecked (429 with retry-after), the right one too; another
     client is not held back, and a request with no credential guesses nothing."""
-    settings = AppSettings(redis_url=redis_server.url, admin_token="s3cret-admin",
-                           auth={"admin_failures_per_minute": 5})
+    settings = AppSettings(
+        redis_url=redis_server.url, admin_token="s3cret-admin", auth={"admin_failures_per_minute": 5}
+    )
     services = build_quota_services(settings, Telemetry(False, False))
     attacker = {"x-forwarded-for": "203.0.113.9"}
     try:
@@ -340,15 +344,18 @@ async def test_fail_closed_refuses_every_request_while_redis_is_down_then_recove
     from serve_app.limits import KeyLimits
 
     with running_redis(persistent=True) as server:  # its own: this test stops it
-        settings = AppSettings(redis_url=server.url,
-                               quota={"fail_mode": "closed", "key_cache_ttl_s": 0.5, "redis_timeout_s": 1})
+        settings = AppSettings(
+            redis_url=server.url, quota={"fail_mode": "closed", "key_cache_ttl_s": 0.5, "redis_timeout_s": 1}
+        )
         services = build_quota_services(settings, Telemetry(False, False))
         client = aioredis.Redis.from_url(server.url)
         try:
             _, secret = await KeyStore(client).create("closed", KeyLimits(requests_per_minute=100, max_concurrent=1))
             headers = {"authorization": f"Bearer {secret}"}
             k = await services.authenticator.authenticate(headers)
-            services.gate.settle(await services.gate.admit(k, "m", 10), "completed", Usage(prompt_tokens=1, completion_tokens=1))
+            services.gate.settle(
+                await services.gate.admit(k, "m", 10), "completed", Usage(prompt_tokens=1, completion_tokens=1)
+            )
             await no_lease_left(client, k)
             server.stop()
             try:
@@ -388,13 +395,17 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
 
     with running_redis(persistent=True) as server:  # its own: this test restarts it
         # No key cache: every request reads its key from Redis.
-        services = build_quota_services(AppSettings(redis_url=server.url, quota={"redis_timeout_s": 0.3, "key_cache_ttl_s": 0}),
-                      Telemetry(False, False))
+        services = build_quota_services(
+            AppSettings(redis_url=server.url, quota={"redis_timeout_s": 0.3, "key_cache_ttl_s": 0}),
+            Telemetry(False, False),
+        )
         client = aioredis.Redis.from_url(server.url)
         try:
             _, secret = await KeyStore(client).create("before", KeyLimits(requests_per_minute=1000))
             k = await services.authenticator.authenticate({"authorization": f"Bearer {secret}"})
-            tickets = await asyncio.gather(*(services.gate.admit(k, "m", 10) for _ in range(8)))  # several pooled connections
+            tickets = await asyncio.gather(
+                *(services.gate.admit(k, "m", 10) for _ in range(8))
+            )  # several pooled connections
             for ticket in tickets:
                 services.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
             await no_lease_left(client, k)
@@ -417,7 +428,9 @@ async def test_after_a_redis_restart_the_next_request_reads_redis_again():
 async def test_authentication_says_where_the_key_record_came_from(redis_url):
     from serve_app.identity.keys import KeyStore
 
-    services = build_quota_services(AppSettings(redis_url=redis_url, quota={"key_cache_ttl_s": 60}), Telemetry(False, False))
+    services = build_quota_services(
+        AppSettings(redis_url=redis_url, quota={"key_cache_ttl_s": 60}), Telemetry(False, False)
+    )
     try:
         _, secret = await KeyStore(services.redis).create("traced-auth")
         sources = []

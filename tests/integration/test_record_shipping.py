@@ -12,14 +12,14 @@ import json
 
 import pytest
 
-from serve_app.errors import OpenAIError
 from serve_app.accounting import record_shipper
-from serve_app.admin import operations as admin
-from serve_app.redis_store import redis_names
-from serve_app.http.services import QuotaServices, build_quota_services
-from serve_app.identity.keys import KeyStore
 from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.accounting.usage import request_state
+from serve_app.admin import operations as admin
+from serve_app.errors import OpenAIError
+from serve_app.http.services import QuotaServices, build_quota_services
+from serve_app.identity.keys import KeyStore
+from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -27,8 +27,9 @@ RECENT_S = 120
 
 
 def access_for(redis_url: str, sink_dir, max_backlog: int = 1000) -> QuotaServices:
-    settings = AppSettings(redis_url=redis_url, records={"sink_dir": str(sink_dir), "recent_s": RECENT_S,
-                                                         "max_backlog": max_backlog})
+    settings = AppSettings(
+        redis_url=redis_url, records={"sink_dir": str(sink_dir), "recent_s": RECENT_S, "max_backlog": max_backlog}
+    )
     return build_quota_services(settings, Telemetry(False, False))
 
 
@@ -67,8 +68,11 @@ async def test_settled_records_reach_the_sink_once_and_stay_in_redis_only_a_rece
         assert await request_state(redis, request_id) == next(line for line in lines if line["id"] == request_id)
     assert 0 < await redis.ttl(redis_names.http_request(f"client-{key.id}-3")) <= RECENT_S
     # Past Redis' window, the sink answers, by request id and by x-request-id.
-    await redis.delete(redis_names.request_record(key.id, ids[3]), redis_names.http_request(f"client-{key.id}-3"),
-                       redis_names.http_request(f"client-{key.id}-3", key.id))
+    await redis.delete(
+        redis_names.request_record(key.id, ids[3]),
+        redis_names.http_request(f"client-{key.id}-3"),
+        redis_names.http_request(f"client-{key.id}-3", key.id),
+    )
     assert await request_state(redis, ids[3]) is None
     found = await request_state(redis, ids[3], sink=access.stores.records.sink)
     assert found["id"] == ids[3] and found["status"] == "completed" and found["key_id"] == key.id
@@ -89,8 +93,7 @@ async def test_a_teams_copy_of_a_record_is_not_shipped_twice(redis, redis_url, t
     await access.redis.aclose()
 
 
-async def test_a_sink_that_is_down_loses_nothing_and_stops_admissions_at_the_backlog_bound(redis, redis_url,
-                                                                                           tmp_path):
+async def test_a_sink_that_is_down_loses_nothing_and_stops_admissions_at_the_backlog_bound(redis, redis_url, tmp_path):
     down = tmp_path / "sink"
     down.write_text("a file where the directory should be")  # every append fails
     access = access_for(redis_url, down, max_backlog=10)
@@ -114,8 +117,7 @@ async def test_a_sink_that_is_down_loses_nothing_and_stops_admissions_at_the_bac
     await access.redis.aclose()
 
 
-async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(redis, redis_url, tmp_path,
-                                                                               monkeypatch):
+async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(redis, redis_url, tmp_path, monkeypatch):
     access = access_for(redis_url, tmp_path)
     key, _ = await KeyStore(redis).create("claimed")
     ids = await settled_requests(access, key, 5)

@@ -1,5 +1,6 @@
 """A Redis primary (a Redis Cluster's, or the one Sentinel manages) dies under
-load and its replica takes over: what the gateway's admission (serve_app/admission/gatekeeper.py, as each ingress replica runs it)
+load and its replica takes over: what the gateway's admission (serve_app/admission/gatekeeper.py, as each ingress
+replica runs it)
 promises then (docs/quotas.md, "Redis: one node, a Redis Cluster, or Sentinel").
 
 16 concurrent clients hammer one key with a small requests/min limit; the
@@ -16,16 +17,16 @@ import collections
 import time
 
 import pytest
+from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
 
 from contract.replica_wire import Usage
-from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
-from serve_app.redis_store import redis_names
-from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.admission.scripts import Refusal
-from serve_app.pipeline.refusals import render
 from serve_app.errors import OpenAIError
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyStore
 from serve_app.limits import KeyLimits
+from serve_app.pipeline.refusals import render
+from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -87,8 +88,10 @@ async def client_loop(services: QuotaServices, secret: str, tally: Tally, stop: 
 
 
 async def hammer_through_a_failover(cluster, fail_mode: str) -> tuple[Tally, float, QuotaServices, str]:
-    settings = AppSettings(redis_url=cluster.url, quota={
-        "fail_mode": fail_mode, "redis_timeout_s": 0.5, "key_cache_ttl_s": 1, "concurrency_lease_s": 10})
+    settings = AppSettings(
+        redis_url=cluster.url,
+        quota={"fail_mode": fail_mode, "redis_timeout_s": 0.5, "key_cache_ttl_s": 1, "concurrency_lease_s": 10},
+    )
     services = build_quota_services(settings, Telemetry(False, False))
     record, secret = await KeyStore(services.redis).create(f"failover-{fail_mode}", KeyLimits(requests_per_minute=RPM))
     tally, stop = Tally(), asyncio.Event()
@@ -133,8 +136,10 @@ async def test_fail_open_keeps_serving_through_a_primary_failover_within_the_bou
     tally, took, services, key_id = await hammer_through_a_failover(cluster, "open")
     try:
         outage = took - BEFORE_KILL_S - AFTER_RECOVERY_S  # kill → admitted through Redis again
-        print(f"\nfail open: {dict(tally.outcomes)} in {took:.1f} s (failover {outage:.1f} s); "
-              f"after the kill: {tally.local_after_kill} local, {tally.redis_after_kill} through Redis")
+        print(
+            f"\nfail open: {dict(tally.outcomes)} in {took:.1f} s (failover {outage:.1f} s); "
+            f"after the kill: {tally.local_after_kill} local, {tally.redis_after_kill} through Redis"
+        )
         # Never a 503 (nor a 500): each call either outlasts the failover in the
         # client's own retries (slot map refreshed, the promoted replica answers) or
         # fails as unreachable and is decided on local limits. Which, depends on
@@ -153,8 +158,10 @@ async def test_fail_open_keeps_serving_through_a_primary_failover_within_the_bou
 async def test_fail_closed_refuses_during_a_primary_failover_and_admits_only_through_redis(cluster):
     tally, took, services, key_id = await hammer_through_a_failover(cluster, "closed")
     try:
-        print(f"\nfail closed: {dict(tally.outcomes)} in {took:.1f} s; after the kill: "
-              f"{tally.redis_after_kill} through Redis")
+        print(
+            f"\nfail closed: {dict(tally.outcomes)} in {took:.1f} s; after the kill: "
+            f"{tally.redis_after_kill} through Redis"
+        )
         # Nothing admitted without Redis; a call the client's retries did not carry
         # through the failover is refused with 503 and retry-after, never a 500.
         assert tally.local_after_kill == 0
@@ -166,7 +173,8 @@ async def test_fail_closed_refuses_during_a_primary_failover_and_admits_only_thr
 
 
 async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_without_cluster_mode_a_refusal(
-        redis_server):
+    redis_server,
+):
     """What fail_mode applies to: a cluster client whose nodes do not answer (every
     node down, or a failover leaving its map unsettled) cannot decide, so open admits
     on local limits; a redis+cluster:// URL naming a plain node is a misconfiguration
@@ -174,8 +182,7 @@ async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_wi
     from ports import free_port
     from redis.exceptions import RedisClusterException
 
-    from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
-    from serve_app.redis_store.redis_client import ClusterMapUnknown, connect
+    from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE, ClusterMapUnknown, connect
 
     down = connect(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.5)
     with pytest.raises(ClusterMapUnknown) as outage:

@@ -14,17 +14,17 @@ import time
 
 import pytest
 import redis as sync_redis
+from redis_server import _cli, running_redis_cluster
+from test_redis_failover import CLIENTS, RPM, Tally, client_loop, redis_allowance, settled_everything
 
 from contract.replica_wire import Usage
-from redis_server import _cli, running_redis_cluster
-from serve_app.redis_store import redis_names
 from serve_app.admission.ticket import Ticket
 from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyStore
 from serve_app.limits import KeyLimits
+from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
-from test_redis_failover import CLIENTS, RPM, Tally, client_loop, redis_allowance, settled_everything
 
 # Keys per MIGRATE and the pause between two, as `redis-cli --cluster reshard`
 # moves a slot (10 keys per MIGRATE) on a busy box: the slot is half moved for
@@ -78,8 +78,10 @@ def redirections(cluster) -> dict[str, int]:
 
 
 async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster):
-    settings = AppSettings(redis_url=cluster.url, quota={
-        "fail_mode": "closed", "redis_timeout_s": 2, "key_cache_ttl_s": 1, "concurrency_lease_s": 10})
+    settings = AppSettings(
+        redis_url=cluster.url,
+        quota={"fail_mode": "closed", "redis_timeout_s": 2, "key_cache_ttl_s": 1, "concurrency_lease_s": 10},
+    )
     services = build_quota_services(settings, Telemetry(False, False))
     record, secret = await KeyStore(services.redis).create("resharded", KeyLimits(requests_per_minute=RPM))
     slot = services.redis.keyslot(redis_names.requests_rate(record.id))
@@ -101,16 +103,19 @@ async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster)
         stop.set()
         await asyncio.gather(*clients)
     took = time.monotonic() - started
-    print(f"\nresharding: {dict(tally.outcomes)} in {took:.1f} s; {moved} keys moved; "
-          f"redirections answered: {redirects}")
+    print(
+        f"\nresharding: {dict(tally.outcomes)} in {took:.1f} s; {moved} keys moved; redirections answered: {redirects}"
+    )
     # Calls met the move (ASK: keys gone; TRYAGAIN: keys split; MOVED: after it) and followed it.
     assert moved >= 10 and sum(redirects.values()) > 0, redirects
     # Closed mode: a call that ran out of redirections (redis-py's ASKING and its
     # command can go on two pooled connections: ASK, MOVED, ASK...) is an outage of
     # the slot, a 503 "unavailable" (fail_mode), never "Redis refused" nor a 500;
     # a few at most, while the slot is half moved.
-    assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded", "503 quota_backend_unavailable"}, \
-        (tally.outcomes, tally.causes)
+    assert set(tally.outcomes) <= {"admitted", "429 rate_limit_exceeded", "503 quota_backend_unavailable"}, (
+        tally.outcomes,
+        tally.causes,
+    )
     assert tally.outcomes["503 quota_backend_unavailable"] <= CLIENTS, tally.outcomes
     assert tally.outcomes["admitted"] <= redis_allowance(took), (tally.outcomes, redis_allowance(took))
     assert tally.outcomes["admitted"] >= RPM  # the burst, at least: the limit, not an outage, refused the rest
@@ -118,8 +123,12 @@ async def test_admissions_follow_a_slot_moved_under_load_and_stay_exact(cluster)
     assert not sync_redis.Redis(port=source).execute_command("CLUSTER COUNTKEYSINSLOT", slot)
     await settled_everything(services, record.id)
     admitted = []  # still limited on the new primary
-    while isinstance(ticket := await services.gate.admit(await services.authenticator.authenticate({"authorization": f"Bearer {secret}"}),
-                                                "m", 1), Ticket):
+    while isinstance(
+        ticket := await services.gate.admit(
+            await services.authenticator.authenticate({"authorization": f"Bearer {secret}"}), "m", 1
+        ),
+        Ticket,
+    ):
         assert len(admitted) < RPM, "admitted past the limit"
         admitted.append(ticket)
         services.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))

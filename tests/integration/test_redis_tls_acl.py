@@ -12,14 +12,14 @@ import subprocess
 import time
 
 import pytest
-
-from contract.replica_wire import Usage
 from ports import free_port
 from redis_server import RedisServer
-from serve_app.admission.ticket import Ticket
-from serve_app.http.services import QuotaServices, build_quota_services
+
+from contract.replica_wire import Usage
 from serve_app.admission.scripts import Refusal
+from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError
+from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyStore
 from serve_app.limits import KeyLimits
 from serve_app.redis_store.redis_client import connect
@@ -37,23 +37,82 @@ def openssl(*args: str, cwd) -> None:
 def certs(tmp_path_factory):
     """A CA and a server certificate for 127.0.0.1 (the folder holding them)."""
     certs = tmp_path_factory.mktemp("tls")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-            "-subj", "/CN=test-ca", cwd=certs)
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-            "-subj", "/CN=127.0.0.1", cwd=certs)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        cwd=certs,
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+        cwd=certs,
+    )
     (certs / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "server.crt", "-days", "1", "-extfile", "san.cnf", cwd=certs)
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        cwd=certs,
+    )
     return certs
 
 
 def tls_only_to_app(certs, tls_port: int) -> list[str]:
     """redis-server arguments: TLS on ``tls_port`` (the plain port stays on loopback
     for the harness' readiness check only), user ``app`` only, the default user off."""
-    return ["--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.crt"),
-            "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
-            "--tls-auth-clients", "no", "--user", "app", "on", f">{PASSWORD}", "~*", "&*", "+@all",
-            "--user", "default", "off"]
+    return [
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        str(certs / "server.crt"),
+        "--tls-key-file",
+        str(certs / "server.key"),
+        "--tls-ca-cert-file",
+        str(certs / "ca.crt"),
+        "--tls-auth-clients",
+        "no",
+        "--user",
+        "app",
+        "on",
+        f">{PASSWORD}",
+        "~*",
+        "&*",
+        "+@all",
+        "--user",
+        "default",
+        "off",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +122,18 @@ def tls_redis(certs):
     server.start(tls_only_to_app(certs, tls_port))
     query = f"?ssl_ca_certs={certs / 'ca.crt'}"
     try:
-        yield (f"rediss://app:{PASSWORD}@127.0.0.1:{tls_port}/0{query}",
-               f"rediss://app:wrong@127.0.0.1:{tls_port}/0{query}")
+        yield (
+            f"rediss://app:{PASSWORD}@127.0.0.1:{tls_port}/0{query}",
+            f"rediss://app:wrong@127.0.0.1:{tls_port}/0{query}",
+        )
     finally:
         server.stop()
 
 
 def services(url: str) -> QuotaServices:
-    return build_quota_services(AppSettings(redis_url=url, quota={"fail_mode": "open", "redis_timeout_s": 2}),
-                  Telemetry(False, False))
+    return build_quota_services(
+        AppSettings(redis_url=url, quota={"fail_mode": "open", "redis_timeout_s": 2}), Telemetry(False, False)
+    )
 
 
 async def test_admission_over_tls_as_an_acl_user(tls_redis):
@@ -97,7 +159,10 @@ async def test_a_wrong_password_is_a_backend_error_not_an_outage(tls_redis):
         await client.aclose()
     access = services(wrong)  # fail_mode open: an outage would be admitted on local limits
     try:
-        for attempt in (access.authenticator.authenticate({"authorization": f"Bearer {secret}"}), access.gate.admit(record, "m", 10)):
+        for attempt in (
+            access.authenticator.authenticate({"authorization": f"Bearer {secret}"}),
+            access.gate.admit(record, "m", 10),
+        ):
             with pytest.raises(OpenAIError) as refused:
                 await attempt
             assert (refused.value.status, refused.value.code) == (503, "quota_backend_error")
@@ -114,19 +179,57 @@ def tls_cluster(certs):
     tls_ports = [free_port() for _ in nodes]
     try:
         for node, tls_port in zip(nodes, tls_ports):
-            node.start([*tls_only_to_app(certs, tls_port), "--tls-cluster", "yes", "--tls-replication", "yes",
-                        "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
-                        "--cluster-config-file", f"{node.dir}/nodes.conf", "--masteruser", "app",
-                        "--masterauth", PASSWORD])
-        cli = [shutil.which("redis-cli"), "--tls", "--cacert", str(certs / "ca.crt"), "--user", "app", "--pass",
-               PASSWORD, "--no-auth-warning"]
-        create = subprocess.run([*cli, "--cluster", "create", *(f"127.0.0.1:{port}" for port in tls_ports),
-                                 "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            node.start(
+                [
+                    *tls_only_to_app(certs, tls_port),
+                    "--tls-cluster",
+                    "yes",
+                    "--tls-replication",
+                    "yes",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-port",
+                    str(free_port()),
+                    "--cluster-config-file",
+                    f"{node.dir}/nodes.conf",
+                    "--masteruser",
+                    "app",
+                    "--masterauth",
+                    PASSWORD,
+                ]
+            )
+        cli = [
+            shutil.which("redis-cli"),
+            "--tls",
+            "--cacert",
+            str(certs / "ca.crt"),
+            "--user",
+            "app",
+            "--pass",
+            PASSWORD,
+            "--no-auth-warning",
+        ]
+        create = subprocess.run(
+            [
+                *cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in tls_ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert create.returncode == 0, create.stdout + create.stderr
         deadline = time.monotonic() + 30
-        while not all("cluster_state:ok" in subprocess.run([*cli, "-p", str(port), "cluster", "info"],
-                                                          capture_output=True, text=True).stdout
-                      for port in tls_ports):
+        while not all(
+            "cluster_state:ok"
+            in subprocess.run([*cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout
+            for port in tls_ports
+        ):
             assert time.monotonic() < deadline, "the TLS cluster did not become ok"
             time.sleep(0.2)
         seeds = ",".join(f"127.0.0.1:{port}" for port in tls_ports)
@@ -151,10 +254,11 @@ async def test_admission_over_a_tls_cluster_as_an_acl_user(tls_cluster):
             tenants.append(await store.create(f"tls-cluster-{len(tenants)}", KeyLimits(requests_per_minute=2)))
         keys = [await access.authenticator.authenticate({"authorization": f"Bearer {secret}"}) for _, secret in tenants]
         # Keys on every primary, in one auto-pipeline per turn: each limit exact.
-        outcomes = await asyncio.gather(*(access.gate.admit(key, "m", 10) for key in keys for _ in range(3)),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(access.gate.admit(key, "m", 10) for key in keys for _ in range(3)), return_exceptions=True
+        )
         for n in range(len(keys)):
-            mine = outcomes[3 * n:3 * n + 3]
+            mine = outcomes[3 * n : 3 * n + 3]
             assert sum(isinstance(o, Ticket) and not o.local for o in mine) == 2, mine
             assert sum(isinstance(o, Refusal) and o.kind == "requests" for o in mine) == 1, mine
         assert len({access.redis.get_node_from_key(f"{{k:{key.id}}}").name for key in keys}) > 1
@@ -186,9 +290,25 @@ def tls_sentinel(certs, tmp_path_factory):
         cli = [shutil.which("redis-cli"), "--tls", "--cacert", str(certs / "ca.crt")]
         # Synced before the sentinels look: they read the primary's replicas every 10 s.
         deadline = time.monotonic() + 30
-        while "master_link_status:up" not in subprocess.run(
-                [*cli, "--user", "app", "--pass", PASSWORD, "--no-auth-warning", "-p", str(replica_tls),
-                 "info", "replication"], capture_output=True, text=True).stdout:
+        while (
+            "master_link_status:up"
+            not in subprocess.run(
+                [
+                    *cli,
+                    "--user",
+                    "app",
+                    "--pass",
+                    PASSWORD,
+                    "--no-auth-warning",
+                    "-p",
+                    str(replica_tls),
+                    "info",
+                    "replication",
+                ],
+                capture_output=True,
+                text=True,
+            ).stdout
+        ):
             assert time.monotonic() < deadline, "the TLS replica did not sync"
             time.sleep(0.1)
         for port in sentinel_ports:
@@ -199,13 +319,23 @@ def tls_sentinel(certs, tmp_path_factory):
                 f"tls-ca-cert-file {certs / 'ca.crt'}\ntls-auth-clients no\ntls-replication yes\n"
                 f"sentinel monitor tls-primary 127.0.0.1 {primary_tls} 2\n"
                 f"sentinel auth-user tls-primary app\nsentinel auth-pass tls-primary {PASSWORD}\n"
-                f"sentinel down-after-milliseconds tls-primary 2000\n")
-            sentinels.append(subprocess.Popen([shutil.which("redis-server"), str(conf), "--sentinel"],
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                f"sentinel down-after-milliseconds tls-primary 2000\n"
+            )
+            sentinels.append(
+                subprocess.Popen(
+                    [shutil.which("redis-server"), str(conf), "--sentinel"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + 60
-        while not all(str(replica_tls) in subprocess.run([*cli, "-p", str(port), "sentinel", "replicas", "tls-primary"],
-                                                         capture_output=True, text=True).stdout
-                      for port in sentinel_ports):
+        while not all(
+            str(replica_tls)
+            in subprocess.run(
+                [*cli, "-p", str(port), "sentinel", "replicas", "tls-primary"], capture_output=True, text=True
+            ).stdout
+            for port in sentinel_ports
+        ):
             assert time.monotonic() < deadline, "the TLS sentinels did not find the primary and its replica"
             time.sleep(0.2)
         seeds = ",".join(f"127.0.0.1:{port}" for port in sentinel_ports)

@@ -13,14 +13,14 @@ import time
 
 import pytest
 import redis as sync_redis
-
 from redis_server import RedisSentinelSetup
-from serve_app.redis_store import redis_client, redis_names
-from serve_app.http.services import build_quota_services
-from serve_app.redis_store.auto_pipeline import NotReplicated
+
 from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
+from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store import redis_client, redis_names
+from serve_app.redis_store.auto_pipeline import NotReplicated
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -92,9 +92,18 @@ async def test_each_admission_is_on_a_replica_when_it_returns(replicated):
 
 @pytest.mark.parametrize("fail_mode", ["closed", "open"])
 async def test_a_replica_that_does_not_answer_makes_admissions_unreachable_and_leaks_nothing(replicated, fail_mode):
-    access = build_quota_services(AppSettings(redis_url=replicated.url, quota={
-        "redis_timeout_s": 2, "fail_mode": fail_mode, "replicas_to_acknowledge": 1,
-        "replica_ack_timeout_ms": TIMEOUT_MS}), Telemetry(False, False))
+    access = build_quota_services(
+        AppSettings(
+            redis_url=replicated.url,
+            quota={
+                "redis_timeout_s": 2,
+                "fail_mode": fail_mode,
+                "replicas_to_acknowledge": 1,
+                "replica_ack_timeout_ms": TIMEOUT_MS,
+            },
+        ),
+        Telemetry(False, False),
+    )
     key = tenant(f"{fail_mode}-{time.monotonic_ns()}", max_concurrent=3, requests_per_minute=1000)
     warm = await until_replicas_acknowledge(lambda: access.gate.admit(tenant("warm"), "m", 5))
     access.gate.settle(warm, "completed")  # connections open, scripts loaded

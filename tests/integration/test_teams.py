@@ -11,13 +11,13 @@ import pytest
 
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
-from serve_app.errors import OpenAIError
-from serve_app.admin import operations as admin
-from serve_app.redis_store import redis_names
-from serve_app.admission.ticket import Ticket
-from serve_app.http.services import QuotaServices, build_quota_services
-from serve_app.admission.scripts import Refusal
 from serve_app.accounting.costs import NANOS_PER_USD, Rates, reservation_nanos
+from serve_app.admin import operations as admin
+from serve_app.admission.scripts import Refusal
+from serve_app.admission.ticket import Ticket
+from serve_app.errors import OpenAIError
+from serve_app.http.services import QuotaServices, build_quota_services
+from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -25,20 +25,23 @@ ACTOR = "admin:test"
 
 
 def gate(redis_url, **quota) -> QuotaServices:
-    return build_quota_services(AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2, "key_cache_ttl_s": 0.2, **quota}),
-                  Telemetry(False, False))
+    return build_quota_services(
+        AppSettings(redis_url=redis_url, quota={"redis_timeout_s": 2, "key_cache_ttl_s": 0.2, **quota}),
+        Telemetry(False, False),
+    )
 
 
 def today() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("d:%Y%m%d")
+    return datetime.datetime.now(datetime.UTC).strftime("d:%Y%m%d")
 
 
 async def team_with_keys(access, team_limits: dict, key_limits: list[dict]):
     team = await admin.create_team(access.stores, {"name": f"team-{id(key_limits)}", **team_limits}, ACTOR)
     keys = []
     for i, limits in enumerate(key_limits):
-        created = await admin.create_key(access.stores, {"name": f"{team['name']}-k{i}", "team": team["name"], **limits},
-                                         ACTOR)
+        created = await admin.create_key(
+            access.stores, {"name": f"{team['name']}-k{i}", "team": team["name"], **limits}, ACTOR
+        )
         keys.append(await access.stores.keys.get(created["id"]))
     return await access.stores.teams.get(team["id"]), keys
 
@@ -80,8 +83,9 @@ async def test_two_keys_together_never_exceed_the_team_nor_their_own(redis_url, 
 
 async def test_a_team_refusal_gives_the_key_back_everything_it_took(redis_url, redis):
     access = gate(redis_url)
-    team, (k,) = await team_with_keys(access, {"max_concurrent": 1}, [{"requests_per_minute": 3,
-                                                                         "tokens_per_minute": 300}])
+    team, (k,) = await team_with_keys(
+        access, {"max_concurrent": 1}, [{"requests_per_minute": 3, "tokens_per_minute": 300}]
+    )
     first = await access.gate.admit(k, "m", 100)
     assert isinstance(first, Ticket) and first.team.id == team.id
     for _ in range(5):  # the team's one place is taken: each is refused by the team, not the key
@@ -90,8 +94,17 @@ async def test_a_team_refusal_gives_the_key_back_everything_it_took(redis_url, r
     assert await counter(redis, k.id, "requests") == 1
     assert await counter(redis, k.id, "tokens") == 100
     assert await counter(redis, k.id, "refused") == 5
-    assert len([name async for name in redis.scan_iter(match=redis_names.request_record_prefix(k.id) + "*",
-                                                        **_scan_target(redis, k.id))]) == 1
+    assert (
+        len(
+            [
+                name
+                async for name in redis.scan_iter(
+                    match=redis_names.request_record_prefix(k.id) + "*", **_scan_target(redis, k.id)
+                )
+            ]
+        )
+        == 1
+    )
     access.gate.settle(first, "completed", Usage(prompt_tokens=10, completion_tokens=20))
     await drain(access)
     # The key's own rate limits were never spent by the refused five: its burst of 3 is whole but one.
@@ -122,8 +135,9 @@ async def test_money_budgets_hold_the_reservation_and_settle_to_the_real_cost(re
     reserve = reservation_nanos(rates, 1000, 1000)  # 1,000 + 3,000 nano-dollars per million... per token
     assert reserve == 4_000_000
     budget_usd = 10 * reserve / NANOS_PER_USD  # ten reservations' worth
-    team, (a, b) = await team_with_keys(access, {"daily_cost_budget_usd": budget_usd},
-                                        [{"daily_cost_budget_usd": 7 * reserve / NANOS_PER_USD}, {}])
+    team, (a, b) = await team_with_keys(
+        access, {"daily_cost_budget_usd": budget_usd}, [{"daily_cost_budget_usd": 7 * reserve / NANOS_PER_USD}, {}]
+    )
     results = await asyncio.gather(*(access.gate.admit(k, "m", 2000, reserve_nanos=reserve) for k in [a, b] * 8))
     admitted = [r for r in results if isinstance(r, Ticket)]
     assert len(admitted) == 10  # the team's money, exactly
@@ -165,7 +179,9 @@ async def test_a_key_moved_between_teams_takes_the_new_teams_limits(redis_url, r
     assert isinstance(refused, Refusal) and refused.level == "team"
     moved = await admin.update_key(access.stores, k.id, {"team": roomy["name"]}, ACTOR)
     assert moved["team"] == roomy["id"]
-    assert await access.stores.teams.members(roomy["id"]) == [k.id] and await access.stores.teams.members(strict.id) == []
+    assert (
+        await access.stores.teams.members(roomy["id"]) == [k.id] and await access.stores.teams.members(strict.id) == []
+    )
     k = await access.stores.keys.get(k.id)  # what the ingress reads once its cache expires
     assert all([isinstance(await access.gate.admit(k, "m", 1), Ticket) for _ in range(5)])
     assert await counter(redis, roomy["id"], "requests") == 5

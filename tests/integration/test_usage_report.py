@@ -8,20 +8,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai_spec
 import pytest
 from starlette.datastructures import QueryParams
 
-import openai_spec
-from serve_app.errors import OpenAIError
-from serve_app.redis_store import redis_names
-from serve_app.admission.scripts import Admission
-from serve_app.identity.keys import KeyRecord
-from serve_app.redis_store.redis_client import as_text
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
-from serve_app.http.services import build_quota_services
 from serve_app.accounting.costs import Cost, Rates
 from serve_app.accounting.usage_report import COST_GROUPS, completions_usage, costs, parse_query
+from serve_app.admission.scripts import Admission
+from serve_app.errors import OpenAIError
+from serve_app.http.services import build_quota_services
+from serve_app.identity.keys import KeyRecord
+from serve_app.redis_store import redis_names
+from serve_app.redis_store.redis_client import as_text
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -45,8 +45,9 @@ async def run(adm: Admission, k: KeyRecord, model: str, reserve: int, status: st
 
 
 def query(**params) -> QueryParams:
-    return QueryParams([(name, str(v)) for name, values in params.items()
-                        for v in (values if isinstance(values, list) else [values])])
+    return QueryParams(
+        [(name, str(v)) for name, values in params.items() for v in (values if isinstance(values, list) else [values])]
+    )
 
 
 async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_was_charged(redis):
@@ -67,14 +68,27 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
     # Admitted without Redis (an outage): only its settlement reaches Redis.
     await adm.settle(b, f"{b.id}-{next(_ids):016x}", "completed", 6, 1, "r1", "chat")
 
-    page = await completions_usage(redis, [a, b], parse_query(query(start_time=today(), group_by=["api_key_id", "model"])))
+    page = await completions_usage(
+        redis, [a, b], parse_query(query(start_time=today(), group_by=["api_key_id", "model"]))
+    )
     openai_spec.validate(page, "UsageResponse")
     [bucket] = page["data"]
     assert (bucket["start_time"], bucket["end_time"], page["has_more"]) == (today(), today() + 86400, False)
-    got = {(r["api_key_id"], r["model"]): (r["num_model_requests"], r["input_tokens"], r["output_tokens"],
-                                            r["reserved_tokens"]) for r in bucket["results"]}
-    assert got == {("kusagea", "chat"): (3, 20, 32, 40), ("kusagea", "embed"): (1, 9, 0, 0),
-                   ("kusageb", "chat"): (3, 9, 5, 25), ("kusageb", "embed"): (1, 5, 0, 0)}
+    got = {
+        (r["api_key_id"], r["model"]): (
+            r["num_model_requests"],
+            r["input_tokens"],
+            r["output_tokens"],
+            r["reserved_tokens"],
+        )
+        for r in bucket["results"]
+    }
+    assert got == {
+        ("kusagea", "chat"): (3, 20, 32, 40),
+        ("kusagea", "embed"): (1, 9, 0, 0),
+        ("kusageb", "chat"): (3, 9, 5, 25),
+        ("kusageb", "embed"): (1, 5, 0, 0),
+    }
     # What each key was charged today, by its own counter and by its records, is the sum.
     day = time.strftime("d:%Y%m%d", time.gmtime())
     for k in (a, b):
@@ -82,10 +96,12 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
         mine = [r for r in bucket["results"] if r["api_key_id"] == k.id]
         assert charged == sum(r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"] for r in mine)
 
-    by_model = await completions_usage(redis, [a, b], parse_query(query(start_time=today(), group_by="model",
-                                                                         models="chat")))
+    by_model = await completions_usage(
+        redis, [a, b], parse_query(query(start_time=today(), group_by="model", models="chat"))
+    )
     assert [(r["model"], r["api_key_id"], r["num_model_requests"]) for r in by_model["data"][0]["results"]] == [
-        ("chat", None, 6)]
+        ("chat", None, 6)
+    ]
     only_b = await completions_usage(redis, [a, b], parse_query(query(start_time=today(), api_key_ids=b.id)))
     [total] = only_b["data"][0]["results"]
     assert (total["num_model_requests"], total["input_tokens"], total["model"]) == (4, 14, None)
@@ -93,19 +109,25 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
 
 async def test_teams_are_projects_grouped_and_selected_by_project_id(redis):
     adm = Admission(redis, lease_s=60, retention_s=3600)
-    eng1, eng2, solo = (KeyRecord(id=i, name=i, created_at=0, team=t)
-                        for i, t in (("kteam1", "teng"), ("kteam2", "teng"), ("ksolo", None)))
+    eng1, eng2, solo = (
+        KeyRecord(id=i, name=i, created_at=0, team=t)
+        for i, t in (("kteam1", "teng"), ("kteam2", "teng"), ("ksolo", None))
+    )
     await run(adm, eng1, "chat", 50, "completed", 10, 20)
     await run(adm, eng2, "chat", 50, "completed", 1, 2)
     await run(adm, solo, "chat", 50, "completed", 100, 200)
-    page = await completions_usage(redis, [eng1, eng2, solo], parse_query(query(start_time=today(),
-                                                                               group_by="project_id")))
+    page = await completions_usage(
+        redis, [eng1, eng2, solo], parse_query(query(start_time=today(), group_by="project_id"))
+    )
     openai_spec.validate(page, "UsageResponse")
-    got = {r["project_id"]: (r["num_model_requests"], r["input_tokens"], r["output_tokens"])
-           for r in page["data"][0]["results"]}
+    got = {
+        r["project_id"]: (r["num_model_requests"], r["input_tokens"], r["output_tokens"])
+        for r in page["data"][0]["results"]
+    }
     assert got == {"teng": (2, 11, 22), None: (1, 100, 200)}
-    only = await completions_usage(redis, [eng1, eng2, solo], parse_query(query(start_time=today(),
-                                                                               project_ids="teng")))
+    only = await completions_usage(
+        redis, [eng1, eng2, solo], parse_query(query(start_time=today(), project_ids="teng"))
+    )
     [total] = only["data"][0]["results"]
     assert (total["num_model_requests"], total["input_tokens"], total["project_id"]) == (2, 11, None)
 
@@ -122,7 +144,9 @@ async def test_usage_stays_with_the_team_it_was_charged_to_when_its_key_moves(re
         assert (await adm.admit(k, rid, "chat", 300, team_id=team)).admitted
         await adm.settle(k, rid, "completed", prompt, 2, "r1", "chat", Cost(input_nanos=prompt * 100))
     # As a counter of a request admitted without Redis (no record, so no team) reads.
-    await redis.hincrby(redis_names.usage(in_y.id), time.strftime("d:%Y%m%d", time.gmtime()) + ":model:chat:requests", 1)
+    await redis.hincrby(
+        redis_names.usage(in_y.id), time.strftime("d:%Y%m%d", time.gmtime()) + ":model:chat:requests", 1
+    )
     page = await completions_usage(redis, [in_y], parse_query(query(start_time=today(), group_by="project_id")))
     got = {r["project_id"]: (r["num_model_requests"], r["input_tokens"]) for r in page["data"][0]["results"]}
     assert got == {"tmoverx": (1, 198), "tmovery": (2, 7)}
@@ -151,23 +175,26 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
     assert [b["start_time"] for b in far["data"]] == [0, 86400] and far["next_page"] == str(2 * 86400)
 
 
-@pytest.mark.parametrize("params, param", [
-    ({}, "start_time"),
-    ({"start_time": "yesterday"}, "start_time"),
-    ({"start_time": "-5"}, "start_time"),
-    ({"start_time": "1" * 30}, "start_time"),
-    ({"start_time": ["1", "2"]}, "start_time"),
-    ({"start_time": "100", "end_time": "50"}, "end_time"),
-    ({"start_time": "100", "bucket_width": "1h"}, "bucket_width"),
-    ({"start_time": "100", "group_by": "user_id"}, "group_by"),
-    ({"start_time": "100", "group_by": "x'); DROP"}, "group_by"),
-    ({"start_time": "100", "limit": "0"}, "limit"),
-    ({"start_time": "100", "limit": "32"}, "limit"),
-    ({"start_time": "100", "limit": "1e3"}, "limit"),
-    ({"start_time": "100", "page": "next"}, "page"),
-    ({"start_time": "0", "end_time": str(2**40)}, "end_time"),  # 12.7 million days
-    ({"start_time": "0", "end_time": str(401 * 86400)}, "end_time"),
-])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({}, "start_time"),
+        ({"start_time": "yesterday"}, "start_time"),
+        ({"start_time": "-5"}, "start_time"),
+        ({"start_time": "1" * 30}, "start_time"),
+        ({"start_time": ["1", "2"]}, "start_time"),
+        ({"start_time": "100", "end_time": "50"}, "end_time"),
+        ({"start_time": "100", "bucket_width": "1h"}, "bucket_width"),
+        ({"start_time": "100", "group_by": "user_id"}, "group_by"),
+        ({"start_time": "100", "group_by": "x'); DROP"}, "group_by"),
+        ({"start_time": "100", "limit": "0"}, "limit"),
+        ({"start_time": "100", "limit": "32"}, "limit"),
+        ({"start_time": "100", "limit": "1e3"}, "limit"),
+        ({"start_time": "100", "page": "next"}, "page"),
+        ({"start_time": "0", "end_time": str(2**40)}, "end_time"),  # 12.7 million days
+        ({"start_time": "0", "end_time": str(401 * 86400)}, "end_time"),
+    ],
+)
 def test_a_query_it_cannot_serve_is_a_400_naming_the_parameter(params, param):
     with pytest.raises(OpenAIError) as caught:
         parse_query(query(**params))
@@ -175,7 +202,10 @@ def test_a_query_it_cannot_serve_is_a_400_naming_the_parameter(params, param):
 
 
 def test_group_by_in_either_list_form_and_comma_separated():
-    assert parse_query(query(start_time=0, **{"group_by[]": ["model", "api_key_id"]})).group_by == ("model", "api_key_id")
+    assert parse_query(query(start_time=0, **{"group_by[]": ["model", "api_key_id"]})).group_by == (
+        "model",
+        "api_key_id",
+    )
     assert parse_query(query(start_time=0, group_by="model,api_key_id,model")).group_by == ("model", "api_key_id")
 
 
@@ -193,15 +223,19 @@ def test_a_cost_is_its_tokens_priced_and_a_batch_pays_the_discounted_price():
 
 
 def test_cached_prompt_tokens_pay_the_cached_price_and_never_more_than_the_prompt():
-    pricing = Pricing(prompt_per_million=1.0, completion_per_million=4.0, cached_prompt_per_million=0.25,
-                      batch_discount=0.5)
+    pricing = Pricing(
+        prompt_per_million=1.0, completion_per_million=4.0, cached_prompt_per_million=0.25, batch_discount=0.5
+    )
     assert Cost.of(Rates.of(pricing), 1000, 10, 0, 0, cached_prompt=800) == Cost(
-        input_nanos=200 * 1000 + 800 * 250, output_nanos=40_000, cached_prompt_tokens=800)
+        input_nanos=200 * 1000 + 800 * 250, output_nanos=40_000, cached_prompt_tokens=800
+    )
     assert Cost.of(Rates.of(pricing, batch=True), 1000, 0, 0, 0, cached_prompt=800) == Cost(
-        input_nanos=(200_000 + 200_000) // 2, cached_prompt_tokens=800)
+        input_nanos=(200_000 + 200_000) // 2, cached_prompt_tokens=800
+    )
     # A count past the prompt (or below zero) is clamped: no negative cost, no discount beyond the prompt.
-    assert Cost.of(Rates.of(pricing), 100, 0, 0, 0, cached_prompt=10**9) == Cost(input_nanos=25_000,
-                                                                                     cached_prompt_tokens=100)
+    assert Cost.of(Rates.of(pricing), 100, 0, 0, 0, cached_prompt=10**9) == Cost(
+        input_nanos=25_000, cached_prompt_tokens=100
+    )
     assert Cost.of(Rates.of(pricing), 100, 0, 0, 0, cached_prompt=-5) == Cost(input_nanos=100_000)
     # No cached price: cached tokens cost what any prompt token does (and are still counted).
     plain = Rates.of(Pricing(prompt_per_million=1.0))
@@ -210,19 +244,26 @@ def test_cached_prompt_tokens_pay_the_cached_price_and_never_more_than_the_promp
     assert Cost.of(Rates.of(pricing), -1, -1, 100, 10, cached_prompt=50) == Cost(reserved_nanos=100_000 + 40_000)
 
 
-@pytest.mark.parametrize("usage, expected", [
-    ({"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 256}}, (300, 2, 256)),
-    ({"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": None}, (300, 2, 0)),
-    ({"prompt_tokens": 300, "completion_tokens": 2}, (300, 2, 0)),
-])
+@pytest.mark.parametrize(
+    "usage, expected",
+    [
+        (
+            {"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 256}},
+            (300, 2, 256),
+        ),
+        ({"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": None}, (300, 2, 0)),
+        ({"prompt_tokens": 300, "completion_tokens": 2}, (300, 2, 0)),
+    ],
+)
 def test_the_cached_count_is_read_from_openais_usage(usage, expected):
     got = Usage.from_openai(usage)
     assert (got.prompt_tokens, got.completion_tokens, got.cached_prompt_tokens) == expected
 
 
 def test_the_cached_count_is_read_from_responses_and_anthropic_usage():
-    responses = Usage.from_input_output({"input_tokens": 300, "output_tokens": 4,
-                                         "input_tokens_details": {"cached_tokens": 256}})
+    responses = Usage.from_input_output(
+        {"input_tokens": 300, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 256}}
+    )
     assert (responses.prompt_tokens, responses.cached_prompt_tokens) == (300, 256)
     # Anthropic counts cache reads apart from input_tokens.
     anthropic = Usage.from_input_output({"input_tokens": 44, "cache_read_input_tokens": 256, "output_tokens": 4})
@@ -235,11 +276,13 @@ async def test_cached_tokens_are_counted_apart_and_priced_at_settlement(redis_ur
         k = key("kcached")
         for cached in (256, 0):
             ticket = await access.gate.admit(k, "chat", 400)
-            ticket.rates = Rates.of(Pricing(prompt_per_million=1.0, completion_per_million=4.0,
-                                            cached_prompt_per_million=0.25))
+            ticket.rates = Rates.of(
+                Pricing(prompt_per_million=1.0, completion_per_million=4.0, cached_prompt_per_million=0.25)
+            )
             ticket.reserved = (300, 100)
-            access.gate.settle(ticket, "completed", Usage(prompt_tokens=300, completion_tokens=10,
-                                                      cached_prompt_tokens=cached))
+            access.gate.settle(
+                ticket, "completed", Usage(prompt_tokens=300, completion_tokens=10, cached_prompt_tokens=cached)
+            )
         while access.gate._background:
             await asyncio.sleep(0.01)
         [row] = (await completions_usage(redis, [k], parse_query(query(start_time=today()))))["data"][0]["results"]
@@ -259,12 +302,15 @@ async def test_costs_are_recorded_at_settlement_and_served_in_openais_shape(redi
     try:
         k = key("kcosts")
         rates = Rates.of(Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5))
-        for usage, batch in ((Usage(prompt_tokens=1000, completion_tokens=500), False),
-                             (Usage(prompt_tokens=1000, completion_tokens=500), True),
-                             (None, False)):  # a stream its client hung up on
+        for usage, batch in (
+            (Usage(prompt_tokens=1000, completion_tokens=500), False),
+            (Usage(prompt_tokens=1000, completion_tokens=500), True),
+            (None, False),
+        ):  # a stream its client hung up on
             ticket = await access.gate.admit(k, "chat", 1200)
-            ticket.rates = Rates.of(Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5),
-                                    batch=batch)
+            ticket.rates = Rates.of(
+                Pricing(prompt_per_million=2.0, completion_per_million=8.0, batch_discount=0.5), batch=batch
+            )
             ticket.reserved = (200, 1000)
             access.gate.settle(ticket, "completed" if usage else "cancelled", usage)
         while access.gate._background:
@@ -272,13 +318,16 @@ async def test_costs_are_recorded_at_settlement_and_served_in_openais_shape(redi
         assert rates.prompt == 2000
         page = await completions_usage(redis, [k], parse_query(query(start_time=today())))
         assert page["data"][0]["results"][0]["num_model_requests"] == 3
-        costs_page = await costs(redis, [k], parse_query(query(start_time=today(), group_by=["line_item", "api_key_id"]),
-                                                         COST_GROUPS))
+        costs_page = await costs(
+            redis, [k], parse_query(query(start_time=today(), group_by=["line_item", "api_key_id"]), COST_GROUPS)
+        )
         openai_spec.validate(costs_page, "UsageResponse")
         got = {r["line_item"]: r["amount"] for r in costs_page["data"][0]["results"]}
-        assert got == {"chat, input": {"value": 0.002 + 0.001, "currency": "usd"},
-                       "chat, output": {"value": 0.004 + 0.002, "currency": "usd"},
-                       "chat, reserved": {"value": 0.0004 + 0.008, "currency": "usd"}}
+        assert got == {
+            "chat, input": {"value": 0.002 + 0.001, "currency": "usd"},
+            "chat, output": {"value": 0.004 + 0.002, "currency": "usd"},
+            "chat, reserved": {"value": 0.0004 + 0.008, "currency": "usd"},
+        }
         day, month = time.strftime("d:%Y%m%d", time.gmtime()), time.strftime("m:%Y%m", time.gmtime())
         totals = [int(await redis.hget(redis_names.usage(k.id), f"{period}:cost_nanos")) for period in (day, month)]
         assert totals == [3_000_000 + 6_000_000 + 8_400_000] * 2

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from serve_app.wire.api_requests import OPERATIONS, check_metadata, list_params, parse_json_object, validate_request
 from serve_app.errors import OpenAIError, from_engine_error
+from serve_app.wire.api_requests import OPERATIONS, check_metadata, list_params, parse_json_object, validate_request
 
 
 def parse(body, operation="chat"):
@@ -114,10 +114,18 @@ def test_unparseable_bodies_are_a_400(raw):
     assert caught.value.status == 400
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"temperature": NaN}', b'{"temperature": Infinity}', b'{"top_p": -Infinity}', b'{"temperature": 1e999}',
-    b'{"content": "\\ud800"}', b'{"messages": [{"content": "a \\udfff b"}]}', b'{"\\ud83d": 1}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"temperature": NaN}',
+        b'{"temperature": Infinity}',
+        b'{"top_p": -Infinity}',
+        b'{"temperature": 1e999}',
+        b'{"content": "\\ud800"}',
+        b'{"messages": [{"content": "a \\udfff b"}]}',
+        b'{"\\ud83d": 1}',
+    ],
+)
 def test_non_json_numbers_and_lone_surrogates_are_a_400(raw):
     with pytest.raises(OpenAIError) as caught:
         parse_json_object(raw)
@@ -126,7 +134,10 @@ def test_non_json_numbers_and_lone_surrogates_are_a_400(raw):
 
 def test_surrogate_pairs_and_ordinary_floats_pass():
     assert parse_json_object(b'{"content": "\\ud83d\\ude00", "temperature": 0.7, "x": 1e300}') == {
-        "content": "\U0001F600", "temperature": 0.7, "x": 1e300}
+        "content": "\U0001f600",
+        "temperature": 0.7,
+        "x": 1e300,
+    }
 
 
 def test_admin_bodies_use_the_same_400_as_requests():
@@ -141,15 +152,18 @@ def test_admin_bodies_use_the_same_400_as_requests():
     assert caught.value.code == "missing_required_parameter" and caught.value.param == "name"
 
 
-@pytest.mark.parametrize("body, ok", [
-    ({"model": "m", "prompt": "hi"}, True),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
-    ({"model": "m"}, False),  # neither
-    ({"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, False),  # both
-    ({"model": "m", "prompt": ["a", "b"]}, False),
-    ({"model": "m", "messages": []}, False),
-    ({"model": "m", "prompt": "hi", "stream": True}, False),
-])
+@pytest.mark.parametrize(
+    "body, ok",
+    [
+        ({"model": "m", "prompt": "hi"}, True),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
+        ({"model": "m"}, False),  # neither
+        ({"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, False),  # both
+        ({"model": "m", "prompt": ["a", "b"]}, False),
+        ({"model": "m", "messages": []}, False),
+        ({"model": "m", "prompt": "hi", "stream": True}, False),
+    ],
+)
 def test_tokenize_takes_a_prompt_or_messages(body, ok):
     if ok:
         assert parse(body, "tokenize")[1].model == "m"
@@ -166,13 +180,19 @@ def test_detokenize_takes_a_list_of_integers(tokens):
     assert caught.value.status == 400 and caught.value.param == "tokens"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),  # required by Anthropic
-    ({"model": "m", "max_tokens": "9", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
-    ({"model": "m", "max_tokens": 9, "messages": [{"role": "system", "content": "hi"}]}, "messages"),  # 'system' field
-    ({"model": "m", "max_tokens": 9, "messages": []}, "messages"),
-    ({"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),  # required by Anthropic
+        ({"model": "m", "max_tokens": "9", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        (
+            {"model": "m", "max_tokens": 9, "messages": [{"role": "system", "content": "hi"}]},
+            "messages",
+        ),  # 'system' field
+        ({"model": "m", "max_tokens": 9, "messages": []}, "messages"),
+        ({"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ],
+)
 def test_anthropic_messages_envelope(body, param):
     with pytest.raises(OpenAIError) as caught:
         parse(body, "messages")
@@ -194,9 +214,17 @@ def test_a_listing_limit_in_range_is_read():
     assert list_params({})["limit"] == 20
 
 
-@pytest.mark.parametrize("metadata", [
-    {str(i): "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, ["k", "v"], "k=v",
-])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {str(i): "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+        {"k": 1},
+        ["k", "v"],
+        "k=v",
+    ],
+)
 def test_metadata_beyond_openais_bounds_is_a_400(metadata):
     with pytest.raises(OpenAIError) as caught:
         check_metadata(metadata)

@@ -3,7 +3,9 @@
 
 from autoscale.policy import Load, ScalingConfig, State, decide, wanted_replicas
 
-CONFIG = ScalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=16, upscale_delay_s=15, downscale_delay_s=60)
+CONFIG = ScalingConfig(
+    min_replicas=1, max_replicas=4, target_ongoing_requests=16, upscale_delay_s=15, downscale_delay_s=60
+)
 TICK_S = 5.0
 
 

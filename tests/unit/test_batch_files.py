@@ -11,18 +11,23 @@ import subprocess
 import time
 from types import SimpleNamespace
 
+import openai_spec
 import pytest
 
-import openai_spec
+from serve_app.errors import OpenAIError
 from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
 from serve_app.stored.batches import as_batch
-from serve_app.errors import OpenAIError
 from serve_app.stored.files_api import FILE_ID, FileStore, batch_lines
 
 
 def line(custom_id: str, **changes) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": []}, **changes}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": []},
+        **changes,
+    }
 
 
 def write_lines(path, lines) -> None:
@@ -35,15 +40,18 @@ def test_a_batch_file_is_read_request_by_request_skipping_blank_lines(tmp_path):
     assert [(r["line"], r["custom_id"]) for r in batch_lines(path, 10, 1 << 20)] == [(1, "a"), (3, "b")]
 
 
-@pytest.mark.parametrize("lines, problem", [
-    ([line("a"), line("a")], "Line 2 of the file repeats custom_id"),
-    ([line("a", method="GET")], "Line 1 of the file needs 'method'"),
-    ([line("a", url=None)], "needs 'url'"),
-    ([line("a", body=[1])], "needs 'body'"),
-    ([line("x" * 513)], "needs 'custom_id'"),
-    ([[1, 2]], "must be a JSON object"),
-    ([line(str(i)) for i in range(4)], "more than 3 requests"),
-])
+@pytest.mark.parametrize(
+    "lines, problem",
+    [
+        ([line("a"), line("a")], "Line 2 of the file repeats custom_id"),
+        ([line("a", method="GET")], "Line 1 of the file needs 'method'"),
+        ([line("a", url=None)], "needs 'url'"),
+        ([line("a", body=[1])], "needs 'body'"),
+        ([line("x" * 513)], "needs 'custom_id'"),
+        ([[1, 2]], "must be a JSON object"),
+        ([line(str(i)) for i in range(4)], "more than 3 requests"),
+    ],
+)
 def test_a_file_that_is_no_batch_names_its_first_bad_line(tmp_path, lines, problem):
     path = tmp_path / "in.jsonl"
     write_lines(path, lines)
@@ -54,18 +62,31 @@ def test_a_file_that_is_no_batch_names_its_first_bad_line(tmp_path, lines, probl
 
 # What a request body may not be, a batch line may not be either (a line is a request):
 # the interactive path's JSON checks, and its size bound.
-@pytest.mark.parametrize("raw, problem", [
-    (b'{"custom_id": "a", "body": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nested more than"),
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"temperature": NaN}}',
-     "NaN is not a JSON number"),
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"top_p": Infinity}}',
-     "Infinity is not a JSON number"),
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"user": "\\ud800"}}',
-     "unpaired"),
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"user": "' + b"x" * 5000
-     + b'"}}', "longer than 4096 bytes"),
-    (b'{"custom_id": "a", "body": ' + b"[" * 200_000, "longer than 4096 bytes"),  # never parsed
-])
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (b'{"custom_id": "a", "body": ' + b"[" * 2000 + b"]" * 2000 + b"}", "nested more than"),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"temperature": NaN}}',
+            "NaN is not a JSON number",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"top_p": Infinity}}',
+            "Infinity is not a JSON number",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"user": "\\ud800"}}',
+            "unpaired",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"user": "'
+            + b"x" * 5000
+            + b'"}}',
+            "longer than 4096 bytes",
+        ),
+        (b'{"custom_id": "a", "body": ' + b"[" * 200_000, "longer than 4096 bytes"),  # never parsed
+    ],
+)
 def test_a_batch_line_passes_the_checks_a_request_body_does(tmp_path, raw, problem):
     path = tmp_path / "in.jsonl"
     path.write_bytes(json.dumps(line("ok")).encode() + b"\n" + raw + b"\n")
@@ -122,8 +143,10 @@ def tiny_disk(tmp_path):
     """A 64 KiB file system: a disk that fills up."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
@@ -139,8 +162,9 @@ async def test_an_upload_to_a_full_disk_is_a_507_and_leaves_nothing_behind(tiny_
     assert store.space.held == {}  # and the key's room with it
 
 
-@pytest.mark.parametrize("file_id", ["../k2/file-" + "0" * 32, "/etc/passwd", "file-" + "0" * 31 + "/", "..",
-                                     "file-" + "A" * 32])
+@pytest.mark.parametrize(
+    "file_id", ["../k2/file-" + "0" * 32, "/etc/passwd", "file-" + "0" * 31 + "/", "..", "file-" + "A" * 32]
+)
 async def test_a_file_id_is_never_a_path(tmp_path, file_id):
     store = FileStore(None, str(tmp_path), max_bytes=10)
     with pytest.raises(OpenAIError) as caught:
@@ -152,43 +176,92 @@ def test_a_resumed_batch_counts_what_was_written_and_drops_a_line_cut_short(tmp_
     files = FileStore(None, str(tmp_path), max_bytes=10)
     job = BatchJob(SimpleNamespace(store=None, files=files), "k1", "batch_1")
     job.out.parent.mkdir(parents=True)
-    answered = {"id": "batch_req_1", "custom_id": "a", "error": None,
-                "response": {"status_code": 200, "request_id": "r", "body": {"usage": {
-                    "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}}}
-    failed = {"id": "batch_req_2", "custom_id": "b", "error": None,
-              "response": {"status_code": 400, "request_id": "r", "body": {"error": {"message": "no"}}}}
+    answered = {
+        "id": "batch_req_1",
+        "custom_id": "a",
+        "error": None,
+        "response": {
+            "status_code": 200,
+            "request_id": "r",
+            "body": {"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}},
+        },
+    }
+    failed = {
+        "id": "batch_req_2",
+        "custom_id": "b",
+        "error": None,
+        "response": {"status_code": 400, "request_id": "r", "body": {"error": {"message": "no"}}},
+    }
     job.out.write_text(json.dumps(answered) + "\n" + '{"id": "batch_req_3", "custom_id": "c", "resp')  # died here
     job.err.write_text(json.dumps(failed) + "\n")
     assert job._answered() == {"a", "b"}
     assert job.out.read_text() == json.dumps(answered) + "\n"  # "c" runs again, its half line is gone
-    assert job.counts == {"completed": 1, "failed": 1, "input_tokens": 5, "cached_tokens": 0, "output_tokens": 3,
-                          "reasoning_tokens": 0}
+    assert job.counts == {
+        "completed": 1,
+        "failed": 1,
+        "input_tokens": 5,
+        "cached_tokens": 0,
+        "output_tokens": 3,
+        "reasoning_tokens": 0,
+    }
 
 
 def test_a_batchs_result_files_have_ids_fixed_by_the_batch():
     assert result_file_id("batch_1", "output") == result_file_id("batch_1", "output")
-    assert len({result_file_id("batch_1", "output"), result_file_id("batch_1", "errors"),
-                result_file_id("batch_2", "output")}) == 3
+    assert (
+        len(
+            {
+                result_file_id("batch_1", "output"),
+                result_file_id("batch_1", "errors"),
+                result_file_id("batch_2", "output"),
+            }
+        )
+        == 3
+    )
     assert FILE_ID.fullmatch(result_file_id("batch_1", "output"))
 
 
 def test_a_batch_record_is_openais_batch_object():
-    fixed = {"id": "batch_1", "object": "batch", "endpoint": "/v1/chat/completions", "input_file_id": "file-1",
-             "completion_window": "24h", "created_at": 1, "expires_at": 86401, "metadata": None}
-    batch = as_batch({"fixed": json.dumps(fixed), "status": "completed", "in_progress_at": "2", "completed_at": "3",
-                      "output_file_id": "file-2", "total": "2", "completed": "2", "failed": "0",
-                      "input_tokens": "10", "output_tokens": "4"})
+    fixed = {
+        "id": "batch_1",
+        "object": "batch",
+        "endpoint": "/v1/chat/completions",
+        "input_file_id": "file-1",
+        "completion_window": "24h",
+        "created_at": 1,
+        "expires_at": 86401,
+        "metadata": None,
+    }
+    batch = as_batch(
+        {
+            "fixed": json.dumps(fixed),
+            "status": "completed",
+            "in_progress_at": "2",
+            "completed_at": "3",
+            "output_file_id": "file-2",
+            "total": "2",
+            "completed": "2",
+            "failed": "0",
+            "input_tokens": "10",
+            "output_tokens": "4",
+        }
+    )
     openai_spec.validate(batch, "Batch")
     assert "metadata" not in batch and "error_file_id" not in batch  # absent, not null (the spec's types)
     assert batch["usage"]["total_tokens"] == 14 and batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
 
 
-@pytest.mark.parametrize("status, headers, wait", [
-    (429, {"retry-after-ms": "1500", "retry-after": "2"}, 1.5),  # a rate limit that passes
-    (429, {}, None),  # larger than the key's whole limit: retrying cannot help
-    (503, {"retry-after": "1"}, 1.0),  # the model is busy
-    (400, {}, None), (403, {}, None), (404, {}, None),
-])
+@pytest.mark.parametrize(
+    "status, headers, wait",
+    [
+        (429, {"retry-after-ms": "1500", "retry-after": "2"}, 1.5),  # a rate limit that passes
+        (429, {}, None),  # larger than the key's whole limit: retrying cannot help
+        (503, {"retry-after": "1"}, 1.0),  # the model is busy
+        (400, {}, None),
+        (403, {}, None),
+        (404, {}, None),
+    ],
+)
 def test_only_refusals_that_may_pass_are_retried(status, headers, wait):
     assert _retry_after_s(OpenAIError(status, "x", headers=headers)) == wait
 
@@ -270,12 +343,29 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
     files = LocalFiles(tmp_path)
     input_id = "file-" + "1" * 32
     files.path("k1", input_id).parent.mkdir(parents=True, exist_ok=True)
-    write_lines(files.path("k1", input_id), [
-        {**line(f"r{i}"), "body": {"model": "m", "messages": [{"role": "user", "content": f"r{i}"}],
-                                   **({"user": "x" * pad} if pad else {})}}
-        for i in range(requests)])
-    fixed = {"id": "batch_1", "object": "batch", "endpoint": "/v1/chat/completions", "input_file_id": input_id,
-             "completion_window": "24h", "created_at": 0, "expires_at": expires_at}
+    write_lines(
+        files.path("k1", input_id),
+        [
+            {
+                **line(f"r{i}"),
+                "body": {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": f"r{i}"}],
+                    **({"user": "x" * pad} if pad else {}),
+                },
+            }
+            for i in range(requests)
+        ],
+    )
+    fixed = {
+        "id": "batch_1",
+        "object": "batch",
+        "endpoint": "/v1/chat/completions",
+        "input_file_id": input_id,
+        "completion_window": "24h",
+        "created_at": 0,
+        "expires_at": expires_at,
+    }
     store = MemoryBatches({"fixed": json.dumps(fixed), "status": status, "total": str(requests)}, files)
     key = KeyRecord(id="k1", name="k", created_at=0)
     reads = list(keys) if keys is not None else [key]
@@ -289,10 +379,13 @@ def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int =
     keys = KeyStore.__new__(KeyStore)  # its own `active`, over this `get`
     keys.get = read_key
     runner = SimpleNamespace(
-        store=store, files=files, gateway=gateway,
+        store=store,
+        files=files,
+        gateway=gateway,
         config=SimpleNamespace(max_requests=100, concurrency=2),
         keys=keys,
-        telemetry=SimpleNamespace(finish=lambda record: None))
+        telemetry=SimpleNamespace(finish=lambda record: None),
+    )
     return BatchJob(runner, "k1", "batch_1"), store, files
 
 
@@ -333,6 +426,7 @@ async def test_a_batch_cancelled_before_it_ran_ends_cancelled_having_sent_nothin
 
 async def test_a_batch_whose_answers_cannot_be_written_stays_in_progress_for_the_next_claim(tmp_path, monkeypatch):
     import errno
+
     gateway = AnsweringGateway()
     job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway)
 
@@ -365,8 +459,12 @@ async def test_a_batch_whose_input_file_is_gone_fails_and_leaves_no_partial_resu
 
 
 async def test_a_refusal_of_the_key_parks_the_batch_with_nothing_written(tmp_path):
-    budget = OpenAIError(429, "You exceeded your token quota.", code="insufficient_quota",
-                         headers={"retry-after": "3600", "retry-after-ms": "3600000"})
+    budget = OpenAIError(
+        429,
+        "You exceeded your token quota.",
+        code="insufficient_quota",
+        headers={"retry-after": "3600", "retry-after-ms": "3600000"},
+    )
     gateway = AnsweringGateway(budget)
     job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=6)
     await job.run()
@@ -382,8 +480,9 @@ async def test_a_key_revoked_mid_batch_stops_it_and_its_requests_not_run_are_err
 
     key = KeyRecord(id="k1", name="k", created_at=0)
     gateway = AnsweringGateway()
-    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=8,
-                                  keys=[key, key, None])
+    job, store, files = batch_job(
+        tmp_path, "in_progress", time.time() + 3600, gateway, requests=8, keys=[key, key, None]
+    )
     await job.run()
     assert len(gateway.sent) == 2  # the key as it was when each was sent; none after it was revoked
     assert store.fields_["status"] == "cancelled"
@@ -420,9 +519,16 @@ async def test_a_cancel_stops_a_batch_within_the_requests_in_flight(tmp_path):
     assert {item["error"]["code"] for item in result_lines(files, "errors")} == {"batch_cancelled"}
 
 
-@pytest.mark.parametrize("name, kept", [("requests.jsonl", "requests.jsonl"), (None, "upload.jsonl"),
-                                        ('a"b\r\nx\\y/../z\x00', "a_b__x_y_.._z_"), ("n" * 300, "n" * 256),
-                                        ("donn\u00e9es %22q%22%0D%0a.jsonl", "donn\u00e9es _q___.jsonl")])
+@pytest.mark.parametrize(
+    "name, kept",
+    [
+        ("requests.jsonl", "requests.jsonl"),
+        (None, "upload.jsonl"),
+        ('a"b\r\nx\\y/../z\x00', "a_b__x_y_.._z_"),
+        ("n" * 300, "n" * 256),
+        ("donn\u00e9es %22q%22%0D%0a.jsonl", "donn\u00e9es _q___.jsonl"),
+    ],
+)
 def test_a_file_name_is_kept_without_what_could_break_a_header_or_a_path(name, kept):
     from serve_app.stored.files_api import safe_filename
 
@@ -453,8 +559,17 @@ async def test_a_new_batch_counts_its_file_one_line_at_a_time(tmp_path):
     files = LocalFiles(tmp_path)
     path = files.path("k1", "file-" + "2" * 32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_lines(path, [{**line(f"r{i}"), "url": "/v1/embeddings" if i % 7 == 0 else "/v1/chat/completions",
-                        "body": {"model": "m", "user": "x" * 50_000}} for i in range(400)])
+    write_lines(
+        path,
+        [
+            {
+                **line(f"r{i}"),
+                "url": "/v1/embeddings" if i % 7 == 0 else "/v1/chat/completions",
+                "body": {"model": "m", "user": "x" * 50_000},
+            }
+            for i in range(400)
+        ],
+    )
     store = BatchStore.__new__(BatchStore)
     store.files, store.max_requests, store.max_line_bytes = files, 50_000, 1 << 20
     tracemalloc.start()

@@ -4,12 +4,12 @@ wrappers faked as in test_routing.py: what a replica is taken to hold, how the
 longest held run wins within the load guard, and that the index stays bounded."""
 
 import pytest
+from test_routing import FakeReplica, chat, ids, pending, queue
 
 from contract.model_config import CACHE_AFFINITY_ROUTER, ModelConfig
 from contract.prompt_blocks import MAX_HASHED_CHARS, block_hashes, prompt_text
 from serve_app.routing.block_index import BlockIndex
 from serve_app.routing.policies import cached_choice, prompt_prefix, rendezvous_order
-from test_routing import FakeReplica, chat, ids, pending, queue
 
 SYSTEM = "You are the support agent of ACME; answer briefly. " * 30  # ~1,500 characters, shared
 
@@ -18,8 +18,10 @@ def conversation(name: str, turns: int) -> dict:
     """An agent conversation: the shared system prompt, then its own turns."""
     messages = [("system", SYSTEM)]
     for turn in range(turns):
-        messages += [("user", f"{name} asks question {turn}: " + "details " * 40),
-                     ("assistant", f"answer {turn} for {name} " * 20)]
+        messages += [
+            ("user", f"{name} asks question {turn}: " + "details " * 40),
+            ("assistant", f"answer {turn} for {name} " * 20),
+        ]
     return chat(*messages)
 
 
@@ -81,8 +83,12 @@ def test_models_may_route_by_what_replicas_hold():
     config = options["request_router_config"]
     assert config["request_router_class"] == CACHE_AFFINITY_ROUTER
     assert config["request_routing_stats_period_s"] == 2.0  # what the engines hold, handed to the routers
-    assert config["request_router_kwargs"] == {"prefix_chars": 512, "imbalance_threshold": 4, "block_chars": 128,
-                                               "max_blocks": 100_000}
+    assert config["request_router_kwargs"] == {
+        "prefix_chars": 512,
+        "imbalance_threshold": 4,
+        "block_chars": 128,
+        "max_blocks": 100_000,
+    }
     with pytest.raises(ValueError):
         ModelConfig(name="m", routing={"policy": "cache_affinity", "block_chars": 0})
 
@@ -92,8 +98,11 @@ def cache_router(*replicas):
 
     from serve_app.routing.serve_routers import CacheAffinityRouter
 
-    router = CacheAffinityRouter(deployment_id=DeploymentID("model-m", "llm"),
-                                 handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router = CacheAffinityRouter(
+        deployment_id=DeploymentID("model-m", "llm"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
     router.initialize_state(prefix_chars=512, imbalance_threshold=4, block_chars=256, max_blocks=10_000)
     router._replicas = {r.replica_id: r for r in replicas}
     router._replica_id_set = set(router._replicas)
@@ -178,8 +187,9 @@ class PublishingReplica:
     """A fake replica that publishes what its engine holds (Serve's routing stats)."""
 
     def __new__(cls, unique_id: str, held=None):
-        from contract.prompt_blocks import CACHED_BLOCKS
         from test_routing import FakeReplica
+
+        from contract.prompt_blocks import CACHED_BLOCKS
 
         replica = FakeReplica(unique_id)
         replica.routing_stats = {CACHED_BLOCKS: frozenset(held or ())} if held is not None else {}
@@ -194,8 +204,10 @@ async def test_a_conversation_goes_where_an_engine_says_it_is_held_though_this_r
     turn1 = conversation("carol", 1)
     first = rendezvous_order(prompt_prefix(turn1, 512), ["a", "b"])[0]
     other = "b" if first == "a" else "a"
-    holds = {first: PublishingReplica(first, held=()),
-             other: PublishingReplica(other, held=block_hashes(prompt_text(turn1), 256))}
+    holds = {
+        first: PublishingReplica(first, held=()),
+        other: PublishingReplica(other, held=block_hashes(prompt_text(turn1), 256)),
+    }
     router = cache_router(*holds.values())
     router.update_replicas(list(holds.values()))
     for replica in holds.values():

@@ -16,8 +16,14 @@ OURS = ("serve_app", "contract", "replicas", "autoscale", "cluster")
 ENGINE = {"torch", "vllm", "transformers"}
 # What the dialects may use of the gateway: the call they translate into and its
 # model questions (calls.ModelRegistry), errors, key records, and the request helpers.
-DIALECT_MAY_USE = {"serve_app.wire.calls", "serve_app.errors", "serve_app.identity.keys", "serve_app.wire.api_requests",
-                   "serve_app.wire.reservation", "serve_app.wire.sse"}
+DIALECT_MAY_USE = {
+    "serve_app.wire.calls",
+    "serve_app.errors",
+    "serve_app.identity.keys",
+    "serve_app.wire.api_requests",
+    "serve_app.wire.reservation",
+    "serve_app.wire.sse",
+}
 # The gateway modules that may import replicas/: the app builder and the direct route
 # (they deploy the replica class) and the operator's CLI (it builds the demo model).
 MAY_IMPORT_REPLICAS = {"serve_app.app", "serve_app.http.direct", "serve_app.cli", "serve_app.ops.local_stack"}
@@ -65,8 +71,9 @@ def test_the_contract_is_pydantic_and_the_standard_library(module, path):
 @pytest.mark.parametrize("module, path", modules("serve_app/dialects"))
 def test_a_dialect_translates_and_uses_no_more_of_the_gateway_than_its_registry(module, path):
     used = {name for name in ours(imports(path)) if not name.startswith("serve_app.dialects")}
-    modules_used = {name if name in DIALECT_MAY_USE or name.count(".") == 1 else name.rsplit(".", 1)[0]
-                    for name in used}
+    modules_used = {
+        name if name in DIALECT_MAY_USE or name.count(".") == 1 else name.rsplit(".", 1)[0] for name in used
+    }
     assert modules_used <= DIALECT_MAY_USE, modules_used - DIALECT_MAY_USE
     assert not top(imports(path)) & {"redis", "ray"}
 
@@ -89,10 +96,27 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 # objects and the admin operations; the HTTP layer that serves them all; Serve's entry
 # point (app); what operators run beside it (ops: the local stack builds the app's config)
 # and llmctl (cli).
-LAYERS = {"redis_store": 0, "limits": 0,
-          "errors": 1, "settings": 1, "telemetry": 1, "tracing": 1,
-          "wire": 2, "routing": 2, "identity": 3, "accounting": 4, "admission": 5,
-          "pipeline": 6, "dialects": 6, "stored": 7, "admin": 7, "http": 8, "app": 9, "ops": 10, "cli": 11}
+LAYERS = {
+    "redis_store": 0,
+    "limits": 0,
+    "errors": 1,
+    "settings": 1,
+    "telemetry": 1,
+    "tracing": 1,
+    "wire": 2,
+    "routing": 2,
+    "identity": 3,
+    "accounting": 4,
+    "admission": 5,
+    "pipeline": 6,
+    "dialects": 6,
+    "stored": 7,
+    "admin": 7,
+    "http": 8,
+    "app": 9,
+    "ops": 10,
+    "cli": 11,
+}
 
 
 def part_of(name: str) -> str:
@@ -114,8 +138,10 @@ def test_a_gateway_folder_imports_only_the_folders_below_it(module, path):
 
 # Ray's private modules, each reached through one adapter module of ours: a Ray upgrade
 # that moves one breaks there alone (Serve's routers; the local twin's node provider).
-PRIVATE_ADAPTERS = {"serve_app.routing.serve_private": "ray.serve._private",
-                    "cluster.ray_private": "ray.autoscaler._private"}
+PRIVATE_ADAPTERS = {
+    "serve_app.routing.serve_private": "ray.serve._private",
+    "cluster.ray_private": "ray.autoscaler._private",
+}
 
 
 @pytest.mark.parametrize("module, path", [m for package in OURS for m in modules(package)])
@@ -127,8 +153,9 @@ def test_only_the_adapters_import_ray_private_modules(module, path):
         assert not private, f"{module} imports {private}: reach it through {sorted(PRIVATE_ADAPTERS)}"
 
 
-@pytest.mark.parametrize("module", ["serve_app.routing.policies", "serve_app.routing.block_index",
-                                    "serve_app.routing.places"])
+@pytest.mark.parametrize(
+    "module", ["serve_app.routing.policies", "serve_app.routing.block_index", "serve_app.routing.places"]
+)
 def test_routing_policies_are_pure(module):
     """The routers' decisions run and are tested without Ray (serve_routers.py plugs them in)."""
     path = ROOT / (module.replace(".", "/") + ".py")
@@ -157,9 +184,17 @@ def test_every_import_path_a_config_names_resolves():
     from contract.autoscaling import POLICY_IMPORT_PATH
     from contract.model_config import CACHE_AFFINITY_ROUTER, POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER
 
-    for path in (POLICY_IMPORT_PATH, POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER, CACHE_AFFINITY_ROUTER,
-                 "serve_app.app:build_app", "serve_app.app:build_direct_app", "serve_app.cli:main", "cluster.haproxy_guard:main",
-                 "replicas.engine_guard:register"):
+    for path in (
+        POLICY_IMPORT_PATH,
+        POWER_OF_TWO_ROUTER,
+        PREFIX_AFFINITY_ROUTER,
+        CACHE_AFFINITY_ROUTER,
+        "serve_app.app:build_app",
+        "serve_app.app:build_direct_app",
+        "serve_app.cli:main",
+        "cluster.haproxy_guard:main",
+        "replicas.engine_guard:register",
+    ):
         module, _, attribute = path.partition(":")
         assert callable(getattr(importlib.import_module(module), attribute)), path
 
@@ -172,8 +207,11 @@ BUILDERS = {"serve_app.http.services"}
 
 
 def constructed(path: Path) -> set[str]:
-    return {node.func.id for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    return {
+        node.func.id
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
 
 
 @pytest.mark.parametrize("module, path", modules("serve_app"))
@@ -184,3 +222,50 @@ def test_only_the_builder_constructs_the_quota_services(module, path):
         assert "serve_app.admission.gatekeeper" not in imports(path), module
     if module not in BUILDERS:
         assert "serve_app.admission.maintenance" not in imports(path), module
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each module of ours -> the modules of ours it imports (at its top or inside a function)."""
+    known = {name: path for package in OURS for name, path in modules(package)}
+    graph = {}
+    for name, path in known.items():
+        targets = set()
+        for imported in ours(imports(path)):
+            # ``from a.b import c``: the module a.b.c if there is one, else a.b
+            while imported and imported not in known:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def test_no_two_modules_import_each_other_however_indirectly():
+    graph = module_graph()
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not cycles, cycles

@@ -10,9 +10,9 @@ import pytest
 
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
-from serve_app.pipeline.gateway import Gateway
-from serve_app.identity.keys import KeyRecord
 from serve_app.http.readiness import Readiness
+from serve_app.identity.keys import KeyRecord
+from serve_app.pipeline.gateway import Gateway
 from serve_app.telemetry import Telemetry
 
 QUEUE_TIMEOUT_S = 0.3
@@ -42,6 +42,7 @@ class Answers:
     def __await__(self):
         async def info():
             return {"max_model_len": 256, "operations": ["chat", "completions"]}
+
         return info().__await__()
 
 
@@ -106,8 +107,9 @@ async def test_descriptions_go_through_their_own_handles_never_the_clients_queue
 
     clients = SimpleNamespace(model_info=SimpleNamespace(remote=clients_queue))
     own = SimpleNamespace(model_info=SimpleNamespace(remote=lambda: Answers(calls)))
-    gateway = Gateway(SimpleNamespace(), {"a": clients}, [ModelConfig(name="a")], Telemetry(False, False),
-                      describers={"a": own})
+    gateway = Gateway(
+        SimpleNamespace(), {"a": clients}, [ModelConfig(name="a")], Telemetry(False, False), describers={"a": own}
+    )
     card = await gateway.catalog.model_card("a")
     assert card["max_model_len"] == 256 and len(calls) == 1
 

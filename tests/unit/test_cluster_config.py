@@ -75,7 +75,8 @@ def test_the_deployed_models_fit_the_node_types(cluster):
     for model in settings.models:
         assert model.accelerator == "gpu"
         offering = [
-            spec for spec in types.values()
+            spec
+            for spec in types.values()
             if spec["resources"].get(f"accelerator_type:{model.accelerator_type}", 0) >= model.tensor_parallel_size
         ]
         assert offering, f"no node type offers {model.tensor_parallel_size}x {model.accelerator_type} for {model.name}"
@@ -159,8 +160,12 @@ def test_local_twin_passes_rays_validation_and_its_provider_adopts_this_machine(
 def test_the_ray_dashboard_never_listens_beyond_the_node(name):
     # Its Jobs API runs submitted code without authentication: 127.0.0.1 only.
     config = load(name)
-    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config.get(key, [])
-              if "ray start" in c]
+    starts = [
+        c
+        for key in ("head_start_ray_commands", "worker_start_ray_commands")
+        for c in config.get(key, [])
+        if "ray start" in c
+    ]
     assert starts
     for command in starts:
         assert "0.0.0.0" not in command, command

@@ -49,13 +49,19 @@ def test_engine_kwargs_become_vllm_serve_flags():
         },
     )
     assert vllm_cli_args(config, "/models/m") == [
-        "--model", "/models/m", "--served-model-name", "m",
-        "--max-model-len", "2048",
+        "--model",
+        "/models/m",
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        "2048",
         "--enforce-eager",
         "--no-enable-prefix-caching",
-        "--limit-mm-per-prompt", '{"image": 0}',
+        "--limit-mm-per-prompt",
+        '{"image": 0}',
         "--enable-prompt-tokens-details",  # usage names the cached prompt tokens (their price)
-        "--allowed-media-domains", NO_MEDIA_DOMAIN,
+        "--allowed-media-domains",
+        NO_MEDIA_DOMAIN,
     ]
     # A model that says otherwise keeps its word.
     quiet = vllm_cli_args(ModelConfig(name="m", engine_kwargs={"enable_prompt_tokens_details": False}), "/m")
@@ -78,8 +84,9 @@ def test_unknown_settings_are_rejected():
 
 
 def test_local_config_validates():
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "local.yaml").read_text())
     settings = AppSettings(**config["applications"][0]["args"])
@@ -87,8 +94,9 @@ def test_local_config_validates():
 
 
 def test_multi_model_config_validates():
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "multi.yaml").read_text())
     settings = AppSettings(**config["applications"][0]["args"])
@@ -134,7 +142,7 @@ def test_media_policy_reaches_vllm_flags():
     assert argv[argv.index("--allowed-local-media-path") + 1] == "/srv/media"
     default = vllm_cli_args(ModelConfig(name="m"), "/models/m")
     # vLLM reads an empty domain list as "any host": the default names one that cannot resolve.
-    assert default[default.index("--allowed-media-domains") + 1:] == [NO_MEDIA_DOMAIN]
+    assert default[default.index("--allowed-media-domains") + 1 :] == [NO_MEDIA_DOMAIN]
     assert "--allowed-local-media-path" not in default
 
 

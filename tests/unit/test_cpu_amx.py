@@ -50,8 +50,9 @@ def test_the_amx_request_is_a_vllm_general_plugin():
 
 @pytest.mark.skipif(not amx_cpu(), reason="needs an x86-64 Linux CPU with AMX")
 def test_a_process_may_use_amx_tiles_after_the_plugin_ran():
-    done = subprocess.run([sys.executable, "-c", PERMISSION_CHECK], capture_output=True, text=True,
-                          cwd=REPO, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PERMISSION_CHECK], capture_output=True, text=True, cwd=REPO, timeout=120, check=True
+    )
     before, after = done.stdout.split()
     assert before == "False"  # importing torch alone does not ask: the bug's cause
     assert after == "True"

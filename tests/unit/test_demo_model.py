@@ -8,9 +8,7 @@ from replicas.demo_model import build_demo_model
 
 def digest(folder):
     return {
-        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(folder.iterdir())
-        if path.is_file()
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir()) if path.is_file()
     }
 
 
@@ -78,7 +76,10 @@ def test_demo_lora_adapter_is_peft_format_and_not_an_identity(tmp_path, monkeypa
 
     monkeypatch.setenv("LLM_CLUSTER_DATA_DIR", str(tmp_path / "data"))
     first = build_demo_adapter(tmp_path / "a")
-    assert digest(build_demo_adapter(tmp_path / "b"))["adapter_model.safetensors"] == digest(first)["adapter_model.safetensors"]
+    assert (
+        digest(build_demo_adapter(tmp_path / "b"))["adapter_model.safetensors"]
+        == digest(first)["adapter_model.safetensors"]
+    )
     config = json.loads((first / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == RANK
     with safe_open(str(first / "adapter_model.safetensors"), "pt") as tensors:

@@ -54,7 +54,8 @@ def test_a_unary_call_reaches_the_replica_with_its_adapter():
 
     async def run():
         response = await reach_replica(
-            lambda: handle.options(multiplexed_model_id="a1").call_streamed.remote("chat", {}), 1)
+            lambda: handle.options(multiplexed_model_id="a1").call_streamed.remote("chat", {}), 1
+        )
         return [item async for item in response]
 
     [answer] = asyncio.run(run())
@@ -121,18 +122,23 @@ def test_a_direct_model_is_not_bound_in_the_main_application_but_in_its_own():
     assert deployment.name == "model-tiny-llama"  # the name the ingress' handle asks for
     # HAProxy picks the replica; Serve refuses a custom router on an application's ingress.
     assert deployment._deployment_config.request_router_config.request_router_class.endswith(
-        "PowerOfTwoChoicesRequestRouter")
+        "PowerOfTwoChoicesRequestRouter"
+    )
     assert direct_apps(LOCAL) == []
 
 
-@pytest.mark.parametrize("routing, deployment, at_the_edge", [
-    ({}, {"num_replicas": 2}, True),  # prefix affinity (the default) on two replicas
-    ({"policy": "cache_affinity"}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, True),
-    ({}, {"num_replicas": 1}, False),  # one replica: nothing to choose
-    ({"policy": "power_of_two"}, {"num_replicas": 2}, False),  # HAProxy's least connections
-])
-def test_a_direct_model_routed_with_affinity_on_several_replicas_is_routed_at_the_edge(routing, deployment,
-                                                                                          at_the_edge, monkeypatch):
+@pytest.mark.parametrize(
+    "routing, deployment, at_the_edge",
+    [
+        ({}, {"num_replicas": 2}, True),  # prefix affinity (the default) on two replicas
+        ({"policy": "cache_affinity"}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, True),
+        ({}, {"num_replicas": 1}, False),  # one replica: nothing to choose
+        ({"policy": "power_of_two"}, {"num_replicas": 2}, False),  # HAProxy's least connections
+    ],
+)
+def test_a_direct_model_routed_with_affinity_on_several_replicas_is_routed_at_the_edge(
+    routing, deployment, at_the_edge, monkeypatch
+):
     from ray.serve._private import constants
 
     from serve_app.http.edge_router import EdgeRouter
@@ -177,7 +183,8 @@ def test_the_direct_app_serves_exactly_its_declared_routes_and_no_schema():
     from contract.edge import EDGE_NAMES_PATH, ONE_HOP_ROUTES
 
     assert {route for route, kind in DIRECT_ROUTES.items() if kind == "key"} == {
-        ("POST", path) for path in ONE_HOP_ROUTES} | {("GET", "/v1/models")}
+        ("POST", path) for path in ONE_HOP_ROUTES
+    } | {("GET", "/v1/models")}
     assert {route for route, kind in DIRECT_ROUTES.items() if kind != "key"} == {("GET", EDGE_NAMES_PATH)}
     assert direct_app.openapi_url is None and direct_app.docs_url is None
 
@@ -195,7 +202,10 @@ def test_llmctl_run_declares_the_direct_applications_a_config_asks_for():
     assert with_direct_apps(expanded) is expanded  # declared already: not twice
     # As shipped, each model is served behind its direct route (/v1 in one hop), none in the main application.
     assert [app["name"] for app in with_direct_apps(shipped)["applications"]] == [
-        "llm", "direct-tiny-llama", "direct-minilm"]
+        "llm",
+        "direct-tiny-llama",
+        "direct-minilm",
+    ]
     assert build_app(SHIPPED)._bound_deployment.init_args[1] == {}
 
 
@@ -216,12 +226,16 @@ def test_llmctl_run_refuses_a_direct_application_declared_with_other_args(tmp_pa
     assert "'direct-tiny-llama': args must be the args of application 'llm' plus direct_model" in err
 
 
-@pytest.mark.parametrize("policy, replicas, at_the_edge", [
-    ("power_of_two", 2, True),  # the replica holding the adapter is chosen at the edge whatever the policy
-    ("prefix_affinity", 1, False),  # one replica: it loads every adapter asked of it
-])
+@pytest.mark.parametrize(
+    "policy, replicas, at_the_edge",
+    [
+        ("power_of_two", 2, True),  # the replica holding the adapter is chosen at the edge whatever the policy
+        ("prefix_affinity", 1, False),  # one replica: it loads every adapter asked of it
+    ],
+)
 def test_a_direct_model_with_adapters_on_several_replicas_is_routed_at_the_edge_by_adapter(
-        policy, replicas, at_the_edge, monkeypatch):
+    policy, replicas, at_the_edge, monkeypatch
+):
     from ray.serve._private import constants
 
     from serve_app.http.edge_router import EdgeRouter
@@ -238,7 +252,10 @@ def test_a_direct_model_with_adapters_on_several_replicas_is_routed_at_the_edge_
         # It is given the model's config: it names an adapter as the gateway does.
         config = router._bound_deployment.init_args[1]
         assert [config.adapter_named(m) for m in ("pirate", "tiny-llama:sql", "tiny-llama")] == [
-            "pirate", "tiny-llama:sql", None]
+            "pirate",
+            "tiny-llama:sql",
+            None,
+        ]
 
 
 def test_every_deployment_runs_with_the_raised_transport_limit_beside_its_own_env():
@@ -256,8 +273,10 @@ def test_every_deployment_runs_with_the_raised_transport_limit_beside_its_own_en
 
 
 def test_with_a_traces_endpoint_every_deployment_exports_under_its_own_service_name():
-    args = {**direct_args(), "telemetry": {"tracing": {"endpoint": "http://collector:4318/v1/traces",
-                                                        "sample_ratio": 0.25}}}
+    args = {
+        **direct_args(),
+        "telemetry": {"tracing": {"endpoint": "http://collector:4318/v1/traces", "sample_ratio": 0.25}},
+    }
     ingress = build_app(args)._bound_deployment
     [minilm] = ingress.init_args[1].values()
     direct = build_direct_app(direct_apps(args)[0]["args"])._bound_deployment

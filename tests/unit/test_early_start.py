@@ -5,7 +5,8 @@ or a client gone while Redis decides ends the call and frees its fair-share
 place; for a key without room, or with no free place, the request waits for
 its admission first; on an idle model it starts early only with
 ``start_early_when_idle`` (the default setting), and without it, in a burst on
-an idle model only the first request waits. (The real path, engine and Redis: tests/e2e/direct_route_stack/test_2_direct_route_e2e.py.)"""
+an idle model only the first request waits. (The real path, engine and Redis:
+tests/e2e/direct_route_stack/test_2_direct_route_e2e.py.)"""
 
 import asyncio
 from types import SimpleNamespace
@@ -14,12 +15,12 @@ import pytest
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart
-from serve_app.admission.ticket import Ticket
 from serve_app.admission.scripts import Refusal
+from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError
-from serve_app.routing import places
-from serve_app.pipeline.gateway import Gateway
 from serve_app.identity.keys import KeyRecord
+from serve_app.pipeline.gateway import Gateway
+from serve_app.routing import places
 from serve_app.telemetry import RequestRecord, Telemetry
 
 KEY = KeyRecord(id="k1", name="n", created_at=0)
@@ -100,8 +101,9 @@ def gateway(access, fair_share=False, busy=True, when_idle=False):
     telemetry = Telemetry(False, False)
     if busy:
         telemetry.admitted(RequestRecord("openai", "other", model="tiny-llama"))
-    return Gateway(access, {"tiny-llama": handle}, [config], telemetry, start_early=True,
-                   start_early_when_idle=when_idle), sent
+    return Gateway(
+        access, {"tiny-llama": handle}, [config], telemetry, start_early=True, start_early_when_idle=when_idle
+    ), sent
 
 
 async def start(gw):
@@ -138,7 +140,9 @@ async def test_a_stream_reaches_the_replica_before_redis_answers_and_under_the_i
 
 @pytest.mark.parametrize("ending", ["refused", "client gone"])
 async def test_a_refusal_or_a_client_gone_during_admission_ends_the_call_and_frees_its_place(ending, monkeypatch):
-    monkeypatch.setitem(places._PLACES, "model-tiny-llama", 1)  # one place in all: a leaked one would block the next request
+    monkeypatch.setitem(
+        places._PLACES, "model-tiny-llama", 1
+    )  # one place in all: a leaked one would block the next request
     access = Access()
     gw, sent = gateway(access, fair_share=True)
     run = await start(gw)
@@ -163,7 +167,8 @@ async def test_a_refusal_or_a_client_gone_during_admission_ends_the_call_and_fre
 
 @pytest.mark.parametrize("idle_model, key_has_room", [(False, False), (True, True)])
 async def test_a_key_without_room_or_an_idle_model_waits_for_its_admission_before_the_engine_starts(
-        idle_model, key_has_room):
+    idle_model, key_has_room
+):
     access = Access(may_start_early=key_has_room)
     gw, sent = gateway(access, busy=not idle_model)
     reply = await admitted_before_the_engine_starts(gw, access, sent)

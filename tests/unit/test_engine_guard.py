@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-
 from stack import REPO
 
 PARENT = textwrap.dedent(

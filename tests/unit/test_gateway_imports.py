@@ -14,8 +14,10 @@ def loaded_after(statement: str) -> set[str]:
 
 
 def test_importing_the_gateway_loads_no_engine_library():
-    loaded = loaded_after("import serve_app.app, serve_app.http.ingress, serve_app.pipeline.gateway, serve_app.cli, "
-                          "serve_app.dialects.azure, serve_app.dialects.sagemaker, serve_app.dialects.databricks")
+    loaded = loaded_after(
+        "import serve_app.app, serve_app.http.ingress, serve_app.pipeline.gateway, serve_app.cli, "
+        "serve_app.dialects.azure, serve_app.dialects.sagemaker, serve_app.dialects.databricks"
+    )
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
 
 

@@ -15,8 +15,8 @@ from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError
-from serve_app.pipeline.gateway import Gateway
 from serve_app.identity.keys import KeyRecord
+from serve_app.pipeline.gateway import Gateway
 from serve_app.telemetry import RequestRecord, Telemetry
 
 KEY = KeyRecord(id="k1", name="n", created_at=0)
@@ -88,8 +88,9 @@ def run(response):
     """(the fake access, the coroutine of one chat request answered by ``response``)."""
     access = Access()
     handle = Handle(lambda *_, **__: response)
-    gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
-                      Telemetry(False, False))
+    gateway = Gateway(
+        access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)], Telemetry(False, False)
+    )
 
     async def go():
         return await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
@@ -111,11 +112,22 @@ async def test_an_answer_is_settled_completed_with_its_usage():
     assert access.settled == [("completed", USAGE)]
 
 
-@pytest.mark.parametrize("response, code, settled", [
-    (Response(assign="never"), "model_unavailable", "overloaded"),  # no replica took it in the queue timeout
-    (Response(assign=BackPressureError(num_queued_requests=9, max_queued_requests=8)), "model_overloaded", "overloaded"),
-    (Response(result=ActorUnavailableError("gone", None)), "replica_unavailable", "failed"),  # replica died mid-call
-])
+@pytest.mark.parametrize(
+    "response, code, settled",
+    [
+        (Response(assign="never"), "model_unavailable", "overloaded"),  # no replica took it in the queue timeout
+        (
+            Response(assign=BackPressureError(num_queued_requests=9, max_queued_requests=8)),
+            "model_overloaded",
+            "overloaded",
+        ),
+        (
+            Response(result=ActorUnavailableError("gone", None)),
+            "replica_unavailable",
+            "failed",
+        ),  # replica died mid-call
+    ],
+)
 async def test_a_call_that_cannot_be_served_is_a_503_with_retry_after(response, code, settled):
     access, error = await outcome(response)
     assert isinstance(error, OpenAIError), error
@@ -134,8 +146,12 @@ async def test_a_replica_503_keeps_its_code_and_gets_retry_after():
 
 
 async def test_an_engine_400_is_a_400_without_retry_after_and_settled_failed():
-    body = {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError",
-            "param": "messages", "code": 400}
+    body = {
+        "message": "This model's maximum context length is 2048 tokens.",
+        "type": "BadRequestError",
+        "param": "messages",
+        "code": 400,
+    }
     access, error = await outcome(Response(result=ReplicaError(400, body, "r1")))
     assert error.status == 400 and error.param == "messages" and "retry-after" not in error.headers
     assert access.settled == [("failed", Usage())]  # refused before generating
@@ -165,8 +181,9 @@ async def test_a_stream_whose_first_item_fails_on_its_way_is_a_502_charged_nothi
 
     stream_handle = SimpleNamespace(remote=lambda *_, **__: Streamed())
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=stream_handle))
-    gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
-                      Telemetry(False, False))
+    gateway = Gateway(
+        access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)], Telemetry(False, False)
+    )
     with pytest.raises(OpenAIError) as caught:
         await gateway.run(KEY, "chat", {**CHAT, "stream": True}, 100, RequestRecord("openai", "x"))
     assert caught.value.status == 502 and access.settled == [("failed", Usage())]
@@ -205,8 +222,9 @@ def tiered_gateway(engine_kwargs=None, max_queued=4):
         return Waiting(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
     handle = Handle(remote)
-    config = ModelConfig(name="tiny-llama", engine_kwargs=engine_kwargs or {},
-                         deployment={"max_queued_requests": max_queued})
+    config = ModelConfig(
+        name="tiny-llama", engine_kwargs=engine_kwargs or {}, deployment={"max_queued_requests": max_queued}
+    )
     return Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False)), access, sent, release
 
 
@@ -294,8 +312,11 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
 
     monkeypatch.setitem(places._PLACES, "model-tiny-llama", 1)  # one place: one request in flight
     access, sent, release = Access(), [], asyncio.Event()
-    first_result = ReplicaError(500, {"message": "boom"}, "r1") if first_ends == "engine_error" else \
-        ReplicaAnswer(b"{}", USAGE, "r1")
+    first_result = (
+        ReplicaError(500, {"message": "boom"}, "r1")
+        if first_ends == "engine_error"
+        else ReplicaAnswer(b"{}", USAGE, "r1")
+    )
 
     class First(Response):
         async def _fetch_future_result_async(self):
@@ -332,15 +353,17 @@ def recording_gateway(answer: ReplicaAnswer):
         sent.append(args)
         return Response(result=answer)
 
-    gateway = Gateway(access, {"tiny-llama": Handle(remote)},
-                      [ModelConfig(name="tiny-llama")], Telemetry(False, False))
+    gateway = Gateway(access, {"tiny-llama": Handle(remote)}, [ModelConfig(name="tiny-llama")], Telemetry(False, False))
     return gateway, access, sent
 
 
-@pytest.mark.parametrize("operation, body", [
-    ("tokenize", {"model": "tiny-llama", "prompt": "hi"}),
-    ("detokenize", {"model": "tiny-llama", "tokens": [1, 2]}),
-])
+@pytest.mark.parametrize(
+    "operation, body",
+    [
+        ("tokenize", {"model": "tiny-llama", "prompt": "hi"}),
+        ("detokenize", {"model": "tiny-llama", "tokens": [1, 2]}),
+    ],
+)
 async def test_the_tokenizer_endpoints_reach_the_replica_as_sent_and_are_charged_nothing(operation, body):
     gateway, access, sent = recording_gateway(ReplicaAnswer(b'{"tokens": [1]}', None, "r1"))
     reply = await gateway.run(KEY, operation, dict(body), 100, RequestRecord("vllm", "x"))
@@ -358,7 +381,6 @@ async def test_templated_completions_are_admitted_as_completions_and_run_as_the_
     [(operation, body)] = sent
     assert operation == "templated_completions" and record.operation == "completions"
     assert body["max_tokens"] == 16 and body["request_id"] == "req-1"  # completions' default, set explicitly
-
 
 
 async def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_and_charged_its_prompt():
@@ -399,10 +421,12 @@ async def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_and_char
 async def test_what_completes_a_body_once_admitted_runs_after_admission_and_its_refusal_charges_nothing():
     calls = []
     access = Access()
-    handle = Handle(lambda operation, body, **_: calls.append(body) or Response(
-        result=ReplicaAnswer(b"{}", USAGE, "r1")))
-    gateway = Gateway(access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
-                      Telemetry(False, False))
+    handle = Handle(
+        lambda operation, body, **_: calls.append(body) or Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
+    )
+    gateway = Gateway(
+        access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)], Telemetry(False, False)
+    )
 
     async def history_gone():
         assert access.admitted and not calls  # admitted, nothing sent yet
@@ -437,8 +461,11 @@ class CountingReplica:
         self.allowances.append(prompt_allowance)
         used = self.counts[min(len(self.allowances), len(self.counts)) - 1]
         if prompt_allowance is not None and used > prompt_allowance:
-            return Response(result=ReplicaError(409, {"message": "over", "code": "prompt_over_allowance",
-                                                      "prompt_tokens": used}, "r1"))
+            return Response(
+                result=ReplicaError(
+                    409, {"message": "over", "code": "prompt_over_allowance", "prompt_tokens": used}, "r1"
+                )
+            )
         return Response(result=ReplicaAnswer(b"{}", Usage(prompt_tokens=used, completion_tokens=4), "r1"))
 
 
@@ -456,8 +483,9 @@ class SizingAccess(Access):
 
 def sizing_gateway(replica: CountingReplica):
     access = SizingAccess()
-    gateway = Gateway(access, {"tiny-llama": Handle(replica.remote)}, [ModelConfig(name="tiny-llama")],
-                      Telemetry(False, False))
+    gateway = Gateway(
+        access, {"tiny-llama": Handle(replica.remote)}, [ModelConfig(name="tiny-llama")], Telemetry(False, False)
+    )
     return gateway, access
 
 

@@ -30,8 +30,10 @@ def test_each_defaults_section_gets_the_timeouts_and_json_errors_in_place_of_ray
     assert [line.split()[1] for line in defaults.splitlines() if "errorfile" in line] == [str(s) for s in EDGE_ERRORS]
     # A frontend stamps every request with the edge's time, first; other sections are Ray's, untouched.
     assert config.startswith("global\n    maxconn 4096\n")
-    assert ("frontend http_frontend\n    http-request set-header x-llm-edge-us %[date(0,us)]\n"
-            "    bind 127.0.0.1:8000\n    errorfile 503 /tmp/keep-mine.http\n") in config
+    assert (
+        "frontend http_frontend\n    http-request set-header x-llm-edge-us %[date(0,us)]\n"
+        "    bind 127.0.0.1:8000\n    errorfile 503 /tmp/keep-mine.http\n"
+    ) in config
     assert config.endswith("backend llm\n    timeout server 30s\n")
 
 
@@ -69,7 +71,10 @@ frontend http_frontend
 
 
 # Ray declares a backend for each application it routes (the ACLs name them).
-BOTH_BACKENDS = "backend direct-org--big\n    server r1 10.0.0.2:8001 check\nbackend direct-tiny\n    server r1 10.0.0.1:8001 check\n"
+BOTH_BACKENDS = (
+    "backend direct-org--big\n    server r1 10.0.0.2:8001 check\n"
+    "backend direct-tiny\n    server r1 10.0.0.1:8001 check\n"
+)
 
 
 def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_there():
@@ -82,18 +87,26 @@ def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_t
     assert rules[-2:] == [
         "http-request set-path /direct/org--big%[path] if { var(txn.llm_one_hop) -m str org--big } "
         "llm_replica_up_org--big",
-        "http-request set-path /direct/tiny%[path] if { var(txn.llm_one_hop) -m str tiny } llm_replica_up_tiny"]
+        "http-request set-path /direct/tiny%[path] if { var(txn.llm_one_hop) -m str tiny } llm_replica_up_tiny",
+    ]
     assert "    acl llm_replica_up_tiny srv_is_up(direct-tiny/r1)\n" in frontend
     # A route with no replica in the config (scaled to zero, or not declared) gets no rule;
     # Ray's fallback proxy (a backup server) is not one of its replicas.
-    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS.split("backend direct-tiny")[0]
-                         + "backend direct-tiny\n    server fallback 10.0.0.9:8000 check backup\n", Path("/tmp/x"))
+    config = edge_config(
+        RAY_CONFIG_WITH_DIRECT_ROUTES
+        + BOTH_BACKENDS.split("backend direct-tiny")[0]
+        + "backend direct-tiny\n    server fallback 10.0.0.9:8000 check backup\n",
+        Path("/tmp/x"),
+    )
     assert "set-path /direct/org--big" in config and "/direct/tiny%" not in config and "up_tiny" not in config
     # Several replicas: up when any is (a named ACL on several lines is their "or").
-    config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS + "    server r2 10.0.0.3:8001 check\n",
-                         Path("/tmp/x"))
+    config = edge_config(
+        RAY_CONFIG_WITH_DIRECT_ROUTES + BOTH_BACKENDS + "    server r2 10.0.0.3:8001 check\n", Path("/tmp/x")
+    )
     assert [line.strip() for line in config.splitlines() if "acl llm_replica_up_tiny" in line] == [
-        "acl llm_replica_up_tiny srv_is_up(direct-tiny/r1)", "acl llm_replica_up_tiny srv_is_up(direct-tiny/r2)"]
+        "acl llm_replica_up_tiny srv_is_up(direct-tiny/r1)",
+        "acl llm_replica_up_tiny srv_is_up(direct-tiny/r2)",
+    ]
     assert "set-path" not in config.split("frontend prometheus\n")[1].split("frontend")[0]
     assert f"tune.bufsize {ONE_HOP_BODY_BYTES}\n" in config and "tune.bufsize 16384" not in config
 
@@ -119,9 +132,13 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
     uses = [line.strip() for line in frontend.splitlines() if "use_backend" in line]
     # Sessions first (after Ray's ACLs, which it names), then Ray's own rules.
     # (org--big has an ACL but no backend declared: no rule naming one.)
-    assert uses == ["use_backend direct-tiny-session if is_direct-tiny { req.hdr(x-session-id) -m found }",
-                    "use_backend direct-tiny if is_direct-tiny"]
-    assert config.endswith(RAY_DIRECT_BACKEND + """backend direct-tiny-session
+    assert uses == [
+        "use_backend direct-tiny-session if is_direct-tiny { req.hdr(x-session-id) -m found }",
+        "use_backend direct-tiny if is_direct-tiny",
+    ]
+    assert config.endswith(
+        RAY_DIRECT_BACKEND
+        + """backend direct-tiny-session
     balance hdr(x-session-id)
     hash-type consistent
     hash-balance-factor 150
@@ -129,18 +146,22 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
     timeout server 60s
     server r1 10.0.0.1:8001 track direct-tiny/r1
     server fallback 10.0.0.9:8000 track direct-tiny/fallback backup
-""")
+"""
+    )
     # Ray's setting for its session header names ours too.
     monkeypatch.setenv("RAY_SERVE_SESSION_ID_HEADER_KEY", "X-Conversation")
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_DIRECT_BACKEND, Path("/tmp/unused-errors"))
     assert "balance hdr(x-conversation)" in config and "{ req.hdr(x-conversation) -m found }" in config
 
 
-RAY_ROUTED_DIRECT_BACKEND = RAY_DIRECT_BACKEND + """backend direct-tiny-via-ingress-request-router
+RAY_ROUTED_DIRECT_BACKEND = (
+    RAY_DIRECT_BACKEND
+    + """backend direct-tiny-via-ingress-request-router
     log global
     use-server r1 if { var(txn.ingress_request_router_target) -m str "r1" }
     server r1 10.0.0.1:8001 track direct-tiny/r1
 """
+)
 
 
 def test_a_direct_application_with_an_edge_router_keeps_the_one_hop_but_gets_no_session_copy():
@@ -180,9 +201,12 @@ def test_a_route_whose_replicas_answer_nothing_usable_in_time_gets_no_names():
 
     from cluster.haproxy_edge import route_names
 
-    answers = {"/direct/slow/": None, "/direct/wrong/": b'{"names": "tiny", "beginnings": []}',
-               "/direct/garbled/": "not HTTP",
-               "/direct/good/": b'{"names": ["good", "alias"], "beginnings": ["good:"]}'}
+    answers = {
+        "/direct/slow/": None,
+        "/direct/wrong/": b'{"names": "tiny", "beginnings": []}',
+        "/direct/garbled/": "not HTTP",
+        "/direct/good/": b'{"names": ["good", "alias"], "beginnings": ["good:"]}',
+    }
 
     class Replica(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -204,9 +228,11 @@ def test_a_route_whose_replicas_answer_nothing_usable_in_time_gets_no_names():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     address = f"127.0.0.1:{server.server_address[1]}"
     try:
-        config = "".join(f"frontend f\n    acl is_direct-{r} path_beg /direct/{r}/\nbackend direct-{r}\n"
-                         f"    server fallback {address} check backup\n    server r1 {address} check\n"
-                         for r in ("good", "slow", "wrong", "garbled"))
+        config = "".join(
+            f"frontend f\n    acl is_direct-{r} path_beg /direct/{r}/\nbackend direct-{r}\n"
+            f"    server fallback {address} check backup\n    server r1 {address} check\n"
+            for r in ("good", "slow", "wrong", "garbled")
+        )
         assert route_names(config, timeout_s=0.3, budget_s=1.0) == {"good": (["good", "alias"], ["good:"])}
     finally:
         server.shutdown()

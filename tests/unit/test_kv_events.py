@@ -16,8 +16,16 @@ def chat(system: str, user: str) -> dict:
 
 
 def stored(key, blocks, parent=None):
-    return BlockStored(block_hashes=list(blocks), parent_block_hash=parent, token_ids=[1] * BLOCK * len(blocks),
-                       block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None, session_id=key)
+    return BlockStored(
+        block_hashes=list(blocks),
+        parent_block_hash=parent,
+        token_ids=[1] * BLOCK * len(blocks),
+        block_size=BLOCK,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        session_id=key,
+    )
 
 
 def removed(*blocks):
@@ -87,7 +95,7 @@ def test_a_running_prompt_is_estimated_by_the_tokens_per_character_of_those_that
     held.on_events([stored(key, [21, 22])])  # 256 tokens prefilled so far, not ended
     mine = block_hashes(prompt_text(running), CHARS)
     published = held.published() & set(mine)
-    assert 0 < len(published) < len(mine) and published == set(mine[:len(published)])
+    assert 0 < len(published) < len(mine) and published == set(mine[: len(published)])
 
 
 def test_it_stays_bounded():

@@ -1,11 +1,11 @@
 """Pure logic: which media URLs the gateway lets through to a replica."""
 
 import pytest
+from http_checks import Listener
 
 from contract.model_config import MediaPolicy
 from serve_app.errors import OpenAIError
 from serve_app.wire.media import check_media
-from http_checks import Listener
 
 
 def messages(url, part_type="image_url"):

@@ -36,7 +36,17 @@ def test_names_reach_their_model_and_adapter(gateway, sent, reached):
 
 @pytest.mark.parametrize(
     "sent",
-    ["nope", "tiny:pirate", "named-only:x", "small:", "small:../etc", "small:a/b", "small:.hidden", ":small", "small:pirate:x"],
+    [
+        "nope",
+        "tiny:pirate",
+        "named-only:x",
+        "small:",
+        "small:../etc",
+        "small:a/b",
+        "small:.hidden",
+        ":small",
+        "small:pirate:x",
+    ],
 )
 def test_anything_else_is_404_model_not_found(gateway, sent):
     with pytest.raises(OpenAIError) as caught:

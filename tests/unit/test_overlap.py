@@ -1,9 +1,9 @@
 """``OverlapGuard``: which keys' streams may start before their admission, bounded
 by what Redis last reported (serve_app/admission/overlap.py)."""
 
+from serve_app.admission.overlap import OverlapGuard
 from serve_app.admission.scripts import Decision
 from serve_app.identity.keys import KeyRecord
-from serve_app.admission.overlap import OverlapGuard
 
 
 def key(**limits) -> KeyRecord:

@@ -53,7 +53,14 @@ def test_no_parameter_is_both_ignored_and_unsupported():
 
 
 def test_llamacpp_names_become_vllms():
-    body = {"repeat_penalty": 1.1, "n_predict": 12, "top_k": 40, "min_p": 0.05, "cache_prompt": True, "repeat_last_n": 64}
+    body = {
+        "repeat_penalty": 1.1,
+        "n_predict": 12,
+        "top_k": 40,
+        "min_p": 0.05,
+        "cache_prompt": True,
+        "repeat_last_n": 64,
+    }
     apply_parameter_policy("chat", body)
     assert body == {"repetition_penalty": 1.1, "max_tokens": 12, "top_k": 40, "min_p": 0.05}
 
@@ -73,7 +80,12 @@ def test_llamacpp_samplers_switched_off_pass(params):
 
 @pytest.mark.parametrize(
     "params, param",
-    [({"mirostat": 2}, "mirostat"), ({"mirostat_tau": 5.0}, "mirostat_tau"), ({"tfs_z": 0.9}, "tfs_z"), ({"grammar": "root ::= \"a\""}, "grammar")],
+    [
+        ({"mirostat": 2}, "mirostat"),
+        ({"mirostat_tau": 5.0}, "mirostat_tau"),
+        ({"tfs_z": 0.9}, "tfs_z"),
+        ({"grammar": 'root ::= "a"'}, "grammar"),
+    ],
 )
 def test_llamacpp_samplers_in_use_are_400(params, param):
     with pytest.raises(OpenAIError) as caught:

@@ -6,7 +6,12 @@ from replicas.reasoning import add_to_response, add_to_stream
 
 
 def test_full_response_gets_reasoning_content():
-    response = {"choices": [{"message": {"role": "assistant", "content": "4", "reasoning": "2+2"}}, {"message": {"content": "x"}}]}
+    response = {
+        "choices": [
+            {"message": {"role": "assistant", "content": "4", "reasoning": "2+2"}},
+            {"message": {"content": "x"}},
+        ]
+    }
     add_to_response(response)
     assert response["choices"][0]["message"]["reasoning_content"] == "2+2"
     assert "reasoning_content" not in response["choices"][1]["message"]

@@ -14,8 +14,13 @@ HOUR_MS = 3600 * 1000
 
 
 def record(request_id: str, received_ms: int, **fields) -> dict:
-    return {"id": request_id, "key_id": request_id.partition("-")[0], "status": "completed",
-            "received_ms": received_ms, **fields}
+    return {
+        "id": request_id,
+        "key_id": request_id.partition("-")[0],
+        "status": "completed",
+        "received_ms": received_ms,
+        **fields,
+    }
 
 
 def test_a_request_id_says_when_it_was_made():
@@ -33,8 +38,10 @@ def test_records_are_filed_by_the_hour_they_were_received_one_file_per_writer(tm
     sink.append("w2", [record("kb-1", at)])
     files = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*.jsonl"))
     assert files == ["20260921/14/w1.jsonl", "20260921/14/w2.jsonl", "20260921/15/w1.jsonl"]
-    assert written == sum(len(line) + 1 for line in
-                          (json.dumps(record(i, t), separators=(",", ":")) for i, t in (("ka-1", at), ("ka-2", at + HOUR_MS))))
+    assert written == sum(
+        len(line) + 1
+        for line in (json.dumps(record(i, t), separators=(",", ":")) for i, t in (("ka-1", at), ("ka-2", at + HOUR_MS)))
+    )
 
 
 def test_a_record_is_found_by_its_id_in_the_hour_the_id_names(tmp_path):
@@ -65,9 +72,14 @@ def test_a_record_written_twice_is_found_once_and_a_line_being_written_is_skippe
 def test_an_x_request_id_names_the_first_request_that_used_it_or_the_keys_last(tmp_path):
     sink = RecordSink(str(tmp_path), retention_s=86400)
     at = 1_790_000_000_000
-    sink.append("w1", [record("ka-1", at, http_request_id="client-7"),
-                       record("kb-1", at + HOUR_MS, http_request_id="client-7"),
-                       record("ka-2", at + 2 * HOUR_MS, http_request_id="client-7")])
+    sink.append(
+        "w1",
+        [
+            record("ka-1", at, http_request_id="client-7"),
+            record("kb-1", at + HOUR_MS, http_request_id="client-7"),
+            record("ka-2", at + 2 * HOUR_MS, http_request_id="client-7"),
+        ],
+    )
     assert sink.find(http_request_id="client-7")["id"] == "ka-1"
     assert sink.find(http_request_id="client-7", key_id="ka")["id"] == "ka-2"
     assert sink.find(http_request_id="client-7", key_id="kc") is None

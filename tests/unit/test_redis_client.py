@@ -38,15 +38,18 @@ def test_sentinel_url_names_its_service_and_database():
     assert isinstance(client, Redis) and client.connection_pool.service_name == "llm-primary"
 
 
-@pytest.mark.parametrize("url, problem", [
-    ("http://127.0.0.1:6379", "must start with one of"),
-    ("127.0.0.1:6379", "must start with one of"),
-    ("redis+sentinel://s1:26379", "names its service"),
-    ("redis+sentinel://s1:26379/svc/x", "is not a number"),
-    ("redis+cluster://10.0.0.1:7000/3", "database 0 only"),
-    ("redis+cluster://10.0.0.1", "is not host:port"),
-    ("redis+cluster://", "names no host"),
-])
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("http://127.0.0.1:6379", "must start with one of"),
+        ("127.0.0.1:6379", "must start with one of"),
+        ("redis+sentinel://s1:26379", "names its service"),
+        ("redis+sentinel://s1:26379/svc/x", "is not a number"),
+        ("redis+cluster://10.0.0.1:7000/3", "database 0 only"),
+        ("redis+cluster://10.0.0.1", "is not host:port"),
+        ("redis+cluster://", "names no host"),
+    ],
+)
 def test_a_bad_url_is_refused_with_its_problem_named(url, problem):
     with pytest.raises(ValueError, match=problem):
         redis_client.parse(url)
@@ -75,15 +78,18 @@ def _python_packer(connection, *args):
     return PythonRespSerializer(connection._buffer_cutoff, connection.encoder.encode).pack(*args)
 
 
-@pytest.mark.parametrize("args", [
-    ("SET", "k", "v"),
-    ("CONFIG GET", "maxmemory"),
-    (b"CONFIG GET", "maxmemory"),
-    ("EVALSHA", "ab12", 2, "llm:rpm:{k:a}", b"raw\x00bytes", 1.5, 0.1, 10**20, -3, "é ü 漢", ""),
-    ("SET", "k", bytearray(b"xy")),
-    ("SET", "k", memoryview(b"xy")),
-    ("SET", "k", "x" * 100_000),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("SET", "k", "v"),
+        ("CONFIG GET", "maxmemory"),
+        (b"CONFIG GET", "maxmemory"),
+        ("EVALSHA", "ab12", 2, "llm:rpm:{k:a}", b"raw\x00bytes", 1.5, 0.1, 10**20, -3, "é ü 漢", ""),
+        ("SET", "k", bytearray(b"xy")),
+        ("SET", "k", memoryview(b"xy")),
+        ("SET", "k", "x" * 100_000),
+    ],
+)
 def test_commands_are_packed_in_c_into_the_same_bytes_as_redis_py_packs_them(args):
     connection = redis.asyncio.connection.Connection()
     assert b"".join(connection.pack_command(*args)) == b"".join(_python_packer(connection, *args))

@@ -1,16 +1,31 @@
 """Pure logic: what a 429 says and carries."""
 
-from serve_app.pipeline.refusals import render
 from serve_app.admission.scripts import Decision, Refusal, duration
 from serve_app.identity.keys import KeyRecord
+from serve_app.pipeline.refusals import render
 
-KEY = KeyRecord(id="k1", name="team-a", created_at=0, requests_per_minute=60, tokens_per_minute=1000,
-                max_concurrent=2, daily_token_budget=500)
+KEY = KeyRecord(
+    id="k1",
+    name="team-a",
+    created_at=0,
+    requests_per_minute=60,
+    tokens_per_minute=1000,
+    max_concurrent=2,
+    daily_token_budget=500,
+)
 
 
 def refuse(kind, **fields):
-    decision = Decision(False, kind, fields.get("retry_ms", 1500), fields.get("rr", 0), 1000,
-                        fields.get("kr", 100), 2000, fields.get("detail", ""))
+    decision = Decision(
+        False,
+        kind,
+        fields.get("retry_ms", 1500),
+        fields.get("rr", 0),
+        1000,
+        fields.get("kr", 100),
+        2000,
+        fields.get("detail", ""),
+    )
     return render(Refusal(KEY, kind, 300, decision))
 
 
@@ -61,8 +76,7 @@ def test_an_account_disabled_since_it_was_cached_is_a_401_never_a_429():
 
 
 def test_a_refusal_names_the_limits_redis_applied_not_the_cached_ones():
-    decision = Decision(False, "daily_budget", 3_600_000, 5, 1000, 50, 2000, "450",
-                        applied="30,400,1,450,0,0,0")
+    decision = Decision(False, "daily_budget", 3_600_000, 5, 1000, 50, 2000, "450", applied="30,400,1,450,0,0,0")
     refused = Refusal(decision.as_applied(KEY), "daily_budget", 300, decision)
     error = render(refused)
     assert "a daily budget of 450 tokens" in error.message

@@ -10,12 +10,15 @@ import pytest
 from contract.replica_wire import ReplicaAnswer, ReplicaError, StreamStart, Usage
 
 
-@pytest.mark.parametrize("value", [
-    ReplicaAnswer(b'{"id": "x"}', Usage(3, 4), "replica-1"),
-    ReplicaAnswer(b"{}", None, ""),
-    ReplicaError(400, {"message": "bad", "param": "n", "code": None}, "replica-1"),
-    StreamStart("replica-1", 'data: {"choices": []}\n\n'),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        ReplicaAnswer(b'{"id": "x"}', Usage(3, 4), "replica-1"),
+        ReplicaAnswer(b"{}", None, ""),
+        ReplicaError(400, {"message": "bad", "param": "n", "code": None}, "replica-1"),
+        StreamStart("replica-1", 'data: {"choices": []}\n\n'),
+    ],
+)
 def test_values_survive_pickling_and_are_frozen(value):
     assert pickle.loads(pickle.dumps(value)) == value
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -52,6 +55,11 @@ def test_the_gateway_and_the_replica_name_the_same_operations():
     # The names replicas/vllm_engine.py's endpoints binds (found["..."] = ...), read from its source.
     source = ast.parse((Path(__file__).resolve().parents[2] / "replicas" / "vllm_engine.py").read_text())
     [endpoints] = [node for node in ast.walk(source) if isinstance(node, ast.FunctionDef) and node.name == "endpoints"]
-    bound = {target.slice.value for node in ast.walk(endpoints) if isinstance(node, ast.Assign)
-             for target in node.targets if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)}
+    bound = {
+        target.slice.value
+        for node in ast.walk(endpoints)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)
+    }
     assert sent == REPLICA_OPERATIONS == bound

@@ -76,10 +76,13 @@ def test_embeddings_reserve_the_prompt_only():
     assert r.tokens == 10
 
 
-@pytest.mark.parametrize("operation, body", [
-    ("tokenize", {"model": "m", "prompt": "x" * 4000, "max_tokens": 10**6}),
-    ("detokenize", {"model": "m", "tokens": list(range(1000))}),
-])
+@pytest.mark.parametrize(
+    "operation, body",
+    [
+        ("tokenize", {"model": "m", "prompt": "x" * 4000, "max_tokens": 10**6}),
+        ("detokenize", {"model": "m", "tokens": list(range(1000))}),
+    ],
+)
 def test_the_tokenizer_endpoints_reserve_no_tokens_and_leave_the_body_alone(operation, body):
     sent = dict(body)
     assert tokens(operation, body, raw=len(json.dumps(body))).tokens == 0

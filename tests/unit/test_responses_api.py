@@ -7,18 +7,30 @@ import json
 
 import pytest
 
+from serve_app.errors import OpenAIError
+from serve_app.identity.keys import KeyRecord
 from serve_app.stored import responses_api, stored_responses
 from serve_app.wire.api_requests import list_params
 from serve_app.wire.calls import Reply
-from serve_app.errors import OpenAIError
-from serve_app.identity.keys import KeyRecord
 
 KEY = KeyRecord(id="k1", name="a", created_at=0)
 OTHER = KeyRecord(id="k2", name="b", created_at=0)
-ANSWER = {"id": "resp_1", "object": "response", "store": False, "previous_response_id": None,
-          "output": [{"id": "msg_o", "type": "message", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]}],
-          "usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}}
+ANSWER = {
+    "id": "resp_1",
+    "object": "response",
+    "store": False,
+    "previous_response_id": None,
+    "output": [
+        {
+            "id": "msg_o",
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Hello!", "annotations": []}],
+        }
+    ],
+    "usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7},
+}
 
 
 class FakeRedis:
@@ -32,7 +44,7 @@ class FakeRedis:
 
     async def getrange(self, name, start, end):  # Redis': ``end`` included
         self.reads.append(("GETRANGE", name))
-        return self.values.get(name, "")[start:end + 1]
+        return self.values.get(name, "")[start : end + 1]
 
     async def strlen(self, name):
         self.reads.append(("STRLEN", name))
@@ -94,8 +106,9 @@ async def test_a_first_turn_runs_stateless_and_is_stored_for_its_key(store):
 async def test_a_follow_up_sends_the_whole_conversation_and_names_its_previous_response(store):
     await answered(store, {"model": "m", "input": "Hi", "instructions": "Be brief."})
     second = {**ANSWER, "id": "resp_2"}
-    call, reply = await answered(store, {"model": "m", "input": "And you?", "previous_response_id": "resp_1"},
-                                 answer=second)
+    call, reply = await answered(
+        store, {"model": "m", "input": "And you?", "previous_response_id": "resp_1"}, answer=second
+    )
     assert call.body["input"] == [
         {"type": "message", "role": "user", "content": "Hi"},
         ANSWER["output"][0],  # the answer goes back as an input item
@@ -112,8 +125,9 @@ async def test_a_follow_up_is_priced_by_its_history_and_reads_it_only_once_admit
     await answered(store, {"model": "m", "input": "x" * 30_000})
     name = stored_responses.redis_names.stored_response("k1", "resp_1")
     store.redis.reads.clear()
-    call = await responses_api.translate({"model": "m", "input": "And you?", "previous_response_id": "resp_1"},
-                                         KEY, store)
+    call = await responses_api.translate(
+        {"model": "m", "input": "And you?", "previous_response_id": "resp_1"}, KEY, store
+    )
     assert store.redis.reads == [("GETRANGE", name)]  # its size, not the conversation
     stored = json.loads(store.redis.values[name])
     history = stored["context"] + stored_responses.as_input(stored["response"]["output"])
@@ -127,8 +141,9 @@ async def test_a_follow_up_is_priced_by_its_history_and_reads_it_only_once_admit
 async def test_a_response_stored_before_records_said_their_size_is_priced_by_its_length(store):
     name = stored_responses.redis_names.stored_response("k1", "resp_old")
     store.redis.values[name] = json.dumps({"response": ANSWER, "context": [], "input_items": []})
-    call = await responses_api.translate({"model": "m", "input": "more", "previous_response_id": "resp_old"},
-                                         KEY, store)
+    call = await responses_api.translate(
+        {"model": "m", "input": "more", "previous_response_id": "resp_old"}, KEY, store
+    )
     assert call.bytes_once_admitted == len(store.redis.values[name])
     await call.once_admitted()
     assert call.body["input"][0] == ANSWER["output"][0]
@@ -136,8 +151,7 @@ async def test_a_response_stored_before_records_said_their_size_is_priced_by_its
 
 async def test_a_follow_up_whose_history_was_deleted_after_its_size_was_read_is_a_404(store):
     await answered(store, {"model": "m", "input": "Hi"})
-    call = await responses_api.translate({"model": "m", "input": "more", "previous_response_id": "resp_1"},
-                                         KEY, store)
+    call = await responses_api.translate({"model": "m", "input": "more", "previous_response_id": "resp_1"}, KEY, store)
     await responses_api.delete(store, KEY, "resp_1")
     with pytest.raises(OpenAIError) as caught:
         await call.once_admitted()
@@ -171,8 +185,9 @@ async def test_delete_then_the_id_is_gone(store):
 
 
 async def test_a_streamed_answer_is_stamped_and_its_completed_response_stored(store):
-    call = await responses_api.translate({"model": "m", "input": "Hi", "stream": True,
-                                          "previous_response_id": None}, KEY, store)
+    call = await responses_api.translate(
+        {"model": "m", "input": "Hi", "stream": True, "previous_response_id": None}, KEY, store
+    )
 
     def event(kind, data):
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
@@ -192,14 +207,17 @@ async def test_a_streamed_answer_is_stamped_and_its_completed_response_stored(st
     assert (await store.get("k1", "resp_1"))["response"]["store"] is True
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m", "input": "x", "previous_response_id": 5}, "previous_response_id"),
-    ({"model": "m", "input": "x", "previous_response_id": ""}, "previous_response_id"),
-    ({"model": "m", "input": "x", "store": "yes"}, "store"),
-    ({"model": "m", "input": {}}, "input"),
-    ({"model": "m", "input": []}, "input"),
-    ({"model": "m"}, "input"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "input": "x", "previous_response_id": 5}, "previous_response_id"),
+        ({"model": "m", "input": "x", "previous_response_id": ""}, "previous_response_id"),
+        ({"model": "m", "input": "x", "store": "yes"}, "store"),
+        ({"model": "m", "input": {}}, "input"),
+        ({"model": "m", "input": []}, "input"),
+        ({"model": "m"}, "input"),
+    ],
+)
 async def test_mistakes_are_a_400_naming_the_field(store, body, param):
     with pytest.raises(OpenAIError) as caught:
         await responses_api.translate(body, KEY, store)
@@ -212,8 +230,9 @@ async def test_a_stored_response_counts_what_it_holds_in_its_keys_account(store)
     assert pending.startswith("pending-") and reserved > len(json.dumps(call.body["input"]))
     await call.respond(Reply(body=json.dumps(ANSWER).encode()))
     stored = store.space.held["k1"]
-    assert list(stored) == ["resp_1"] and stored["resp_1"] == len(store.redis.values[
-        stored_responses.redis_names.stored_response("k1", "resp_1")])
+    assert list(stored) == ["resp_1"] and stored["resp_1"] == len(
+        store.redis.values[stored_responses.redis_names.stored_response("k1", "resp_1")]
+    )
     await responses_api.delete(store, KEY, "resp_1")
     assert store.space.held["k1"] == {}
 
@@ -254,12 +273,18 @@ async def test_a_conversation_too_large_to_store_is_refused_before_it_runs(store
 
 
 def test_input_items_list_as_openai_lists_them():
-    items = stored_responses.with_ids([{"type": "message", "role": "user", "content": "Hi"},
-                                       {"role": "user", "content": [{"type": "input_text", "text": "Yo"}]}])
+    items = stored_responses.with_ids(
+        [
+            {"type": "message", "role": "user", "content": "Hi"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Yo"}]},
+        ]
+    )
     listed = stored_responses.item_list(items, order="asc")
     assert listed["object"] == "list" and listed["has_more"] is False
-    assert [item["content"] for item in listed["data"]] == [[{"type": "input_text", "text": "Hi"}],
-                                                          [{"type": "input_text", "text": "Yo"}]]
+    assert [item["content"] for item in listed["data"]] == [
+        [{"type": "input_text", "text": "Hi"}],
+        [{"type": "input_text", "text": "Yo"}],
+    ]
     assert listed["first_id"] == listed["data"][0]["id"] and listed["last_id"] == listed["data"][1]["id"]
     assert stored_responses.item_list(items)["data"] == listed["data"][::-1]  # newest first by default
 
@@ -275,9 +300,16 @@ def test_input_items_page_by_limit_and_after():
     assert caught.value.param == "after"
 
 
-@pytest.mark.parametrize("params, param", [({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"),
-                                           ({"limit": "-1"}, "limit"), ({"limit": "x"}, "limit"),
-                                           ({"order": "up"}, "order")])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "101"}, "limit"),
+        ({"limit": "-1"}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"order": "up"}, "order"),
+    ],
+)
 def test_a_bad_page_is_a_400_naming_the_parameter(params, param):
     with pytest.raises(OpenAIError) as caught:
         list_params(params)

@@ -4,8 +4,8 @@ the real stack, a stream and a unary call)."""
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from serve_app.admission.ticket import Ticket
 from serve_app.admission.maintenance import IngressReplicas, Maintenance
+from serve_app.admission.ticket import Ticket
 from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 
 
@@ -21,6 +21,7 @@ class Running:
 
 def access_running(records: dict[str, object], tickets: list[Ticket]) -> Maintenance:
     """Maintenance whose key store answers ``records`` (a KeyRecord, or an exception to raise)."""
+
     async def get(key_id):
         found = records[key_id]
         if isinstance(found, Exception):
@@ -38,8 +39,14 @@ def ticket(key_id: str, n: int) -> Ticket:
 
 async def test_the_requests_of_a_revoked_or_disabled_key_are_marked_and_no_others():
     running = [ticket("kok", 1), ticket("kgone", 1), ticket("kgone", 2), ticket("koff", 1)]
-    access = access_running({"kok": KeyRecord(id="kok", name="ok", created_at=0), "kgone": KeyNotFound("kgone"),
-                             "koff": KeyRecord(id="koff", name="off", created_at=0, enabled=False)}, running)
+    access = access_running(
+        {
+            "kok": KeyRecord(id="kok", name="ok", created_at=0),
+            "kgone": KeyNotFound("kgone"),
+            "koff": KeyRecord(id="koff", name="off", created_at=0, enabled=False),
+        },
+        running,
+    )
     assert await access.stop_revoked() == 3
     assert [t.revoked for t in running] == [False, True, True, True]
     assert await access.stop_revoked() == 0  # marked once
@@ -56,8 +63,9 @@ async def test_a_marked_request_is_told_once_so_a_unary_call_cancels_itself():
     gone, kept = ticket("kgone", 1), ticket("kok", 1)
     gone.on_revoke = lambda: cancelled.append("kgone")
     kept.on_revoke = lambda: cancelled.append("kok")
-    access = access_running({"kok": KeyRecord(id="kok", name="ok", created_at=0), "kgone": KeyNotFound("kgone")},
-                            [gone, kept])
+    access = access_running(
+        {"kok": KeyRecord(id="kok", name="ok", created_at=0), "kgone": KeyNotFound("kgone")}, [gone, kept]
+    )
     await access.stop_revoked()
     await access.stop_revoked()
     assert cancelled == ["kgone"]

@@ -17,8 +17,14 @@ def test_only_probes_are_unauthenticated():
     assert set(ROUTE_ACCESS.values()) == {"probe", "key", "admin", "console"}
     # The console's pages ask for its session (an admin credential at its login form).
     assert {path for (_, path), kind in ROUTE_ACCESS.items() if kind == "console"} == {
-        "/console", "/console/login", "/console/logout", "/console/teams", "/console/keys",
-        "/console/keys/{key}/revoke", "/console/keys/{key}/limits"}
+        "/console",
+        "/console/login",
+        "/console/logout",
+        "/console/teams",
+        "/console/keys",
+        "/console/keys/{key}/revoke",
+        "/console/keys/{key}/limits",
+    }
 
 
 def test_no_schema_or_docs_route_is_served():

@@ -105,9 +105,11 @@ def test_the_table_is_what_was_declared_and_one_handler_has_one_access():
     route, *_ = handlers()
     assert route.access == {("GET", "/checked"): "key", ("GET", "/unchecked"): "key", ("GET", "/admin"): "admin"}
     with pytest.raises(ValueError, match="already a 'key' route"):
+
         @route("GET", "/also-admin", "admin")
         @route("GET", "/also-key", "key")
         async def both(self, request: Request):
             return JSONResponse({})
+
     with pytest.raises(ValueError, match="unknown access"):
         route("GET", "/x", "anyone")

@@ -39,8 +39,20 @@ def test_short_prompts_are_whole_and_content_parts_are_read():
     assert prompt_prefix({"prompt": [1, 2, 3]}, 512) == "1,2,3"
 
 
-@pytest.mark.parametrize("body", [None, [], "text", {"messages": "x"}, {"messages": [1, None, {"role": 5}]},
-                                  {"prompt": None}, {"prompt": [[]]}, {"prompt": {"a": 1}}, {"input": "embed me"}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        [],
+        "text",
+        {"messages": "x"},
+        {"messages": [1, None, {"role": 5}]},
+        {"prompt": None},
+        {"prompt": [[]]},
+        {"prompt": {"a": 1}},
+        {"input": "embed me"},
+    ],
+)
 def test_odd_bodies_give_a_prefix_or_nothing_and_never_raise(body):
     assert isinstance(prompt_prefix(body, 512), str)
 
@@ -112,8 +124,11 @@ def router_with(*replicas):
 
     from serve_app.routing.serve_routers import PrefixAffinityRouter
 
-    router = PrefixAffinityRouter(deployment_id=DeploymentID("model-m", "llm"),
-                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router = PrefixAffinityRouter(
+        deployment_id=DeploymentID("model-m", "llm"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
     router.initialize_state(prefix_chars=512, imbalance_threshold=4)
     # What update_replicas keeps, without its probes of the replicas.
     router._replicas = {r.replica_id: r for r in replicas}
@@ -132,8 +147,9 @@ def pending(body, adapter=""):
     from ray.serve._private.common import RequestMetadata
     from ray.serve._private.request_router.common import PendingRequest
 
-    return PendingRequest(args=["chat", body], kwargs={},
-                          metadata=RequestMetadata("r", "i", multiplexed_model_id=adapter))
+    return PendingRequest(
+        args=["chat", body], kwargs={}, metadata=RequestMetadata("r", "i", multiplexed_model_id=adapter)
+    )
 
 
 def ids(ranks):
@@ -191,8 +207,11 @@ async def test_either_router_publishes_the_deployments_places_where_the_gateway_
     from serve_app.routing import places
 
     router_cls = RequestRouterConfig(request_router_class=router_class).get_request_router_class()
-    router = router_cls(deployment_id=DeploymentID("model-p", "llm"), handle_source=DeploymentHandleSource.UNKNOWN,
-                        use_replica_queue_len_cache=True)
+    router = router_cls(
+        deployment_id=DeploymentID("model-p", "llm"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
     router.initialize_state()
     assert places.replica_places("model-p") is None
     a, b = FakeReplica("a"), FakeReplica("b")
@@ -319,8 +338,10 @@ async def test_a_sessions_turns_go_to_one_replica_whatever_their_prompt_and_sess
     placed = {}
     for i in range(30):
         first = await place(chat(("system", SYSTEM), ("user", f"question {i}")), f"conversation-{i}")
-        later = await place(chat(("system", SYSTEM), ("user", f"question {i}"), ("assistant", "answer"),
-                                 ("user", "and then?")), f"conversation-{i}")
+        later = await place(
+            chat(("system", SYSTEM), ("user", f"question {i}"), ("assistant", "answer"), ("user", "and then?")),
+            f"conversation-{i}",
+        )
         assert later == first
         placed[i] = first
     assert set(placed.values()) == {"a", "b", "c"}

@@ -25,15 +25,22 @@ def test_stream_without_usage_event_is_untouched():
 
 # -- Anthropic's stream shape (vLLM's Messages API) ---------------------------------
 
+
 def anthropic_event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
-DELTA = anthropic_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                "delta": {"type": "text_delta", "text": "hi"}})
-MESSAGE_DELTA = anthropic_event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
-                                                  "usage": {"input_tokens": 7, "output_tokens": 2,
-                                                            "cache_read_input_tokens": 3}})
+DELTA = anthropic_event(
+    "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}}
+)
+MESSAGE_DELTA = anthropic_event(
+    "message_delta",
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn"},
+        "usage": {"input_tokens": 7, "output_tokens": 2, "cache_read_input_tokens": 3},
+    },
+)
 STOP = anthropic_event("message_stop", {"type": "message_stop"})
 
 
@@ -61,14 +68,18 @@ def test_the_openai_shape_reads_only_the_final_item():
 
 def test_anthropic_usage_without_a_usage_object_is_unknown():
     assert Usage.from_input_output(None) is None and Usage.from_input_output({}) is None
-    assert Usage.from_input_output({"input_tokens": 4, "output_tokens": 1, "cache_creation_input_tokens": 2}) == Usage(6, 1)
+    assert Usage.from_input_output({"input_tokens": 4, "output_tokens": 1, "cache_creation_input_tokens": 2}) == Usage(
+        6, 1
+    )
 
 
 def test_a_responses_stream_is_charged_the_usage_of_its_completed_response():
     shape = STREAM_SHAPES["responses"]
     delta = 'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
-    completed = ('event: response.completed\ndata: {"type":"response.completed","response":'
-                 '{"id":"resp_1","usage":{"input_tokens":6,"output_tokens":4,"total_tokens":10}}}\n\n')
+    completed = (
+        'event: response.completed\ndata: {"type":"response.completed","response":'
+        '{"id":"resp_1","usage":{"input_tokens":6,"output_tokens":4,"total_tokens":10}}}\n\n'
+    )
     assert shape.usage(delta, keep=False) == (delta, None)
     assert shape.usage(delta + completed, keep=False) == (delta + completed, Usage(6, 4))
     assert shape.failed('event: response.failed\ndata: {"type":"response.failed"}\n\n') and not shape.failed(delta)

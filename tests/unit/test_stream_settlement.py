@@ -10,12 +10,11 @@ from types import SimpleNamespace
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart, Usage
 from serve_app.admission.ticket import Ticket
-from serve_app.wire.api_requests import OPERATIONS
-from serve_app.pipeline.gateway import Gateway, _Plan
 from serve_app.identity.keys import KeyRecord
-from serve_app.wire.reservation import Reservation
+from serve_app.pipeline.gateway import Gateway, _Plan
 from serve_app.telemetry import RequestRecord, Telemetry
-
+from serve_app.wire.api_requests import OPERATIONS
+from serve_app.wire.reservation import Reservation
 
 ROLE = 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
 TOKEN = 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
@@ -81,8 +80,18 @@ def stream_once(gateway, chunks, ticket):
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=lambda *a, **k: chunks)))
     request = SimpleNamespace(stream_options=None)
     body = {"model": "tiny-llama", "messages": []}
-    plan = _Plan(OPERATIONS["chat"], request, body, "tiny-llama", handle, ModelConfig(name="tiny-llama"), RESERVED,
-                 rank=1, tier="normal", streaming=True)
+    plan = _Plan(
+        OPERATIONS["chat"],
+        request,
+        body,
+        "tiny-llama",
+        handle,
+        ModelConfig(name="tiny-llama"),
+        RESERVED,
+        rank=1,
+        tier="normal",
+        streaming=True,
+    )
     return gateway._call_streamed(plan, ticket, RequestRecord("openai", "x"), early=None)
 
 
@@ -167,7 +176,9 @@ async def test_a_replica_lost_after_the_final_usage_event_leaves_a_complete_stre
     from ray.exceptions import ActorDiedError
 
     usage = 'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}\n\n'
-    access, gateway, chunks, ticket = streaming_gateway(FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"], ActorDiedError()))
+    access, gateway, chunks, ticket = streaming_gateway(
+        FakeChunks([TOKEN * 2, usage + "data: [DONE]\n\n"], ActorDiedError())
+    )
     relayed = await relay_all(gateway, chunks, ticket)
     assert relayed.endswith("data: [DONE]\n\n") and '"error"' not in relayed
     assert access.settled == ["completed"] and access.usage == Usage(prompt_tokens=3, completion_tokens=2)
@@ -179,15 +190,29 @@ def anthropic_event(name: str, data: str) -> str:
 
 async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_message_delta_usage():
     delta = anthropic_event("content_block_delta", '{"type": "content_block_delta", "delta": {"text": "x"}}')
-    end = (anthropic_event("message_delta", '{"type": "message_delta", "usage": {"input_tokens": 9, "output_tokens": 3}}')
-           + anthropic_event("message_stop", '{"type": "message_stop"}'))
+    end = anthropic_event(
+        "message_delta", '{"type": "message_delta", "usage": {"input_tokens": 9, "output_tokens": 3}}'
+    ) + anthropic_event("message_stop", '{"type": "message_stop"}')
     access, gateway, chunks, ticket = streaming_gateway(FakeChunks([delta * 3, end]))
     sent = []
-    handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(
-        remote=lambda *args, **kwargs: sent.append(args) or chunks)))
+    handle = SimpleNamespace(
+        options=lambda **_: SimpleNamespace(
+            stream=SimpleNamespace(remote=lambda *args, **kwargs: sent.append(args) or chunks)
+        )
+    )
     body = {"model": "tiny-llama", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    plan = _Plan(OPERATIONS["messages"], SimpleNamespace(), body, "tiny-llama", handle, ModelConfig(name="tiny-llama"),
-                 RESERVED, rank=1, tier="normal", streaming=True)
+    plan = _Plan(
+        OPERATIONS["messages"],
+        SimpleNamespace(),
+        body,
+        "tiny-llama",
+        handle,
+        ModelConfig(name="tiny-llama"),
+        RESERVED,
+        rank=1,
+        tier="normal",
+        streaming=True,
+    )
     reply = await gateway._call_streamed(plan, ticket, RequestRecord("anthropic", "x"), early=None)
     relayed = "".join([item async for item in reply.stream])
     assert relayed.endswith(end)  # passed on whole: Anthropic's client reads the usage itself

@@ -27,7 +27,11 @@ def test_refusals_carry_the_limit_kind_and_retry_after():
     record.refused(429, "insufficient_quota", "daily_token_budget", {"retry-after": "3600"})
     entry = json.loads(access_line(record, now=record.started))
     assert (entry["status"], entry["limit"], entry["retry_after"], entry["error_code"]) == (
-        429, "budget", "3600", "insufficient_quota")
+        429,
+        "budget",
+        "3600",
+        "insufficient_quota",
+    )
     for error_type, limit in [("requests", "requests"), ("tokens", "tokens"), ("concurrency", "concurrency")]:
         record = RequestRecord("openai")
         record.refused(429, "rate_limit_exceeded", error_type, {"retry-after": "1"})

@@ -93,8 +93,11 @@ class AdminRoutes(HandlesRequests):
     @route("GET", "/admin/batches", "admin")
     async def admin_list_batches(self, request: Request) -> JSONResponse:
         params = list_params(request.query_params)
-        return JSONResponse(await admin.list_batches(self.admin_stores, self.batches, request.query_params.get("key"),
-                                                     params["limit"], params["after"]))
+        return JSONResponse(
+            await admin.list_batches(
+                self.admin_stores, self.batches, request.query_params.get("key"), params["limit"], params["after"]
+            )
+        )
 
     @route("POST", "/admin/batches/{batch_id}/cancel", "admin")
     async def admin_cancel_batch(self, batch_id: str, request: Request) -> JSONResponse:
@@ -120,5 +123,8 @@ class AdminRoutes(HandlesRequests):
         """Admin actions, newest first: ``limit`` (1-1000), ``before`` (an entry id: the
         next page), ``actor``, ``target`` (a key id, a batch id)."""
         query = request.query_params
-        return JSONResponse(await admin.audit_trail(self.admin_stores, query.get("limit", 100), query.get("before"),
-                                                    query.get("actor"), query.get("target")))
+        return JSONResponse(
+            await admin.audit_trail(
+                self.admin_stores, query.get("limit", 100), query.get("before"), query.get("actor"), query.get("target")
+            )
+        )

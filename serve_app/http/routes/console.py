@@ -4,7 +4,6 @@ None without one, whose pages offer the login form and act on nothing)."""
 
 from __future__ import annotations
 
-
 from fastapi import Request
 from starlette.responses import Response
 

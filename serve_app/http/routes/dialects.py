@@ -55,8 +55,12 @@ class DialectRoutes(HandlesRequests):
 
     @route("POST", "/invocations", "key")
     async def sagemaker_invocations(self, request: Request) -> Response:
-        return await self._handle("sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway.catalog.seen_by(key)))
+        return await self._handle(
+            "sagemaker", request, lambda body, key: sagemaker.translate(body, self.gateway.catalog.seen_by(key))
+        )
 
     @route("POST", "/serving-endpoints/{name}/invocations", "key")
     async def databricks_invocations(self, name: str, request: Request) -> Response:
-        return await self._handle("databricks", request, lambda body, key: databricks.translate(name, body, self.gateway.catalog.seen_by(key)))
+        return await self._handle(
+            "databricks", request, lambda body, key: databricks.translate(name, body, self.gateway.catalog.seen_by(key))
+        )

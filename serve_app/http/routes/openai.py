@@ -5,7 +5,6 @@ The OpenAI routes are also served under OpenVINO Model Server's ``/v3`` and Data
 
 from __future__ import annotations
 
-
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 

@@ -3,7 +3,6 @@ too), which name no model and carry no tenant's data."""
 
 from __future__ import annotations
 
-
 from starlette.responses import JSONResponse, Response
 
 from serve_app.http.request_handling import HandlesRequests

@@ -32,8 +32,9 @@ class StoredRoutes(HandlesRequests):
 
     @route("POST", "/v1/responses", "key")
     async def create_response(self, request: Request) -> Response:
-        return await self._handle("openai", request, lambda body, key: responses_api.translate(
-            body, key, self.responses))
+        return await self._handle(
+            "openai", request, lambda body, key: responses_api.translate(body, key, self.responses)
+        )
 
     @route("GET", "/v1/responses/{response_id}", "key")
     async def retrieve_response(self, response_id: str, request: Request) -> Response:
@@ -68,9 +69,12 @@ class StoredRoutes(HandlesRequests):
             answer = await work(key)
         except RedisError:
             self.gate.settle(ticket, "failed", Usage())
-            raise OpenAIError(503, "Files, batches and stored responses are unavailable right now. Please retry "
-                                   "shortly.", code="store_unavailable",
-                              headers={**ticket.headers, "retry-after": "1"}) from None
+            raise OpenAIError(
+                503,
+                "Files, batches and stored responses are unavailable right now. Please retry shortly.",
+                code="store_unavailable",
+                headers={**ticket.headers, "retry-after": "1"},
+            ) from None
         except OpenAIError as exc:
             self.gate.settle(ticket, "failed", Usage())
             exc.headers = {**ticket.headers, **exc.headers}
@@ -90,8 +94,9 @@ class StoredRoutes(HandlesRequests):
             if not declared.isdigit():
                 raise OpenAIError(411, "Send the upload with a Content-Length.", code="length_required")
             if int(declared) > self.files.max_bytes + 64 * 1024:  # the file plus its form's few fields
-                raise OpenAIError(413, f"The file is larger than {self.files.max_bytes} bytes.", param="file",
-                                  code="file_too_large")
+                raise OpenAIError(
+                    413, f"The file is larger than {self.files.max_bytes} bytes.", param="file", code="file_too_large"
+                )
             # The key's room first (no byte read, not even into the form's spool
             # file, for a key whose files are at their bound), then the form.
             async with self.files.reservation(key.id, int(declared)) as file_id:
@@ -100,18 +105,23 @@ class StoredRoutes(HandlesRequests):
                 except OSError:  # the form's spool file (the temp directory) could not be written
                     raise storage_full() from None
                 except Exception as exc:  # starlette's MultiPartException, or a body that is no form
-                    raise OpenAIError(400, f"Send the file as multipart/form-data with 'file' and 'purpose' ({exc}).",
-                                      param="file") from None
+                    raise OpenAIError(
+                        400, f"Send the file as multipart/form-data with 'file' and 'purpose' ({exc}).", param="file"
+                    ) from None
                 try:
                     purpose, file = form.get("purpose"), form.get("file")
                     if purpose not in PURPOSES:
-                        raise OpenAIError(400, f"Invalid 'purpose': {purpose!r}; this server stores files for "
-                                               f"{', '.join(PURPOSES)}.", param="purpose", code="invalid_value")
+                        raise OpenAIError(
+                            400,
+                            f"Invalid 'purpose': {purpose!r}; this server stores files for {', '.join(PURPOSES)}.",
+                            param="purpose",
+                            code="invalid_value",
+                        )
                     if not isinstance(file, UploadFile):
-                        raise OpenAIError(400, "Missing required parameter: 'file'.", param="file",
-                                          code="missing_required_parameter")
-                    return await self.files.upload(key.id, file_id, safe_filename(file.filename), purpose,
-                                                   file.file)
+                        raise OpenAIError(
+                            400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter"
+                        )
+                    return await self.files.upload(key.id, file_id, safe_filename(file.filename), purpose, file.file)
                 finally:
                     await form.close()
 
@@ -120,8 +130,9 @@ class StoredRoutes(HandlesRequests):
     @route("GET", "/v1/files", "key")
     async def list_files(self, request: Request) -> Response:
         params = list_params(request.query_params, default_limit=10_000, max_limit=10_000)
-        return await self._stored(request, lambda key: self.files.page(
-            key.id, request.query_params.get("purpose"), **params))
+        return await self._stored(
+            request, lambda key: self.files.page(key.id, request.query_params.get("purpose"), **params)
+        )
 
     @route("GET", "/v1/files/{file_id}", "key")
     async def retrieve_file(self, file_id: str, request: Request) -> Response:
@@ -135,8 +146,9 @@ class StoredRoutes(HandlesRequests):
     async def file_content(self, file_id: str, request: Request) -> Response:
         async def content(key: KeyRecord) -> Response:
             record = await self.files.get(key.id, file_id)
-            return FileResponse(self.files.path(key.id, file_id), media_type="application/jsonl",
-                                filename=record["filename"])
+            return FileResponse(
+                self.files.path(key.id, file_id), media_type="application/jsonl", filename=record["filename"]
+            )
 
         return await self._stored(request, content)
 
@@ -146,8 +158,9 @@ class StoredRoutes(HandlesRequests):
             if is_jwt_identity(key.id):
                 # Its runner reads the key again before each request; a token's user is
                 # in no store to read (and its token expires long before 24 h).
-                raise OpenAIError(403, "Batches need an API key: an identity token cannot run a batch.",
-                                  code="batch_needs_api_key")
+                raise OpenAIError(
+                    403, "Batches need an API key: an identity token cannot run a batch.", code="batch_needs_api_key"
+                )
             return await self.batches.create(key.id, parse_json_object(await self._read_body(request)))
 
         return await self._stored(request, create)

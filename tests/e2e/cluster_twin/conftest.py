@@ -14,11 +14,11 @@ import shutil
 import time
 
 import pytest
-
-from cluster_twin.twin import BIN, alive_nodes, cli, serve_app, twin_config, wait_until
 from ports import free_port
 from redis_server import running_redis
 from stack import ray_processes, wait_for_no_engines
+
+from cluster_twin.twin import BIN, alive_nodes, cli, serve_app, twin_config, wait_until
 
 
 @pytest.fixture(scope="package")
@@ -42,13 +42,16 @@ def cluster(redis_server):
     deadline = time.monotonic() + 30  # the previous module's stack may still be going away
     while ray_processes():
         if time.monotonic() > deadline:
-            pytest.fail(f"another Ray instance runs on this machine; `ray up` of the local twin would stop it: "
-                        f"{ray_processes()}")
+            pytest.fail(
+                f"another Ray instance runs on this machine; `ray up` of the local twin would stop it: "
+                f"{ray_processes()}"
+            )
         time.sleep(0.5)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     # Token authentication, as Ray enables it by default: `ray start` and the CLIs share ~/.ray/auth_token.
-    env.update(RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="token", REDIS_URL=redis_server.url,
-               PATH=f"{BIN}:{env.get('PATH', '')}")
+    env.update(
+        RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="token", REDIS_URL=redis_server.url, PATH=f"{BIN}:{env.get('PATH', '')}"
+    )
     cli("ray", "get-auth-token", "--generate", env=env)
     cli("ray", "up", "-y", "cluster.local.yaml", env=env)
     try:

@@ -9,11 +9,11 @@ variant of the demo model for vLLM's reasoning parser."""
 from __future__ import annotations
 
 import openai
-import pytest
-
 import openai_spec
-from cluster_twin.twin import EMBED, PIRATE, SMALL, THINKING, TINY
+import pytest
 from stack import create_key, demo_token_id, replica_engine_processes
+
+from cluster_twin.twin import EMBED, PIRATE, SMALL, THINKING, TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -28,7 +28,9 @@ def greedy(client, model, **extra):
 def test_every_model_is_listed_with_what_it_serves(client):
     cards = {card.id: card.model_extra for card in client.models.list().data}
     assert list(cards) == [TINY, "chat-default", SMALL, PIRATE, EMBED, THINKING]
-    assert cards[SMALL]["capabilities"] == cards[TINY]["capabilities"] == ["chat", "completions", "messages", "responses"]
+    assert (
+        cards[SMALL]["capabilities"] == cards[TINY]["capabilities"] == ["chat", "completions", "messages", "responses"]
+    )
     assert cards[EMBED]["capabilities"] == ["embeddings", "rerank", "score"]
     assert cards[PIRATE]["parent"] == SMALL and cards["chat-default"]["alias_of"] == TINY
 
@@ -81,6 +83,7 @@ def test_a_key_limited_to_the_base_model_may_use_its_adapters_only(base_url, red
 
 # -- reasoning: a "thinking" variant of the demo model (vLLM's DeepSeek-R1 parser) --
 
+
 def think_then_answer() -> dict:
     """Make the random weights think: a grammar for `<think>word</think>word`,
     and a bias so the tags come out as the vocabulary's tag tokens (which the
@@ -104,7 +107,11 @@ def test_reasoning_is_returned_as_reasoning_content(http):
 
 def test_reasoning_streams_as_reasoning_content_deltas(client):
     stream = client.chat.completions.create(
-        model=THINKING, messages=PROMPT, max_tokens=40, temperature=0, stream=True,
+        model=THINKING,
+        messages=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
         extra_body=think_then_answer(),
     )
     thinking, answer = "", ""

@@ -11,16 +11,20 @@ import time
 
 import openai
 import pytest
-
-from cluster_twin.twin import alive_nodes, cli, running_replica_ids, twin_config, wait_until
 from stack import create_key
 from streaming_load import StreamingLoad
+
+from cluster_twin.twin import alive_nodes, cli, running_replica_ids, twin_config, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHAT = "tiny-llama"
-STREAM = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
-          "extra_body": {"min_tokens": 200, "ignore_eos": True}}
+STREAM = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 200,
+    "temperature": 0,
+    "extra_body": {"min_tokens": 200, "ignore_eos": True},
+}
 
 
 def test_more_replicas_than_the_head_holds_adds_a_worker_node(deployed, cluster):
@@ -46,19 +50,29 @@ def test_rollout_with_serve_deploy_finishes_every_stream_in_flight(deployed, clu
         # The other models leave the deployment in the same change: any change to the
         # application's args replaces every model's replicas (docs/operating.md,
         # "Rolling out"), and four engines loading at once on two cores took 340 s.
-        new = twin_config(deployed["tmp"], deployed["port"], adapter_dir, only=[CHAT],
-                          **{CHAT: {"engine_kwargs": {"max_model_len": 2048, "max_num_seqs": 32}}})
+        new = twin_config(
+            deployed["tmp"],
+            deployed["port"],
+            adapter_dir,
+            only=[CHAT],
+            **{CHAT: {"engine_kwargs": {"max_model_len": 2048, "max_num_seqs": 32}}},
+        )
         deployed_at = time.monotonic()
         cli("serve", "deploy", str(new), env=cluster)
-        wait_until(lambda: (ids := running_replica_ids("model-tiny-llama")) and not ids & before, 600,
-                   "the new tiny-llama replica to replace the old one")
+        wait_until(
+            lambda: (ids := running_replica_ids("model-tiny-llama")) and not ids & before,
+            600,
+            "the new tiny-llama replica to replace the old one",
+        )
         replaced_s = time.monotonic() - deployed_at
         time.sleep(3)  # streams keep flowing on the new replica
     finally:
         stopping_at = time.monotonic()
         load.stop()
-    print(f"\nstreams during the rollout: {dict(load.outcomes)}; new replica running {replaced_s:.0f} s "
-          f"after `serve deploy`, the load's last streams ended in {time.monotonic() - stopping_at:.0f} s")
+    print(
+        f"\nstreams during the rollout: {dict(load.outcomes)}; new replica running {replaced_s:.0f} s "
+        f"after `serve deploy`, the load's last streams ended in {time.monotonic() - stopping_at:.0f} s"
+    )
     assert load.outcomes["error"] == 0, load.errors[:3]
     assert set(load.outcomes) == {"complete"} and load.outcomes["complete"] >= 3
 

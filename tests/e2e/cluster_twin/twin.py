@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import yaml
-
 from stack import REPO, quick_engines
 
 BIN = Path(sys.executable).parent
@@ -23,8 +22,9 @@ THINKING = "tiny-llama-thinking"  # added to the shipped config here
 
 
 def cli(*args: str, env: dict, timeout: float = 300) -> str:
-    done = subprocess.run([str(BIN / args[0]), *args[1:]], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [str(BIN / args[0]), *args[1:]], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -75,19 +75,21 @@ def twin_config(tmp_path: Path, port: int, adapter_dir: Path, only: list[str] | 
     models = config["applications"][0]["args"]["models"]
     by_name = {model["name"]: model for model in models}
     by_name[SMALL]["lora"]["dir"] = str(adapter_dir)
-    models.append({
-        **deepcopy(by_name[TINY]),
-        "name": THINKING,
-        "aliases": [],
-        "cpus_per_replica": 0.25,  # the rollout's surge replica may need a second worker node
-        "engine_kwargs": {
-            "max_model_len": 512,
-            "reasoning_parser": "deepseek_r1",
-            # grammar from the first token, so a test can make the random
-            # weights "think" (the parser reads the tags)
-            "structured_outputs_config": {"backend": "xgrammar", "enable_in_reasoning": True},
-        },
-    })
+    models.append(
+        {
+            **deepcopy(by_name[TINY]),
+            "name": THINKING,
+            "aliases": [],
+            "cpus_per_replica": 0.25,  # the rollout's surge replica may need a second worker node
+            "engine_kwargs": {
+                "max_model_len": 512,
+                "reasoning_parser": "deepseek_r1",
+                # grammar from the first token, so a test can make the random
+                # weights "think" (the parser reads the tags)
+                "structured_outputs_config": {"backend": "xgrammar", "enable_in_reasoning": True},
+            },
+        }
+    )
     for name, change in changes.items():
         by_name[name].update(change)
     if only is not None:

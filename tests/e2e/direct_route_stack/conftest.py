@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 import redis as redis_sync
-
-from direct_route_stack.stack_args import app_args
 from ports import free_port
 from redis_server import running_redis
 from stack import serve_stack
+
+from direct_route_stack.stack_args import app_args
 
 READY_TIMEOUT_S = 300
 

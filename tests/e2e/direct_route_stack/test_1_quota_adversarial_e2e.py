@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
-from direct_route_stack.stack_args import LEASE_S, MODEL
 from ports import free_port
 from settled import records, wait_until_settled
 from stack import create_key
+
+from direct_route_stack.stack_args import LEASE_S, MODEL
 from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def post(base_url, secret, path, body, **headers) -> httpx.Response:
 
 
 def today() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
 
 
 def charged(redis, key_id) -> int:
@@ -54,8 +54,11 @@ def charged(redis, key_id) -> int:
         ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": True}, "max_completion_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
         ("/invocations", {"model": MODEL, "inputs": "x", "parameters": {"max_new_tokens": "500"}}, "max_tokens"),
-        ("/serving-endpoints/tiny-llama/invocations",
-         {"prompt": "x", "use_raw_prompt": True, "error_behavior": "truncate", "max_tokens": "9"}, "max_tokens"),
+        (
+            "/serving-endpoints/tiny-llama/invocations",
+            {"prompt": "x", "use_raw_prompt": True, "error_behavior": "truncate", "max_tokens": "9"},
+            "max_tokens",
+        ),
     ],
 )
 def test_generation_sizes_must_be_real_integers(base_url, redis_server, redis, path, body, param):
@@ -65,7 +68,10 @@ def test_generation_sizes_must_be_real_integers(base_url, redis_server, redis, p
     error = response.json()["error"]
     assert error["param"] == param and param in error["message"], error
     assert redis.zcard(redis_names.concurrency(key_id)) == 0 and records(redis, key_id) == []
-    assert post(base_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}).status_code == 200
+    assert (
+        post(base_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}).status_code
+        == 200
+    )
 
 
 # -- 16 hostile clients against a small TPM and daily budget -------------------------------
@@ -77,14 +83,28 @@ TPM, DAILY = 2000, 3000
 SHAPES = {
     "chat without max_tokens": ("/v1/chat/completions", {"messages": HELLO, "ignore_eos": True}),
     "chat n=4": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 100, "n": 4, "ignore_eos": True}),
-    "completions 4 prompts": ("/v1/completions", {"prompt": ["a", "b", "c", "d"], "max_tokens": 60, "ignore_eos": True}),
+    "completions 4 prompts": (
+        "/v1/completions",
+        {"prompt": ["a", "b", "c", "d"], "max_tokens": 60, "ignore_eos": True},
+    ),
     "completions 8 prompts x 500": ("/v1/completions", {"prompt": ["a"] * 8, "max_tokens": 500, "ignore_eos": True}),
-    "completions token ids n=2": ("/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 40, "n": 2, "ignore_eos": True}),
-    "lmi batch": ("/invocations", {"inputs": ["a", "b", "c"], "parameters": {"max_new_tokens": 50, "ignore_eos_token": True}}),
-    "databricks raw list": ("/serving-endpoints/tiny-llama/invocations",
-                            {"prompt": ["a", "b"], "use_raw_prompt": True, "max_tokens": 80, "ignore_eos": True}),
+    "completions token ids n=2": (
+        "/v1/completions",
+        {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 40, "n": 2, "ignore_eos": True},
+    ),
+    "lmi batch": (
+        "/invocations",
+        {"inputs": ["a", "b", "c"], "parameters": {"max_new_tokens": 50, "ignore_eos_token": True}},
+    ),
+    "databricks raw list": (
+        "/serving-endpoints/tiny-llama/invocations",
+        {"prompt": ["a", "b"], "use_raw_prompt": True, "max_tokens": 80, "ignore_eos": True},
+    ),
     "huge max_tokens": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2**31 - 1, "ignore_eos": True}),
-    "stream then cancel": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 300, "ignore_eos": True, "stream": True}),
+    "stream then cancel": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "max_tokens": 300, "ignore_eos": True, "stream": True},
+    ),
 }
 
 
@@ -100,7 +120,9 @@ def test_hostile_shapes_never_get_more_than_the_allowance(base_url, redis_server
         path, body = SHAPES[name]
         headers = {"authorization": f"Bearer {secret}"}
         if body.get("stream"):
-            with httpx.stream("POST", base_url + path, json={"model": MODEL, **body}, headers=headers, timeout=120) as r:
+            with httpx.stream(
+                "POST", base_url + path, json={"model": MODEL, **body}, headers=headers, timeout=120
+            ) as r:
                 if r.status_code == 200:
                     for i, _ in enumerate(r.iter_lines()):
                         if i > 5:
@@ -151,17 +173,27 @@ def test_a_stream_outliving_the_lease_keeps_its_slot(base_url, redis_server, red
     key_id, secret = create_key(redis_server.url, "one-long-stream", max_concurrent=1)
     # As long as the model's context allows; 20 logprobs per token make every step and
     # every relayed chunk heavier (a CI run decoded 2,000 plain tokens in 2.7 s).
-    body = {"model": MODEL, "messages": HELLO, "max_tokens": 2000, "ignore_eos": True, "stream": True,
-            "logprobs": True, "top_logprobs": 20}
+    body = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
     checks = []
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {secret}"}) as stream:
+    with httpx.stream(
+        "POST", base_url + "/v1/chat/completions", json=body, timeout=120, headers={"authorization": f"Bearer {secret}"}
+    ) as stream:
         assert stream.status_code == 200
         started = time.monotonic()
         for _ in stream.iter_lines():
             # Just past the lease (renewed every third of it), then once per lease period.
             if time.monotonic() - started > LEASE_S * (len(checks) + 1) + 0.25:
-                second = post(base_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1})
+                second = post(
+                    base_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}
+                )
                 if second.status_code == 200 and _finished(redis, key_id, stream.headers["x-request-id"]):
                     break  # the gateway had sent it all (it outran this reader, a CI run saw it): slot due back
                 checks.append((round(time.monotonic() - started, 1), second.status_code))
@@ -170,13 +202,18 @@ def test_a_stream_outliving_the_lease_keeps_its_slot(base_url, redis_server, red
         elapsed = time.monotonic() - started
     assert checks, f"the stream took {elapsed:.1f}s, not longer than its {LEASE_S}s lease"
     wait_until_settled(redis, key_id)
-    assert post(base_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}).status_code == 200
+    assert (
+        post(base_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}).status_code
+        == 200
+    )
 
 
 def _finished(redis, key_id: str, http_request_id: str) -> bool:
     """Whether that request's record is final (settling frees its slot in the same script)."""
-    return any(record.get("http_request_id") == http_request_id and record["status"] not in ("admitted", "running")
-               for record in records(redis, key_id))
+    return any(
+        record.get("http_request_id") == http_request_id and record["status"] not in ("admitted", "running")
+        for record in records(redis, key_id)
+    )
 
 
 def test_a_mix_of_limits_reports_the_longest_wait(base_url, redis_server):
@@ -184,8 +221,9 @@ def test_a_mix_of_limits_reports_the_longest_wait(base_url, redis_server):
     # and requests/min (a minute) both refuse; retry-after must be the minute.
     _, secret = create_key(redis_server.url, "mixed-limits", requests_per_minute=1, max_concurrent=1)
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {secret}"}) as stream:
+    with httpx.stream(
+        "POST", base_url + "/v1/chat/completions", json=body, timeout=120, headers={"authorization": f"Bearer {secret}"}
+    ) as stream:
         assert stream.status_code == 200
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0)
         with pytest.raises(openai.RateLimitError) as caught:
@@ -208,8 +246,13 @@ def test_a_thousand_refusals_with_4kb_request_ids_store_almost_nothing(base_url,
 
     def refused(i):
         request_id = f"{i:04d}" + "x" * 4092
-        response = post(base_url, secret, "/v1/chat/completions",
-                        {"model": MODEL, "messages": HELLO, "max_tokens": 90}, **{"x-request-id": request_id})
+        response = post(
+            base_url,
+            secret,
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": HELLO, "max_tokens": 90},
+            **{"x-request-id": request_id},
+        )
         return response.status_code
 
     def stored() -> int:

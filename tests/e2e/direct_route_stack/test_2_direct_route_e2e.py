@@ -18,17 +18,17 @@ import time
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
-from direct_route_stack.stack_args import LEASE_S, MODEL
-from contract.model_config import direct_app_name, direct_route_prefix
+import pytest
+from dense_prompts import burst, dense, estimate
 from http_checks import assert_error_envelope
 from ports import free_port
-from serve_app.redis_store import redis_names
-from dense_prompts import burst, dense, estimate
 from settled import counters, wait_until_settled
 from stack import call_replica, create_key
+
+from contract.model_config import direct_app_name, direct_route_prefix
+from direct_route_stack.stack_args import LEASE_S, MODEL
+from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
 
@@ -48,15 +48,16 @@ def post(url, secret, path, body) -> httpx.Response:
 
 
 def charged(redis, key_id) -> int:
-    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     return int(redis.hget(redis_names.usage(key_id), f"d:{day}:tokens") or 0)
 
 
 def long_stream(url: str, secret: str):
     """A streamed chat of 1,900 tokens (about 3 s on an idle 2-core box, longer under load)."""
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    return httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120,
-                        headers={"authorization": f"Bearer {secret}"})
+    return httpx.stream(
+        "POST", url + "/v1/chat/completions", json=request, timeout=120, headers={"authorization": f"Bearer {secret}"}
+    )
 
 
 def hang_up_mid_stream(url: str, secret: str) -> None:
@@ -79,10 +80,21 @@ def engine_unfinished() -> int:
 
 def test_the_direct_route_answers_as_the_ingress_does_and_charges_once(base_url, direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-same", requests_per_minute=100)
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    request = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": 12,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     direct = openai.OpenAI(base_url=direct_url + "/v1", api_key=secret, max_retries=0, timeout=120)
-    ingress = openai.OpenAI(base_url=base_url + "/models", api_key=secret, max_retries=0, timeout=120,
-                            default_headers={"extra-parameters": "pass-through"})  # Azure's word for vLLM's own
+    ingress = openai.OpenAI(
+        base_url=base_url + "/models",
+        api_key=secret,
+        max_retries=0,
+        timeout=120,
+        default_headers={"extra-parameters": "pass-through"},
+    )  # Azure's word for vLLM's own
 
     by_direct = direct.chat.completions.with_raw_response.create(**request)
     openai_spec.validate(by_direct.http_response.json(), "CreateChatCompletionResponse")
@@ -98,8 +110,9 @@ def test_the_direct_route_answers_as_the_ingress_does_and_charges_once(base_url,
     assert text == answer.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 12
 
-    completion = direct.completions.create(model=MODEL, prompt="The license", max_tokens=5,
-                                           extra_body={"ignore_eos": True})
+    completion = direct.completions.create(
+        model=MODEL, prompt="The license", max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert completion.usage.completion_tokens == 5
 
     found = wait_until_settled(redis, key_id, records_expected=4)
@@ -117,29 +130,50 @@ def test_v1_requests_naming_the_model_take_one_hop_to_its_direct_route(base_url,
     key_id, secret = create_key(redis_server.url, "one-hop", requests_per_minute=100)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
     before = answered()
-    chat = client.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=6,
-                                                            extra_body={"ignore_eos": True})
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=HELLO, max_tokens=6, extra_body={"ignore_eos": True}
+    )
     assert chat.headers["x-ratelimit-remaining-requests"] == "99"  # admitted by the key's quota
-    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     # One naming its session: placed by the edge's session backend (cluster/haproxy_edge.py).
-    completion = client.completions.create(model=MODEL, prompt="The license", max_tokens=3,
-                                           extra_body={"ignore_eos": True}, extra_headers={"x-session-id": "s-1"})
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="The license",
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-session-id": "s-1"},
+    )
     assert answered() - before == 3  # each answered by the model's replica itself, none by the ingress
     assert chat.parse().usage.completion_tokens == 6 and completion.usage.completion_tokens == 3
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     # A body the edge could not read a model from goes to the ingress, which answers as before.
-    broken = httpx.post(base_url + "/v1/chat/completions", content=b'{"model": "%s", "messages": [' % MODEL.encode(),
-                        headers={"authorization": f"Bearer {secret}", "content-type": "application/json"}, timeout=60)
+    broken = httpx.post(
+        base_url + "/v1/chat/completions",
+        content=b'{"model": "%s", "messages": [' % MODEL.encode(),
+        headers={"authorization": f"Bearer {secret}", "content-type": "application/json"},
+        timeout=60,
+    )
     assert assert_error_envelope(broken, 400)["message"]
     listed = post(base_url, secret, "/v1/chat/completions", {"model": [MODEL], "messages": HELLO})
     assert assert_error_envelope(listed, 400)["param"] == "model"
     unknown = post(base_url, secret, "/v1/chat/completions", {"model": MODEL + "-x", "messages": HELLO})
     assert assert_error_envelope(unknown, 404)
     # Two names for the model: the edge reads the first, the gateway the last; refused, never run.
-    twice = httpx.post(base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"}, timeout=60,
-                       content=b'{"model": "%s", "model": "%s-x", "messages": []}' % (MODEL.encode(), MODEL.encode()))
+    twice = httpx.post(
+        base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {secret}"},
+        timeout=60,
+        content=b'{"model": "%s", "model": "%s-x", "messages": []}' % (MODEL.encode(), MODEL.encode()),
+    )
     assert twice.status_code in (400, 404), twice.text
     found = wait_until_settled(redis, key_id, records_expected=3)
     assert sorted(r["status"] for r in found) == ["completed"] * 3  # the refused left no record
@@ -153,8 +187,10 @@ def test_models_lists_what_the_key_may_use(direct_url, redis_server):
     openai_spec.validate(listed.json(), "ListModelsResponse")
     assert [m["id"] for m in listed.json()["data"]] == [MODEL]
     _, other = create_key(redis_server.url, "direct-other-model", models=["minilm"])
-    assert httpx.get(direct_url + "/v1/models", headers={"authorization": f"Bearer {other}"},
-                     timeout=60).json()["data"] == []
+    assert (
+        httpx.get(direct_url + "/v1/models", headers={"authorization": f"Bearer {other}"}, timeout=60).json()["data"]
+        == []
+    )
 
 
 def test_no_key_a_wrong_key_or_a_model_not_allowed_never_reach_the_engine(direct_url, redis_server, redis):
@@ -166,7 +202,9 @@ def test_no_key_a_wrong_key_or_a_model_not_allowed_never_reach_the_engine(direct
     assert error["code"] == "model_not_allowed"
     # Another model by name on this model's route: not served here, whatever the key.
     _, unlimited = create_key(redis_server.url, "direct-wrong-model")
-    error = assert_error_envelope(post(direct_url, unlimited, "/v1/chat/completions", {**request, "model": "minilm"}), 404)
+    error = assert_error_envelope(
+        post(direct_url, unlimited, "/v1/chat/completions", {**request, "model": "minilm"}), 404
+    )
     assert error["param"] == "model"
     assert charged(redis, key_id) == 0 and not wait_until_settled(redis, key_id)
 
@@ -186,24 +224,39 @@ def test_bad_input_is_a_400_naming_it_and_leaves_nothing(direct_url, redis_serve
     assert error["param"] == param, error
     assert charged(redis, key_id) == 0
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
-    assert post(direct_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO,
-                                                             "max_tokens": 2}).status_code == 200
+    assert (
+        post(
+            direct_url, secret, "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+        ).status_code
+        == 200
+    )
 
 
 def test_a_body_past_the_limit_is_a_413_before_it_is_read(direct_url, redis_server):
     _, secret = create_key(redis_server.url, "direct-huge")
     huge = b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "' + b"a" * 9_000_000 + b'"}]}'
-    response = httpx.post(direct_url + "/v1/chat/completions", content=huge, timeout=60,
-                          headers={"authorization": f"Bearer {secret}", "content-type": "application/json"})
+    response = httpx.post(
+        direct_url + "/v1/chat/completions",
+        content=huge,
+        timeout=60,
+        headers={"authorization": f"Bearer {secret}", "content-type": "application/json"},
+    )
     assert assert_error_envelope(response, 413)["code"] == "request_too_large"
 
 
 def test_a_key_limit_is_one_limit_across_the_direct_route_and_the_ingress(base_url, direct_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "direct-rpm", requests_per_minute=3)
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
-    statuses = [post(url, secret, path, request) for url, path in (
-        (direct_url, "/v1/chat/completions"), (base_url, INGRESS_CHAT), (base_url, "/v1/chat/completions"),
-        (base_url, INGRESS_CHAT), (direct_url, "/v1/chat/completions"))]
+    statuses = [
+        post(url, secret, path, request)
+        for url, path in (
+            (direct_url, "/v1/chat/completions"),
+            (base_url, INGRESS_CHAT),
+            (base_url, "/v1/chat/completions"),
+            (base_url, INGRESS_CHAT),
+            (direct_url, "/v1/chat/completions"),
+        )
+    ]
     assert [r.status_code for r in statuses] == [200, 200, 200, 429, 429], [r.text for r in statuses]
     refused = assert_error_envelope(statuses[-1], 429)
     assert refused["type"] == "requests" and int(statuses[-1].headers["retry-after"]) >= 1
@@ -245,18 +298,25 @@ def test_a_client_gone_mid_stream_stops_the_engine_and_frees_its_place(direct_ur
 # Only while the model is busy (another request of it in flight on the replica):
 # each test below holds a long stream of another key open meanwhile.
 
-STREAMED = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+STREAMED = {
+    "model": MODEL,
+    "messages": HELLO,
+    "max_tokens": 4,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def stream_chat(url: str, secret: str) -> tuple[int, dict | None]:
     """(status, the stream's usage) of one streamed chat, read to its end."""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=STREAMED, timeout=120,
-                      headers={"authorization": f"Bearer {secret}"}) as response:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=STREAMED, timeout=120, headers={"authorization": f"Bearer {secret}"}
+    ) as response:
         usage = None
         for line in response.iter_lines():
             if line.startswith("data: {") and '"usage"' in line:
-                usage = json.loads(line[len("data: "):]).get("usage") or usage
+                usage = json.loads(line[len("data: ") :]).get("usage") or usage
         return response.status_code, usage
 
 
@@ -289,7 +349,8 @@ def wait_engine_idle() -> None:
 
 
 def test_a_flood_past_a_limit_spent_elsewhere_starts_no_more_than_the_room_redis_reported(
-        base_url, direct_url, redis_server, redis):
+    base_url, direct_url, redis_server, redis
+):
     # The direct replica learns the key's room from its own admissions; the rest of
     # the limit is then spent through the ingress, so what the replica believes is stale.
     key_id, secret = create_key(redis_server.url, "direct-flood", requests_per_minute=4)
@@ -382,17 +443,27 @@ def test_a_client_gone_from_a_stream_started_before_admission_stops_the_engine(d
 def tokens_per_chunk(url: str, secret: str, tokens: int) -> tuple[list[int], dict]:
     """How many tokens each chunk of a streamed chat carried (by its logprobs, one
     per token), and the stream's usage."""
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-               "logprobs": True, "stream_options": {"include_usage": True}}
+    request = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
     counts, usage = [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120,
-                      headers={"authorization": f"Bearer {secret}"}) as response:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=request, timeout=120, headers={"authorization": f"Bearer {secret}"}
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 usage = event.get("usage") or usage
-                counts += [len(c["logprobs"]["content"]) for c in event["choices"] if (c.get("logprobs") or {}).get("content")]
+                counts += [
+                    len(c["logprobs"]["content"]) for c in event["choices"] if (c.get("logprobs") or {}).get("content")
+                ]
     return counts, usage
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from ports import free_port
 from redis_server import running_redis
 from stack import LOCAL_CONFIG, CliStack, assert_no_other_stack

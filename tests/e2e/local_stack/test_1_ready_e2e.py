@@ -8,7 +8,6 @@ import os
 
 import httpx
 import pytest
-
 from stack import create_key
 
 pytestmark = pytest.mark.e2e
@@ -19,11 +18,16 @@ def test_the_ready_banner_comes_when_every_model_answers(stack, redis_server):
     stack.wait_ready()
     # The first requests a user sends after the banner succeed, for every model.
     headers = {"authorization": f"Bearer {secret}"}
-    chat = httpx.post(stack.base_url + "/v1/chat/completions", headers=headers, timeout=60,
-                      json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    chat = httpx.post(
+        stack.base_url + "/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert chat.status_code == 200, chat.text
-    embedding = httpx.post(stack.base_url + "/v1/embeddings", headers=headers, timeout=60,
-                           json={"model": "minilm", "input": "hi"})
+    embedding = httpx.post(
+        stack.base_url + "/v1/embeddings", headers=headers, timeout=60, json={"model": "minilm", "input": "hi"}
+    )
     assert embedding.status_code == 200, embedding.text
     terminal = stack.log_path.read_text()
     assert f"URL      {stack.base_url}/v1" in terminal and "tiny-llama, minilm" in terminal
@@ -39,8 +43,13 @@ def test_llmctl_status_shows_what_runs(stack, redis_server):
 
     from stack import BIN
 
-    shown = subprocess.run([str(BIN / "llmctl"), "status", "--json"], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "REDIS_URL": redis_server.url})
+    shown = subprocess.run(
+        [str(BIN / "llmctl"), "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "REDIS_URL": redis_server.url},
+    )
     assert shown.returncode == 0, shown.stderr[-2000:]
     status = json.loads(shown.stdout)
     deployments = status["serve"]["deployments"]
@@ -51,8 +60,13 @@ def test_llmctl_status_shows_what_runs(stack, redis_server):
         assert set(engine) >= {"running", "waiting", "kv_cache_usage"} and 0 <= engine["kv_cache_usage"] <= 1, engine
     assert deployments["Ingress"]["replicas"] == {"RUNNING": 1}
     assert status["redis"]["reachable"] and status["redis"]["keys"] >= 1
-    table = subprocess.run([str(BIN / "llmctl"), "status"], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "REDIS_URL": redis_server.url}).stdout
+    table = subprocess.run(
+        [str(BIN / "llmctl"), "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "REDIS_URL": redis_server.url},
+    ).stdout
     assert "model-tiny-llama" in table and "KV" in table and "redis: reachable" in table
 
 
@@ -65,13 +79,13 @@ def test_haproxys_statistics_and_metrics_answer_no_one_off_the_machine(stack):
     import stat
 
     import psutil
-
     from stack import haproxy_processes
 
     stack.wait_ready()
     [proxy] = [process for process in haproxy_processes() if process.is_running()][:1]
-    listening = {conn.laddr.port: conn.laddr.ip for conn in proxy.net_connections("tcp")
-                 if conn.status == psutil.CONN_LISTEN}
+    listening = {
+        conn.laddr.port: conn.laddr.ip for conn in proxy.net_connections("tcp") if conn.status == psutil.CONN_LISTEN
+    }
     for port in (8404, 9101):  # Ray's defaults: statistics, Prometheus exporter
         assert listening.get(port) == "127.0.0.1", listening
     assert httpx.get("http://127.0.0.1:8404/stats", timeout=10).status_code == 200  # for the operator, on the box
@@ -85,7 +99,6 @@ def test_haproxys_statistics_and_metrics_answer_no_one_off_the_machine(stack):
     assert modes and all(int(mode, 8) & 0o077 == 0 for mode in modes.values()), modes
 
 
-
 def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
     """Ray's metrics endpoints (the gateway's per-key and per-team counts and spend) answer
     on loopback only under `llmctl run` (a one-node Ray on 127.0.0.1: LOOPBACK_RAY in
@@ -96,14 +109,16 @@ def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
     from pathlib import Path
 
     import psutil
-
     from prometheus_server import SERVICE_DISCOVERY_FILE
 
     stack.wait_ready()
     _, secret = create_key(redis_server.url, "metrics-probe")
-    chat = httpx.post(stack.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"},
-                      json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                      timeout=60)
+    chat = httpx.post(
+        stack.base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {secret}"},
+        json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
     assert chat.status_code == 200, chat.text
     targets = [target for group in json.loads(Path(SERVICE_DISCOVERY_FILE).read_text()) for target in group["targets"]]
     assert targets and all(target.startswith("127.0.0.1:") for target in targets), targets
@@ -112,8 +127,11 @@ def test_no_metrics_of_tenants_answer_off_the_machine(stack, redis_server):
         assert time.monotonic() < deadline, "the key's metrics never reached Ray's endpoint"
         time.sleep(1)
     addresses = network_addresses()
-    reachable = {conn.laddr.port for conn in psutil.net_connections("tcp")
-                 if conn.status == psutil.CONN_LISTEN and not conn.laddr.ip.startswith("127.")}
+    reachable = {
+        conn.laddr.port
+        for conn in psutil.net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN and not conn.laddr.ip.startswith("127.")
+    }
     for address in addresses:
         for port in sorted(reachable):
             try:
@@ -129,5 +147,9 @@ def network_addresses() -> list[str]:
 
     import psutil
 
-    return [address.address for addresses in psutil.net_if_addrs().values() for address in addresses
-            if address.family == socket.AF_INET and not address.address.startswith("127.")]
+    return [
+        address.address
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+        if address.family == socket.AF_INET and not address.address.startswith("127.")
+    ]

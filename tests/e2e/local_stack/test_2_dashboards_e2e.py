@@ -32,7 +32,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusError, has_values, running_prometheus
 from stack import BIN, REPO, create_key
 
@@ -83,7 +82,7 @@ def total(found, name: str, **labels) -> float:
     return sum(value for metric, have, value in found if metric == name and labels.items() <= have.items())
 
 
-def delta(load: "Load", name: str, **labels) -> float:
+def delta(load: Load, name: str, **labels) -> float:
     """What the load added to a counter (the earlier modules' requests are the baseline)."""
     return total(load.samples, name, **labels) - total(load.baseline, name, **labels)
 
@@ -102,8 +101,14 @@ class Load:
 
 
 def llmctl(redis_server, *args: str) -> dict:
-    shown = subprocess.run([str(BIN / "llmctl"), *args, "--json"], env={"REDIS_URL": redis_server.url},
-                           capture_output=True, text=True, timeout=60, check=True)
+    shown = subprocess.run(
+        [str(BIN / "llmctl"), *args, "--json"],
+        env={"REDIS_URL": redis_server.url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(shown.stdout)
 
 
@@ -123,8 +128,16 @@ def wave(load: Load, base_url: str, redis_server, secret: str, number: int) -> N
         # chunk ~2 KB: the stream cannot fit in the socket buffers, so the gateway
         # meets the hang-up before the end (a fast run once finished all 1,000 tokens
         # into the buffers and recorded no disconnect).
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "min_tokens": 1000, "ignore_eos": True,
-                "stream": True, "logprobs": True, "top_logprobs": 20}
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 1000,
+            "min_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             next(response.iter_lines())
         load.statuses[200] += 1
@@ -188,8 +201,9 @@ class Trickle(threading.Thread):
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True}
         try:
             while not self.stopping.is_set():
-                with httpx.Client(base_url=self.base_url, timeout=60,
-                                  headers={"authorization": f"Bearer {self.secret}"}) as http:
+                with httpx.Client(
+                    base_url=self.base_url, timeout=60, headers={"authorization": f"Bearer {self.secret}"}
+                ) as http:
                     try:
                         while not self.stopping.wait(2):
                             with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -248,8 +262,10 @@ def load(base_url, redis_server, prometheus) -> Load:
     deadline = time.monotonic() + 60
     while True:  # Ray's endpoint holds every request and every stream's first token
         load.samples = samples(ray_metrics())
-        if (delta(load, "ray_llm_gateway_requests_total") >= sum(load.statuses.values())
-                and delta(load, TTFT_COUNT) >= load.streams):
+        if (
+            delta(load, "ray_llm_gateway_requests_total") >= sum(load.statuses.values())
+            and delta(load, TTFT_COUNT) >= load.streams
+        ):
             break
         assert time.monotonic() < deadline, (delta(load, TTFT_COUNT), load.streams)
         time.sleep(1)
@@ -297,8 +313,12 @@ ZERO_SERIES = [
     *(("ray_llm_gateway_redis_errors_total", {"operation": op}) for op in ("authenticate", "admit", "accounting")),
     *(("ray_llm_gateway_redis_fallbacks_total", {"kind": kind}) for kind in ("cached_key", "local_limits")),
     *(("ray_llm_gateway_client_disconnects_total", {"model": model}) for model in MODELS),
-    *(("ray_llm_gateway_rate_limit_refusals_total", {"model": model, "limit": limit, "level": level})
-      for model in MODELS for limit in ("requests", "tokens", "concurrency", "budget") for level in ("key", "team")),
+    *(
+        ("ray_llm_gateway_rate_limit_refusals_total", {"model": model, "limit": limit, "level": level})
+        for model in MODELS
+        for limit in ("requests", "tokens", "concurrency", "budget")
+        for level in ("key", "team")
+    ),
 ]
 
 
@@ -309,8 +329,11 @@ def test_rare_event_counters_read_zero_before_any_event(prometheus):
     deadline = time.monotonic() + 60
     while True:
         found = samples(ray_metrics())
-        missing = [(name, labels) for name, labels in ZERO_SERIES
-                   if not any(n == name and labels.items() <= have.items() for n, have, _ in found)]
+        missing = [
+            (name, labels)
+            for name, labels in ZERO_SERIES
+            if not any(n == name and labels.items() <= have.items() for n, have, _ in found)
+        ]
         if not missing:
             break
         assert time.monotonic() < deadline, f"never exported: {missing}"
@@ -377,8 +400,12 @@ def test_refusals_by_limit_kind(load):
 
 def test_latency_histograms_and_tokens(load):
     found = load.samples
-    for histogram in ("request_duration_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds",
-                      "admission_seconds"):
+    for histogram in (
+        "request_duration_seconds",
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "admission_seconds",
+    ):
         assert total(found, f"ray_llm_gateway_{histogram}_count") > 0, histogram
         assert total(found, f"ray_llm_gateway_{histogram}_bucket", le="+Inf") > 0, histogram
     assert delta(load, "ray_llm_gateway_time_to_first_token_seconds_count", model=MODEL) == load.streams
@@ -404,16 +431,29 @@ def test_in_flight_gauge_returns_to_zero_and_stays_exported(load):
     # metrics agent reads Ray's default): the series is still there, at 0, because
     # the ingress keeps re-setting it.
     time.sleep(25)
-    idle = [(labels, value) for name, labels, value in samples(ray_metrics())
-            if name == "ray_llm_gateway_requests_in_flight"]
+    idle = [
+        (labels, value)
+        for name, labels, value in samples(ray_metrics())
+        if name == "ray_llm_gateway_requests_in_flight"
+    ]
     assert idle and all(value == 0 for _, value in idle), idle
 
 
 def test_labels_stay_low_cardinality(load):
     gateway = [(name, labels) for name, labels, _ in load.samples if name.startswith("ray_llm_gateway_")]
     allowed = {"model", "route", "status", "limit", "operation", "kind", "outcome", "le", "deployment"}
-    ray_added = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "ReplicaId", "JobId",
-                 "otel_scope_name", "otel_scope_version", "otel_scope_schema_url"}
+    ray_added = {
+        "Component",
+        "NodeAddress",
+        "SessionName",
+        "Version",
+        "WorkerId",
+        "ReplicaId",
+        "JobId",
+        "otel_scope_name",
+        "otel_scope_version",
+        "otel_scope_schema_url",
+    }
     for name, labels in gateway:
         extra = set(labels) - ray_added - allowed
         if name.startswith("ray_llm_gateway_key_"):  # per-key metrics (on in the local config)
@@ -443,23 +483,33 @@ def test_per_key_metrics_on_the_local_config(load):
     assert total(found, "ray_llm_gateway_key_requests_total", key_name="telemetry", status="200") > 0
     assert total(found, "ray_llm_gateway_key_requests_total", key_name="telemetry-limited-1", status="429") == 2
     assert total(found, "ray_llm_gateway_key_tokens_total", key_name="telemetry", kind="completion") > 0
-    used = [value for name, labels, value in found
-            if name == "ray_llm_gateway_key_budget_used_ratio" and labels.get("key_name") == "telemetry-budget-1"]
+    used = [
+        value
+        for name, labels, value in found
+        if name == "ray_llm_gateway_key_budget_used_ratio" and labels.get("key_name") == "telemetry-budget-1"
+    ]
     assert used and 0.5 < max(used) <= 1.5, used  # daily budget of 60 nearly used when it refused
 
 
 def test_model_info_names_the_serve_deployment(load):
     info = [labels for name, labels, value in load.samples if name == "ray_llm_gateway_model_info" and value == 1]
     assert {(labels["model"], labels["deployment"]) for labels in info} == {(m, f"model-{m}") for m in MODELS}
-    serve = {labels.get("deployment") for name, labels, _ in load.samples
-             if name == "ray_serve_deployment_replica_healthy"}
+    serve = {
+        labels.get("deployment") for name, labels, _ in load.samples if name == "ray_serve_deployment_replica_healthy"
+    }
     assert {f"model-{m}" for m in MODELS} <= serve  # the join the replica panels make
 
 
 def test_vllm_engine_metrics_are_on_the_same_endpoint(load):
     names = {name for name, _, _ in load.samples}
-    for wanted in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                   "generation_tokens_total", "prefix_cache_queries_total"):
+    for wanted in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "prefix_cache_queries_total",
+    ):
         assert any(name.startswith("ray_vllm") and wanted in name for name in names), wanted
 
 

@@ -16,7 +16,6 @@ import time
 
 import psutil
 import pytest
-
 from stack import STACK_STOP_S, create_key, engine_processes, ray_processes
 from streaming_load import StreamingLoad
 
@@ -37,8 +36,12 @@ def test_ctrl_c_ends_the_whole_stack_within_its_bound(stack, redis_server):
     stack.wait_serving(secret)
     assert len(engine_processes(workers=False)) == 2  # one per model (chat + embeddings)
     members = psutil.Process(stack.proc.pid).children(recursive=True)
-    load = StreamingLoad(stack.base_url, secret, "tiny-llama", {"messages": [{"role": "user", "content": "hi"}],
-                                                                 "max_tokens": 400, "extra_body": {"ignore_eos": True}})
+    load = StreamingLoad(
+        stack.base_url,
+        secret,
+        "tiny-llama",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "extra_body": {"ignore_eos": True}},
+    )
     load.add(4)
     time.sleep(3)
 

@@ -6,12 +6,12 @@ test_2_quotas_e2e.py ends with a Redis outage, so it is last."""
 from __future__ import annotations
 
 import pytest
-
-from ports import free_port
 from jwks_server import Jwks
-from quota_stack.stack_args import app_args
+from ports import free_port
 from redis_server import running_redis
 from stack import serve_stack
+
+from quota_stack.stack_args import app_args
 
 
 @pytest.fixture(scope="package")

@@ -30,8 +30,9 @@ def wait_until_both_ingresses_serve(base_url: str, secret: str, model: str, time
     while len(seen) < 2:
         assert time.monotonic() < deadline, f"only ingress processes {seen} served"
         try:
-            response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30,
-                                  headers={"authorization": f"Bearer {secret}"})
+            response = httpx.post(
+                base_url + "/v1/chat/completions", json=body, timeout=30, headers={"authorization": f"Bearer {secret}"}
+            )
         except httpx.HTTPError:
             time.sleep(0.5)
             continue

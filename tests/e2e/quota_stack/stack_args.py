@@ -1,5 +1,8 @@
 """The application this package's stack runs: the demo chat model behind two
-ingress replicas, identity tokens of a test-run OIDC provider (a `team` claim names the user's team), with a short key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per key, and a narrow copy of it for the backpressure tests
+ingress replicas, identity tokens of a test-run OIDC provider (a `team` claim names the user's team), with a short
+key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per
+key, and a narrow copy of it for the backpressure
+tests
 (one request at a time per replica, a queue of one, its own alias)."""
 
 from __future__ import annotations
@@ -35,16 +38,25 @@ def app_args(redis_url: str, jwks_url: str | None = None) -> dict:
     args["quota"] = {"key_cache_ttl_s": CACHE_TTL_S, "fail_mode": "open", "redis_timeout_s": 1.0}
     args["redis_url"] = redis_url
     args["admin_token"] = ADMIN
-    args["batch"].update(max_file_bytes=MAX_FILE_BYTES, max_bytes_per_key=KEY_FILE_BYTES, files_dir=FILES_DIR,
-                         max_active_per_key=MAX_ACTIVE_BATCHES)
+    args["batch"].update(
+        max_file_bytes=MAX_FILE_BYTES,
+        max_bytes_per_key=KEY_FILE_BYTES,
+        files_dir=FILES_DIR,
+        max_active_per_key=MAX_ACTIVE_BATCHES,
+    )
     args["store"] = {"max_bytes_per_key": STORED_BYTES}
     # test_1_route_access_e2e.py sends every admin route each wrong credential from one client:
     # each is counted, as a real one would be, under a bound it never reaches (the bound
     # itself: tests/integration/test_quota_hardening.py).
     args["auth"] = {"admin_failures_per_minute": 100_000}
     if jwks_url is not None:  # the test's own identity provider (tests/jwks_server.py)
-        args["auth"]["jwt"] = {"issuer": ISSUER, "audience": AUDIENCE, "jwks_url": jwks_url, "team_claim": TEAM_CLAIM,
-                               "limits": {"requests_per_minute": JWT_REQUESTS_PER_MINUTE}}
+        args["auth"]["jwt"] = {
+            "issuer": ISSUER,
+            "audience": AUDIENCE,
+            "jwks_url": jwks_url,
+            "team_claim": TEAM_CLAIM,
+            "limits": {"requests_per_minute": JWT_REQUESTS_PER_MINUTE},
+        }
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)
     narrow["deployment"] = {**narrow["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}

@@ -19,17 +19,23 @@ import httpx
 import openai
 import pytest
 import redis as redis_sync
-
 from http_checks import assert_error_envelope
 from settled import wait_until_settled
-from quota_stack.stack_args import NARROW, NARROW_ALIAS
 from stack import create_key
+
+from quota_stack.stack_args import NARROW, NARROW_ALIAS
 
 pytestmark = pytest.mark.e2e
 
 MODEL, ALIAS = NARROW, NARROW_ALIAS
-LONG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "min_tokens": 300,
-        "ignore_eos": True, "temperature": 0}
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 300,
+    "min_tokens": 300,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,11 @@ def _hold(base_url, secret, started: threading.Event) -> tuple[int, str | None]:
     chunks, finish = 0, None
     try:
         for chunk in client.chat.completions.create(
-            model=MODEL, messages=LONG["messages"], max_tokens=HOLD_TOKENS, temperature=0, stream=True,
+            model=MODEL,
+            messages=LONG["messages"],
+            max_tokens=HOLD_TOKENS,
+            temperature=0,
+            stream=True,
             extra_body={"min_tokens": HOLD_TOKENS, "ignore_eos": True},
         ):
             for choice in chunk.choices:

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from settled import inference, records, wait_until_settled
+from stack import BIN, create_key
 
 from quota_stack.stack_args import ADMIN, FILES_DIR
 from quota_stack.test_1_batches_e2e import ENDED, chat_line, ended, sdk, start, wait_for
 from serve_app.redis_store import redis_names
-from settled import inference, records, wait_until_settled
-from stack import BIN, create_key
 
 pytestmark = pytest.mark.e2e
 
@@ -30,8 +30,9 @@ ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN}"}
 
 def admin_batch(base_url: str, key_id: str, batch_id: str) -> dict:
     """The batch as the admin API shows it (its key may no longer authenticate)."""
-    page = httpx.get(base_url + "/admin/batches", params={"key": key_id, "limit": 100}, headers=ADMIN_HEADERS,
-                     timeout=30).json()
+    page = httpx.get(
+        base_url + "/admin/batches", params={"key": key_id, "limit": 100}, headers=ADMIN_HEADERS, timeout=30
+    ).json()
     [batch] = [b for b in page["data"] if b["id"] == batch_id]
     return batch
 
@@ -63,8 +64,9 @@ def test_a_revoked_keys_batch_stops_within_seconds(base_url, redis_server, redis
     assert httpx.delete(base_url + f"/admin/keys/{key_id}", headers=ADMIN_HEADERS, timeout=30).status_code == 200
     revoked_at = time.monotonic()
     ran_at_revocation = completed_records(redis, key_id)
-    stopped = wait_for_admin(base_url, key_id, batch.id, lambda b: b["status"] in ("cancelled", "completed"),
-                             timeout_s=10)
+    stopped = wait_for_admin(
+        base_url, key_id, batch.id, lambda b: b["status"] in ("cancelled", "completed"), timeout_s=10
+    )
     assert time.monotonic() - revoked_at < 10 and stopped["status"] == "cancelled", stopped
     # Nothing more runs: what ran after the revocation is what was in flight then
     # (the key is read before each request is sent).
@@ -80,17 +82,21 @@ def test_a_revoked_keys_batch_stops_within_seconds(base_url, redis_server, redis
     assert {line["error"]["code"] for line in errors if line["error"]} == {"api_key_revoked"}
     assert len(cut) <= CONCURRENCY and all(
         line["response"]["status_code"] == 401 and line["response"]["body"]["error"]["code"] == "invalid_api_key"
-        for line in cut), cut
+        for line in cut
+    ), cut
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
     # The revocation is in the audit trail: who, and what it changed.
     trail = httpx.get(base_url + "/admin/audit", params={"target": key_id}, headers=ADMIN_HEADERS, timeout=30).json()
     [revoked] = [entry for entry in trail["data"] if entry["action"] == "key.revoke"]
     assert revoked["actor"] == "admin-token" and (revoked["before"], revoked["after"]) == (
-        {"enabled": True}, {"enabled": False})
+        {"enabled": True},
+        {"enabled": False},
+    )
 
 
 def test_limits_lowered_mid_batch_apply_to_its_next_request_and_a_cancel_ends_it_while_parked(
-        base_url, redis_server, redis):
+    base_url, redis_server, redis
+):
     key_id, secret = create_key(redis_server.url, "tenancy-lowered")
     client = sdk(base_url, secret)
     lines = [chat_line(f"l-{i}", max_tokens=16, min_tokens=16, ignore_eos=True) for i in range(60)]
@@ -100,8 +106,12 @@ def test_limits_lowered_mid_batch_apply_to_its_next_request_and_a_cancel_ends_it
     today = time.strftime("d:%Y%m%d", time.gmtime())
     spent = int(redis.hget(usage_key, f"{today}:tokens") or 0)
     budget = spent + 300
-    changed = httpx.patch(base_url + f"/admin/keys/{key_id}", headers=ADMIN_HEADERS, timeout=30,
-                          json={"daily_token_budget": budget, "requests_per_minute": 1})
+    changed = httpx.patch(
+        base_url + f"/admin/keys/{key_id}",
+        headers=ADMIN_HEADERS,
+        timeout=30,
+        json={"daily_token_budget": budget, "requests_per_minute": 1},
+    )
     assert changed.status_code == 200
     time.sleep(8)  # the key cache (1 s) is long past; the batch has met its new limits
     wait_until_settled(redis, key_id)
@@ -118,14 +128,19 @@ def test_limits_lowered_mid_batch_apply_to_its_next_request_and_a_cancel_ends_it
     assert int(redis.hget(usage_key, f"{today}:tokens")) == charged  # parked: nothing more runs
     # A cancel ends it at once, though it waits for a limit that renews in a minute.
     cancelled_at = time.monotonic()
-    assert httpx.post(base_url + f"/admin/batches/{batch.id}/cancel", headers=ADMIN_HEADERS,
-                      timeout=30).status_code == 200
+    assert (
+        httpx.post(base_url + f"/admin/batches/{batch.id}/cancel", headers=ADMIN_HEADERS, timeout=30).status_code == 200
+    )
     done = wait_for_admin(base_url, key_id, batch.id, lambda b: b["status"] in ENDED, timeout_s=15)
     assert done["status"] == "cancelled" and time.monotonic() - cancelled_at < 15
     assert redis.zcard(redis_names.concurrency(key_id)) == 0
     # Both admin actions are in the audit trail, the limits' change with its old values.
-    audit = {target: httpx.get(base_url + "/admin/audit", params={"target": target}, headers=ADMIN_HEADERS,
-                               timeout=30).json()["data"] for target in (key_id, batch.id)}
+    audit = {
+        target: httpx.get(
+            base_url + "/admin/audit", params={"target": target}, headers=ADMIN_HEADERS, timeout=30
+        ).json()["data"]
+        for target in (key_id, batch.id)
+    }
     [change] = [entry for entry in audit[key_id] if entry["action"] == "key.update"]
     assert change["after"] == {"daily_token_budget": budget, "requests_per_minute": 1}
     assert set(change["before"]) == {"daily_token_budget", "requests_per_minute"}
@@ -167,7 +182,8 @@ def test_a_cancel_stops_a_batch_within_the_requests_in_flight(base_url, redis_se
     batch = start(client, lines)
     wait_for(client, batch.id, lambda b: b.request_counts.completed >= 4)
     ran_before = completed_records(redis, key_id) + len(
-        [r for r in inference(records(redis, key_id)) if r["status"] in ("admitted", "running")])
+        [r for r in inference(records(redis, key_id)) if r["status"] in ("admitted", "running")]
+    )
     client.batches.cancel(batch.id)
     batch = wait_for(client, batch.id, ended, timeout_s=60)
     assert batch.status == "cancelled"
@@ -189,20 +205,38 @@ def test_an_admin_lists_and_cancels_any_keys_batch_through_the_api_and_llmctl(ba
     listed = httpx.get(base_url + "/admin/batches", headers=ADMIN_HEADERS, timeout=30).json()["data"]
     assert {(b["key_id"], b["id"]) for b in listed} >= {(key_id, first.id), (key_id, second.id)}
     env = {"REDIS_URL": redis_server.url, "PATH": str(BIN)}
-    shown = subprocess.run([str(BIN / "llmctl"), "batches", "list", "--key", "tenancy-admin"], env=env,
-                           capture_output=True, text=True, timeout=60, check=True)
+    shown = subprocess.run(
+        [str(BIN / "llmctl"), "batches", "list", "--key", "tenancy-admin"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert [b["id"] for b in json.loads(shown.stdout)] == [second.id, first.id]  # newest first
     cancelled = httpx.post(base_url + f"/admin/batches/{first.id}/cancel", headers=ADMIN_HEADERS, timeout=30)
     assert cancelled.status_code == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
-    by_cli = subprocess.run([str(BIN / "llmctl"), "batches", "cancel", second.id], env=env, capture_output=True,
-                            text=True, timeout=60, check=True)
+    by_cli = subprocess.run(
+        [str(BIN / "llmctl"), "batches", "cancel", second.id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(by_cli.stdout)["key_id"] == key_id
     for batch in (first, second):
         assert wait_for(client, batch.id, ended, timeout_s=30).status == "cancelled"
     missing = httpx.post(base_url + f"/admin/batches/{first.id}/cancel", headers=ADMIN_HEADERS, timeout=30)
     assert missing.status_code == 404  # ended: nothing left to stop
     # Each cancel is audited under who made it (the 404 changed nothing: not recorded).
-    trail = subprocess.run([str(BIN / "llmctl"), "audit", "--limit", "1000"], env=env, capture_output=True, text=True,
-                           timeout=60, check=True)
+    trail = subprocess.run(
+        [str(BIN / "llmctl"), "audit", "--limit", "1000"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     cancels = {e["target"]: e["actor"] for e in json.loads(trail.stdout) if e["action"] == "batch.cancel"}
     assert cancels[first.id] == "admin-token" and cancels[second.id].startswith("llmctl:")

@@ -16,15 +16,22 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
-from quota_stack.ingresses import wait_until_both_ingresses_serve
-from quota_stack.stack_args import (FILES_DIR, KEY_FILE_BYTES, MAX_ACTIVE_BATCHES, MAX_FILE_BYTES, MODEL, NARROW,
-                                    NARROW_ALIAS)
-from serve_app.redis_store import redis_names
+import pytest
 from settled import inference, records, wait_until_settled
 from stack import create_key
+
+from quota_stack.ingresses import wait_until_both_ingresses_serve
+from quota_stack.stack_args import (
+    FILES_DIR,
+    KEY_FILE_BYTES,
+    MAX_ACTIVE_BATCHES,
+    MAX_FILE_BYTES,
+    MODEL,
+    NARROW,
+    NARROW_ALIAS,
+)
+from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
 
@@ -40,9 +47,18 @@ def jsonl(lines: list[dict]) -> bytes:
 
 
 def chat_line(custom_id: str, model: str = MODEL, max_tokens: int = 4, **extra) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "messages": [{"role": "user", "content": f"Say {custom_id}"}],
-                     "max_tokens": max_tokens, "temperature": 0, **extra}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Say {custom_id}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **extra,
+        },
+    }
 
 
 def upload(client: openai.OpenAI, lines: list[dict]):
@@ -53,8 +69,9 @@ def upload(client: openai.OpenAI, lines: list[dict]):
 
 def start(client: openai.OpenAI, lines: list[dict]):
     file = upload(client, lines)
-    raw = client.batches.with_raw_response.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                                  completion_window="24h", metadata={"test": "batches"})
+    raw = client.batches.with_raw_response.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"test": "batches"}
+    )
     openai_spec.validate(raw.http_response.json(), "Batch")
     return raw.parse()
 
@@ -118,25 +135,36 @@ def test_a_batch_of_fifty_requests_on_two_models_is_answered_and_charged_what_it
     assert output_file.purpose == "batch_output" and output_file.id in [f.id for f in listed.parse()]
 
 
-def test_each_bad_request_of_a_batch_is_a_line_of_its_error_file_with_what_a_client_would_get(base_url, redis_server, redis):
+def test_each_bad_request_of_a_batch_is_a_line_of_its_error_file_with_what_a_client_would_get(
+    base_url, redis_server, redis
+):
     key_id, secret = create_key(redis_server.url, "batch-bad-lines", models=[MODEL])
     client = sdk(base_url, secret)
-    lines = [chat_line("fine"),
-             chat_line("not-allowed", model=NARROW),  # a model this key may not use
-             chat_line("unknown", model="no-such-model"),
-             chat_line("streamed", stream=True),
-             chat_line("odd-type", max_tokens="lots"),
-             chat_line("huge", max_tokens=10**30)]
+    lines = [
+        chat_line("fine"),
+        chat_line("not-allowed", model=NARROW),  # a model this key may not use
+        chat_line("unknown", model="no-such-model"),
+        chat_line("streamed", stream=True),
+        chat_line("odd-type", max_tokens="lots"),
+        chat_line("huge", max_tokens=10**30),
+    ]
     batch = wait_for(client, start(client, lines).id, ended)
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 5)
     [ok] = lines_of(client, batch.output_file_id)
     assert ok["custom_id"] == "fine"
     errors = {line["custom_id"]: line["response"] for line in lines_of(client, batch.error_file_id)}
     assert {name: response["status_code"] for name, response in errors.items()} == {
-        "not-allowed": 403, "unknown": 404, "streamed": 400, "odd-type": 400, "huge": 400}
+        "not-allowed": 403,
+        "unknown": 404,
+        "streamed": 400,
+        "odd-type": 400,
+        "huge": 400,
+    }
     for response in errors.values():
         assert set(response["body"]["error"]) >= {"message", "type", "param", "code"}
-    assert "max_tokens" in errors["odd-type"]["body"]["error"]["message"] + str(errors["odd-type"]["body"]["error"]["param"])
+    assert "max_tokens" in errors["odd-type"]["body"]["error"]["message"] + str(
+        errors["odd-type"]["body"]["error"]["param"]
+    )
     charged = inference(wait_until_settled(redis, key_id))
     assert [r for r in charged if r["status"] == "completed"] and len(charged) <= 2  # refused before admission
 
@@ -183,8 +211,9 @@ def test_a_batch_survives_the_death_of_the_ingress_replica_running_it(base_url, 
     assert batch.request_counts.completed == 30 and batch.error_file_id is None
     # Out of the runners' set and its lease given up, just after it ended.
     deadline = time.monotonic() + 10
-    while (redis.exists(redis_names.batch_lease(key_id, batch.id))
-           or redis.sismember(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch.id}")):
+    while redis.exists(redis_names.batch_lease(key_id, batch.id)) or redis.sismember(
+        redis_names.ACTIVE_BATCHES, f"{key_id}/{batch.id}"
+    ):
         assert time.monotonic() < deadline, "the ended batch is still leased or active"
         time.sleep(0.1)
     # The stack as the next module expects it: two ingress replicas serving.
@@ -197,11 +226,14 @@ def test_files_and_batches_belong_to_their_key(base_url, redis_server, redis):
     owner, other = sdk(base_url, secret), sdk(base_url, other_secret)
     batch = start(owner, [chat_line("canary-5ab1")])
     file_id = batch.input_file_id
-    for call in (lambda: other.files.retrieve(file_id), lambda: other.files.content(file_id),
-                 lambda: other.files.delete(file_id), lambda: other.batches.retrieve(batch.id),
-                 lambda: other.batches.cancel(batch.id),
-                 lambda: other.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                              completion_window="24h")):
+    for call in (
+        lambda: other.files.retrieve(file_id),
+        lambda: other.files.content(file_id),
+        lambda: other.files.delete(file_id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+        lambda: other.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     assert other.files.list().data == [] and other.batches.list().data == []
@@ -212,8 +244,13 @@ def test_files_and_batches_belong_to_their_key(base_url, redis_server, redis):
     with pytest.raises(openai.NotFoundError):
         owner.files.content(file_id)
     with httpx.Client(base_url=base_url, timeout=30) as http:
-        for method, path in (("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/batches"),
-                             ("POST", "/v1/batches"), ("GET", f"/v1/batches/{batch.id}")):
+        for method, path in (
+            ("GET", "/v1/files"),
+            ("POST", "/v1/files"),
+            ("GET", "/v1/batches"),
+            ("POST", "/v1/batches"),
+            ("GET", f"/v1/batches/{batch.id}"),
+        ):
             assert http.request(method, path).status_code == 401
         auth = {"authorization": f"Bearer {secret}"}
         for path in ("/v1/files/..%2F..%2Fetc%2Fpasswd", "/v1/files/file-..%2Fx/content", "/v1/files/%2Fetc%2Fpasswd"):
@@ -221,15 +258,18 @@ def test_files_and_batches_belong_to_their_key(base_url, redis_server, redis):
             assert response.status_code == 404 and "root:" not in response.text, (path, response.text)
 
 
-@pytest.mark.parametrize("content, problem", [
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n', "Line 2"),
-    (jsonl([chat_line("same"), chat_line("same")]), "repeats custom_id"),
-    (jsonl([{**chat_line("x"), "method": "GET"}]), "method"),
-    (jsonl([{**chat_line("x"), "body": "hi"}]), "body"),
-    (jsonl([{**chat_line("x"), "custom_id": 7}]), "custom_id"),
-    (b"", "no requests"),
-    (b"\xff\xfe\n", "Line 1"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n', "Line 2"),
+        (jsonl([chat_line("same"), chat_line("same")]), "repeats custom_id"),
+        (jsonl([{**chat_line("x"), "method": "GET"}]), "method"),
+        (jsonl([{**chat_line("x"), "body": "hi"}]), "body"),
+        (jsonl([{**chat_line("x"), "custom_id": 7}]), "custom_id"),
+        (b"", "no requests"),
+        (b"\xff\xfe\n", "Line 1"),
+    ],
+)
 def test_a_file_that_is_no_batch_gets_a_400_naming_the_line(base_url, redis_server, redis, content, problem):
     _, secret = create_key(redis_server.url, f"batch-bad-file-{abs(hash(content)) % 10**8}")
     client = sdk(base_url, secret)
@@ -250,10 +290,12 @@ def test_bad_uploads_and_batch_parameters_are_4xx_and_leave_nothing(base_url, re
         client.files.create(file=("a.jsonl", io.BytesIO(jsonl([chat_line("a")]))), purpose="fine-tune")
     assert client.files.list().data == [] and redis.zcard(redis_names.file_index(key_id)) == 0
     file = upload(client, [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}])
-    for params, param in (({"completion_window": "1h"}, "completion_window"),
-                          ({"endpoint": "/v1/moderations"}, "endpoint"),
-                          ({"metadata": {"k": ["not", "a", "string"]}}, "metadata"),
-                          ({"input_file_id": 7}, "input_file_id")):
+    for params, param in (
+        ({"completion_window": "1h"}, "completion_window"),
+        ({"endpoint": "/v1/moderations"}, "endpoint"),
+        ({"metadata": {"k": ["not", "a", "string"]}}, "metadata"),
+        ({"input_file_id": 7}, "input_file_id"),
+    ):
         body = {"input_file_id": file.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **params}
         response = httpx.post(base_url + "/v1/batches", json=body, headers={"authorization": f"Bearer {secret}"})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -20,12 +20,12 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
+from settled import inference, records, wait_until_settled
+from stack import create_key
 
 from quota_stack.stack_args import ADMIN, MODEL, STORED_BYTES
 from quota_stack.test_1_batches_e2e import chat_line, jsonl, sdk, upload
 from serve_app.redis_store import redis_names
-from settled import inference, records, wait_until_settled
-from stack import create_key
 
 pytestmark = pytest.mark.e2e
 
@@ -57,9 +57,11 @@ def test_files_and_batch_routes_are_admitted_against_requests_per_minute(base_ur
 def test_an_upload_holds_one_of_its_keys_concurrency_slots_while_it_is_read(base_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "hostile-slow-upload", max_concurrent=1)
     boundary = "llmclusterboundary"
-    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"slow.jsonl\"\r\n"
-            "Content-Type: application/jsonl\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="slow.jsonl"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode()
     line = jsonl([chat_line("slow")])
     tail = f"\r\n--{boundary}--\r\n".encode()
 
@@ -70,8 +72,11 @@ def test_an_upload_holds_one_of_its_keys_concurrency_slots_while_it_is_read(base
             yield b" " * 10  # spaces after the line: still one JSON line
         yield line + tail
 
-    headers = {**bearer(secret), "content-type": f"multipart/form-data; boundary={boundary}",
-               "content-length": str(len(head) + 60 + len(line) + len(tail))}
+    headers = {
+        **bearer(secret),
+        "content-type": f"multipart/form-data; boundary={boundary}",
+        "content-length": str(len(head) + 60 + len(line) + len(tail)),
+    }
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(httpx.post, base_url + "/v1/files", content=trickle(), headers=headers, timeout=60)
         time.sleep(1.0)
@@ -83,11 +88,15 @@ def test_an_upload_holds_one_of_its_keys_concurrency_slots_while_it_is_read(base
 
 
 def test_stored_responses_are_bounded_per_key_refused_before_they_run_and_freed_by_delete(
-        base_url, redis_server, redis):
+    base_url, redis_server, redis
+):
     key_id, secret = create_key(redis_server.url, "hostile-storage")
     note = "n" * (400 * 1024)  # junk in an input item: stored, never tokenized
-    body = {"model": MODEL, "max_output_tokens": 2,
-            "input": [{"type": "message", "role": "user", "content": "hi", "note": note}]}
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 2,
+        "input": [{"type": "message", "role": "user", "content": "hi", "note": note}],
+    }
     stored, refused = [], None
     with httpx.Client(base_url=base_url, headers=bearer(secret), timeout=120) as http:
         for _ in range(8):
@@ -109,8 +118,10 @@ def test_stored_responses_are_bounded_per_key_refused_before_they_run_and_freed_
         assert http.delete(f"/v1/responses/{stored[0]}").status_code == 200
         assert http.post("/v1/responses", json=body).status_code == 200
         # A follow-up on a stored response counts its whole conversation again.
-        follow_up = http.post("/v1/responses", json={"model": MODEL, "max_output_tokens": 2, "input": "more",
-                                                      "previous_response_id": stored[1]})
+        follow_up = http.post(
+            "/v1/responses",
+            json={"model": MODEL, "max_output_tokens": 2, "input": "more", "previous_response_id": stored[1]},
+        )
         assert follow_up.status_code == 400 and follow_up.json()["error"]["code"] == "storage_limit_exceeded"
         # OpenAI's metadata bounds, before anything is stored or run.
         for metadata in ({"k": "v" * 513}, {str(i): "v" for i in range(17)}, {"k" * 65: "v"}):
@@ -126,8 +137,12 @@ def test_a_refused_follow_up_never_reads_its_stored_conversation(base_url, redis
         assert first.status_code == 200, first.text
         name = redis_names.stored_response(key_id, first.json()["id"])
         assert http.get(f"/v1/responses/{first.json()['id']}").status_code == 200  # the minute's second request
-        follow_up = {"model": MODEL, "max_output_tokens": 2, "input": "more",
-                     "previous_response_id": first.json()["id"]}
+        follow_up = {
+            "model": MODEL,
+            "max_output_tokens": 2,
+            "input": "more",
+            "previous_response_id": first.json()["id"],
+        }
         with watching(redis) as seen:
             refused = [http.post("/v1/responses", json=follow_up) for _ in range(3)]
     assert [r.status_code for r in refused] == [429] * 3 and refused[0].json()["error"]["type"] == "requests"
@@ -167,20 +182,32 @@ def test_an_odd_listing_limit_is_a_400_naming_it(base_url, redis_server, path, l
     assert len(response.text) < 400
 
 
-@pytest.mark.parametrize("raw, problem", [
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": ' + b"[" * 200_000
-     + b"]" * 200_000 + b"}", "nested more than"),
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-llama", '
-     b'"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}}', "NaN"),
-    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-llama", '
-     b'"messages": [{"role": "user", "content": "\\ud800"}]}}', "unpaired"),
-])
-def test_a_batch_line_a_request_body_could_not_be_is_a_400_naming_the_line(base_url, redis_server, redis, raw,
-                                                                            problem):
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+            + b"[" * 200_000
+            + b"]" * 200_000
+            + b"}",
+            "nested more than",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-llama", '
+            b'"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}}',
+            "NaN",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-llama", '
+            b'"messages": [{"role": "user", "content": "\\ud800"}]}}',
+            "unpaired",
+        ),
+    ],
+)
+def test_a_batch_line_a_request_body_could_not_be_is_a_400_naming_the_line(base_url, redis_server, redis, raw, problem):
     key_id, secret = create_key(redis_server.url, f"hostile-line-{abs(hash(raw)) % 10**8}")
     client = sdk(base_url, secret)
-    file = client.files.create(file=("bad.jsonl", io.BytesIO(jsonl([chat_line("ok")]) + raw + b"\n")),
-                               purpose="batch")
+    file = client.files.create(file=("bad.jsonl", io.BytesIO(jsonl([chat_line("ok")]) + raw + b"\n")), purpose="batch")
     with pytest.raises(openai.BadRequestError) as caught:
         client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert "Line 2" in caught.value.message and problem in caught.value.message
@@ -205,40 +232,48 @@ def test_a_batch_echoing_huge_values_stays_small_in_redis_and_in_its_listing(bas
 def test_a_utf8_filename_is_kept_and_sent_back_as_rfc_5987(base_url, redis_server):
     _, secret = create_key(redis_server.url, "hostile-filename")
     client = sdk(base_url, secret)
-    name = "données-日本語 \"q\".jsonl"
+    name = 'données-日本語 "q".jsonl'
     file = client.files.create(file=(name, io.BytesIO(jsonl([chat_line("a")]))), purpose="batch")
     assert client.files.retrieve(file.id).filename == "données-日本語 _q_.jsonl"  # quotes never reach a header
     content = httpx.get(base_url + f"/v1/files/{file.id}/content", headers=bearer(secret), timeout=30)
     assert content.status_code == 200
-    assert "filename*=utf-8''donn%C3%A9es-%E6%97%A5%E6%9C%AC%E8%AA%9E%20_q_.jsonl" in content.headers[
-        "content-disposition"]
-
+    assert (
+        "filename*=utf-8''donn%C3%A9es-%E6%97%A5%E6%9C%AC%E8%AA%9E%20_q_.jsonl"
+        in content.headers["content-disposition"]
+    )
 
 
 def test_a_file_named_only_in_rfc_5987s_form_is_stored_under_that_name(base_url, redis_server):
     """RFC 7578 forbids ``filename*`` in a form, but curl scripts and some libraries send only that."""
     _, secret = create_key(redis_server.url, "hostile-filename-star")
     boundary = "b0undary"
-    form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
-            f"filename*=UTF-8''%E2%82%AC%20rates%22.jsonl\r\nContent-Type: application/jsonl\r\n\r\n").encode()
+    form = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+        f"filename*=UTF-8''%E2%82%AC%20rates%22.jsonl\r\nContent-Type: application/jsonl\r\n\r\n"
+    ).encode()
     form += jsonl([chat_line("a")]) + f"\r\n--{boundary}--\r\n".encode()
-    created = httpx.post(base_url + "/v1/files", content=form, timeout=30,
-                         headers={**bearer(secret), "content-type": f"multipart/form-data; boundary={boundary}"})
+    created = httpx.post(
+        base_url + "/v1/files",
+        content=form,
+        timeout=30,
+        headers={**bearer(secret), "content-type": f"multipart/form-data; boundary={boundary}"},
+    )
     assert created.status_code == 200, created.text
     assert created.json()["filename"] == "€ rates_.jsonl" and created.json()["bytes"] == len(jsonl([chat_line("a")]))
     content = httpx.get(base_url + f"/v1/files/{created.json()['id']}/content", headers=bearer(secret), timeout=30)
     assert content.content == jsonl([chat_line("a")])
 
-def test_an_x_request_id_reused_by_another_key_never_takes_over_the_first_ones_lookup(base_url, redis_server,
-                                                                                       redis):
+
+def test_an_x_request_id_reused_by_another_key_never_takes_over_the_first_ones_lookup(base_url, redis_server, redis):
     first_id, first = create_key(redis_server.url, "hostile-xrid-first")
     other_id, other = create_key(redis_server.url, "hostile-xrid-other")
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     shared = f"req-{time.time_ns()}"
     for secret in (first, other):
-        response = httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60,
-                              headers={**bearer(secret), "x-request-id": shared})
+        response = httpx.post(
+            base_url + "/v1/chat/completions", json=chat, timeout=60, headers={**bearer(secret), "x-request-id": shared}
+        )
         assert response.status_code == 200 and response.headers["x-request-id"] == shared
     wait_until_settled(redis, first_id)
     wait_until_settled(redis, other_id)
@@ -274,13 +309,20 @@ def test_the_edge_cuts_off_a_client_trickling_its_headers(base_url):
 
 
 def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_within_seconds_charged_its_prompt(
-        base_url, redis_server, redis):
+    base_url, redis_server, redis
+):
     key_id, secret = create_key(redis_server.url, "hostile-revoked-unary")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
-            "min_tokens": 2000, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 2000,
+        "min_tokens": 2000,
+        "ignore_eos": True,
+    }
     with ThreadPoolExecutor(1) as pool:
-        call = pool.submit(httpx.post, base_url + "/v1/chat/completions", json=body, headers=bearer(secret),
-                           timeout=120)
+        call = pool.submit(
+            httpx.post, base_url + "/v1/chat/completions", json=body, headers=bearer(secret), timeout=120
+        )
         deadline = time.monotonic() + 30
         while not redis.zcard(redis_names.concurrency(key_id)):  # admitted: it runs
             assert time.monotonic() < deadline and not call.done(), call.done() and call.result().text
@@ -299,13 +341,21 @@ def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_within_seconds
 
 
 def test_a_stream_of_a_key_revoked_while_it_runs_stops_within_seconds_charged_what_it_delivered(
-        base_url, redis_server, redis):
+    base_url, redis_server, redis
+):
     key_id, secret = create_key(redis_server.url, "hostile-revoked-stream")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
-            "min_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 2000,
+        "min_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     events, revoked_at = [], None
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, headers=bearer(secret),
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", base_url + "/v1/chat/completions", json=body, headers=bearer(secret), timeout=120
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data: "):

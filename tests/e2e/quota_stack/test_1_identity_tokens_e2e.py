@@ -11,12 +11,12 @@ import time
 import httpx
 import openai
 import pytest
-
 from http_checks import assert_error_envelope
+from settled import inference, wait_until_settled
+
 from quota_stack.stack_args import JWT_REQUESTS_PER_MINUTE, MODEL
 from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import JwtConfig
-from settled import inference, wait_until_settled
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +32,10 @@ def user_id(jwks, sub: str) -> str:
 def test_a_users_token_is_admitted_against_its_own_limits_and_charged_to_it(base_url, jwks, redis):
     sub = f"ana-{time.monotonic_ns()}@example.com"
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=jwks.token("k1", sub=sub), max_retries=0, timeout=120)
-    answers = [client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
-               for _ in range(JWT_REQUESTS_PER_MINUTE)]
+    answers = [
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+        for _ in range(JWT_REQUESTS_PER_MINUTE)
+    ]
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
     assert refused.value.response.json()["error"]["type"] == "requests"
@@ -41,23 +43,39 @@ def test_a_users_token_is_admitted_against_its_own_limits_and_charged_to_it(base
     assert len(records) == JWT_REQUESTS_PER_MINUTE and {r["status"] for r in records} == {"completed"}
     assert sum(int(r["completion_tokens"]) for r in records) == sum(a.usage.completion_tokens for a in answers)
     # Another user of the provider has a limit of its own.
-    other = openai.OpenAI(base_url=base_url + "/v1", api_key=jwks.token("k1", sub="bo-" + sub), max_retries=0,
-                          timeout=120)
+    other = openai.OpenAI(
+        base_url=base_url + "/v1", api_key=jwks.token("k1", sub="bo-" + sub), max_retries=0, timeout=120
+    )
     assert other.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).choices
 
 
 def test_a_bad_token_is_a_401_naming_why_and_a_batch_needs_an_api_key(base_url, jwks):
     expired = jwks.token("k1", exp=int(time.time()) - 600)
-    for token, reason in ((expired, "expired"), (jwks.token("k1", aud="someone-else"), "audience"),
-                          (jwks.token("k9", key=jwks.keys["k1"]), "unknown key")):
-        response = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": HELLO},
-                              headers={"authorization": f"Bearer {token}"}, timeout=60)
+    for token, reason in (
+        (expired, "expired"),
+        (jwks.token("k1", aud="someone-else"), "audience"),
+        (jwks.token("k9", key=jwks.keys["k1"]), "unknown key"),
+    ):
+        response = httpx.post(
+            base_url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": HELLO},
+            headers={"authorization": f"Bearer {token}"},
+            timeout=60,
+        )
         assert_error_envelope(response, 401)
         assert reason in response.json()["error"]["message"]
-    anthropic_style = httpx.post(base_url + "/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": HELLO},
-                                 headers={"x-api-key": expired}, timeout=60)
+    anthropic_style = httpx.post(
+        base_url + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 1, "messages": HELLO},
+        headers={"x-api-key": expired},
+        timeout=60,
+    )
     assert anthropic_style.status_code == 401 and anthropic_style.json()["type"] == "error"
-    batch = httpx.post(base_url + "/v1/batches", headers={"authorization": f"Bearer {jwks.token('k1')}"}, timeout=60,
-                       json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    batch = httpx.post(
+        base_url + "/v1/batches",
+        headers={"authorization": f"Bearer {jwks.token('k1')}"},
+        timeout=60,
+        json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert_error_envelope(batch, 403)
     assert batch.json()["error"]["code"] == "batch_needs_api_key"

@@ -17,13 +17,13 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from dense_prompts import burst, dense, estimate
+from settled import counters, wait_until_settled
+from stack import create_key, local_app_args
+
 from quota_stack.stack_args import MODEL
 from quota_stack.test_1_batches_e2e import chat_line, jsonl, wait_for
 from quota_stack.test_1_teams_e2e import admin, prices
-from settled import counters, wait_until_settled
-from stack import create_key, local_app_args
 
 pytestmark = pytest.mark.e2e
 
@@ -59,8 +59,9 @@ def test_a_teams_token_and_money_budgets_hold_against_both_keys_bursting(base_ur
     per_cached = cached_price()
     for limit, value in (("daily_token_budget", budget), ("daily_cost_budget_usd", usd)):
         team = admin("POST", base_url, "/admin/teams", name=f"dense-{limit}-{tag}", **{limit: value})
-        keys = [admin("POST", base_url, "/admin/keys", name=f"dense-{limit}-{tag}-{i}", team=team["id"])
-                for i in range(2)]
+        keys = [
+            admin("POST", base_url, "/admin/keys", name=f"dense-{limit}-{tag}-{i}", team=team["id"]) for i in range(2)
+        ]
         prompts = [dense("emoji", 400, seed=2), dense("cjk", 500, seed=3)]
         answered = burst(base_url, [key["secret"] for key in keys], prompts, max_tokens=100, model=MODEL)
         for key in keys:
@@ -74,8 +75,11 @@ def test_a_teams_token_and_money_budgets_hold_against_both_keys_bursting(base_ur
             assert charged["tokens"] <= budget, charged
         else:
             assert charged["cost_nanos"] == sum(
-                (u.prompt_tokens - cached(u)) * per_prompt + cached(u) * per_cached + u.completion_tokens * per_completion
-                for u in answered)
+                (u.prompt_tokens - cached(u)) * per_prompt
+                + cached(u) * per_cached
+                + u.completion_tokens * per_completion
+                for u in answered
+            )
             assert charged["cost_nanos"] <= usd * 1e9, charged
 
 
@@ -101,8 +105,9 @@ def test_every_route_that_runs_a_prompt_answers_one_denser_than_its_estimate(bas
     messages = [{"role": "user", "content": prompt}]
     prompts_used = []
     prompts_used.append(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4).usage)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
     prompts_used.append([chunk.usage for chunk in stream if chunk.usage][-1])
     three = client.completions.create(model=MODEL, prompt=[prompt, prompt[:300], prompt[300:]], max_tokens=2).usage
     assert three.prompt_tokens >= floor
@@ -116,9 +121,13 @@ def test_every_route_that_runs_a_prompt_answers_one_denser_than_its_estimate(bas
     assert all(usage.prompt_tokens >= floor for usage in prompts_used)
     wait_until_settled(redis, key_id)
     charged = counters(redis, key_id)
-    assert charged["tokens"] == (sum(u.prompt_tokens + u.completion_tokens for u in prompts_used)
-                                 + response.usage.input_tokens + response.usage.output_tokens
-                                 + message_prompt + message.usage.output_tokens)
+    assert charged["tokens"] == (
+        sum(u.prompt_tokens + u.completion_tokens for u in prompts_used)
+        + response.usage.input_tokens
+        + response.usage.output_tokens
+        + message_prompt
+        + message.usage.output_tokens
+    )
     # Every request was charged once: the refused first attempts cost nothing.
     assert charged["requests"] >= 5
 
@@ -126,8 +135,12 @@ def test_every_route_that_runs_a_prompt_answers_one_denser_than_its_estimate(bas
 def test_the_tokenizer_route_counts_a_dense_prompt_without_refusing_it(base_url, redis_server):
     _, secret = create_key(redis_server.url, f"tokenize-dense-{time.monotonic_ns()}", daily_token_budget=10)
     prompt = dense("emoji", 300, seed=4)
-    answer = httpx.post(base_url + "/tokenize", headers={"authorization": f"Bearer {secret}"},
-                        json={"model": MODEL, "prompt": prompt}, timeout=60)
+    answer = httpx.post(
+        base_url + "/tokenize",
+        headers={"authorization": f"Bearer {secret}"},
+        json={"model": MODEL, "prompt": prompt},
+        timeout=60,
+    )
     assert answer.status_code == 200, answer.text
     assert answer.json()["count"] > 4 * 300 // 2  # counted, and never refused by the budget of 10
 
@@ -167,9 +180,17 @@ def test_a_batch_of_dense_lines_never_passes_its_keys_budget(base_url, redis_ser
     budget = 6_000
     key_id, secret = create_key(redis_server.url, f"batch-dense-{time.monotonic_ns()}", daily_token_budget=budget)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=60)
-    lines = [{**chat_line(f"d{i}", max_tokens=20),
-              "body": {"model": MODEL, "messages": [{"role": "user", "content": dense("emoji", 300, seed=i)}],
-                       "max_tokens": 20}} for i in range(12)]
+    lines = [
+        {
+            **chat_line(f"d{i}", max_tokens=20),
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": dense("emoji", 300, seed=i)}],
+                "max_tokens": 20,
+            },
+        }
+        for i in range(12)
+    ]
     file = client.files.create(file=("dense.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     seen, still_since = -1, time.monotonic()
@@ -200,8 +221,9 @@ def test_a_resized_request_counts_once_so_a_key_of_one_request_a_minute_can_send
     key_id, secret = create_key(redis_server.url, f"rpm1-dense-{time.monotonic_ns()}", requests_per_minute=1)
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
     prompt = dense("digits", 600, seed=5)
-    usage = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=2).usage
+    usage = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2
+    ).usage
     assert usage.prompt_tokens > estimate(prompt)  # it was resized
     wait_until_settled(redis, key_id)
     charged = counters(redis, key_id)

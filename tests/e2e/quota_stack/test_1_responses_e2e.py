@@ -12,15 +12,16 @@ import uuid
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
-from quota_stack.ingresses import ingress_pid
-from quota_stack.stack_args import MODEL
+import pytest
 from settled import wait_until_settled
 from stack import create_key
 
+from quota_stack.ingresses import ingress_pid
+from quota_stack.stack_args import MODEL
+
 pytestmark = pytest.mark.e2e
+
 
 def sdk(base_url: str, secret: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
@@ -38,8 +39,9 @@ def test_a_response_is_the_chat_answer_in_the_responses_shape_and_charged_its_us
     client = sdk(base_url, secret)
     response, _ = create(client, input="Tell me a story.", max_output_tokens=8, store=False)
     assert response.status in ("completed", "incomplete") and response.store is False
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=8, temperature=0
+    )
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     records = wait_until_settled(redis, key_id)
@@ -52,8 +54,7 @@ def test_a_response_is_the_chat_answer_in_the_responses_shape_and_charged_its_us
 def test_a_streamed_response_has_the_typed_events_and_is_stored(base_url, redis_server):
     _, secret = create_key(redis_server.url, "responses-stream")
     client = sdk(base_url, secret)
-    with client.responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=8,
-                                 temperature=0) as stream:
+    with client.responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=8, temperature=0) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
@@ -67,19 +68,23 @@ def test_a_follow_up_on_another_ingress_replica_continues_the_conversation(base_
     first, first_request = create(sdk(base_url, secret), input="Hi, I am Ada.", max_output_tokens=6)
     # New connections until the follow-up lands on the other ingress replica.
     for _ in range(12):
-        second, second_request = create(sdk(base_url, secret), input="What is my name?", max_output_tokens=6,
-                                        previous_response_id=first.id)
+        second, second_request = create(
+            sdk(base_url, secret), input="What is my name?", max_output_tokens=6, previous_response_id=first.id
+        )
         if ingress_pid(second_request) != ingress_pid(first_request):
             break
     else:
         raise AssertionError("every follow-up reached the first turn's ingress replica")
     assert second.previous_response_id == first.id
     # The engine saw the whole conversation: as many input tokens as chat counts for it.
-    conversation = [{"role": "user", "content": "Hi, I am Ada."},
-                    {"role": "assistant", "content": first.output_text},
-                    {"role": "user", "content": "What is my name?"}]
-    chat = sdk(base_url, secret).chat.completions.create(model=MODEL, messages=conversation, max_tokens=6,
-                                                         temperature=0)
+    conversation = [
+        {"role": "user", "content": "Hi, I am Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    chat = sdk(base_url, secret).chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=6, temperature=0
+    )
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.output_text == chat.choices[0].message.content
     items = sdk(base_url, secret).responses.input_items.list(second.id)
@@ -108,52 +113,93 @@ def test_another_key_can_neither_read_nor_continue_nor_delete_a_response(base_ur
         create(owned, input="and then?", previous_response_id=response.id, max_output_tokens=2)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "store": "yes"}, "store"),
-    ({"input": {"role": "user"}}, "input"),
-    ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
-    ({"input": [{"role": "robot", "content": "x"}]}, None),  # vLLM's own validation
-    # no server-side fetch of a URL the model's media policy does not allow
-    ({"input": [{"role": "user", "content": [{"type": "input_image",
-                                               "image_url": "http://169.254.169.254/latest/meta-data"}]}]},
-     "messages"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "store": "yes"}, "store"),
+        ({"input": {"role": "user"}}, "input"),
+        ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
+        ({"input": [{"role": "robot", "content": "x"}]}, None),  # vLLM's own validation
+        # no server-side fetch of a URL the model's media policy does not allow
+        (
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_image", "image_url": "http://169.254.169.254/latest/meta-data"}],
+                    }
+                ]
+            },
+            "messages",
+        ),
+    ],
+)
 def test_bad_requests_are_a_400(base_url, redis_server, body, param):
     _, secret = create_key(redis_server.url, f"responses-bad-{uuid.uuid4().hex[:8]}")
-    response = httpx.post(base_url + "/v1/responses", json={"model": MODEL, **body}, timeout=60,
-                          headers={"authorization": f"Bearer {secret}"})
+    response = httpx.post(
+        base_url + "/v1/responses",
+        json={"model": MODEL, **body},
+        timeout=60,
+        headers={"authorization": f"Bearer {secret}"},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     if param is not None:
         assert error["param"] == param, error
 
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
-                          "required": ["city"], "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 def test_a_function_call_and_its_output_continue_through_previous_response_id(base_url, redis_server):
     _, secret = create_key(redis_server.url, "responses-tools")
     client = sdk(base_url, secret)
-    called, _ = create(client, input="Weather in Oslo?", tools=[WEATHER], max_output_tokens=60,
-                       tool_choice={"type": "function", "name": "get_weather"})
+    called, _ = create(
+        client,
+        input="Weather in Oslo?",
+        tools=[WEATHER],
+        max_output_tokens=60,
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     [call] = [item for item in called.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Oslo", "Lima")
-    answer, _ = create(client, previous_response_id=called.id, tools=[WEATHER], max_output_tokens=6,
-                       input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    answer, _ = create(
+        client,
+        previous_response_id=called.id,
+        tools=[WEATHER],
+        max_output_tokens=6,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+    )
     assert answer.previous_response_id == called.id and answer.status in ("completed", "incomplete")
     assert answer.usage.input_tokens > called.usage.input_tokens  # the call and its output were in the input
 
 
 def test_text_format_json_schema_is_followed(base_url, redis_server):
     _, secret = create_key(redis_server.url, "responses-schema")
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-              "required": ["answer"], "additionalProperties": False}
-    response, _ = create(sdk(base_url, secret), input="Is water wet?", max_output_tokens=30,
-                         text={"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response, _ = create(
+        sdk(base_url, secret),
+        input="Is water wet?",
+        max_output_tokens=30,
+        text={"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}},
+    )
     assert json.loads(response.output_text)["answer"] in ("yes", "no")
 
 

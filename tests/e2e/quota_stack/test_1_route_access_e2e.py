@@ -27,13 +27,13 @@ import time
 
 import httpx
 import pytest
+from stack import create_key
 
 from quota_stack.stack_args import ADMIN, MODEL
 from serve_app.admin import operations as admin
 from serve_app.admin.operations import AdminStores
 from serve_app.http.ingress import ROUTE_ACCESS
 from serve_app.redis_store.redis_client import connect
-from stack import create_key
 
 pytestmark = pytest.mark.e2e
 
@@ -54,14 +54,20 @@ def secrets(base_url, redis_server, jwks) -> dict[str, str | None]:
         time.sleep(0.5)
     tag = time.monotonic_ns()
     disabled = asyncio.run(disabled_team_key(redis_server.url, f"access-disabled-{tag}"))
-    return {"none": None, "key": create_key(redis_server.url, f"access-{tag}")[1], "disabled_team_key": disabled,
-            "identity_token": jwks.token("k1", sub=f"access-{tag}@example.com"), "admin": ADMIN}
+    return {
+        "none": None,
+        "key": create_key(redis_server.url, f"access-{tag}")[1],
+        "disabled_team_key": disabled,
+        "identity_token": jwks.token("k1", sub=f"access-{tag}@example.com"),
+        "admin": ADMIN,
+    }
 
 
 @pytest.fixture(scope="module")
 def console_session(base_url) -> str:
-    login = httpx.post(base_url + "/console/login", data={"credential": ADMIN}, headers={"origin": base_url},
-                       timeout=30)
+    login = httpx.post(
+        base_url + "/console/login", data={"credential": ADMIN}, headers={"origin": base_url}, timeout=30
+    )
     assert login.status_code == 303, login.text
     return login.cookies["llm_console"]
 
@@ -83,8 +89,14 @@ def call(base_url: str, method: str, path: str, secret: str | None, cookies: dic
     headers = {"authorization": f"Bearer {secret}"} if secret else {}
     if method in ("POST", "PATCH", "PUT"):
         headers["content-type"] = "application/json"
-    return httpx.request(method, base_url + filled(path), headers=headers, cookies=cookies, timeout=60,
-                         content=b"{}" if method in ("POST", "PATCH", "PUT") else None)
+    return httpx.request(
+        method,
+        base_url + filled(path),
+        headers=headers,
+        cookies=cookies,
+        timeout=60,
+        content=b"{}" if method in ("POST", "PATCH", "PUT") else None,
+    )
 
 
 def test_every_route_declares_an_access_this_module_knows():
@@ -93,8 +105,9 @@ def test_every_route_declares_an_access_this_module_knows():
 
 @pytest.mark.parametrize("credential", CREDENTIALS)
 @pytest.mark.parametrize("method, path", sorted(ROUTE_ACCESS))
-def test_each_route_answers_each_credential_as_its_access_declares(base_url, secrets, console_session, method, path,
-                                                                   credential):
+def test_each_route_answers_each_credential_as_its_access_declares(
+    base_url, secrets, console_session, method, path, credential
+):
     access = ROUTE_ACCESS[(method, path)]
     if access == "console":
         cookies = {"llm_console": console_session} if credential == "admin" else None

@@ -16,12 +16,12 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+from settled import counters, inference, wait_until_settled
+from stack import local_app_args
 
 from quota_stack.stack_args import ADMIN, CACHE_TTL_S, JWT_REQUESTS_PER_MINUTE, MODEL, TEAM_CLAIM
 from quota_stack.test_1_batches_e2e import chat_line, sdk, start, wait_for
 from serve_app.redis_store import redis_names
-from settled import counters, inference, wait_until_settled
-from stack import local_app_args
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +32,9 @@ CLIENTS, FLOOD_S = 16, 6.0
 
 
 def admin(method: str, base_url: str, path: str, **body) -> dict:
-    response = httpx.request(method, base_url + path, headers=ADMIN_HEADERS, timeout=30, **({"json": body}
-                                                                                           if body else {}))
+    response = httpx.request(
+        method, base_url + path, headers=ADMIN_HEADERS, timeout=30, **({"json": body} if body else {})
+    )
     assert response.status_code in (200, 201), response.text
     return response.json()
 
@@ -41,15 +42,20 @@ def admin(method: str, base_url: str, path: str, **body) -> dict:
 def prices() -> tuple[int, int]:
     """The stack's prices of the model, nano-dollars per prompt and completion token."""
     [model] = [m for m in local_app_args([MODEL])["models"] if m["name"] == MODEL]
-    return round(model["pricing"]["prompt_per_million"] * 1000), round(model["pricing"]["completion_per_million"] * 1000)
+    return round(model["pricing"]["prompt_per_million"] * 1000), round(
+        model["pricing"]["completion_per_million"] * 1000
+    )
 
 
 def test_two_keys_of_a_team_hammering_together_never_exceed_the_team_nor_their_own(base_url, redis):
     tag = f"{time.monotonic_ns()}"
-    team = admin("POST", base_url, "/admin/teams", name=f"flood-{tag}", requests_per_minute=TEAM_RPM,
-                 daily_cost_budget_usd=1.0)
-    keys = [admin("POST", base_url, "/admin/keys", name=f"flood-{tag}-{i}", team=team["name"],
-                  requests_per_minute=KEY_RPM) for i in range(2)]
+    team = admin(
+        "POST", base_url, "/admin/teams", name=f"flood-{tag}", requests_per_minute=TEAM_RPM, daily_cost_budget_usd=1.0
+    )
+    keys = [
+        admin("POST", base_url, "/admin/keys", name=f"flood-{tag}-{i}", team=team["name"], requests_per_minute=KEY_RPM)
+        for i in range(2)
+    ]
     assert {k["team"] for k in keys} == {team["id"]}
     outcomes: list[tuple[str, int, dict, str]] = []  # (key id, status, usage, scope)
     lock, stop = threading.Lock(), threading.Event()
@@ -63,8 +69,9 @@ def test_two_keys_of_a_team_hammering_together_never_exceed_the_team_nor_their_o
                 if shape == 0:
                     usage = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8).usage
                 elif shape == 1:
-                    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stream=True,
-                                                            stream_options={"include_usage": True})
+                    stream = client.chat.completions.create(
+                        model=MODEL, messages=HELLO, max_tokens=8, stream=True, stream_options={"include_usage": True}
+                    )
                     usage = [chunk.usage for chunk in stream if chunk.usage][-1]
                 elif shape == 2:
                     usage = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4).usage
@@ -110,17 +117,21 @@ def test_two_keys_of_a_team_hammering_together_never_exceed_the_team_nor_their_o
     for key in keys:
         own = counters(redis, key["id"])
         assert own["requests"] == per_key[key["id"]] and own.get("tokens", 0) == sum(
-            o[2]["prompt"] + o[2]["completion"] for o in admitted if o[0] == key["id"])
+            o[2]["prompt"] + o[2]["completion"] for o in admitted if o[0] == key["id"]
+        )
     assert redis.zcard(redis_names.concurrency(team["id"])) == 0
     shown = admin("GET", base_url, f"/admin/teams/{team['id']}")
     assert sorted(shown["keys"]) == sorted(k["id"] for k in keys)
 
 
-@pytest.mark.parametrize("limit, value, refusal", [
-    ("tokens_per_minute", 300, "tokens"),
-    ("daily_token_budget", 400, "daily_token_budget"),
-    ("daily_cost_budget_usd", 60_000 / 1e9, "daily_cost_budget"),  # 60,000 nano-dollars
-])
+@pytest.mark.parametrize(
+    "limit, value, refusal",
+    [
+        ("tokens_per_minute", 300, "tokens"),
+        ("daily_token_budget", 400, "daily_token_budget"),
+        ("daily_cost_budget_usd", 60_000 / 1e9, "daily_cost_budget"),  # 60,000 nano-dollars
+    ],
+)
 def test_a_teams_token_and_money_limits_hold_against_both_keys_flooding(base_url, redis, limit, value, refusal):
     tag = f"{time.monotonic_ns()}"
     team = admin("POST", base_url, "/admin/teams", name=f"{limit}-{tag}", **{limit: value})
@@ -186,12 +197,18 @@ def test_a_key_moved_to_another_team_takes_its_limits(base_url, redis):
     assert counters(redis, roomy["id"])["requests"] == 4 and counters(redis, strict["id"])["requests"] == 1
     # Chargeback stays with the team that paid: the usage and costs APIs by project.
     start_time = int(time.time()) // 86400 * 86400
-    usage = admin("GET", base_url, f"/v1/organization/usage/completions?start_time={start_time}"
-                                   f"&group_by=project_id&api_key_ids={key['id']}")
+    usage = admin(
+        "GET",
+        base_url,
+        f"/v1/organization/usage/completions?start_time={start_time}&group_by=project_id&api_key_ids={key['id']}",
+    )
     by_team = {r["project_id"]: r["num_model_requests"] for r in usage["data"][-1]["results"]}
     assert by_team == {strict["id"]: 1, roomy["id"]: 4}, by_team
-    spent = admin("GET", base_url, f"/v1/organization/costs?start_time={start_time}&group_by=project_id"
-                                   f"&project_ids={strict['id']}")
+    spent = admin(
+        "GET",
+        base_url,
+        f"/v1/organization/costs?start_time={start_time}&group_by=project_id&project_ids={strict['id']}",
+    )
     assert [r["project_id"] for r in spent["data"][-1]["results"]] == [strict["id"]]
     assert spent["data"][-1]["results"][0]["amount"]["value"] > 0
     trail = admin("GET", base_url, "/admin/audit?target=" + key["id"])["data"]
@@ -209,9 +226,12 @@ def test_revoking_a_team_stops_its_keys_requests_and_batches_within_seconds(base
     assert revoked["enabled"] is False
     revoked_at = time.monotonic()
     while True:  # interactive requests: refused once each ingress reads the team again
-        response = httpx.post(base_url + "/v1/chat/completions", timeout=60,
-                              headers={"authorization": f"Bearer {key['secret']}"},
-                              json={"model": MODEL, "messages": HELLO, "max_tokens": 1})
+        response = httpx.post(
+            base_url + "/v1/chat/completions",
+            timeout=60,
+            headers={"authorization": f"Bearer {key['secret']}"},
+            json={"model": MODEL, "messages": HELLO, "max_tokens": 1},
+        )
         # One admitted just before its ingress read the team again is cut as it runs (401
         # invalid_api_key, "revoked or disabled while the request ran"); then team_disabled.
         if response.status_code == 401 and response.json()["error"]["code"] == "team_disabled":
@@ -221,7 +241,9 @@ def test_revoking_a_team_stops_its_keys_requests_and_batches_within_seconds(base
         time.sleep(0.2)
     deadline = revoked_at + 10
     while (state := admin("GET", base_url, "/admin/batches?key=" + key["id"])["data"][0])["status"] not in (
-            "cancelled", "completed"):
+        "cancelled",
+        "completed",
+    ):
         assert time.monotonic() < deadline, state
         time.sleep(0.2)
     assert state["status"] == "cancelled"
@@ -246,8 +268,12 @@ def test_an_identity_token_of_a_team_admits_as_a_key_of_it_and_is_charged_to_it(
     assert charged["requests"] == 2
     assert charged["tokens"] == sum(a.usage.total_tokens for a in answers)
     # A token naming a team that does not exist is refused, never admitted on the user's limits alone.
-    stray = openai.OpenAI(base_url=base_url + "/v1", max_retries=0, timeout=120,
-                          api_key=jwks.token("k1", sub=f"stray-{tag}", **{TEAM_CLAIM: f"no-team-{tag}"}))
+    stray = openai.OpenAI(
+        base_url=base_url + "/v1",
+        max_retries=0,
+        timeout=120,
+        api_key=jwks.token("k1", sub=f"stray-{tag}", **{TEAM_CLAIM: f"no-team-{tag}"}),
+    )
     with pytest.raises(openai.AuthenticationError) as unknown:
         stray.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
     assert unknown.value.response.json()["error"]["code"] == "team_disabled"

@@ -34,8 +34,10 @@ def test_a_teams_model_restriction_applies_to_every_listing_card_and_info(base_u
         info = http.get("/info")
         assert info.status_code == 200 and info.json()["model_name"] == NARROW, info.text
         assert http.get("/info", headers={"azureml-model-deployment": MODEL}).status_code == 403
-        refused = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 2})
+        refused = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert refused.status_code == 403
 
 
@@ -54,6 +56,8 @@ def test_a_key_of_a_disabled_team_is_a_401_on_every_route_that_names_models(base
                 break
             time.sleep(0.25)
         assert statuses == [401] * len(routes), statuses
-        chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 2})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert chat.status_code == 401

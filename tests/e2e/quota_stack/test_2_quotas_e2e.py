@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
-from quota_stack.stack_args import ADMIN, CACHE_TTL_S, MODEL
+import pytest
 from stack import create_key
+
+from quota_stack.stack_args import ADMIN, CACHE_TTL_S, MODEL
 from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +49,12 @@ def assert_429(response: httpx.Response, error_type: str, code: str = "rate_limi
 
 
 def test_missing_or_wrong_key_is_401(base_url):
-    for headers in ({}, {"authorization": "Bearer sk-llm-wrong"}, {"api-key": "sk-llm-wrong"}, {"authorization": "Basic x"}):
+    for headers in (
+        {},
+        {"authorization": "Bearer sk-llm-wrong"},
+        {"api-key": "sk-llm-wrong"},
+        {"authorization": "Basic x"},
+    ):
         response = httpx.post(base_url + "/v1/chat/completions", json=chat_body(), headers=headers)
         assert response.status_code == 401, (headers, response.text)
         assert response.json()["error"]["code"] == "invalid_api_key"
@@ -135,8 +140,13 @@ def test_success_has_rate_headers_request_id_and_a_completed_record(base_url, re
 def test_stream_record_has_first_token_time_and_real_usage(base_url, redis_server):
     _, secret = create_key(redis_server.url, "stream-record")
     request = chat_body(max_tokens=6, stream=True)
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=request,
-                      headers={"authorization": f"Bearer {secret}"}, timeout=60) as response:
+    with httpx.stream(
+        "POST",
+        base_url + "/v1/chat/completions",
+        json=request,
+        headers={"authorization": f"Bearer {secret}"},
+        timeout=60,
+    ) as response:
         request_id = response.headers["x-request-id"]
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     chunks = [json.loads(e) for e in events[:-1]]
@@ -220,8 +230,12 @@ def test_token_reservations_never_overshoot_and_charges_match_reported_usage(bas
     reserve = math.ceil(len(body) / 4) + max_tokens  # the ingress's documented estimate
 
     def one(_):
-        return httpx.post(base_url + "/v1/chat/completions", content=body, timeout=120,
-                          headers={"authorization": f"Bearer {secret}", "content-type": "application/json"})
+        return httpx.post(
+            base_url + "/v1/chat/completions",
+            content=body,
+            timeout=120,
+            headers={"authorization": f"Bearer {secret}", "content-type": "application/json"},
+        )
 
     start = time.monotonic()
     with ThreadPoolExecutor(parallel) as pool:
@@ -264,8 +278,13 @@ def test_concurrency_limit_holds_and_cancelled_streams_free_their_slots(base_url
             time.sleep(0.005)
 
     def stream(_):
-        with httpx.stream("POST", base_url + "/v1/chat/completions", headers=headers, timeout=120,
-                          json=chat_body(max_tokens=150, ignore_eos=True, stream=True)) as response:
+        with httpx.stream(
+            "POST",
+            base_url + "/v1/chat/completions",
+            headers=headers,
+            timeout=120,
+            json=chat_body(max_tokens=150, ignore_eos=True, stream=True),
+        ) as response:
             if response.status_code != 200:
                 response.read()
                 return response.status_code, response.json()
@@ -288,7 +307,9 @@ def test_concurrency_limit_holds_and_cancelled_streams_free_their_slots(base_url
     client = httpx.Client(base_url=base_url, headers=headers, timeout=120)
     open_streams = []
     for _ in range(2):
-        cm = client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=1500, ignore_eos=True, stream=True))
+        cm = client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(max_tokens=1500, ignore_eos=True, stream=True)
+        )
         response = cm.__enter__()
         assert response.status_code == 200
         lines = response.iter_lines()  # keep it: dropping the iterator closes the connection
@@ -345,7 +366,9 @@ def test_fail_open_keeps_serving_and_uses_redis_again_when_it_returns(base_url, 
     while True:
         response = post_chat(base_url, secret, chat_body())
         assert response.status_code == 200
-        request = httpx.get(f"{base_url}/admin/requests/{response.json()['id']}", headers={"authorization": f"Bearer {ADMIN}"})
+        request = httpx.get(
+            f"{base_url}/admin/requests/{response.json()['id']}", headers={"authorization": f"Bearer {ADMIN}"}
+        )
         if request.status_code == 200:  # admitted through Redis again: it has a record
             break
         assert time.monotonic() < deadline, "the gateway did not go back to Redis"

@@ -16,12 +16,12 @@ import uuid
 import httpx
 import openai
 import pytest
-
-from ports import free_port
 from otlp_receiver import running_otlp_receiver
+from ports import free_port
 from redis_server import running_redis_cluster, sync_client
-from shared_stack.stack_models import RERANKER
 from stack import create_key, local_app_args, serve_stack
+
+from shared_stack.stack_models import RERANKER
 
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 READY_TIMEOUT_S = 300

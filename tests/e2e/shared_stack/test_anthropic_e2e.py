@@ -9,7 +9,6 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-
 from settled import wait_until_settled
 from stack import create_key
 
@@ -25,8 +24,12 @@ WEATHER = {
     "description": "The weather in a city.",
     # An enum keeps the random-weights model's argument short: a call cut by max_tokens is
     # unparseable JSON, which vLLM's Anthropic layer answers with a 400.
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
-                     "required": ["city"], "additionalProperties": False},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -41,11 +44,13 @@ def openai_answer(client):
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
 
 
-def test_a_message_is_the_chat_answer_in_anthropics_shape_and_charged_its_usage(base_url, redis_server, redis,
-                                                                                openai_answer):
+def test_a_message_is_the_chat_answer_in_anthropics_shape_and_charged_its_usage(
+    base_url, redis_server, redis, openai_answer
+):
     key_id, secret = create_key(redis_server.url, "anthropic-unary")
     message = claude(base_url, secret).messages.create(
-        model=MODEL, system=SYSTEM, messages=QUESTION, max_tokens=10, extra_body=GREEDY)
+        model=MODEL, system=SYSTEM, messages=QUESTION, max_tokens=10, extra_body=GREEDY
+    )
     assert message.type == "message" and message.role == "assistant" and message.model == MODEL
     [block] = message.content
     assert block.type == "text" and block.text == openai_answer.choices[0].message.content
@@ -55,14 +60,18 @@ def test_a_message_is_the_chat_answer_in_anthropics_shape_and_charged_its_usage(
     [record] = wait_until_settled(redis, key_id)
     assert record["status"] == "completed"
     assert (int(record["prompt_tokens"]), int(record["completion_tokens"])) == (
-        message.usage.input_tokens, message.usage.output_tokens)
+        message.usage.input_tokens,
+        message.usage.output_tokens,
+    )
 
 
-def test_a_streamed_message_has_anthropics_events_and_is_charged_its_usage(base_url, redis_server, redis,
-                                                                           openai_answer):
+def test_a_streamed_message_has_anthropics_events_and_is_charged_its_usage(
+    base_url, redis_server, redis, openai_answer
+):
     key_id, secret = create_key(redis_server.url, "anthropic-stream")
     with claude(base_url, secret).messages.stream(
-            model=MODEL, system=SYSTEM, messages=QUESTION, max_tokens=10, extra_body=GREEDY) as stream:
+        model=MODEL, system=SYSTEM, messages=QUESTION, max_tokens=10, extra_body=GREEDY
+    ) as stream:
         kinds = [event.type for event in stream]
         message = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
@@ -72,11 +81,14 @@ def test_a_streamed_message_has_anthropics_events_and_is_charged_its_usage(base_
     [record] = wait_until_settled(redis, key_id)
     assert record["status"] == "completed"
     assert (int(record["prompt_tokens"]), int(record["completion_tokens"])) == (
-        openai_answer.usage.prompt_tokens, openai_answer.usage.completion_tokens)
+        openai_answer.usage.prompt_tokens,
+        openai_answer.usage.completion_tokens,
+    )
 
 
-def test_count_tokens_is_what_a_message_is_charged_as_input_and_charges_nothing(base_url, redis_server, redis,
-                                                                                openai_answer):
+def test_count_tokens_is_what_a_message_is_charged_as_input_and_charges_nothing(
+    base_url, redis_server, redis, openai_answer
+):
     key_id, secret = create_key(redis_server.url, "anthropic-count")
     counted = claude(base_url, secret).messages.count_tokens(model=MODEL, system=SYSTEM, messages=QUESTION)
     assert counted.input_tokens == openai_answer.usage.prompt_tokens
@@ -86,8 +98,13 @@ def test_count_tokens_is_what_a_message_is_charged_as_input_and_charges_nothing(
 
 def test_a_forced_tool_call_is_a_tool_use_block_with_input_that_fits_the_schema(base_url, api_key):
     message = claude(base_url, api_key).messages.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=100,
-        tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        max_tokens=100,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=GREEDY,
+    )
     tool_uses = [block for block in message.content if block.type == "tool_use"]
     assert tool_uses and tool_uses[0].name == "get_weather", message
     assert tool_uses[0].input in ({"city": "Oslo"}, {"city": "Lima"}) and tool_uses[0].id
@@ -113,9 +130,11 @@ def test_errors_are_anthropics_shape_and_statuses(base_url, api_key, redis_serve
 
 
 def test_a_request_anthropic_would_refuse_is_a_400_in_its_shape(base_url, api_key):
-    for body in ({"model": MODEL, "messages": QUESTION},  # no max_tokens
-                 {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
-                 {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "no_such_field": 1}):
+    for body in (
+        {"model": MODEL, "messages": QUESTION},  # no max_tokens
+        {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
+        {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "no_such_field": 1},
+    ):
         response = httpx.post(base_url + "/v1/messages", json=body, headers={"x-api-key": api_key}, timeout=60)
         assert response.status_code == 400, response.text
         error = response.json()

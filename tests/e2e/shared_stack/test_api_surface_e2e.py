@@ -12,12 +12,12 @@ import math
 import struct
 
 import openai
-import pytest
-
 import openai_spec
+import pytest
 from http_checks import assert_error_envelope, sse_events
-from shared_stack.stack_models import RERANKER
 from stack import demo_token_id
+
+from shared_stack.stack_models import RERANKER
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +95,15 @@ def test_completion_echo_repeats_the_prompt(client):
 def test_completion_n_and_logprobs(http):
     response = http.post(
         "/v1/completions",
-        json={"model": CHAT_MODEL, "prompt": "The", "max_tokens": 3, "n": 2, "temperature": 1, "seed": 3, "logprobs": 2},
+        json={
+            "model": CHAT_MODEL,
+            "prompt": "The",
+            "max_tokens": 3,
+            "n": 2,
+            "temperature": 1,
+            "seed": 3,
+            "logprobs": 2,
+        },
     )
     assert response.status_code == 200, response.text
     body = response.json()
@@ -137,9 +145,7 @@ def test_completion_stream_chunks_match_spec_and_text_matches_unary(http, client
 
 
 def test_completion_stream_hides_usage_unless_asked(client):
-    chunks = list(
-        client.completions.create(model=CHAT_MODEL, prompt="The", max_tokens=3, temperature=0, stream=True)
-    )
+    chunks = list(client.completions.create(model=CHAT_MODEL, prompt="The", max_tokens=3, temperature=0, stream=True))
     assert chunks and all(chunk.usage is None for chunk in chunks)
 
 
@@ -397,8 +403,14 @@ def test_tool_choice_none_never_calls_a_tool(http):
 
 def test_forced_tool_call_streams_as_tool_call_deltas(client):
     stream = client.chat.completions.create(
-        model=CHAT_MODEL, messages=HELLO, max_tokens=100, temperature=0, tools=[WEATHER_TOOL], tool_choice="required",
-        parallel_tool_calls=False, stream=True,
+        model=CHAT_MODEL,
+        messages=HELLO,
+        max_tokens=100,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        stream=True,
     )
     arguments, finish = "", None
     for chunk in stream:
@@ -456,13 +468,17 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_cut_to_fit(http):
 
 
 RED_PIXEL = (
-    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
+    "data:image/png;base64,"
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
 )
 
 
 def image_message(url: str) -> list[dict]:
     return [
-        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
     ]
 
 

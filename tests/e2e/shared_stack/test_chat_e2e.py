@@ -13,13 +13,13 @@ import time
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
+import pytest
 from http_checks import assert_error_envelope, serving_process, sse_events
 from ports import free_port
-from shared_stack.stack_models import RERANKER
 from stack import call_replica, local_app_args
+
+from shared_stack.stack_models import RERANKER
 
 pytestmark = pytest.mark.e2e
 
@@ -83,17 +83,13 @@ def test_stop_string_cuts_the_output(client):
     )
     assert start is not None, f"no ASCII run to stop on in {text!r}"
     stop = text[start : start + 3]
-    cut = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=24, temperature=0, stop=[stop]
-    )
+    cut = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
 
 
 def test_n_gives_that_many_choices(client):
-    completion = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=4, temperature=0.9, n=3
-    )
+    completion = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0.9, n=3)
     assert sorted(c.index for c in completion.choices) == [0, 1, 2]
 
 
@@ -101,7 +97,9 @@ def test_seeded_sampling_repeats(client):
     def once(**sampling):
         return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, **sampling)
 
-    assert once(temperature=0, seed=7).choices[0].message.content == once(temperature=0, seed=7).choices[0].message.content
+    assert (
+        once(temperature=0, seed=7).choices[0].message.content == once(temperature=0, seed=7).choices[0].message.content
+    )
     first = once(temperature=1.0, seed=1234).choices[0].message.content
     assert first == once(temperature=1.0, seed=1234).choices[0].message.content
 
@@ -157,9 +155,7 @@ def test_stream_without_usage_has_no_usage_chunk(http):
 
 def test_sdk_stream_reassembles_the_same_text(client):
     full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=0)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=10, temperature=0, stream=True
-    )
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=0, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == full.choices[0].message.content
 
@@ -216,9 +212,7 @@ def test_bad_input_gets_openai_error(http, case, stream):
     if isinstance(body, dict) and stream:
         body = {**body, "stream": body.get("stream", True)}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = http.post(
-        "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
-    )
+    response = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
     error = assert_error_envelope(response, status)
     if param is not None:
         assert error["param"] == param, error
@@ -255,14 +249,18 @@ def bare_vllm():
     env = {**os.environ, **config.env}
     url = f"http://127.0.0.1:{port}"
     command = vllm_serve_command(config, resolve_source(config), "127.0.0.1", port)
-    with serving_process(command, url + "/v1/models", timeout_s=300, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+    with serving_process(
+        command, url + "/v1/models", timeout_s=300, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 PARITY_REQUESTS = [
     dict(messages=HELLO, max_tokens=16),
-    dict(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grant of patent license"}], max_tokens=24),
+    dict(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grant of patent license"}],
+        max_tokens=24,
+    ),
     dict(messages=HELLO, max_tokens=12, stop=["e"]),
     dict(messages=[{"role": "user", "content": "Redistribution"}], max_tokens=20, n=2, temperature=0.8, seed=11),
 ]
@@ -307,8 +305,12 @@ def test_a_dead_engine_ends_its_replica_and_serve_replaces_it(client, base_url, 
 
     deadline = time.monotonic() + 240
     while True:
-        response = httpx.post(base_url + "/v1/chat/completions", timeout=120, headers={"authorization": f"Bearer {api_key}"},
-                              json={"model": MODEL, "messages": HELLO, "max_tokens": 3})
+        response = httpx.post(
+            base_url + "/v1/chat/completions",
+            timeout=120,
+            headers={"authorization": f"Bearer {api_key}"},
+            json={"model": MODEL, "messages": HELLO, "max_tokens": 3},
+        )
         if response.status_code == 200:
             break
         assert response.status_code == 503 and response.headers["retry-after"], (response.status_code, response.text)

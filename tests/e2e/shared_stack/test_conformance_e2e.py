@@ -26,7 +26,6 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, seed, settings
-
 from openai_spec import SPEC_PATH
 
 pytestmark = pytest.mark.e2e
@@ -37,13 +36,24 @@ CASES_PER_OPERATION = int(os.environ.get("CONFORMANCE_CASES", "40"))
 SEED = int(os.environ.get("CONFORMANCE_SEED", "0"))
 DIALECTS_SPEC = Path(__file__).resolve().parents[2] / "dialects_openapi.yaml"
 # Counts that make generation expensive; real requests may use any value.
-_CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "best_of": 2, "top_logprobs": 20, "logprobs": 5,
-         "max_new_tokens": 8, "max_output_tokens": 8}
+_CAPS = {
+    "max_tokens": 8,
+    "max_completion_tokens": 8,
+    "n": 2,
+    "best_of": 2,
+    "top_logprobs": 20,
+    "logprobs": 5,
+    "max_new_tokens": 8,
+    "max_output_tokens": 8,
+}
 
 
 @pytest.fixture(scope="module")
 def specs():
-    return {"openai": schemathesis.openapi.from_path(SPEC_PATH), "dialects": schemathesis.openapi.from_path(DIALECTS_SPEC)}
+    return {
+        "openai": schemathesis.openapi.from_path(SPEC_PATH),
+        "dialects": schemathesis.openapi.from_path(DIALECTS_SPEC),
+    }
 
 
 def capped(body, model):
@@ -119,12 +129,16 @@ def _assert_conforms(response) -> None:
 # Databricks case that could be served: 16 for an unknown endpoint, 24 invalid),
 # so the served side is covered by this one whatever it draws.
 SERVED_EXAMPLES = {
-    "createChatCompletion": ("/v1/chat/completions", {"model": CHAT_MODEL, "max_tokens": 2,
-                                                      "messages": [{"role": "user", "content": "hi"}]}),
+    "createChatCompletion": (
+        "/v1/chat/completions",
+        {"model": CHAT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    ),
     "createCompletion": ("/v1/completions", {"model": CHAT_MODEL, "prompt": "hi", "max_tokens": 2}),
     "createEmbedding": ("/v1/embeddings", {"model": EMBEDDING_MODEL, "input": "hi"}),
-    "azureChatCompletion": ("/chat/completions", {"model": CHAT_MODEL, "max_tokens": 2,
-                                                  "messages": [{"role": "user", "content": "hi"}]}),
+    "azureChatCompletion": (
+        "/chat/completions",
+        {"model": CHAT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    ),
     "azureEmbedding": ("/embeddings", {"model": EMBEDDING_MODEL, "input": ["hi"]}),
     "sagemakerInvocations": ("/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
     "databricksInvocations": (f"/serving-endpoints/{CHAT_MODEL}/invocations", {"prompt": "hi", "max_tokens": 2}),
@@ -139,8 +153,9 @@ def test_generated_requests_never_5xx_and_errors_are_enveloped(specs, base_url, 
     seen: dict[int, int] = {}
     if must_serve:
         example_path, example = SERVED_EXAMPLES[name]
-        response = httpx.post(base_url + example_path, json=example, timeout=60,
-                              headers={"Authorization": f"Bearer {api_key}"})
+        response = httpx.post(
+            base_url + example_path, json=example, timeout=60, headers={"Authorization": f"Bearer {api_key}"}
+        )
         assert response.status_code == 200, response.text[:500]
         seen[200] = 1
 

@@ -12,10 +12,9 @@ import time
 import httpx
 import openai
 import pytest
+from browser import click_and_wait, headless_chromium
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
-
-from browser import click_and_wait, headless_chromium
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +38,7 @@ def test_log_in_create_a_team_and_a_key_and_see_its_first_request_in_usage(base_
         secret = driver.find_element(By.ID, "new-secret").text
 
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
-        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=5)
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         tokens = answer.usage.total_tokens
         deadline = time.monotonic() + 15  # settlement is off the response's path
         while True:
@@ -54,9 +52,13 @@ def test_log_in_create_a_team_and_a_key_and_see_its_first_request_in_usage(base_
         assert f"{team} {MODEL} 1 {tokens}" in driver.find_element(By.ID, "usage").text
         team_row = next(r for r in driver.find_elements(By.CSS_SELECTOR, "#teams tr") if team in r.text)
         assert [c.text for c in team_row.find_elements(By.TAG_NAME, "td")][4:6] == ["1", str(tokens)]
-        assert any(team in rect.get_attribute("innerHTML")
-                   for rect in driver.find_elements(By.CSS_SELECTOR, "#usage-chart rect"))
+        assert any(
+            team in rect.get_attribute("innerHTML")
+            for rect in driver.find_elements(By.CSS_SELECTOR, "#usage-chart rect")
+        )
     page = httpx.get(base_url + "/console", timeout=30)
     assert page.status_code == 200 and "<script" not in page.text
-    assert page.headers["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in page.headers[
-        "content-security-policy"]
+    assert (
+        page.headers["x-frame-options"] == "DENY"
+        and "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    )

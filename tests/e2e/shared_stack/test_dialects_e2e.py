@@ -9,13 +9,13 @@ import json
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
+import pytest
 from http_checks import assert_error_envelope, sse_events
-from shared_stack.stack_models import RERANKER
 from settled import wait_until_settled
 from stack import create_key
+
+from shared_stack.stack_models import RERANKER
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,10 @@ AZURE_CHAT = {
 
 def test_azure_chat_with_api_version_and_api_key(http, base_url, azure_headers):
     response = http.post(
-        f"{base_url}/chat/completions", params={"api-version": AZURE_API_VERSION}, json=AZURE_CHAT, headers=azure_headers
+        f"{base_url}/chat/completions",
+        params={"api-version": AZURE_API_VERSION},
+        json=AZURE_CHAT,
+        headers=azure_headers,
     )
     assert response.status_code == 200, response.text
     openai_spec.validate(response.json(), "CreateChatCompletionResponse")
@@ -164,7 +167,10 @@ def test_azure_errors_carry_the_error_code_header(base_url):
 
 
 # From the LMI "input/output schema" guide (max_new_tokens cut).
-LMI_REQUEST = {"inputs": "What is Deep Learning?", "parameters": {"do_sample": True, "max_new_tokens": 8, "details": True}}
+LMI_REQUEST = {
+    "inputs": "What is Deep Learning?",
+    "parameters": {"do_sample": True, "max_new_tokens": 8, "details": True},
+}
 
 
 def test_sagemaker_ping(http):
@@ -289,8 +295,12 @@ def test_databricks_templated_completion_streams_as_completion_chunks(http):
 
 
 def chat_usage(http, prompt: str, max_tokens: int) -> dict:
-    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0}
+    body = {
+        "model": CHAT_MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()
@@ -309,7 +319,9 @@ def test_databricks_prompt_list_is_one_choice_per_prompt_each_through_the_chat_t
         openai_spec.validate(completion, "CreateCompletionResponse")
         alone = [chat_usage(http, prompt, 8) for prompt in PROMPTS]
     assert [choice["index"] for choice in completion["choices"]] == [0, 1, 2]
-    assert [choice["text"] for choice in completion["choices"]] == [a["choices"][0]["message"]["content"] for a in alone]
+    assert [choice["text"] for choice in completion["choices"]] == [
+        a["choices"][0]["message"]["content"] for a in alone
+    ]
     usage = completion["usage"]  # every prompt counted, as each alone through chat
     assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
@@ -319,8 +331,7 @@ def test_databricks_prompt_list_is_one_choice_per_prompt_each_through_the_chat_t
 
 
 def test_databricks_prompt_list_streams_every_choice_with_its_suffix_and_echo(http):
-    body = {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0, "stream": True, "suffix": " [end]",
-            "echo": True}
+    body = {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0, "stream": True, "suffix": " [end]", "echo": True}
     with http.stream("POST", f"/serving-endpoints/{CHAT_MODEL}/invocations", json=body) as response:
         assert response.status_code == 200, response.read()
         events = sse_events(response)
@@ -339,8 +350,15 @@ def test_databricks_prompt_list_streams_every_choice_with_its_suffix_and_echo(ht
 @pytest.mark.parametrize("raw", [False, True])
 def test_databricks_suffix_is_appended_to_each_completion(http, raw):
     # n=2 needs sampling (vLLM refuses it greedy); a seed makes the plain request draw the same
-    body = {"prompt": ["The license", "Why?"], "max_tokens": 5, "temperature": 1.0, "seed": 11,
-            "suffix": "<|end|>", "n": 2, "use_raw_prompt": raw}
+    body = {
+        "prompt": ["The license", "Why?"],
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 11,
+        "suffix": "<|end|>",
+        "n": 2,
+        "use_raw_prompt": raw,
+    }
     response = databricks(http, CHAT_MODEL, body)
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
@@ -351,7 +369,9 @@ def test_databricks_suffix_is_appended_to_each_completion(http, raw):
 
 def test_databricks_error_behavior(http):
     long = "license " * 2100
-    error = assert_error_envelope(databricks(http, CHAT_MODEL, {"prompt": long, "max_tokens": 8, "use_raw_prompt": True}), 400)
+    error = assert_error_envelope(
+        databricks(http, CHAT_MODEL, {"prompt": long, "max_tokens": 8, "use_raw_prompt": True}), 400
+    )
     assert "2048" in error["message"]
     body = {"prompt": long, "max_tokens": 8, "use_raw_prompt": True, "error_behavior": "truncate"}
     response = databricks(http, CHAT_MODEL, body)
@@ -379,7 +399,9 @@ def test_databricks_openai_client_base_url(base_url, api_key):
 
 
 def test_databricks_unknown_endpoint_is_404(http):
-    error = assert_error_envelope(databricks(http, "no-such-endpoint", {"messages": [{"role": "user", "content": "x"}]}), 404)
+    error = assert_error_envelope(
+        databricks(http, "no-such-endpoint", {"messages": [{"role": "user", "content": "x"}]}), 404
+    )
     assert error["code"] == "model_not_found"
 
 

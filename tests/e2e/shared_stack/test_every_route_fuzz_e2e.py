@@ -41,24 +41,102 @@ SEED = int(os.environ.get("FUZZ_SEED", "0"))
 # Field names the gateway, its dialects and its admin API read: generated
 # bodies use them, so cases reach the checks behind the first "unknown field".
 FIELDS = [
-    "model", "messages", "prompt", "input", "inputs", "parameters", "max_tokens", "max_completion_tokens",
-    "max_output_tokens", "max_new_tokens", "n", "best_of", "stream", "stream_options", "include_usage",
-    "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
-    "response_format", "user", "metadata", "previous_response_id", "store", "instructions", "text", "reasoning",
-    "role", "content", "type", "image_url", "url", "system", "encoding_format", "dimensions", "query", "documents",
-    "text_1", "text_2", "tokens", "purpose", "file", "input_file_id", "endpoint", "completion_window", "name",
-    "team", "requests_per_minute", "tokens_per_minute", "max_concurrent", "models", "priority", "tier",
-    "daily_token_budget", "monthly_token_budget", "daily_cost_budget_usd", "enabled", "expires_at", "token",
+    "model",
+    "messages",
+    "prompt",
+    "input",
+    "inputs",
+    "parameters",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "max_new_tokens",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "include_usage",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "user",
+    "metadata",
+    "previous_response_id",
+    "store",
+    "instructions",
+    "text",
+    "reasoning",
+    "role",
+    "content",
+    "type",
+    "image_url",
+    "url",
+    "system",
+    "encoding_format",
+    "dimensions",
+    "query",
+    "documents",
+    "text_1",
+    "text_2",
+    "tokens",
+    "purpose",
+    "file",
+    "input_file_id",
+    "endpoint",
+    "completion_window",
+    "name",
+    "team",
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent",
+    "models",
+    "priority",
+    "tier",
+    "daily_token_budget",
+    "monthly_token_budget",
+    "daily_cost_budget_usd",
+    "enabled",
+    "expires_at",
+    "token",
 ]
-QUERY_NAMES = ["limit", "after", "before", "order", "purpose", "key", "team", "actor", "target", "start_time",
-               "end_time", "bucket_width", "group_by", "models", "project_ids", "api_key_ids", "page", "days",
-               "include", "api-version"]
+QUERY_NAMES = [
+    "limit",
+    "after",
+    "before",
+    "order",
+    "purpose",
+    "key",
+    "team",
+    "actor",
+    "target",
+    "start_time",
+    "end_time",
+    "bucket_width",
+    "group_by",
+    "models",
+    "project_ids",
+    "api_key_ids",
+    "page",
+    "days",
+    "include",
+    "api-version",
+]
 SERVED_MODELS = [CHAT_MODEL, EMBEDDING_MODEL]
 
 _leaves = st.one_of(
-    st.none(), st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70), st.integers(min_value=-3, max_value=40),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=24),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-3, max_value=40),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=24),
 )
 _json = st.recursive(
     _leaves,
@@ -87,13 +165,19 @@ def bodies(draw) -> tuple[bytes | None, str | None]:
         return draw(st.binary(max_size=96)), draw(st.sampled_from(["application/json", "text/plain", None]))
     if kind == "form":
         fields = draw(st.dictionaries(st.sampled_from(FIELDS), st.text(max_size=16), max_size=4))
-        return "&".join(f"{quote(k)}={quote(v)}" for k, v in fields.items()).encode(), \
-            "application/x-www-form-urlencoded"
+        return "&".join(
+            f"{quote(k)}={quote(v)}" for k, v in fields.items()
+        ).encode(), "application/x-www-form-urlencoded"
     if kind == "multipart":
         part = draw(st.binary(max_size=64))
         name = draw(st.sampled_from(["file", "purpose", "x", ""]))
-        raw = (b"--b\r\nContent-Disposition: form-data; name=\"" + name.encode() + b"\"; filename=\"a.jsonl\"\r\n\r\n"
-               + part + b"\r\n--b--\r\n")
+        raw = (
+            b'--b\r\nContent-Disposition: form-data; name="'
+            + name.encode()
+            + b'"; filename="a.jsonl"\r\n\r\n'
+            + part
+            + b"\r\n--b--\r\n"
+        )
         return draw(st.sampled_from([raw, raw[:-8], part])), "multipart/form-data; boundary=b"
     return None, None
 
@@ -104,14 +188,16 @@ _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 @st.composite
 def requests_for(draw, path: str):
     """(the path with its parameters filled, the query string)."""
+
     def fill(match: re.Match) -> str:
         if match.group(1) in ("model_id", "name") and draw(st.booleans()):
             return draw(st.sampled_from(SERVED_MODELS))
         return quote(draw(st.text(min_size=1, max_size=20)), safe="")
 
     filled = _PARAM.sub(fill, path)
-    query = draw(st.dictionaries(st.one_of(st.sampled_from(QUERY_NAMES), st.text(max_size=5)),
-                                 st.text(max_size=12), max_size=3))
+    query = draw(
+        st.dictionaries(st.one_of(st.sampled_from(QUERY_NAMES), st.text(max_size=5)), st.text(max_size=12), max_size=3)
+    )
     return filled, query
 
 
@@ -136,11 +222,13 @@ def test_no_request_on_any_route_is_a_5xx(base_url, api_key, admin_token, method
         headers = credential(access, api_key, admin_token, wrong)
         if content_type:
             headers["content-type"] = content_type
-        response = http.request(method, url, params=query, headers=headers,
-                                content=raw if method in ("POST", "PATCH", "PUT") else None)
+        response = http.request(
+            method, url, params=query, headers=headers, content=raw if method in ("POST", "PATCH", "PUT") else None
+        )
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
-        assert response.status_code < 500, f"{method} {url} {query} {raw!r:.300}: {response.status_code} " \
-                                            f"{response.text[:300]}"
+        assert response.status_code < 500, (
+            f"{method} {url} {query} {raw!r:.300}: {response.status_code} {response.text[:300]}"
+        )
         if response.status_code >= 400 and access != "console":
             assert response.headers.get("content-type", "").startswith("application/json"), response.text[:300]
             assert "error" in response.json(), response.text[:300]

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from settled import wait_until_settled
+from stack import BIN, create_key
 
 from serve_app.redis_store import redis_names
 from serve_app.settings import RecordsConfig
-from settled import wait_until_settled
-from stack import BIN, create_key
 
 pytestmark = pytest.mark.e2e
 
@@ -36,13 +36,17 @@ def in_sink(records_dir: str, request_id: str, timeout_s: float = 15) -> dict:
         time.sleep(0.2)
 
 
-def test_a_final_record_leaves_redis_for_the_sink_and_is_found_there(base_url, redis_server, redis, records_dir,
-                                                                     admin_token):
+def test_a_final_record_leaves_redis_for_the_sink_and_is_found_there(
+    base_url, redis_server, redis, records_dir, admin_token
+):
     key_id, secret = create_key(redis_server.url, "records-at-scale")
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
     reply = client.chat.completions.with_raw_response.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-        extra_headers={"x-request-id": "records-e2e-client-id"})
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        extra_headers={"x-request-id": "records-e2e-client-id"},
+    )
     completion = reply.parse()
     request_id = completion.id.removeprefix("chatcmpl-")
     wait_until_settled(redis, key_id)
@@ -55,18 +59,32 @@ def test_a_final_record_leaves_redis_for_the_sink_and_is_found_there(base_url, r
     assert 0 < redis.ttl(name) <= RecordsConfig().recent_s  # Redis keeps the recent hour, not the retention
 
     # Past Redis' window (forgotten here at once), the sink answers.
-    redis.delete(name, redis_names.http_request("records-e2e-client-id"),
-                 redis_names.http_request("records-e2e-client-id", key_id))
+    redis.delete(
+        name,
+        redis_names.http_request("records-e2e-client-id"),
+        redis_names.http_request("records-e2e-client-id", key_id),
+    )
     for lookup in (completion.id, "records-e2e-client-id"):
-        shown = subprocess.run([str(BIN / "llmctl"), "requests", "show", lookup, "--records-dir", records_dir],
-                               env={"REDIS_URL": redis_server.url}, capture_output=True, text=True, timeout=60)
+        shown = subprocess.run(
+            [str(BIN / "llmctl"), "requests", "show", lookup, "--records-dir", records_dir],
+            env={"REDIS_URL": redis_server.url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout)["id"] == request_id
-    without_sink = subprocess.run([str(BIN / "llmctl"), "requests", "show", completion.id, "--records-dir", ""],
-                                  env={"REDIS_URL": redis_server.url}, capture_output=True, text=True, timeout=60)
+    without_sink = subprocess.run(
+        [str(BIN / "llmctl"), "requests", "show", completion.id, "--records-dir", ""],
+        env={"REDIS_URL": redis_server.url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert without_sink.returncode == 1  # Redis alone has forgotten it
-    by_admin = httpx.get(f"{base_url}/admin/requests/{completion.id}", timeout=30,
-                         headers={"authorization": f"Bearer {admin_token}"})
+    by_admin = httpx.get(
+        f"{base_url}/admin/requests/{completion.id}", timeout=30, headers={"authorization": f"Bearer {admin_token}"}
+    )
     assert by_admin.status_code == 200 and by_admin.json()["completion_tokens"] == record["completion_tokens"]
 
 
@@ -80,5 +98,7 @@ def test_the_outbox_empties_after_a_burst(base_url, redis_server, redis, records
     while redis.xlen(redis_names.RECORD_OUTBOX):
         assert time.monotonic() < deadline, redis.xlen(redis_names.RECORD_OUTBOX)
         time.sleep(0.2)
-    shipped = [json.loads(line) for path in Path(records_dir).rglob("*.jsonl") for line in path.read_text().splitlines()]
+    shipped = [
+        json.loads(line) for path in Path(records_dir).rglob("*.jsonl") for line in path.read_text().splitlines()
+    ]
     assert len([r for r in shipped if r["key_id"] == key_id]) == 20

@@ -13,11 +13,11 @@ import math
 
 import httpx
 import pytest
-
 from http_checks import assert_error_envelope
 from settled import wait_until_settled
-from shared_stack.stack_models import RERANKER
 from stack import create_key
+
+from shared_stack.stack_models import RERANKER
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +59,8 @@ def test_rerank_orders_the_documents_by_relevance(http, similarities, path):
     assert [result["index"] for result in results] == ranked == [2, 1]  # the same text first
     assert [result["document"]["text"] for result in results] == [DOCUMENTS[i] for i in ranked]
     assert [result["relevance_score"] for result in results] == pytest.approx(
-        [similarities[i] for i in ranked], abs=1e-4)
+        [similarities[i] for i in ranked], abs=1e-4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,8 @@ def test_a_cross_encoder_reranks_by_its_scores(http, cross_encoder_scores, path)
     results = response.json()["results"]
     assert [result["index"] for result in results] == sorted(range(3), key=lambda i: -cross_encoder_scores[i])
     assert [result["relevance_score"] for result in results] == pytest.approx(
-        sorted(cross_encoder_scores, reverse=True), abs=2e-3)
+        sorted(cross_encoder_scores, reverse=True), abs=2e-3
+    )
 
 
 def test_the_cross_encoders_card_says_it_scores_and_reranks(http):
@@ -105,16 +107,19 @@ def test_the_cross_encoders_card_says_it_scores_and_reranks(http):
     assert "chat" not in card.json()["capabilities"]
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/rerank", {"model": CHAT_MODEL, "query": QUERY, "documents": DOCUMENTS}, "model"),  # a chat model
-    ("/score", {"model": CHAT_MODEL, "queries": QUERY, "documents": DOCUMENTS}, "model"),
-    ("/rerank", {"model": EMBEDDING_MODEL, "documents": DOCUMENTS}, None),  # no query
-    ("/rerank", {"model": EMBEDDING_MODEL, "query": QUERY, "documents": DOCUMENTS, "top_n": -1}, None),
-    ("/rerank", {"model": EMBEDDING_MODEL, "query": QUERY, "documents": DOCUMENTS, "stream": True}, "stream"),
-    ("/score", {"model": EMBEDDING_MODEL, "queries": QUERY}, None),
-    ("/score", {"model": EMBEDDING_MODEL, "queries": QUERY, "documents": DOCUMENTS, "nope": 1}, None),
-    ("/rerank", {"query": QUERY, "documents": DOCUMENTS}, "model"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/rerank", {"model": CHAT_MODEL, "query": QUERY, "documents": DOCUMENTS}, "model"),  # a chat model
+        ("/score", {"model": CHAT_MODEL, "queries": QUERY, "documents": DOCUMENTS}, "model"),
+        ("/rerank", {"model": EMBEDDING_MODEL, "documents": DOCUMENTS}, None),  # no query
+        ("/rerank", {"model": EMBEDDING_MODEL, "query": QUERY, "documents": DOCUMENTS, "top_n": -1}, None),
+        ("/rerank", {"model": EMBEDDING_MODEL, "query": QUERY, "documents": DOCUMENTS, "stream": True}, "stream"),
+        ("/score", {"model": EMBEDDING_MODEL, "queries": QUERY}, None),
+        ("/score", {"model": EMBEDDING_MODEL, "queries": QUERY, "documents": DOCUMENTS, "nope": 1}, None),
+        ("/rerank", {"query": QUERY, "documents": DOCUMENTS}, "model"),
+    ],
+)
 def test_bad_scoring_requests_are_a_400(http, path, body, param):
     error = assert_error_envelope(http.post(path, json=body), 400)
     if param is not None:

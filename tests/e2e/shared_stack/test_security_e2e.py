@@ -25,11 +25,11 @@ import uuid
 import httpx
 import psutil
 import pytest
-
 from http_checks import Listener, assert_error_envelope
 from stack import call_replica, create_key
-from serve_app.redis_store import redis_names
+
 from serve_app.http.ingress import ROUTE_ACCESS
+from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +91,9 @@ def test_no_media_url_shape_reaches_a_replica(base_url, api_key, listener, shape
 
 
 def ingress_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:llm:Ingress" in " ".join(p.info["cmdline"] or [])]
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:llm:Ingress" in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def test_random_bearer_tokens_leave_the_ingress_memory_bounded(base_url):
@@ -174,24 +176,41 @@ HOSTILE_BODIES = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_BODIES))
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/invocations",
-                                  "/serving-endpoints/tiny-llama/invocations", "/chat/completions",
-                                  "/v1/messages", "/rerank", "/tokenize"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/invocations",
+        "/serving-endpoints/tiny-llama/invocations",
+        "/chat/completions",
+        "/v1/messages",
+        "/rerank",
+        "/tokenize",
+    ],
+)
 def test_hostile_bodies_get_a_4xx_never_a_500(base_url, api_key, name, path):
-    response = httpx.post(base_url + path, content=HOSTILE_BODIES[name], timeout=60,
-                          headers={"authorization": f"Bearer {api_key}", "content-type": "application/json"})
+    response = httpx.post(
+        base_url + path,
+        content=HOSTILE_BODIES[name],
+        timeout=60,
+        headers={"authorization": f"Bearer {api_key}", "content-type": "application/json"},
+    )
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     assert "Traceback" not in response.text
 
 
-@pytest.mark.parametrize("header, value", [
-    ("authorization", b"Bearer \xff\xfe\xc3\x28"),
-    ("authorization", b"Bearer " + "ключ".encode()),
-    ("api-key", b"\x80" * 5000),
-    ("x-api-key", b"\xff" * 100),
-    ("authorization", b"Basic Zm9vOmJhcg=="),
-    ("authorization", b"Bearer"),
-])
+@pytest.mark.parametrize(
+    "header, value",
+    [
+        ("authorization", b"Bearer \xff\xfe\xc3\x28"),
+        ("authorization", b"Bearer " + "ключ".encode()),
+        ("api-key", b"\x80" * 5000),
+        ("x-api-key", b"\xff" * 100),
+        ("authorization", b"Basic Zm9vOmJhcg=="),
+        ("authorization", b"Bearer"),
+    ],
+)
 def test_odd_key_headers_are_a_401(base_url, header, value):
     response = httpx.post(base_url + "/v1/chat/completions", json=chat("hi"), headers=[(header.encode(), value)])
     assert_error_envelope(response, 401)
@@ -220,8 +239,9 @@ def test_a_named_admin_made_with_the_bootstrap_token_acts_under_its_own_name_unt
     assert [(e["action"], e["actor"]) for e in trail["data"]] == [("key.create", f"admin:{name}")]
     # An admin credential is no API key, and an API key no admin credential.
     assert_error_envelope(httpx.post(base_url + "/v1/chat/completions", json=chat("hi"), headers=mine, timeout=30), 401)
-    assert_error_envelope(httpx.get(base_url + "/admin/keys", headers={"authorization": f"Bearer {key['secret']}"},
-                                    timeout=30), 401)
+    assert_error_envelope(
+        httpx.get(base_url + "/admin/keys", headers={"authorization": f"Bearer {key['secret']}"}, timeout=30), 401
+    )
     assert httpx.delete(base_url + f"/admin/admins/{name}", headers=boot, timeout=30).status_code == 200
     assert_error_envelope(httpx.get(base_url + "/admin/keys", headers=mine, timeout=30), 401)  # at once
     listed = httpx.get(base_url + "/admin/admins", headers=boot, timeout=30).json()["data"]
@@ -231,14 +251,21 @@ def test_a_named_admin_made_with_the_bootstrap_token_acts_under_its_own_name_unt
 # -- Serve's control headers ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("header, value", [("x-request-disconnect-disabled", "?1"), ("X-Request-Timeout-Seconds", "0"),
-                                           ("x-request-timeout-seconds", "86400")])
+@pytest.mark.parametrize(
+    "header, value",
+    [
+        ("x-request-disconnect-disabled", "?1"),
+        ("X-Request-Timeout-Seconds", "0"),
+        ("x-request-timeout-seconds", "86400"),
+    ],
+)
 def test_serve_control_headers_are_refused_before_any_generation(base_url, redis_server, redis, header, value):
     key_id, secret = create_key(redis_server.url, f"control-{uuid.uuid4().hex[:6]}")
     body = chat("Tell me a story.", max_tokens=1500, ignore_eos=True, stream=True)
     with httpx.Client(base_url=base_url, timeout=30) as http:
-        with http.stream("POST", "/v1/chat/completions", json=body,
-                         headers={"authorization": f"Bearer {secret}", header: value}) as response:
+        with http.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {secret}", header: value}
+        ) as response:
             response.read()
             error = assert_error_envelope(response, 400)
     assert error["code"] == "header_not_allowed" and error["param"] == header.lower()
@@ -269,13 +296,29 @@ def forbidden_model_probes(base_url):
     probes[("GET", "/models/info")] = ("GET", "/models/info", None, azure)
     probes[("POST", "/invocations")] = ("POST", "/invocations", {"inputs": "hi", "parameters": {}}, {})
     probes[("POST", "/serving-endpoints/{name}/invocations")] = (
-        "POST", f"/serving-endpoints/{MODEL}/invocations", {"prompt": "hi", "max_tokens": 2}, {})
+        "POST",
+        f"/serving-endpoints/{MODEL}/invocations",
+        {"prompt": "hi", "max_tokens": 2},
+        {},
+    )
     probes[("POST", "/v1/responses")] = (
-        "POST", "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False}, {})
+        "POST",
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False},
+        {},
+    )
     probes[("POST", "/v1/messages")] = (
-        "POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, {})
+        "POST",
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        {},
+    )
     probes[("POST", "/v1/messages/count_tokens")] = (
-        "POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, {})
+        "POST",
+        "/v1/messages/count_tokens",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        {},
+    )
     for path in ("/score", "/v1/score"):
         probes[("POST", path)] = ("POST", path, {"model": MODEL, "queries": "a", "documents": ["b"]}, {})
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -290,8 +333,11 @@ def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server)
     probes = forbidden_model_probes(base_url)
     listing = {("GET", "/v1/models"), ("GET", "/v3/models")}
     # A key's own stored responses: they name no model; another key's id is not found.
-    stored = {("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-              ("GET", "/v1/responses/{response_id}/input_items")}
+    stored = {
+        ("GET", "/v1/responses/{response_id}"),
+        ("DELETE", "/v1/responses/{response_id}"),
+        ("GET", "/v1/responses/{response_id}/input_items"),
+    }
     # Files and batches: a key's own too, named by no model (a batch's requests are
     # authorized one by one as they run: tests/e2e/quota_stack/test_1_batches_e2e.py).
     files_and_batches = {route for route in key_routes if route[1].startswith(("/v1/files", "/v1/batches"))}
@@ -313,8 +359,11 @@ def test_no_route_serves_a_model_to_a_key_not_allowed_it(base_url, redis_server)
         for path in sorted(p for _, p in listing):
             response = http.get(path, headers={"authorization": f"Bearer {secret}"})
             assert response.status_code == 200 and response.json()["data"] == [], response.text
-        kept = http.post("/v1/responses", json={"model": MODEL, "input": "canary 7f3e", "max_output_tokens": 2},
-                         headers={"authorization": f"Bearer {allowed}"})
+        kept = http.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "canary 7f3e", "max_output_tokens": 2},
+            headers={"authorization": f"Bearer {allowed}"},
+        )
         assert kept.status_code == 200, kept.text
         for method, route in sorted(stored):
             path = route.replace("{response_id}", kept.json()["id"])
@@ -330,20 +379,33 @@ def _files_and_batches_are_their_keys_own(http: httpx.Client, routes, other: str
     """Each file and batch route, called by another key for the owner's file and
     batch (404; nothing of the file, its name or content, in any answer: the 404
     echoes only the id asked for) and with no key (401)."""
-    line = {"custom_id": "canary-91c4", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": "canary 91c4"}], "max_tokens": 2}}
+    line = {
+        "custom_id": "canary-91c4",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": "canary 91c4"}], "max_tokens": 2},
+    }
     own = {"authorization": f"Bearer {owner}"}
-    file = http.post("/v1/files", headers=own, data={"purpose": "batch"},
-                     files={"file": ("canary.jsonl", json.dumps(line).encode() + b"\n")})
+    file = http.post(
+        "/v1/files",
+        headers=own,
+        data={"purpose": "batch"},
+        files={"file": ("canary.jsonl", json.dumps(line).encode() + b"\n")},
+    )
     assert file.status_code == 200, file.text
-    batch = http.post("/v1/batches", headers=own, json={"input_file_id": file.json()["id"],
-                                                        "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    batch = http.post(
+        "/v1/batches",
+        headers=own,
+        json={"input_file_id": file.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert batch.status_code == 200, batch.text
     for method, route in sorted(routes):
         path = route.replace("{file_id}", file.json()["id"]).replace("{batch_id}", batch.json()["id"])
         body = {"input_file_id": file.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-        for key, expect in ((other, {404} if "{" in route or route == "/v1/batches" and method == "POST" else {200, 400}),
-                            (None, {401})):
+        for key, expect in (
+            (other, {404} if "{" in route or route == "/v1/batches" and method == "POST" else {200, 400}),
+            (None, {401}),
+        ):
             auth = {"authorization": f"Bearer {key}"} if key else {}
             response = http.request(method, path, headers=auth, json=body if method == "POST" else None)
             assert response.status_code in expect, (method, route, response.status_code, response.text[:300])

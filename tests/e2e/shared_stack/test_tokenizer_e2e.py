@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from http_checks import assert_error_envelope
 from settled import wait_until_settled
 from stack import create_key
@@ -41,16 +40,19 @@ def test_the_embedding_model_tokenizes_too(http):
     assert tokenized.json()["count"] > 0
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"model": MODEL}, None),  # neither prompt nor messages
-    ("/tokenize", {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "a"}]}, None),
-    ("/tokenize", {"model": MODEL, "prompt": ["a"]}, "prompt"),
-    ("/tokenize", {"model": MODEL, "prompt": "a", "no_such_field": 1}, "no_such_field"),
-    ("/tokenize", {"prompt": "a"}, "model"),
-    ("/detokenize", {"model": MODEL, "tokens": ["1"]}, "tokens"),
-    ("/detokenize", {"model": MODEL, "tokens": [-1]}, None),  # vLLM's own bound
-    ("/detokenize", {"model": MODEL, "tokens": [2**70]}, None),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"model": MODEL}, None),  # neither prompt nor messages
+        ("/tokenize", {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "a"}]}, None),
+        ("/tokenize", {"model": MODEL, "prompt": ["a"]}, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": "a", "no_such_field": 1}, "no_such_field"),
+        ("/tokenize", {"prompt": "a"}, "model"),
+        ("/detokenize", {"model": MODEL, "tokens": ["1"]}, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": [-1]}, None),  # vLLM's own bound
+        ("/detokenize", {"model": MODEL, "tokens": [2**70]}, None),
+    ],
+)
 def test_bad_tokenizer_requests_are_a_400_naming_the_problem(http, path, body, param):
     error = assert_error_envelope(http.post(path, json=body), 400)
     if param is not None:
@@ -60,8 +62,7 @@ def test_bad_tokenizer_requests_are_a_400_naming_the_problem(http, path, body, p
 def test_tokenizer_requests_count_as_requests_and_charge_no_tokens(base_url, redis_server, redis):
     key_id, secret = create_key(redis_server.url, "tokenizer-quota", requests_per_minute=2)
     with httpx.Client(base_url=base_url, timeout=60, headers={"authorization": f"Bearer {secret}"}) as http:
-        statuses = [http.post("/tokenize", json={"model": MODEL, "prompt": "x " * 500}).status_code
-                    for _ in range(3)]
+        statuses = [http.post("/tokenize", json={"model": MODEL, "prompt": "x " * 500}).status_code for _ in range(3)]
         assert statuses == [200, 200, 429]
         assert http.post("/detokenize", json={"model": MODEL, "tokens": [1]}).status_code == 429
     found = wait_until_settled(redis, key_id)

@@ -51,8 +51,13 @@ def by_name(spans) -> dict:
 def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http, api_key, otlp):
     traceparent, trace_id, client_span = client_context()
     marker = "zebra-" + secrets.token_hex(4)  # prompt text that must not reach a span
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say {marker}"}], "max_tokens": 8,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Say {marker}"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     http.post("/v1/chat/completions", json=body).raise_for_status()  # warm: the first call's costs are not the hop's
     started = time.monotonic()
     ttft = None
@@ -69,8 +74,10 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     usage = events[-1]["usage"]
     assert answered.split("-")[1] == trace_id and answered.endswith("-01")  # the client's trace goes on
 
-    spans = otlp.wait_for(trace_id, {"POST /v1/chat/completions", "edge", *STAGES, "replica call", "replica chat",
-                                      "llm_request", "settle"})
+    spans = otlp.wait_for(
+        trace_id,
+        {"POST /v1/chat/completions", "edge", *STAGES, "replica call", "replica chat", "llm_request", "settle"},
+    )
     named = by_name(spans)
     root = named["POST /v1/chat/completions"]
     assert root.parent_span_id == client_span and root.service == "llm-gateway"
@@ -84,8 +91,10 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
     # vLLM's span of the request in its engine, joined through the context the replica hands it.
     engine = named["llm_request"]
     assert engine.parent_span_id == replica.span_id and engine.service == f"llm-model-{MODEL}"
-    phases = {name: engine.attributes[f"gen_ai.latency.{name}"]
-              for name in ("time_in_queue", "time_in_model_prefill", "time_in_model_decode", "time_to_first_token")}
+    phases = {
+        name: engine.attributes[f"gen_ai.latency.{name}"]
+        for name in ("time_in_queue", "time_in_model_prefill", "time_in_model_decode", "time_to_first_token")
+    }
     assert all(value >= 0 for value in phases.values()), phases
     assert engine.attributes["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
     assert phases["time_in_queue"] + phases["time_in_model_prefill"] <= phases["time_to_first_token"] + 0.005
@@ -109,9 +118,14 @@ def test_a_streams_trace_continues_the_clients_and_crosses_into_the_replica(http
 
     # The time to the first token, from the edge's time on, against the client's.
     traced_ttft = (named["replica call"].events["first token"] - edge.start_ns) / 1e9
-    print(f"client TTFT {ttft * 1000:.1f} ms, traced {traced_ttft * 1000:.1f} ms; stages (ms): " + ", ".join(
-        f"{name} {named[name].seconds * 1000:.1f}" for name in ["edge", *STAGES, "replica call", "replica chat"])
-        + "; engine (ms): " + ", ".join(f"{name} {value * 1000:.1f}" for name, value in phases.items()))
+    print(
+        f"client TTFT {ttft * 1000:.1f} ms, traced {traced_ttft * 1000:.1f} ms; stages (ms): "
+        + ", ".join(
+            f"{name} {named[name].seconds * 1000:.1f}" for name in ["edge", *STAGES, "replica call", "replica chat"]
+        )
+        + "; engine (ms): "
+        + ", ".join(f"{name} {value * 1000:.1f}" for name, value in phases.items())
+    )
     assert traced_ttft <= ttft + 0.005  # one clock on one machine
     assert ttft - traced_ttft <= max(0.05, 0.3 * ttft), (ttft, traced_ttft)  # the client's side and the relay
 
@@ -140,9 +154,12 @@ def test_a_unary_calls_replica_span_carries_its_usage(http, otlp):
 
 def test_a_refused_request_is_traced_with_its_status(base_url, otlp):
     traceparent, trace_id, client_span = client_context()
-    response = httpx.post(base_url + "/v1/chat/completions", timeout=30,
-                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
-                          headers={"authorization": "Bearer sk-not-a-key", "traceparent": traceparent})
+    response = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"authorization": "Bearer sk-not-a-key", "traceparent": traceparent},
+    )
     assert response.status_code == 401
     named = by_name(otlp.wait_for(trace_id, {"POST /v1/chat/completions", "edge"}))
     root = named["POST /v1/chat/completions"]  # and the edge's hop before it; no stage past the key
@@ -151,15 +168,19 @@ def test_a_refused_request_is_traced_with_its_status(base_url, otlp):
 
 
 def test_without_a_traceparent_nothing_is_sampled_at_ratio_zero(http, otlp):
-    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 2})
+    response = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
     assert response.status_code == 200
     unsampled = response.headers["traceparent"]
     assert int(unsampled.split("-")[3], 16) & 1 == 0  # a context to join, not recorded (W3C: bit 0 is sampled)
     # A sampled request sent after it is exported; the unsampled one never is.
     traceparent, trace_id, _ = client_context()
-    http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                            "max_tokens": 2}, headers={"traceparent": traceparent})
+    http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={"traceparent": traceparent},
+    )
     otlp.wait_for(trace_id, {"POST /v1/chat/completions", "replica chat"})
     time.sleep(1)
     assert not otlp.trace(unsampled.split("-")[1])

@@ -12,10 +12,10 @@ import uuid
 
 import httpx
 import pytest
-
-from serve_app.redis_store import redis_names
 from settled import wait_until_settled
 from stack import create_key
+
+from serve_app.redis_store import redis_names
 
 pytestmark = pytest.mark.e2e
 
@@ -47,8 +47,10 @@ def charged(redis, key_id: str, requests: int) -> dict[str, int]:
     wait_until_settled(redis, key_id, records_expected=requests)
     usage = {k.decode(): int(v) for k, v in redis.hgetall(redis_names.usage(key_id)).items()}
     # The key's own day counters, d:<day>:<name> (not the usage API's per-model ones, d:<day>:model:<m>:<name>).
-    return {name: sum(v for k, v in usage.items() if k.startswith("d:") and k.count(":") == 2 and k.endswith(":" + name))
-            for name in ("requests", "tokens", "prompt_tokens", "completion_tokens")}
+    return {
+        name: sum(v for k, v in usage.items() if k.startswith("d:") and k.count(":") == 2 and k.endswith(":" + name))
+        for name in ("requests", "tokens", "prompt_tokens", "completion_tokens")
+    }
 
 
 @pytest.mark.parametrize("path, body", PADDED, ids=[f"{p}{'-stream' if b.get('stream') else ''}" for p, b in PADDED])
@@ -73,8 +75,12 @@ def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413_charged_nothin
     for extra in (0, 1):
         raw = json.dumps({**base, "user": "x" * (room + extra)}, separators=(",", ":")).encode()
         assert len(raw) == BODY_LIMIT + extra
-        response = httpx.post(base_url + "/v1/chat/completions", content=raw, timeout=120,
-                              headers={**headers, "content-type": "application/json"})
+        response = httpx.post(
+            base_url + "/v1/chat/completions",
+            content=raw,
+            timeout=120,
+            headers={**headers, "content-type": "application/json"},
+        )
         statuses.append(response.status_code)
     assert statuses == [200, 413]
     assert charged(redis, key_id, 1)["requests"] == 1  # the 413 was never admitted
@@ -82,12 +88,14 @@ def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413_charged_nothin
 
 def test_an_answer_far_past_4_mib_comes_back_and_one_input_too_many_is_a_400(base_url, redis_server, redis):
     key_id, headers = new_key(redis_server, "transport-answer")
-    response = httpx.post(base_url + "/v1/embeddings", json={"model": "minilm", "input": ["hi"] * 2048},
-                          headers=headers, timeout=300)
+    response = httpx.post(
+        base_url + "/v1/embeddings", json={"model": "minilm", "input": ["hi"] * 2048}, headers=headers, timeout=300
+    )
     assert response.status_code == 200 and len(response.content) > 12 * 1024 * 1024
     assert len(response.json()["data"]) == 2048
-    refused = httpx.post(base_url + "/v1/embeddings", json={"model": "minilm", "input": ["hi"] * 2049},
-                         headers=headers, timeout=60)
+    refused = httpx.post(
+        base_url + "/v1/embeddings", json={"model": "minilm", "input": ["hi"] * 2049}, headers=headers, timeout=60
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
     assert "2048" in refused.json()["error"]["message"]
     assert charged(redis, key_id, 1)["requests"] == 1
@@ -95,12 +103,23 @@ def test_an_answer_far_past_4_mib_comes_back_and_one_input_too_many_is_a_400(bas
 
 def test_a_stored_conversation_past_4_mib_continues(base_url, redis_server, redis):
     key_id, headers = new_key(redis_server, "transport-conversation")
-    first = httpx.post(base_url + "/v1/responses", headers=headers, timeout=120, json={
-        "model": CHAT, "max_output_tokens": 2,
-        "input": [{"type": "message", "role": "user", "content": "hi", "note": PAD}]})
+    first = httpx.post(
+        base_url + "/v1/responses",
+        headers=headers,
+        timeout=120,
+        json={
+            "model": CHAT,
+            "max_output_tokens": 2,
+            "input": [{"type": "message", "role": "user", "content": "hi", "note": PAD}],
+        },
+    )
     assert first.status_code == 200, first.text[:300]
-    follow_up = httpx.post(base_url + "/v1/responses", headers=headers, timeout=120, json={
-        "model": CHAT, "max_output_tokens": 2, "input": "more", "previous_response_id": first.json()["id"]})
+    follow_up = httpx.post(
+        base_url + "/v1/responses",
+        headers=headers,
+        timeout=120,
+        json={"model": CHAT, "max_output_tokens": 2, "input": "more", "previous_response_id": first.json()["id"]},
+    )
     assert follow_up.status_code == 200, follow_up.text[:300]
     got = charged(redis, key_id, 2)
     assert got["tokens"] == got["prompt_tokens"] + got["completion_tokens"] < 400, got
