@@ -11,7 +11,7 @@ are these (tests/unit/test_autoscale_wiring.py checks they agree).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -72,7 +72,7 @@ class AutoscalingSettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _bounds(self):
+    def _bounds(self) -> Self:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must not exceed max_replicas")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,7 +45,7 @@ class PrioritySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     queue_shares: dict[PriorityTier, float] = Field(
-        default_factory=lambda: {"high": 1.0, "normal": 0.75, "low": 0.5},
+        default_factory=lambda: {"high": 1.0, "normal": 0.75, "low": 0.5},  # type: ignore[arg-type,dict-item]
         description="Share of the model's queue (max_queued_requests, per ingress replica) requests of each "
         "tier may fill; past it a request of that tier gets 503 model_overloaded at once. Defaults: low "
         "keys are refused when the queue is half full, normal keys at three quarters, so the last quarter "
@@ -53,13 +53,13 @@ class PrioritySettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _shares_are_fractions(self):
+    def _shares_are_fractions(self) -> Self:
         for tier, share in self.queue_shares.items():
             if not 0 < share <= 1:
                 raise ValueError(f"priority.queue_shares.{tier} must be in (0, 1], got {share}")
         return self
 
-    def queue_limit(self, tier: str, max_queued: int) -> int:
+    def queue_limit(self, tier: PriorityTier, max_queued: int) -> int:
         """Requests of ``tier`` waiting for a replica past which one more is refused
         (-1: Serve's own limit, unbounded queue). Rounded up: a queue of one is
         open to every tier."""
@@ -228,7 +228,7 @@ class LoraSettings(BaseModel):
     max_rank: int = Field(16, ge=1, description="Largest adapter rank accepted (vLLM's max_lora_rank).")
 
     @model_validator(mode="after")
-    def _names(self):
+    def _names(self) -> Self:
         for name in self.adapters:
             if not re.fullmatch(ADAPTER_NAME, name):
                 raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_', '-' only")
@@ -357,7 +357,7 @@ class ModelConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _one_served_name(self):
+    def _one_served_name(self) -> Self:
         if "served_model_name" in self.engine_kwargs or "model" in self.engine_kwargs:
             raise ValueError("set `name` and `source`, not engine_kwargs.model/served_model_name")
         if {"allowed_media_domains", "allowed_local_media_path"} & self.engine_kwargs.keys():
@@ -433,7 +433,7 @@ class ModelConfig(BaseModel):
         if self.accelerator == "gpu" and tp > 1:
             # vLLM's Ray executor places one worker per GPU inside the replica's
             # placement group: bundle 0 is the replica actor itself.
-            gpu_bundle = {"GPU": 1}
+            gpu_bundle: dict[str, float] = {"GPU": 1}
             if self.accelerator_type:
                 # Ray's accelerator_type resource: tiny amount, as ray.remote(accelerator_type=...) asks.
                 gpu_bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001

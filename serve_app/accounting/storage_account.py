@@ -52,6 +52,8 @@ class StorageAccount:
         self, op: str, key_id: str, object_id: str, size: int = 0, expires_s: float = 0, now_s: float | None = None
     ) -> tuple[bool, int, int]:
         now_ms = int((time.time() if now_s is None else now_s) * 1000)
+        if self._script is None:
+            raise RuntimeError("a storage account without Redis keeps nothing")
         done, total, count = await self._script(
             keys=self._names(key_id),
             args=[op, object_id, size, int(expires_s * 1000), now_ms, self.max_bytes, self.max_objects, self._ttl_ms],

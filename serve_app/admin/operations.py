@@ -10,7 +10,7 @@ returns JSON-ready data or raises ``OpenAIError``; the ingress and `llmctl` only
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
@@ -89,7 +89,10 @@ class KeyChanges(TeamChanges):
     team: str | None = None  # a team's id or name; null: no team (moving a key between teams)
 
 
-def _parse(model: type[BaseModel], body: Any) -> BaseModel:
+Parsed = TypeVar("Parsed", bound=BaseModel)
+
+
+def _parse(model: type[Parsed], body: Any) -> Parsed:
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -40,7 +40,7 @@ class LocalLimiter:
         concurrent = self._share(key.max_concurrent)
         if concurrent and len(state.running) >= concurrent:
             return False, "concurrency", 1.0
-        checks = []
+        checks: list[float | None] = []  # each limit's new TAT (None: unlimited)
         for kind, limit, cost, tat in (
             ("requests", self._share(key.requests_per_minute), 1, state.requests_tat),
             ("tokens", self._share(key.tokens_per_minute), reserve_tokens, state.tokens_tat),

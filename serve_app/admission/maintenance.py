@@ -57,7 +57,7 @@ def _running_replicas_of_this_deployment() -> int:
 
     context = serve.get_replica_context()
     status = serve.status().applications[context.app_name].deployments[context.deployment]
-    return int(status.replica_states.get("RUNNING", 0))
+    return sum(count for state, count in status.replica_states.items() if state == "RUNNING")
 
 
 class Maintenance:

@@ -118,7 +118,7 @@ def _finished(call: Call, body: dict[str, Any], echoed: list[str], suffix: str) 
             return StreamingResponse(
                 _edited_events(reply.stream, edit), media_type="text/event-stream", headers=reply.headers
             )
-        completion = json.loads(reply.body)
+        completion = reply.json()
         for choice in completion.get("choices") or ():
             edit(choice, set())
         return Response(json.dumps(completion), media_type="application/json", headers=reply.headers)

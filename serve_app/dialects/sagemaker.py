@@ -58,7 +58,8 @@ async def translate(body: dict[str, Any], gateway: ModelRegistry) -> Call:
             code="missing_required_parameter",
         )
     if "model" not in call.body:
-        call.body["model"] = await gateway.only_model_for(call.operation)
+        operation = call.operation if isinstance(call.operation, str) else call.operation.name
+        call.body["model"] = await gateway.only_model_for(operation)
     return call
 
 
@@ -94,6 +95,7 @@ def _lmi_call(body: dict[str, Any]) -> Call:
         request["model"] = body["model"]
     prefix_prompt = bool(parameters.get("return_full_text"))
     if stream:
+        assert isinstance(inputs, str)  # a list was refused above
         request.update(stream=True)
         return Call("completions", request, lambda reply: _stream_response(reply, inputs, prefix_prompt, details))
     return Call("completions", request, lambda reply: _json_response(reply, inputs, prefix_prompt, details))
@@ -115,7 +117,7 @@ def _tokens(choice: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _json_response(reply: Reply, inputs, prefix_prompt: bool, details: bool) -> Response:
-    body = json.loads(reply.body)
+    body = reply.json()
     prompts = inputs if isinstance(inputs, list) else [inputs]
     outputs = []
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
@@ -134,6 +136,8 @@ def _json_response(reply: Reply, inputs, prefix_prompt: bool, details: bool) -> 
 
 
 def _stream_response(reply: Reply, prompt: str, prefix_prompt: bool, details: bool) -> Response:
+    if reply.stream is None:
+        raise ValueError("a streamed call answered without a stream")
     return StreamingResponse(
         _json_lines(reply.stream, prompt, prefix_prompt, details),
         media_type="application/jsonlines",
@@ -159,7 +163,7 @@ async def _json_lines(stream: AsyncIterator[str], prompt: str, prefix_prompt: bo
                 last = choice.get("finish_reason") is not None
                 for token in tokens[:-1]:
                     lines.append(json.dumps({"token": token, "generated_text": None, "details": None}))
-                final = {"token": tokens[-1], "generated_text": None, "details": None}
+                final: dict[str, Any] = {"token": tokens[-1], "generated_text": None, "details": None}
                 if last:
                     final["generated_text"] = (prompt if prefix_prompt else "") + "".join(text)
                     if details:

@@ -79,10 +79,12 @@ class Authenticator:
         # Tokens of the company's identity provider, besides API keys (jwt_auth.py).
         self.jwt = JwtAuthenticator(auth.jwt) if auth.jwt is not None else None
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
-        self._cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
+        self._cache: KeyCache[KeyRecord] = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
         # Team records by id (or an identity token's team name), cached as key records are:
         # a disabled team stops its keys as fast as a revoked key stops.
-        self._team_cache = KeyCache(quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max)
+        self._team_cache: KeyCache[TeamRecord] = KeyCache(
+            quota.key_cache_ttl_s, quota.key_stale_max_s, quota.key_cache_max
+        )
 
     async def authenticate(self, headers: Mapping[str, str], seen: dict[str, str] | None = None) -> KeyRecord:
         """The caller's key record, or a 401/503. ``seen["source"]`` says where it came

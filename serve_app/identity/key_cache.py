@@ -17,6 +17,7 @@ long ago comes back). So:
 from __future__ import annotations
 
 import time
+from typing import Generic, TypeVar
 
 from cachetools import TTLCache
 
@@ -25,15 +26,24 @@ from serve_app.identity.keys import KeyRecord
 NEGATIVE_TTL_S = 1.0
 NEGATIVE_MAX = 1_000
 
+# What is cached: key records (by a token's digest), or team records (by team id or name).
+Record = TypeVar("Record", bound=KeyRecord)
 
-class KeyCache:
+
+class KeyCache(Generic[Record]):
     def __init__(self, ttl_s: float, stale_max_s: float, max_keys: int = 10_000, clock=time.monotonic):
         # TTLCache is an LRU with per-entry expiry (items live ``ttl`` from insertion).
-        self._fresh = TTLCache(maxsize=max_keys, ttl=max(ttl_s, 1e-9), timer=clock) if ttl_s > 0 else None
-        self._fallback = TTLCache(maxsize=max_keys, ttl=max(stale_max_s, ttl_s, 1e-9), timer=clock)
-        self._unknown = TTLCache(maxsize=NEGATIVE_MAX, ttl=min(NEGATIVE_TTL_S, ttl_s) or 1e-9, timer=clock)
+        self._fresh: TTLCache[str, Record] | None = (
+            TTLCache(maxsize=max_keys, ttl=max(ttl_s, 1e-9), timer=clock) if ttl_s > 0 else None
+        )
+        self._fallback: TTLCache[str, Record] = TTLCache(
+            maxsize=max_keys, ttl=max(stale_max_s, ttl_s, 1e-9), timer=clock
+        )
+        self._unknown: TTLCache[str, bool] = TTLCache(
+            maxsize=NEGATIVE_MAX, ttl=min(NEGATIVE_TTL_S, ttl_s) or 1e-9, timer=clock
+        )
 
-    def get(self, hashed: str) -> tuple[bool, KeyRecord | None]:
+    def get(self, hashed: str) -> tuple[bool, Record | None]:
         """(hit, record): a fresh answer for this token's digest, if there is one;
         ``record`` is None for a token Redis said is no key."""
         if self._fresh is not None and (record := self._fresh.get(hashed)) is not None:
@@ -42,7 +52,7 @@ class KeyCache:
             return True, None
         return False, None
 
-    def put(self, hashed: str, record: KeyRecord | None) -> None:
+    def put(self, hashed: str, record: Record | None) -> None:
         if record is None:
             self._unknown[hashed] = True
             if self._fresh is not None:
@@ -54,7 +64,7 @@ class KeyCache:
             self._fresh[hashed] = record
         self._fallback[hashed] = record
 
-    def fallback(self, hashed: str) -> KeyRecord | None:
+    def fallback(self, hashed: str) -> Record | None:
         """The record Redis confirmed within ``stale_max_s``, for use while it is unreachable."""
         return self._fallback.get(hashed)
 

@@ -18,6 +18,7 @@ with "t".
 
 from __future__ import annotations
 
+import builtins
 import secrets
 import time
 from typing import Any
@@ -83,7 +84,7 @@ class TeamStore:
                 continue
         return records
 
-    async def members(self, team_id: str) -> list[str]:
+    async def members(self, team_id: str) -> builtins.list[str]:
         return sorted(as_text(i) for i in await self.redis.smembers(redis_names.team_members(team_id)))
 
     async def update(self, team_id: str, **changes: Any) -> TeamRecord:

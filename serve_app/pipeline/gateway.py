@@ -24,7 +24,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from contract.edge import MAX_SESSION_ID_CHARS
-from contract.model_config import VLLM_PRIORITY, ModelConfig, deployment_name
+from contract.model_config import VLLM_PRIORITY, ModelConfig, PriorityTier, deployment_name
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.accounting.costs import Rates, reservation_nanos
 from serve_app.accounting.usage import new_request_id
@@ -203,7 +203,7 @@ class Gateway:
         record.model = model
         body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
-        routing: dict[str, str] = {}
+        routing: dict[str, Any] = {}
         if adapter is not None:  # Serve model multiplexing: prefer replicas that already hold the adapter
             routing["multiplexed_model_id"] = adapter
         if session:  # the model's router keeps a session on one replica
@@ -551,6 +551,7 @@ class Gateway:
             gate = None
 
         async def take_a_place() -> None:
+            assert gate is not None  # only passed when there is a gate
             place = await gate.enter(ticket.key.id, rank)
             ticket.on_settle = place.leave
 
@@ -601,7 +602,7 @@ class _Plan:
     config: ModelConfig
     reservation: Reservation
     rank: int  # its place in the engine's priority and the fair-share gate's order
-    tier: str  # whose share of the model's queue it may take
+    tier: PriorityTier  # whose share of the model's queue it may take
     streaming: bool
 
     def resized(self, prompt_tokens: int) -> _Plan:

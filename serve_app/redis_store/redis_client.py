@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import hiredis
@@ -101,7 +102,7 @@ def parse(url: str) -> RedisTarget:
     if not hosts:
         raise ValueError("redis_url names no host")
     query = dict(parse_qsl(parts.query))
-    target = dict(
+    target: dict[str, Any] = dict(
         mode="cluster" if scheme in CLUSTER_SCHEMES else "sentinel",
         url=url,
         hosts=hosts,
@@ -240,17 +241,20 @@ def _learning_the_slot_map(exc: RedisClusterException) -> bool:
 
 def _raised_in_transport(exc: BaseException) -> bool:
     tb = exc.__traceback__
+    if tb is None:
+        return False
     while tb.tb_next is not None:
         tb = tb.tb_next
     where = Path(tb.tb_frame.f_code.co_filename).resolve()
     return any(where == place or place in where.parents for place in _TRANSPORT_FILES)
 
 
-class SafeRedis(_ClearErrors, redis.asyncio.Redis):
+class SafeRedis(_ClearErrors, redis.asyncio.Redis):  # type: ignore[misc]
     """One node, or a Sentinel's primary."""
 
 
-class SafeRedisCluster(_ClearErrors, RedisCluster):
+# (The ignores: redis-py's own base classes disagree on command_info's signature.)
+class SafeRedisCluster(_ClearErrors, RedisCluster):  # type: ignore[misc]
     """A Redis Cluster."""
 
 
@@ -259,15 +263,17 @@ def connect(url: str, timeout_s: float | None = None):
     Sentinel's primary, a ``RedisCluster`` for a cluster. ``timeout_s`` bounds each
     connect and each reply."""
     target = parse(url)
-    timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    timeouts: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if target.mode == "single":
         return SafeRedis.from_url(url, **timeouts, maint_notifications_config=_POOL_CHECKS_CONNECTIONS)
-    auth = {"username": target.username, "password": target.password}
-    tls = {"ssl": True, **{k: v for k, v in target.query.items() if k in _TLS_QUERY}} if target.tls else {}
+    auth: dict[str, Any] = {"username": target.username, "password": target.password}
+    tls: dict[str, Any] = (
+        {"ssl": True, **{k: v for k, v in target.query.items() if k in _TLS_QUERY}} if target.tls else {}
+    )
     if target.mode == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
         return SafeRedisCluster(startup_nodes=nodes, **auth, **tls, **timeouts)
-    sentinel_auth = {
+    sentinel_auth: dict[str, Any] = {
         "username": target.query.get("sentinel_username"),
         "password": target.query.get("sentinel_password"),
     }
@@ -309,7 +315,7 @@ def _pack_in_c(self, *args) -> list[bytes]:
 
 # Every asyncio connection class (TCP, TLS, unix socket; cluster and Sentinel
 # connections derive from them) packs through the one method.
-redis.asyncio.connection.AbstractConnection.pack_command = _pack_in_c
+redis.asyncio.connection.AbstractConnection.pack_command = _pack_in_c  # type: ignore[method-assign]
 
 
 def redact(url: str) -> str:

@@ -39,7 +39,8 @@ busy replicas, which load it, instead of queueing where it was first loaded.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Container, Mapping
+from typing import TYPE_CHECKING
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -51,8 +52,15 @@ from serve_app.routing.block_index import BlockIndex
 from serve_app.routing.policies import SESSION_KEY, ChosenNotSent, affine_choice, cached_choice, rendezvous_order
 from serve_app.routing.serve_private import PowerOfTwoChoicesRequestRouter
 
+# What the mixin below extends, for the type checker only: at run time it is a plain mixin,
+# placed before Serve's router classes in each router's bases.
+if TYPE_CHECKING:
+    _Router = RequestRouter
+else:
+    _Router = object
 
-class PublishesPlaces:
+
+class PublishesPlaces(_Router):
     """Router mixin: publishes the deployment's places (places.py) whenever its replicas change."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -81,7 +89,8 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         self._probed_at: dict[str, float] = {}  # when each replica's count was last asked (ChosenNotSent)
         super().__init__(*args, **kwargs)
 
-    def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4) -> None:
+    # Serve calls it with the config's request_router_kwargs: named here, as the config names them.
+    def initialize_state(self, prefix_chars: int = 512, imbalance_threshold: int = 4) -> None:  # type: ignore[override]
         self._prefix_chars = prefix_chars
         self._imbalance_threshold = imbalance_threshold
 
@@ -98,15 +107,17 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        has_body = pending_request is not None and len(pending_request.args) >= 2  # call(operation, body)
+        if pending_request is None or not candidate_replicas:
+            return await self._power_of_two(candidate_replicas, pending_request)  # type: ignore[misc]
+        has_body = len(pending_request.args) >= 2  # call(operation, body)
         text = prompt_text(pending_request.args[1], self._text_chars()) if has_body else ""
-        session = pending_request.metadata.session_id if pending_request is not None else ""
-        if not (text or session) or not candidate_replicas:
-            return await self._power_of_two(candidate_replicas, pending_request)
+        session = pending_request.metadata.session_id
+        if not (text or session):
+            return await self._power_of_two(candidate_replicas, pending_request)  # type: ignore[misc]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         holders = self._adapter_holders(by_id, pending_request)
         if not holders:  # an adapter nobody holds yet: Serve's choice (fewest adapters loaded)
-            return await self._power_of_two(candidate_replicas, pending_request)
+            return await self._power_of_two(candidate_replicas, pending_request)  # type: ignore[misc]
         queue_lens = await self._queue_lens(candidate_replicas)
         if session:
             chosen = self._choose_session(session, text, holders, queue_lens)
@@ -161,7 +172,7 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         return counts
 
     async def _counts(
-        self, replicas: list[RunningReplica], ask: set[str] = frozenset()
+        self, replicas: list[RunningReplica], ask: Container[str] = frozenset()
     ) -> tuple[dict[str, int | None], dict[str, int]]:
         """Each replica's count (cached, or probed if stale or in ``ask``; None: no
         answer) and this router's picks of it that count has not seen."""
@@ -196,7 +207,7 @@ class CacheAffinityRouter(PrefixAffinityRouter):
     prefix router does. A prompt none of the eligible replicas holds goes where the
     prefix router would send it, so ingress replicas agree on it."""
 
-    def initialize_state(
+    def initialize_state(  # type: ignore[override]
         self,
         prefix_chars: int = 512,
         imbalance_threshold: int = 4,

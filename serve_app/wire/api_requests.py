@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, Protocol, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -157,21 +158,21 @@ class ScoringEnvelope(BaseModel):
 class Operation:
     """One endpoint as the gateway sees it."""
 
-    name: str  # "chat", "completions", "responses", "messages", "count_tokens", "embeddings", "score", ...
+    name: ReplicaOperation  # "chat", "completions", "responses", "messages", "count_tokens", "embeddings", "score", ...
     envelope: type[BaseModel]
     generates: bool  # produces completion tokens (reserved up front; may stream)
     # The request id goes into the body (vLLM's request model has the field: the
     # engine's logs and aborts name it); vLLM's tokenizer requests have none.
     carries_request_id: bool = True
     streams_as: str = "openai"  # the SSE shape of its streams: "openai", "responses" or "anthropic"
-    replica: str = ""  # what the replica runs, where it differs from ``name``
+    replica: ReplicaOperation | None = None  # what the replica runs, where it differs from ``name``
 
     @property
     def replica_operation(self) -> ReplicaOperation:
         return self.replica or self.name
 
 
-OPERATIONS = {
+OPERATIONS: dict[str, Operation] = {
     op.name: op
     for op in (
         Operation("chat", ChatEnvelope, generates=True),
@@ -197,10 +198,16 @@ OPERATIONS = {
 TEMPLATED_COMPLETIONS = Operation("completions", CompletionEnvelope, generates=True, replica="templated_completions")
 
 
-def validate_request(operation: Operation, body: dict[str, Any]) -> BaseModel:
+class Envelope(Protocol):
+    """What every operation's envelope has: the model it names."""
+
+    model: str
+
+
+def validate_request(operation: Operation, body: dict[str, Any]) -> Envelope:
     """The envelope of ``body`` for ``operation``, or a 400 naming the parameter."""
     try:
-        return operation.envelope.model_validate(body)
+        return cast(Envelope, operation.envelope.model_validate(body))
     except ValidationError as exc:
         raise invalid_request(exc) from None
 
@@ -239,7 +246,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _not_a_number(constant: str):
+def _not_a_number(constant: str) -> NoReturn:
     raise ValueError(f"{constant} is not a JSON number")
 
 
@@ -290,7 +297,7 @@ def _too_deep() -> OpenAIError:
 _QUERY_INT = re.compile(r"[0-9]{1,9}")
 
 
-def list_params(params, default_limit: int = 20, max_limit: int = 100) -> dict[str, Any]:
+def list_params(params: Mapping[str, str], default_limit: int = 20, max_limit: int = 100) -> dict[str, Any]:
     """``limit`` (1 to ``max_limit``), ``order`` (asc, or desc: the default) and
     ``after`` of one of OpenAI's listings, or a 400 naming the one that is wrong."""
     limit = params.get("limit", str(default_limit))

@@ -9,6 +9,7 @@ needs answered (which model, how long its context), never the whole gateway.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,12 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | None = None
     stream: AsyncIterator[str] | None = None
+
+    def json(self) -> Any:
+        """The JSON body of a unary answer."""
+        if self.body is None:
+            raise ValueError("a stream has no JSON body")
+        return json.loads(self.body)
 
     def response(self) -> Response:
         if self.stream is not None:

@@ -153,5 +153,5 @@ def _is_off(value: Any, off: Any) -> bool:
     if off is _ALWAYS:
         return False
     if isinstance(value, list):
-        return tuple(value) == off
-    return value in off
+        return bool(tuple(value) == off)
+    return bool(value in off)

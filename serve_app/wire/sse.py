@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from contract.replica_wire import Usage
 
@@ -44,7 +45,7 @@ def ends_in_error(item: str) -> bool:
     return 'data: {"error"' in item
 
 
-def events(item: str) -> list[dict]:
+def events(item: str) -> list[dict[str, Any]]:
     """Every JSON event of a relayed item, in order (for dialects that answer
     streams in another shape; OpenAI-shaped streams never pay for this)."""
     return [json.loads(event[len("data: ") :]) for event in item.split("\n\n") if event.startswith("data: {")]
@@ -67,13 +68,14 @@ def responses_usage(item: str) -> Usage | None:
     return Usage.from_input_output(response.get("usage")) if response else None
 
 
-def completed_response(item: str) -> dict | None:
+def completed_response(item: str) -> dict[str, Any] | None:
     """The response a Responses stream's ``response.completed`` event in ``item`` carries."""
     marker = "event: response.completed\ndata: "
     at = item.find(marker)
     if at < 0:
         return None
-    return json.loads(item[at + len(marker) :].split("\n", 1)[0]).get("response")
+    response: dict[str, Any] | None = json.loads(item[at + len(marker) :].split("\n", 1)[0]).get("response")
+    return response
 
 
 @dataclass(frozen=True)

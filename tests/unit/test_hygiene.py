@@ -32,7 +32,7 @@ def test_the_code_is_formatted_as_ruff_formats_it():
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def _test_the_types_check():  # enabled with [tool.mypy] files (next commit)
+def test_the_types_check():
     checked = run("mypy")  # what it checks, and how strictly: pyproject.toml [tool.mypy]
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
