@@ -102,7 +102,7 @@ def redis_class() -> str:
     table's header: in the normal class, beside the engine on this box's two cores, about
     one admission in a hundred waited 130-220 ms for its reply (an early-started stream
     still waits for the yes), which then is the stack's c=1 TTFT p99, not its gateway
-    (docs/performance.md, "What the c=1 tail was"); ``scripts/ensure_redis.sh`` starts it
+    (docs/performance-history.md, "What the c=1 tail was"); ``scripts/ensure_redis.sh`` starts it
     in the real-time class."""
     import redis
 
@@ -284,7 +284,7 @@ def client_priority(wanted: str) -> list[str]:
     Why: on this 2-core box a c=1 client in the normal class beside ``make run``'s stack
     was seen waiting on the run queue for a whole stream (its ``schedstat``: 119-143 ms)
     while the answer sat in its socket (tcpdump: the replica sent every chunk on time),
-    so its TTFT was the stream's length (docs/performance.md, "What the c=1 tail was").
+    so its TTFT was the stream's length (docs/performance-history.md, "What the c=1 tail was").
     A client on another machine reads what arrives when it arrives; in the real-time
     class this one does too, for every target alike."""
     if wanted != "realtime":
