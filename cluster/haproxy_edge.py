@@ -205,9 +205,9 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
     # Each declared backend's replicas (its servers but Ray's fallback proxy).
     replicas = {
-        _backend_name(section): [name for name, _ in _replicas(section)]
+        backend: [name for name, _ in _replicas(section)]
         for section in sections
-        if _backend_name(section) is not None
+        if (backend := _backend_name(section)) is not None
     }
     # The direct applications' backends (named by a direct route's ACL, and declared)
     # whose replica HAProxy picks: those with an ingress request router have it picked

@@ -45,7 +45,7 @@ class PrioritySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     queue_shares: dict[PriorityTier, float] = Field(
-        default_factory=lambda: {"high": 1.0, "normal": 0.75, "low": 0.5},  # type: ignore[arg-type,dict-item]
+        default_factory=lambda: {"high": 1.0, "normal": 0.75, "low": 0.5},  # type: ignore[arg-type]
         description="Share of the model's queue (max_queued_requests, per ingress replica) requests of each "
         "tier may fill; past it a request of that tier gets 503 model_overloaded at once. Defaults: low "
         "keys are refused when the queue is half full, normal keys at three quarters, so the last quarter "

@@ -43,7 +43,7 @@ def _build(out: Path, size: str) -> None:
         r=RANK, lora_alpha=2 * RANK, target_modules=TARGET_MODULES, init_lora_weights=False, task_type="CAUSAL_LM"
     )
     torch.manual_seed(SEED)  # here, not earlier: building the base model draws from the same generator
-    get_peft_model(model, config).save_pretrained(out, safe_serialization=True)
+    get_peft_model(model, config).save_pretrained(str(out), safe_serialization=True)
     # The base is a local folder whose name varies with the data dir: vLLM does
     # not need it, and a stable config keeps the build reproducible.
     adapter_config = json.loads((out / "adapter_config.json").read_text())

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from contract.model_config import DEMO_DEFAULT_SIZE
 
@@ -56,7 +57,7 @@ _COMMON = dict(
 # Sizes of the demo model (config source `demo` = tiny, `demo:<size>`): same
 # tokenizer, different depth and width, so a multi-model config serves models
 # that really differ in cost. tiny ~0.6M parameters, small ~3.9M.
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=128,
         intermediate_size=256,

@@ -37,7 +37,7 @@ WATCH_INTERVAL_S = 1.0
 
 def register() -> None:
     parent = multiprocessing.parent_process()
-    if parent is None:
+    if parent is None or parent.pid is None:
         return  # not started by vLLM: the replica itself, or a CLI
     guard(parent.pid)
 

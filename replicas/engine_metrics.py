@@ -30,7 +30,9 @@ class PerRequestRayStatLogger(RayPrometheusStatLogger):
 
     def __init__(self, vllm_config, engine_indexes: list[int] | None = None):
         super().__init__(vllm_config, engine_indexes)
-        self.histogram_inter_token_latency = {index: _Unobserved() for index in self.histogram_inter_token_latency}
+        # A stand-in that observes nothing, where vLLM keeps its histograms (vLLM is read as Any).
+        indexes = list(self.histogram_inter_token_latency)  # type: ignore[has-type]
+        self.histogram_inter_token_latency = {index: _Unobserved() for index in indexes}
 
 
 def ray_stat_logger(inter_token_latency_histogram: bool):

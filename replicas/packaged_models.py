@@ -13,4 +13,6 @@ def packaged_model_path(module_name: str) -> Path:
     module = importlib.import_module(module_name)
     if hasattr(module, "get_model_path"):
         return Path(module.get_model_path())
+    if module.__file__ is None:
+        raise ValueError(f"{module_name} is a namespace package: no model folder beside it")
     return Path(module.__file__).parent / "model"

@@ -68,7 +68,7 @@ async def coalesce(
                 # tokens, the usage and [DONE] go out as soon as they exist.
                 await asyncio.wait((task,), timeout=interval_s)
             first = False
-            parts = []
+            parts: list[str] = []
             while True:
                 if item is _END:
                     if parts:

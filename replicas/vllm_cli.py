@@ -32,7 +32,7 @@ def _version(name: str) -> str:
 
 
 def main() -> int:
-    importlib.metadata.version = _version
+    importlib.metadata.version = _version  # type: ignore[assignment]  # vLLM's own version, for its CLI
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"

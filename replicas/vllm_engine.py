@@ -10,7 +10,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,7 @@ def engine_maker(config: ModelConfig) -> Callable[[ModelConfig], Awaitable[Engin
     return getattr(importlib.import_module(module), name)
 
 
-def engine_config(config: ModelConfig, extra_cli: list[str] = ()):
+def engine_config(config: ModelConfig, extra_cli: Sequence[str] = ()):
     """(vLLM's parsed CLI arguments, its engine arguments, its ``VllmConfig``) for
     ``config`` (and ``extra_cli``), as ``vllm serve`` makes them from the same command
     line; this process's environment set as vLLM must find it."""
@@ -319,7 +319,7 @@ def field_names(request_type: Any) -> frozenset[str]:
         names = set(request_type.model_fields)
         names |= {field.alias for field in request_type.model_fields.values() if field.alias}
         return frozenset(names)
-    names: set[str] = set()
+    names = set()
     for member in typing.get_args(request_type):
         names |= field_names(member)
     return frozenset(names)

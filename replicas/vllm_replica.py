@@ -69,7 +69,7 @@ ERROR_FLUSH_S = 1.0
 
 @serve.deployment
 class VLLMReplica:
-    async def __init__(self, config: ModelConfig):
+    async def __init__(self, config: ModelConfig):  # type: ignore[misc]  # Serve awaits it
         self.config = config
         self.replica = serve.get_replica_context().replica_id.unique_id
         # The engine, by what the model's `engine` names (vLLM unless rehearsing).
@@ -186,6 +186,8 @@ class VLLMReplica:
         except ValidationError as exc:
             return self._refusal(400, validation_error(exc))
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
+            if self._error_from is None:  # a stand-in engine (no vLLM serving layer to map it)
+                raise
             return self._error_from(exc)
 
     def _tracked(self, operation: str, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -214,6 +216,7 @@ class VLLMReplica:
         body, held_key = self._tracked(operation, body)
         answer = await self._call(operation, body, adapter, span, prompt_allowance)
         if held_key is not None and isinstance(answer, ReplicaAnswer) and answer.usage is not None:
+            assert self._held is not None  # a held key comes from it
             self._held.ended(held_key, answer.usage.prompt_tokens)
         return answer
 
@@ -224,7 +227,7 @@ class VLLMReplica:
         if isinstance(result, ReplicaError):
             return result
         if isinstance(result, AsyncIterator):  # stream asked on the unary path
-            await result.aclose()
+            await result.aclose()  # type: ignore[attr-defined]  # vLLM's streams are async generators
             return self._refusal(400, {"message": "use the streaming path for stream=true", "param": "stream"})
         if hasattr(result, "body"):  # pooling endpoints answer with a finished HTTP response
             response = json.loads(result.body)
@@ -302,11 +305,11 @@ class VLLMReplica:
             first = span is not None
             item = None
             async for item in as_replica_stream(self.replica, self._relayed(result, named_tool)):
-                if first:
+                if first and span is not None:
                     span.add_event("first token")  # the engine's queue and prefill are behind it
                     first = False
                 yield item
-            if held_key is not None and item is not None:  # the last event names the usage (the gateway asks for it)
+            if held_key is not None and item is not None and self._held is not None:  # the last event: its usage
                 self._held.ended(held_key, prompt_tokens_in(item.text if isinstance(item, StreamStart) else item))
         finally:
             self._streams -= 1

@@ -42,7 +42,7 @@ def with_transport_env(options: dict[str, Any], env: dict[str, str] | None = Non
 
 def model_deployment(model: ModelConfig, env: dict[str, str] | None = None) -> Application:
     """One model's replica deployment, as the application deploys it."""
-    return VLLMReplica.options(**with_transport_env(model.serve_options(), env)).bind(model)
+    return VLLMReplica.options(**with_transport_env(model.serve_options(), env)).bind(model)  # type: ignore[attr-defined]
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -56,7 +56,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ingress = with_transport_env(
         {**INGRESS_ROLLOUT_DEFAULTS, **settings.ingress.deployment}, tracing.env("llm-gateway")
     )
-    return Ingress.options(**ingress).bind(settings, models)
+    return Ingress.options(**ingress).bind(settings, models)  # type: ignore[attr-defined]  # a Serve Deployment
 
 
 def build_direct_app(args: dict[str, Any]) -> Application:

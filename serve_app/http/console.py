@@ -323,7 +323,7 @@ def _key_form(teams) -> str:
 def _chart(daily: dict, team_names: dict) -> str:
     """Tokens per day, a bar per day stacked by team (inline SVG)."""
     days = daily["data"]
-    per_day = [defaultdict(int) for _ in days]
+    per_day: list[defaultdict[str, int]] = [defaultdict(int) for _ in days]
     teams: list[str] = []
     for i, bucket in enumerate(days):
         for result in bucket["results"]:

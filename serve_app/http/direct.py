@@ -143,12 +143,12 @@ DIRECT_ROUTES = direct_route.access
 
 @serve.deployment
 @serve.ingress(direct_app)
-class DirectModel(HandlesRequests, VLLMReplica.func_or_class):
+class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[name-defined]  # Serve's Deployment
     """The model's replica (``VLLMReplica``: the ingress' handle calls work as
     before) that also answers its model's OpenAI routes over HTTP."""
 
-    async def __init__(self, config: ModelConfig, settings: AppSettings):
-        await VLLMReplica.func_or_class.__init__(self, config)
+    async def __init__(self, config: ModelConfig, settings: AppSettings):  # type: ignore[misc]  # Serve awaits it
+        await VLLMReplica.func_or_class.__init__(self, config)  # type: ignore[attr-defined]
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
         self.telemetry = Telemetry(

@@ -68,7 +68,7 @@ class EdgeRouter:
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
         body = routing_body(await request.body())
-        routing: dict[str, str] = {}
+        routing: dict[str, Any] = {}
         if session := request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS]:
             routing["session_id"] = session
         if isinstance(body.get("model"), str) and (adapter := self._config.adapter_named(body["model"])):
@@ -108,7 +108,7 @@ def edge_router(model_app, config: ModelConfig) -> Any:
     every direct application's deployments side by side)."""
     # max_ongoing_requests: every request of the model asks it first; Serve's default (5) would queue them.
     env = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": QUEUE_LENGTH_REFRESH_S}
-    return serve.deployment(
+    return serve.deployment(  # type: ignore[attr-defined]  # given the class, a Deployment
         EdgeRouter,
         name=edge_router_name(config.name),
         max_ongoing_requests=1000,

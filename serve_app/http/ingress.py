@@ -64,7 +64,7 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
         deployments = {name: handle.deployment_name for name, handle in models.items()}
         self.telemetry.models_served(deployments)
         self.telemetry.keep_gauges_fresh()  # Serve runs __init__ on the replica's event loop
-        describers = {
+        describers: dict[str, DeploymentHandle] = {
             name: DeploymentHandle(handle.deployment_name, handle.app_name) for name, handle in models.items()
         }
         services, self.gateway = build_gateway(settings, self.telemetry, models, settings.models, describers=describers)

@@ -81,5 +81,6 @@ class Readiness:
         for name, deployment in self._deployments.items():
             app = applications.get(self._apps.get(name, own))
             if app is not None and deployment in app.deployments:
-                running[name] = int(app.deployments[deployment].replica_states.get("RUNNING", 0))
+                states = app.deployments[deployment].replica_states
+                running[name] = sum(count for state, count in states.items() if state == "RUNNING")
         return running

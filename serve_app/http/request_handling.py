@@ -20,8 +20,10 @@ from starlette.responses import Response, StreamingResponse
 from contract.edge import session_header
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.http.edge import RefuseServeControlHeaders
+from serve_app.identity.authentication import Authenticator
 from serve_app.identity.keys import KeyRecord
-from serve_app.telemetry import RequestRecord
+from serve_app.pipeline.gateway import Gateway
+from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.tracing import RequestTrace, now_ns
 from serve_app.wire.api_requests import parse_json_object
 from serve_app.wire.calls import Call
@@ -80,6 +82,12 @@ def _span_name(request: Request) -> str:
 class HandlesRequests:
     """Reading and answering inference requests; the class using it sets
     ``authenticator``, ``gateway``, ``telemetry``, ``max_body_bytes`` and ``body_timeout_s``."""
+
+    authenticator: Authenticator
+    gateway: Gateway
+    telemetry: Telemetry
+    max_body_bytes: int
+    body_timeout_s: float
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, read as it arrives and refused (413) as soon as it passes the

@@ -40,10 +40,18 @@ RouteAccess = Literal["probe", "key", "admin", "console"]
 KINDS: tuple[RouteAccess, ...] = ("probe", "key", "admin", "console")
 
 
-def admin_of(request: Request) -> str | None:
-    """The admin an ``admin`` route's guard authenticated (or a ``console`` route's
-    session: None without one)."""
-    return request.state.admin
+def admin_of(request: Request) -> str:
+    """The admin an ``admin`` route's guard authenticated."""
+    admin: str | None = request.state.admin
+    if admin is None:
+        raise RuntimeError("not an admin route: its guard authenticated no admin")
+    return admin
+
+
+def session_admin_of(request: Request) -> str | None:
+    """The admin whose session a ``console`` route's guard found (None: no session)."""
+    admin: str | None = request.state.admin
+    return admin
 
 
 class Routes:
@@ -64,7 +72,7 @@ class Routes:
             if declared is not None and declared != access:  # stacked routes of one handler share its access
                 raise ValueError(f"{method} {path}: {handler.__qualname__} is already a {declared!r} route")
             guarded = handler if declared is not None else GUARDS[access](handler)
-            guarded.route_access = access
+            setattr(guarded, "route_access", access)  # noqa: B010 (a function's attribute)
             self.access[(method, path)] = access
             getattr(self.app, method.lower())(path)(guarded)
             return guarded

@@ -11,6 +11,7 @@ engine load like any other caller.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -31,13 +32,16 @@ def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
     from ray import serve
 
     try:
-        ray.init(address="auto", log_to_driver=False, logging_level="ERROR", configure_logging=False)
+        ray.init(address="auto", log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)
     except ConnectionError as exc:
         return {"error": f"no Ray cluster on this machine ({exc})"}
     try:
         # The controller's full view (what `serve status` reads through the dashboard);
         # serve.status() has no target replica counts.
-        details = serve.context._get_global_client().get_serve_details()
+        client = serve.context._get_global_client()
+        if client is None:
+            return {"error": "no Serve controller on this Ray cluster"}
+        details = client.get_serve_details()
         applications = details.get("applications", {})
         app = applications.get(app_name)
         if app is None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -42,7 +43,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,10 @@ class BatchRunner:
                 self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
                 task = asyncio.ensure_future(self._run_leased(key_id, batch_id))
                 self._jobs[batch_id] = task
-                task.add_done_callback(lambda _, key_id=key_id, batch_id=batch_id: self._job_ended(key_id, batch_id))
+                task.add_done_callback(functools.partial(self._job_done, key_id, batch_id))
+
+    def _job_done(self, key_id: str, batch_id: str, _: asyncio.Task) -> None:
+        self._job_ended(key_id, batch_id)
 
     def _job_ended(self, key_id: str, batch_id: str) -> None:
         self._jobs.pop(batch_id, None)
@@ -254,7 +258,7 @@ class BatchJob:
                 self.ends = "expired"
         await self._finalize()
 
-    async def _unanswered(self, file_id: str, done: set[str]) -> AsyncIterator[dict[str, Any]]:
+    async def _unanswered(self, file_id: str, done: set[str]) -> AsyncGenerator[dict[str, Any], None]:
         """The requests of the input file not in ``done``, read off the event loop
         ``_READ_AHEAD`` at a time. A file gone or changed meanwhile ends them and
         sets ``input_lost``."""
@@ -354,7 +358,7 @@ class BatchJob:
             self.key_gone = True
         return key
 
-    async def _send_all(self, operation: str, pending: AsyncIterator[dict[str, Any]]) -> None:
+    async def _send_all(self, operation: str, pending: AsyncGenerator[dict[str, Any], None]) -> None:
         slots = asyncio.Semaphore(self.runner.config.concurrency)
         running: set[asyncio.Task] = set()
         try:
@@ -367,7 +371,7 @@ class BatchJob:
                     break
                 task = asyncio.ensure_future(self._one(key, operation, request))
                 running.add(task)
-                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+                task.add_done_callback(functools.partial(_ended, running, slots))
         finally:
             await pending.aclose()
             if running:
@@ -421,7 +425,7 @@ class BatchJob:
                 return self._answer(request, self._failed_line(request, line_id, error))
             record.status = 200
             self.runner.telemetry.finish(record)
-            answer = json.loads(reply.body)
+            answer = reply.json()
             line = {
                 "id": line_id,
                 "custom_id": request["custom_id"],
@@ -473,7 +477,7 @@ class BatchJob:
         batch ends: completed, cancelled (it was cancelling) or expired. Safe to
         run again after a crash: the files' ids are fixed by the batch."""
         was = await self.store.transition(self.key_id, self.batch_id, "finalizing", ("in_progress",))
-        ends = {"cancelling": "cancelled"}.get(was, self.ends)
+        ends = {"cancelling": "cancelled"}.get(was or "", self.ends)
         await asyncio.to_thread(self._answered)  # the counts as written
         files = {}
         for path, kind, field in ((self.out, "output", "output_file_id"), (self.err, "errors", "error_file_id")):
@@ -502,3 +506,9 @@ _NOT_RUN = {
     "batch_expired": "The batch was expired before this request ran.",
     "api_key_revoked": "The batch's API key was revoked or disabled before this request ran.",
 }
+
+
+def _ended(running: set[asyncio.Task], slots: asyncio.Semaphore, task: asyncio.Task) -> None:
+    """A batch request's task is done: it leaves the running set and frees its slot."""
+    running.discard(task)
+    slots.release()

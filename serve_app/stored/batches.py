@@ -19,8 +19,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator
+from typing import Any, cast
 
 from serve_app.accounting.storage_account import StorageAccount
 from serve_app.errors import OpenAIError, shown
@@ -88,7 +88,7 @@ class BatchStore:
     def __init__(
         self,
         redis,
-        files: FileStore,
+        files: FileStore | None,
         max_requests: int,
         max_active_per_key: int = 100,
         max_line_bytes: int = 8 * 1024 * 1024,
@@ -107,6 +107,12 @@ class BatchStore:
         self._take_active_place = redis.register_script(_TAKE_ACTIVE_PLACE)
 
     # -- the API ----------------------------------------------------------------
+
+    def _files(self) -> FileStore:
+        """The files a batch reads (a store built to list and cancel batches has none: llmctl's)."""
+        if self.files is None:
+            raise RuntimeError("this batch store reads no files")
+        return self.files
 
     async def create(self, key_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """A new batch of ``body['input_file_id']``'s requests, or a 400 naming the
@@ -138,7 +144,7 @@ class BatchStore:
                 param="input_file_id",
                 code="missing_required_parameter",
             )
-        file = await self.files.get(key_id, file_id)
+        file = await self._files().get(key_id, file_id)
         if file["purpose"] != "batch":
             raise OpenAIError(
                 400,
@@ -256,7 +262,7 @@ class BatchStore:
     async def active(self) -> list[tuple[str, str]]:
         """(key id, batch id) of every batch not ended yet, of every key."""
         members = [as_text(m) for m in await self.redis.smembers(redis_names.ACTIVE_BATCHES)]
-        return sorted(tuple(member.split("/", 1)) for member in members)
+        return sorted(cast(tuple[str, str], tuple(member.split("/", 1))) for member in members)
 
     async def key_of(self, batch_id: str) -> str:
         """The key of a batch not ended yet (what an admin cancels), or a 404."""
@@ -267,15 +273,15 @@ class BatchStore:
 
     # -- what runners use ---------------------------------------------------------
 
-    def lines(self, key_id: str, file_id: str) -> Iterator[dict[str, Any]]:
+    def lines(self, key_id: str, file_id: str) -> Generator[dict[str, Any], None, None]:
         """The requests of ``file_id`` one at a time (``batch_lines``): blocking reads,
         for a thread; the file is opened at the first."""
-        return batch_lines(self.files.path(key_id, file_id), self.max_requests, self.max_line_bytes)
+        return batch_lines(self._files().path(key_id, file_id), self.max_requests, self.max_line_bytes)
 
     def _scan(self, key_id: str, file_id: str, endpoint: str) -> tuple[int, list[dict[str, Any]]]:
         """(how many requests ``file_id`` has, the first 100 whose url is not
         ``endpoint``), reading one line at a time."""
-        total, errors = 0, []
+        total, errors = 0, cast(list[dict[str, Any]], [])
         for request in self.lines(key_id, file_id):
             total += 1
             if request["url"] != endpoint and len(errors) < 100:

@@ -28,7 +28,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -276,7 +276,7 @@ def _copy_bounded(source: BinaryIO, target: Path, max_bytes: int) -> int:
     return size
 
 
-def batch_lines(path: Path, max_requests: int, max_line_bytes: int) -> Iterator[dict[str, Any]]:
+def batch_lines(path: Path, max_requests: int, max_line_bytes: int) -> Generator[dict[str, Any], None, None]:
     """The requests of a batch input file (OpenAI's JSONL: one object per line with
     ``custom_id``, ``method``, ``url`` and ``body``), one at a time, or a 400 naming
     the first line that is not one. Each line passes the checks a request body does

@@ -82,6 +82,7 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
     async def load_history() -> None:
         """The stored conversation before the request's own input (its media was
         checked when it was sent)."""
+        assert previous_id is not None  # only loaded for a request that continues one
         stored = await _stored(store, key.id, previous_id)
         if stored is None:  # deleted since its size was read
             raise not_found(previous_id)
@@ -99,7 +100,7 @@ async def translate(body: dict[str, Any], key: KeyRecord, store: ResponseStore) 
                 media_type="text/event-stream",
                 headers=reply.headers,
             )
-        response = json.loads(reply.body)
+        response = reply.json()
         stored = await keep_answer(response)
         response.update(store=stored, previous_response_id=previous_id)
         return Response(json.dumps(response), media_type="application/json", headers=reply.headers)

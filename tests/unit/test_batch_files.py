@@ -18,6 +18,7 @@ from serve_app.errors import OpenAIError
 from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
 from serve_app.stored.batches import as_batch
 from serve_app.stored.files_api import FILE_ID, FileStore, batch_lines
+from serve_app.wire.calls import Reply
 
 
 def line(custom_id: str, **changes) -> dict:
@@ -331,7 +332,7 @@ class AnsweringGateway:
         if self.refusal is not None:
             raise self.refusal
         usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-        return SimpleNamespace(body=json.dumps({"id": "x", "object": "chat.completion", "usage": usage}).encode())
+        return Reply(body=json.dumps({"id": "x", "object": "chat.completion", "usage": usage}).encode())
 
 
 def batch_job(tmp_path, status: str, expires_at: float, gateway, requests: int = 3, keys=None, pad: int = 0):

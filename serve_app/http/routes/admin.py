@@ -11,13 +11,12 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from serve_app.admin import operations as admin
-from serve_app.http.request_handling import HandlesRequests
 from serve_app.http.route_access import admin_of
-from serve_app.http.routes.table import route
+from serve_app.http.routes.table import IngressRoutes, route
 from serve_app.wire.api_requests import list_params, parse_json_object
 
 
-class AdminRoutes(HandlesRequests):
+class AdminRoutes(IngressRoutes):
     """Keys, teams, admins, requests, batches, the audit trail; usage and costs."""
 
     async def _admin_json(self, request: Request) -> tuple[str, Any]:

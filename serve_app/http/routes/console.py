@@ -7,17 +7,16 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.responses import Response
 
-from serve_app.http.request_handling import HandlesRequests
-from serve_app.http.route_access import admin_of
-from serve_app.http.routes.table import route
+from serve_app.http.route_access import session_admin_of
+from serve_app.http.routes.table import IngressRoutes, route
 
 
-class ConsoleRoutes(HandlesRequests):
+class ConsoleRoutes(IngressRoutes):
     """The console's pages and forms."""
 
     @route("GET", "/console", "console")
     async def console_page(self, request: Request) -> Response:
-        return await self.console.page(request, admin_of(request))
+        return await self.console.page(request, session_admin_of(request))
 
     @route("POST", "/console/login", "console")
     async def console_login(self, request: Request) -> Response:
@@ -29,16 +28,16 @@ class ConsoleRoutes(HandlesRequests):
 
     @route("POST", "/console/teams", "console")
     async def console_create_team(self, request: Request) -> Response:
-        return await self.console.act(request, admin_of(request), "team")
+        return await self.console.act(request, session_admin_of(request), "team")
 
     @route("POST", "/console/keys", "console")
     async def console_create_key(self, request: Request) -> Response:
-        return await self.console.act(request, admin_of(request), "key")
+        return await self.console.act(request, session_admin_of(request), "key")
 
     @route("POST", "/console/keys/{key}/revoke", "console")
     async def console_revoke_key(self, key: str, request: Request) -> Response:
-        return await self.console.act(request, admin_of(request), "revoke", key)
+        return await self.console.act(request, session_admin_of(request), "revoke", key)
 
     @route("POST", "/console/keys/{key}/limits", "console")
     async def console_key_limits(self, key: str, request: Request) -> Response:
-        return await self.console.act(request, admin_of(request), "limits", key)
+        return await self.console.act(request, session_admin_of(request), "limits", key)

@@ -11,13 +11,13 @@ from starlette.responses import Response
 
 from serve_app.dialects import anthropic, azure, databricks, sagemaker
 from serve_app.errors import OpenAIError
-from serve_app.http.request_handling import HandlesRequests, as_call
-from serve_app.http.routes.table import route
+from serve_app.http.request_handling import as_call
+from serve_app.http.routes.table import IngressRoutes, route
 from serve_app.identity.keys import KeyRecord
 from serve_app.wire.calls import Call
 
 
-class DialectRoutes(HandlesRequests):
+class DialectRoutes(IngressRoutes):
     """Anthropic, Azure AI model inference, SageMaker LMI, Databricks."""
 
     @route("POST", "/v1/messages", "key")

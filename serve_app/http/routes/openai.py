@@ -8,11 +8,11 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.http.request_handling import HandlesRequests, as_call
-from serve_app.http.routes.table import route
+from serve_app.http.request_handling import as_call
+from serve_app.http.routes.table import IngressRoutes, route
 
 
-class OpenAIRoutes(HandlesRequests):
+class OpenAIRoutes(IngressRoutes):
     """Inference in OpenAI's shape (route label "openai"), and vLLM's ("vllm")."""
 
     @route("POST", "/v1/chat/completions", "key")

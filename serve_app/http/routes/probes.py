@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse, Response
 
-from serve_app.http.request_handling import HandlesRequests
-from serve_app.http.routes.table import route
+from serve_app.http.routes.table import IngressRoutes, route
 
 
-class ProbeRoutes(HandlesRequests):
+class ProbeRoutes(IngressRoutes):
     """Liveness and readiness."""
 
     @route("GET", "/ping", "probe")

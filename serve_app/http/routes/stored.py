@@ -15,8 +15,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from contract.replica_wire import Usage
 from serve_app.admission.scripts import Refusal
 from serve_app.errors import OpenAIError
-from serve_app.http.request_handling import HandlesRequests, serve_request_id
-from serve_app.http.routes.table import route
+from serve_app.http.request_handling import serve_request_id
+from serve_app.http.routes.table import IngressRoutes, route
 from serve_app.identity.jwt_auth import is_jwt_identity
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.refusals import render as render_refusal
@@ -27,7 +27,7 @@ from serve_app.stored.upload_form import read_upload_form
 from serve_app.wire.api_requests import list_params, parse_json_object
 
 
-class StoredRoutes(HandlesRequests):
+class StoredRoutes(IngressRoutes):
     """Stored Responses, Files and Batches of the caller's key."""
 
     @route("POST", "/v1/responses", "key")
