@@ -375,6 +375,27 @@ def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
     return asyncio.run(create())
 
 
+def create_key_of_disabled_team(redis_url: str, name: str) -> str:
+    """The secret of a new key whose team (also new, also ``name``) is disabled, made in
+    the stack's Redis through the admin operations (the admin API may be under test)."""
+    from serve_app.admin import operations as admin
+    from serve_app.admin.operations import AdminStores
+    from serve_app.redis_store.redis_client import connect
+
+    async def create() -> str:
+        client = connect(redis_url)
+        try:
+            stores = AdminStores.over(client)
+            team = await admin.create_team(stores, {"name": name}, "test")
+            key = await admin.create_key(stores, {"name": name, "team": team["id"]}, "test")
+            await admin.revoke_team(stores, team["id"], "test")
+            return key["secret"]
+        finally:
+            await client.aclose()
+
+    return asyncio.run(create())
+
+
 def call_replica(model_name: str, method: str, *args, app_name: str = APP_NAME):
     """Call a model replica's method from (synchronous) test code.
 

@@ -21,19 +21,15 @@ no call changes a thing; each call's status is all that is asserted.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 
 import httpx
 import pytest
-from stack import create_key
+from stack import create_key, create_key_of_disabled_team
 
 from quota_stack.stack_args import ADMIN, MODEL
-from serve_app.admin import operations as admin
-from serve_app.admin.operations import AdminStores
 from serve_app.http.ingress import ROUTE_ACCESS
-from serve_app.redis_store.redis_client import connect
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +49,7 @@ def secrets(base_url, redis_server, jwks) -> dict[str, str | None]:
         assert time.monotonic() < deadline, "the stack never became ready"
         time.sleep(0.5)
     tag = time.monotonic_ns()
-    disabled = asyncio.run(disabled_team_key(redis_server.url, f"access-disabled-{tag}"))
+    disabled = create_key_of_disabled_team(redis_server.url, f"access-disabled-{tag}")
     return {
         "none": None,
         "key": create_key(redis_server.url, f"access-{tag}")[1],
@@ -70,19 +66,6 @@ def console_session(base_url) -> str:
     )
     assert login.status_code == 303, login.text
     return login.cookies["llm_console"]
-
-
-async def disabled_team_key(redis_url: str, name: str) -> str:
-    """The secret of a key whose team is disabled (made in Redis: the admin API is under test here)."""
-    client = connect(redis_url)
-    try:
-        stores = AdminStores.over(client)
-        team = await admin.create_team(stores, {"name": name}, "test")
-        key = await admin.create_key(stores, {"name": name, "team": team["id"]}, "test")
-        await admin.revoke_team(stores, team["id"], "test")
-        return key["secret"]
-    finally:
-        await client.aclose()
 
 
 def call(base_url: str, method: str, path: str, secret: str | None, cookies: dict | None = None) -> httpx.Response:
