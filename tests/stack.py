@@ -358,6 +358,14 @@ class CliStack:
             leftover.kill()
 
 
+def wait_until_ready(base_url: str, timeout_s: float = 300) -> None:
+    """Until the stack's ``/ready`` answers 200 (every model kept up has a replica that answered)."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(base_url + "/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the stack never became ready"
+        time.sleep(0.5)
+
+
 def create_key(redis_url: str, name: str, **limits) -> tuple[str, str]:
     """Create an API key in the stack's Redis; return (key id, secret)."""
     from serve_app.identity.keys import KeyStore

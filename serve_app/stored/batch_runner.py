@@ -149,12 +149,9 @@ class BatchRunner:
                 self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
                 task = asyncio.ensure_future(self._run_leased(key_id, batch_id))
                 self._jobs[batch_id] = task
-                task.add_done_callback(functools.partial(self._job_done, key_id, batch_id))
+                task.add_done_callback(functools.partial(self._job_ended, key_id, batch_id))
 
-    def _job_done(self, key_id: str, batch_id: str, _: asyncio.Task) -> None:
-        self._job_ended(key_id, batch_id)
-
-    def _job_ended(self, key_id: str, batch_id: str) -> None:
+    def _job_ended(self, key_id: str, batch_id: str, _: asyncio.Task) -> None:
         self._jobs.pop(batch_id, None)
         self._per_key[key_id] -= 1
         if not self._per_key[key_id]:

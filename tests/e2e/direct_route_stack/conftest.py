@@ -6,14 +6,11 @@ before the direct route's tests write anything."""
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import pytest
 import redis as redis_sync
 from ports import free_port
 from redis_server import running_redis
-from stack import serve_stack
+from stack import serve_stack, wait_until_ready
 
 from direct_route_stack.stack_args import app_args
 
@@ -37,8 +34,5 @@ def redis(redis_server):
 @pytest.fixture(scope="package")
 def base_url(redis_server):
     with serve_stack(app_args(redis_server.url), port=free_port()) as url:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while httpx.get(url + "/ready", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "the stack never became ready"
-            time.sleep(0.5)
+        wait_until_ready(url, READY_TIMEOUT_S)
         yield url

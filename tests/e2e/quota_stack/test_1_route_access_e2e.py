@@ -26,7 +26,7 @@ import time
 
 import httpx
 import pytest
-from stack import create_key, create_key_of_disabled_team
+from stack import create_key, create_key_of_disabled_team, wait_until_ready
 
 from quota_stack.stack_args import ADMIN, MODEL
 from serve_app.http.ingress import ROUTE_ACCESS
@@ -44,10 +44,7 @@ def filled(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def secrets(base_url, redis_server, jwks) -> dict[str, str | None]:
-    deadline = time.monotonic() + 300
-    while httpx.get(base_url + "/ready", timeout=30).status_code != 200:  # the probes answer 200 once ready
-        assert time.monotonic() < deadline, "the stack never became ready"
-        time.sleep(0.5)
+    wait_until_ready(base_url)  # the probes answer 200 once ready
     tag = time.monotonic_ns()
     disabled = create_key_of_disabled_team(redis_server.url, f"access-disabled-{tag}")
     return {

@@ -10,7 +10,6 @@ that answered (serve_app/http/readiness.py)."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 from otlp_receiver import running_otlp_receiver
 from ports import free_port
 from redis_server import running_redis_cluster, sync_client
-from stack import create_key, local_app_args, serve_stack
+from stack import create_key, local_app_args, serve_stack, wait_until_ready
 
 from shared_stack.stack_models import RERANKER
 
@@ -79,10 +78,7 @@ def records_dir(stack_args):
 @pytest.fixture(scope="package")
 def base_url(stack_args):
     with serve_stack(stack_args, port=free_port()) as url:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while httpx.get(url + "/ready", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "the stack never became ready"
-            time.sleep(0.5)
+        wait_until_ready(url, READY_TIMEOUT_S)
         yield url
 
 
