@@ -163,7 +163,11 @@ class _ClearErrors:
       answer 500 instead of applying ``fail_mode``. Seen here when a Redis
       Cluster primary was killed under 16 clients
       (tests/integration/test_redis_failover.py); upstream redis/redis-py#4287,
-      fix in PR #4217, not released in 8.1.0. It becomes the ConnectionError it is.
+      fix in PR #4217, not released in 8.1.0. Under uvloop (Ray Serve's event loop)
+      the same write raises RuntimeError ("unable to perform operation on
+      <TCPTransport closed=True ...>; the handler is closed"): 58 answers of 500 in a
+      soak run whose chaos proxy reset every Redis connection (soak/faults.py). Both
+      become the ConnectionError they are.
     - A cluster call that ran out of redirections raises ClusterError ("TTL
       exhausted"), which reads as Redis refusing the call (503
       quota_backend_error, even in fail_mode open). It happens while a slot is
@@ -190,6 +194,7 @@ class _ClearErrors:
             RedisClusterException,
             AttributeError,
             TypeError,
+            RuntimeError,
         ) as exc:
             cleared = clear_error(exc)
             if cleared is exc:
@@ -212,7 +217,7 @@ def clear_error(exc: BaseException) -> BaseException:
         if any(isinstance(cause, ResponseError) for cause in causes):
             return exc  # a node answered with an error (no cluster mode): a refusal, as it says
         return ClusterMapUnknown(f"the cluster's slot map could not be learned: {exc}")
-    if isinstance(exc, (AttributeError, TypeError)) and _raised_in_transport(exc):
+    if isinstance(exc, (AttributeError, TypeError, RuntimeError)) and _raised_in_transport(exc):
         return RedisConnectionError(f"connection closed while in use ({exc})")
     return exc
 
@@ -240,12 +245,19 @@ def _learning_the_slot_map(exc: RedisClusterException) -> bool:
 
 
 def _raised_in_transport(exc: BaseException) -> bool:
+    """Raised by the transport under redis-py's connection: the innermost frame is
+    asyncio's or redis-py's connection module, or uvloop's (compiled: its frames
+    name their .pyx sources) called from asyncio's streams."""
     tb = exc.__traceback__
     if tb is None:
         return False
-    while tb.tb_next is not None:
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
-    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    while len(frames) > 1 and frames[-1].startswith("uvloop/"):
+        frames.pop()
+    where = Path(frames[-1]).resolve()
     return any(where == place or place in where.parents for place in _TRANSPORT_FILES)
 
 

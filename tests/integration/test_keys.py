@@ -1,5 +1,7 @@
 """Key records against a real Redis: secrets only as digests, revocation is final."""
 
+import asyncio.streams
+
 import pytest
 
 from serve_app.identity.keys import KeyStore, digest
@@ -104,7 +106,28 @@ async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_error(re
         monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", broken)
         with pytest.raises(RedisConnectionError, match="closed while in use"):
             await client.get("x")
-        # The same error from anywhere else is a bug and stays what it is.
+        # Under uvloop (Ray Serve's loop) the same write is a RuntimeError raised in
+        # uvloop's compiled transport, called from asyncio's streams.
+        uvloop_raise = _raising_in(
+            "uvloop/handles/handle.pyx",
+            RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed"),
+        )
+        namespace: dict = {"uvloop_raise": uvloop_raise}
+        exec(
+            compile("async def send(*args, **kwargs):\n    await uvloop_raise()\n", asyncio.streams.__file__, "exec"),
+            namespace,
+        )
+        monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", namespace["send"])
+        with pytest.raises(RedisConnectionError, match="closed while in use"):
+            await client.get("x")
+        # The same errors from anywhere else are bugs and stay what they are.
+        monkeypatch.setattr(
+            redis.asyncio.connection.AbstractConnection,
+            "send_packed_command",
+            _raising_in(__file__, RuntimeError("a loop bug of ours")),
+        )
+        with pytest.raises(RuntimeError, match="a loop bug of ours"):
+            await client.get("x")
         monkeypatch.setattr(
             redis.asyncio.connection.AbstractConnection,
             "send_packed_command",
