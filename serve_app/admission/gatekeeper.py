@@ -33,7 +33,7 @@ from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.accounting.usage import new_request_id
 from serve_app.admission.local_limits import LocalLimiter
 from serve_app.admission.overlap import OverlapGuard
-from serve_app.admission.scripts import Admission, Decision, Refusal
+from serve_app.admission.scripts import Admission, Decision, LocalOrigin, Refusal
 from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable, records_backlog
 from serve_app.identity.keys import KeyRecord
@@ -86,6 +86,9 @@ class Gatekeeper:
         self._leased: dict[str, Ticket] = {}
         # request id -> Admission.settle arguments, for settlements Redis has not taken yet.
         self._unsettled: dict[str, tuple] = {}
+        # account id -> when this ingress last put it in the due index (monotonic s): see _register_due.
+        self._registered: dict[str, float] = {}
+        self._lease_s = quota.concurrency_lease_s
 
     def running_tickets(self) -> list[Ticket]:
         """The requests admitted through Redis here and not settled yet (maintenance renews them)."""
@@ -127,6 +130,7 @@ class Gatekeeper:
             # admitted where 7 fit). The price: a round trip per level.
             decisions = []
             for level in levels:
+                self._register_due([level.id])  # in the same pipeline flush as its admission
                 decisions.append(
                     await self.admission.admit(
                         level,
@@ -151,7 +155,7 @@ class Gatekeeper:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)  # no guesses while Redis cannot answer
             try:
-                admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc)
+                admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc, http_request_id)
             except OpenAIError:
                 for level in levels:
                     self._settle_later(level, request_id, model, "failed", 0, 0)  # in case the call ran
@@ -201,11 +205,12 @@ class Gatekeeper:
         request ran nothing and is admitted again (a prompt the replica counted larger
         than its reservation: serve_app/pipeline/gateway.py), so neither its request of
         requests/min nor its reservation may count twice. Not a refusal either. A ticket
-        admitted without Redis is settled as failed instead (its local share)."""
+        admitted without Redis is settled as withdrawn instead (its local share; its
+        record a tombstone that is never shipped: settle.lua)."""
         if ticket.settled:
             return
         if ticket.local:
-            self.settle(ticket, "failed", Usage())
+            self.settle(ticket, "withdrawn", Usage())
             return
         ticket.settled = True
         if ticket.on_settle is not None:
@@ -216,14 +221,14 @@ class Gatekeeper:
             await self._release(level, ticket.request_id, ticket.model, "")
 
     async def _release(self, level: KeyRecord, request_id: str, model: str, refused_by: str) -> None:
-        """Take back a level's admission of a request another level refused. If Redis
-        does not take it now, it is settled as failed later (its reservation given
-        back; its request stays counted)."""
+        """Take back a level's admission of a request another level refused or that is
+        admitted again. If Redis does not take it now, it is settled as withdrawn later
+        (its reservation given back; its request stays counted; a tombstone record)."""
         try:
             await self.admission.release(level, request_id, refused_by)
         except REDIS_FAILED:
             self.telemetry.redis_failed("admit")
-            self._settle_later(level, request_id, model, "failed", 0, 0)
+            self._settle_later(level, request_id, model, "withdrawn", 0, 0)
 
     def _no_overlap(self, key: KeyRecord) -> None:
         if self.overlap is not None:
@@ -237,7 +242,9 @@ class Gatekeeper:
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
-    def _admit_locally(self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc) -> Ticket | Refusal:
+    def _admit_locally(
+        self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc, http_request_id: str
+    ) -> Ticket | Refusal:
         if not self.fail_open:
             raise quota_store_unavailable()
         self.telemetry.fell_back("local_limits")
@@ -245,7 +252,8 @@ class Gatekeeper:
         admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
         if not admitted:
             return Refusal(key, kind, reserve_tokens, retry_s=retry_s)
-        return Ticket(key, request_id, model, {}, local=True)
+        origin = LocalOrigin(http_request_id, int(time.time() * 1000))
+        return Ticket(key, request_id, model, {}, local=True, origin=origin)
 
     # -- bookkeeping off the response path ------------------------------------
 
@@ -273,7 +281,9 @@ class Gatekeeper:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.
             for level in ticket.levels():
-                self._settle_later(level, ticket.request_id, ticket.model, status, prompt, completion, replica, cost)
+                self._settle_later(
+                    level, ticket.request_id, ticket.model, status, prompt, completion, replica, cost, ticket.origin
+                )
             return
         if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
             self.overlap.ended(ticket.key.id)
@@ -293,8 +303,8 @@ class Gatekeeper:
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("accounting")
             logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
-            key, request_id, status, prompt, completion, replica, model, cost = settlement
-            self._settle_later(key, request_id, model, status, prompt, completion, replica, cost)
+            key, request_id, status, prompt, completion, replica, model, *rest = settlement
+            self._settle_later(key, request_id, model, status, prompt, completion, replica, *rest)
             if trace is not None:
                 trace.stage("settle", started, **{"llm.settle.status": settlement[2], "error.type": type(exc).__name__})
             return
@@ -303,12 +313,24 @@ class Gatekeeper:
         if settled is not None and settled.record is not None and self.records is not None:
             await self.records.ship(settled.record)
 
-    def _settle_later(self, key, request_id, model, status, prompt, completion, replica="", cost=Cost()) -> None:
+    def _settle_later(
+        self, key, request_id, model, status, prompt, completion, replica="", cost=Cost(), origin=None
+    ) -> None:
         if len(self._unsettled) >= MAX_UNSETTLED:
             dropped = next(iter(self._unsettled))
             del self._unsettled[dropped]
             logger.warning("settlement backlog full: dropped %s (its lease expires instead)", dropped)
-        self._unsettled[f"{key.id}/{request_id}"] = (key, request_id, status, prompt, completion, replica, model, cost)
+        self._unsettled[f"{key.id}/{request_id}"] = (
+            key,
+            request_id,
+            status,
+            prompt,
+            completion,
+            replica,
+            model,
+            cost,
+            origin,
+        )
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(self._logged(coroutine))
@@ -341,12 +363,56 @@ class Gatekeeper:
                 await self.records.ship(settled.record)
         return sum(done for done, _ in answered)
 
+    def _register_due(self, account_ids: list[str]) -> None:
+        """Keep ``account_ids`` in the due index past their leases' expiry, so that the
+        reaper finds the requests this ingress leaves if it dies (reap_abandoned). A
+        registration is due a lease and a half after it is made, so it covers every
+        lease taken in the half lease after it: an account is registered at most once
+        per half lease by each ingress (its admissions, its renewals), not per request."""
+        now = time.monotonic()
+        half = self._lease_s / 2
+        stale = [a for a in account_ids if now - self._registered.get(a, float("-inf")) >= half]
+        if not stale:
+            return
+        if len(self._registered) > 10_000:  # registrations older than half a lease are renewed anyway
+            self._registered = {a: at for a, at in self._registered.items() if now - at < half}
+        due_ms = int(time.time() * 1000 + self._lease_s * 1500)
+        for account, call in zip(stale, self.admission.register_due(stale, due_ms)):
+            self._registered[account] = now
+            call.add_done_callback(self._registration_done(account))
+
+    def _registration_done(self, account: str):
+        def done(call: asyncio.Future) -> None:
+            if call.cancelled() or call.exception() is not None:
+                self._registered.pop(account, None)  # registered again by the next admission or renewal
+
+        return done
+
+    async def reap_abandoned(self) -> int:
+        """Finalise the requests whose ingress died (their leases expired unrenewed) of
+        the accounts the due index says are due, and ship their records; how many."""
+        try:
+            accounts = await self.admission.due_accounts()
+            reaped = await asyncio.gather(*(self.admission.reap(account) for account in accounts))
+        except REDIS_FAILED:
+            return 0  # next tick
+        shipped = 0
+        for _, records in reaped:
+            for record in records:
+                shipped += 1
+                if self.records is not None:
+                    await self.records.ship(record)
+        if shipped:
+            logger.warning("finalised %d requests whose ingress stopped renewing their leases", shipped)
+        return shipped
+
     async def renew_leases(self) -> None:
         """One pipeline renewing the leases of every request this ingress runs."""
         running: dict[str, list[str]] = {}
         for ticket in self._leased.values():
             for level in ticket.levels():
                 running.setdefault(level.id, []).append(ticket.request_id)
+        self._register_due(list(running))
         try:
             await self.admission.renew(running)
         except REDIS_FAILED as exc:

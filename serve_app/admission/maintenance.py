@@ -94,6 +94,7 @@ class Maintenance:
             now = time.monotonic()
             try:
                 await self.gate.flush_unsettled()
+                await self.gate.reap_abandoned()
                 if now - last_renewal >= self.renew_every_s:
                     last_renewal = now
                     await self.gate.renew_leases()

@@ -22,6 +22,7 @@ admitted at most L + L*s/60.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import math
 import re
@@ -31,6 +32,7 @@ from typing import Any
 from serve_app.accounting.costs import NANOS_PER_USD, Cost
 from serve_app.accounting.usage import as_state, key_id_of
 from serve_app.identity.keys import KeyRecord
+from serve_app.identity.teams import is_team_id
 from serve_app.redis_store import lua_scripts, redis_names
 from serve_app.redis_store.auto_pipeline import AutoPipeline
 
@@ -188,6 +190,8 @@ class Admission:
         self._settle = lua_scripts.register(redis, __package__, "settle")
         self._renew = lua_scripts.register(redis, __package__, "renew")
         self._release = lua_scripts.register(redis, __package__, "release")
+        self._reap = lua_scripts.register(redis, __package__, "reap")
+        self._due = lua_scripts.register(redis, __package__, "due")
 
     async def admit(
         self,
@@ -218,7 +222,7 @@ class Admission:
             self.retention_s,
             key.id,
             indexable_http_id(http_request_id),
-            redis_names.request_record_prefix(key.id),
+            "",  # unused (admit.lua no longer finalises expired leases: reap.lua does)
             usd_nanos(key.daily_cost_budget_usd),
             usd_nanos(key.monthly_cost_budget_usd),
             str(int(reserve_nanos)),
@@ -266,18 +270,28 @@ class Admission:
         replica: str = "",
         model: str = "",
         cost: Cost = Cost(),
+        origin: LocalOrigin | None = None,
     ) -> Settled | None:
         """Final accounting. Idempotent: safe to retry; None when the request was
-        settled already."""
+        settled already. ``origin``: of a request admitted without Redis, for its record."""
         reply = await self.pipeline.call(
             self._settle,
             redis_names.admission_keys(key.id, request_id),
-            self._settle_args(key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost),
+            self._settle_args(key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost, origin),
         )
         return _settled(request_id, reply)
 
     def _settle_args(
-        self, key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost: Cost = Cost()
+        self,
+        key,
+        request_id,
+        status,
+        prompt_tokens,
+        completion_tokens,
+        replica,
+        model,
+        cost: Cost = Cost(),
+        origin: LocalOrigin | None = None,
     ) -> list:
         now = datetime.datetime.now(datetime.UTC)
         ship = self.settled_s is not None and key_id_of(request_id)[0] == key.id
@@ -298,6 +312,8 @@ class Admission:
             cost.reserved_nanos,
             cost.cached_prompt_tokens,
             "1" if ship else "0",
+            origin.http_request_id if origin else "",
+            str(origin.admitted_ms) if origin else "",
         ]
 
     async def settle_many(self, settlements: list[tuple]) -> list[tuple[bool, Settled | None]]:
@@ -338,6 +354,44 @@ class Admission:
                 raise reply
         return sum(int(reply) for reply in replies)
 
+    # -- requests no ingress will settle (it died): the due index and the reaper ---------
+
+    def register_due(self, account_ids: list[str], due_ms: int) -> list[asyncio.Future]:
+        """Put ``account_ids`` in the due index no earlier than ``due_ms`` (reap.lua
+        runs for them then). Called in the turn that sends their admissions, so both go
+        out in the same pipeline flush: an ingress that dies after admitting has
+        registered the account too."""
+        return [
+            self.pipeline.call(self._due, [redis_names.LEASES_DUE], ["register", account, due_ms])
+            for account in account_ids
+        ]
+
+    async def due_accounts(self, limit: int = 100) -> list[str]:
+        """Accounts whose leases may have expired by now (Redis' clock)."""
+        now_s, now_us = await self.redis.time()
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        return [_text(a) for a in await self.redis.zrangebyscore(redis_names.LEASES_DUE, "-inf", now_ms, 0, limit)]
+
+    async def reap(self, account_id: str) -> tuple[int, list[dict[str, Any]]]:
+        """Finalise ``account_id``'s requests whose leases expired (reap.lua), and take
+        it off the due index (or set when it is next due). Returns its earliest live
+        lease's expiry (-1: none) and the final records to ship (an API key's, with a
+        sink; a team's stay in Redis, as its settled records do)."""
+        now_s, now_us = await self.redis.time()
+        reaped_at = int(now_s) * 1000 + int(now_us) // 1000
+        ship = self.settled_s is not None and not is_team_id(account_id)
+        next_ms, finals = await self.pipeline.call(
+            self._reap,
+            [redis_names.concurrency(account_id), redis_names.usage(account_id)],
+            [redis_names.request_record_prefix(account_id), self.settled_s or self.retention_s, "1" if ship else "0"],
+        )
+        await self.pipeline.call(self._due, [redis_names.LEASES_DUE], ["reaped", account_id, reaped_at, int(next_ms)])
+        records = [
+            as_state(_text(finals[i]), dict(zip(finals[i + 1][::2], finals[i + 1][1::2])))
+            for i in range(0, len(finals), 2)
+        ]
+        return int(next_ms), records
+
     async def _script_batch(self, calls: list[tuple]) -> list:
         """Run ``(script, keys, args)`` calls now, in one pipeline (one per node on
         a cluster); per call, its reply or the error Redis answered it with.
@@ -346,6 +400,15 @@ class Admission:
         for start in range(0, len(calls), self.pipeline.max_pipeline):
             replies += await self.pipeline.run(calls[start : start + self.pipeline.max_pipeline])
         return replies
+
+
+@dataclass(frozen=True)
+class LocalOrigin:
+    """What the record of a request admitted without Redis keeps of its admission:
+    Redis never saw it, so its settlement writes them (settle.lua)."""
+
+    http_request_id: str
+    admitted_ms: int
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from contract.replica_wire import Usage
 from serve_app.accounting.costs import Rates
-from serve_app.admission.scripts import Refusal
+from serve_app.admission.scripts import LocalOrigin, Refusal
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import TeamRecord
 
@@ -25,6 +25,7 @@ class Ticket:
     model: str
     headers: dict[str, str] = field(default_factory=dict)
     local: bool = False  # admitted by the local fallback, not by Redis
+    origin: LocalOrigin | None = None  # when local: what its record keeps of the admission
     settled: bool = False
     # Called once when it is settled, whatever the outcome (the gateway frees the
     # request's fair-share place with it: every path ends in exactly one settlement).

@@ -220,3 +220,7 @@ def batch_lease(key_id: str, batch_id: str) -> str:
 ACTIVE_BATCHES = f"{PREFIX}:batches:active"
 # Final request records on their way to the record sink (record_shipper.py): a stream.
 RECORD_OUTBOX = f"{PREFIX}:records:outbox"
+# Accounts (keys, teams) with leases, scored by when those may have expired: where the
+# reaper looks for requests a dead ingress left (serve_app/admission/lua/reap.lua).
+# One member per account with live leases; an account leaves it once reaped with none left.
+LEASES_DUE = f"{PREFIX}:leases:due"

@@ -307,7 +307,7 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
     seen = f"{len(failed_in_flight)}/{len(hit)} streams in flight ended with an error" if hit else "no stream in flight"
     RECOVERY.append((name, seen, recovered_s))
 
-    # Settled: a dead ingress' leases expire, and the key's next admission reaps them.
+    # Settled: a dead ingress' leases expire, and the reaper finalises their records.
     time.sleep(LEASE_S + 0.5)
     assert stack.serves(secret)
     found = wait_until_settled(redis, key_id)

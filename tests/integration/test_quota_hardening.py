@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis_server import every_node, running_redis
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Admission
+from serve_app.admission.scripts import Admission, LocalOrigin
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyRecord
@@ -103,12 +103,15 @@ async def test_a_late_admit_after_its_settlement_changes_nothing(redis):
     # settled it; the admit call then arrives. It must not take a slot or charge.
     adm, k = admission(redis), key(max_concurrent=1, daily_token_budget=1000)
     rid = "khard-00000000000000aa"
-    assert (await adm.settle(k, rid, "completed", 7, 5, "", "m")).delta == 0
+    origin = LocalOrigin("client-request-7", 1_795_000_000_123)
+    assert (await adm.settle(k, rid, "completed", 7, 5, "", "m", origin=origin)).delta == 0
     late = await adm.admit(k, rid, "m", 500)
     assert not late.admitted and late.kind == "duplicate"
     assert await redis.zcard(redis_names.concurrency(k.id)) == 0
     record = {a.decode(): b.decode() for a, b in (await redis.hgetall(redis_names.request_record(k.id, rid))).items()}
     assert record["status"] == "completed" and record["admission"] == "local" and record["total_tokens"] == "12"
+    # What Redis never saw of its admission: its client's x-request-id and when (soak/ledger.py matches on them).
+    assert record["http_request_id"] == "client-request-7" and record["received_ms"] == "1795000000123"
     today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"12"  # real usage, once
     assert (await admit(adm, k, tokens=500))[1].admitted  # the slot is free
@@ -146,17 +149,30 @@ async def test_renewal_keeps_running_leases_and_never_revives_settled_ones(redis
     assert await redis.zrange(redis_names.concurrency(k.id), 0, -1) == [b.encode()]
 
 
-async def test_leases_that_expire_finalise_their_records(redis):
-    # An ingress that died stops renewing: the next admission of the key reaps
-    # its requests' leases and makes their records final.
+async def test_leases_that_expire_stop_counting_and_the_reaper_finalises_their_records(redis):
+    # An ingress that died stops renewing: its requests' leases stop counting at once,
+    # and the reaper (reap.lua, for the accounts the due index names) makes their
+    # records final and takes the account off the index once no lease is left.
     adm, k = admission(redis, lease_s=0.2), key(max_concurrent=1)
+    [registered] = adm.register_due([k.id], 0)  # due at once (the gatekeeper says when)
     dead, _ = await admit(adm, k, tokens=40)
+    await registered
     await adm.running(k.id, dead)
     await asyncio.sleep(0.3)
-    assert (await admit(adm, k))[1].admitted
+    alive, decision = await admit(adm, k)
+    assert decision.admitted  # the dead request's slot no longer counts
+    assert await redis.hget(redis_names.request_record(k.id, dead), "status") == b"running"  # not final yet
+    assert await adm.due_accounts() == [k.id]
+    next_ms, records = await adm.reap(k.id)
     record = await redis.hgetall(redis_names.request_record(k.id, dead))
     assert record[b"status"] == b"abandoned" and record[b"total_tokens"] == b"40"
+    assert records == []  # no sink: the record stays in Redis (its retention)
+    assert next_ms > 0 and await adm.due_accounts() == []  # the live request's lease: due when it may expire
     assert await adm.settle(k, dead, "completed", 1, 1) is None  # final: a late settle changes nothing
+    await adm.settle(k, alive, "completed", 1, 1)
+    await asyncio.sleep(0.2)
+    assert (await adm.reap(k.id))[0] == -1
+    assert await redis.zcard(redis_names.LEASES_DUE) == 0  # nothing left: off the index
 
 
 async def test_usage_counters_keep_35_days_and_13_months(redis):

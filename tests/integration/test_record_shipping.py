@@ -129,3 +129,28 @@ async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(red
     assert sorted(line["id"] for line in sink_lines(tmp_path)) == sorted(ids)
     assert await redis.xlen(redis_names.RECORD_OUTBOX) == 0
     await access.redis.aclose()
+
+
+async def test_a_request_whose_ingress_died_is_finalised_by_another_and_reaches_the_sink(redis, redis_url, tmp_path):
+    """One ingress admits and dies (never settles, never renews); another one's
+    maintenance reaps the lease once it expired, and ships the abandoned record: the
+    sink holds one final record per admitted request even when no ingress settles it."""
+    settings = AppSettings(
+        redis_url=redis_url,
+        quota={"concurrency_lease_s": 0.5},
+        records={"sink_dir": str(tmp_path), "recent_s": RECENT_S},
+    )
+    dying, survivor = (build_quota_services(settings, Telemetry(False, False)) for _ in range(2))
+    key, _ = await KeyStore(redis).create("left-behind")
+    ticket = await dying.gate.admit(key, "chat", 20, http_request_id="client-left-behind")
+    await dying.redis.aclose()  # it dies: no settlement, no renewal
+    assert await survivor.gate.reap_abandoned() == 0  # its lease has not expired yet
+    await asyncio.sleep(0.9)  # lease (0.5 s) and a half: the registration is due
+    assert await survivor.gate.reap_abandoned() == 1
+    await drain(survivor.stores.records)
+    [line] = [line for line in sink_lines(tmp_path) if line["id"] == ticket.request_id]
+    assert line["status"] == "abandoned" and line["http_request_id"] == "client-left-behind"
+    assert line["total_tokens"] == 20 and line["usage"] == "reserved"
+    assert await survivor.gate.reap_abandoned() == 0  # once
+    assert await redis.zcard(redis_names.LEASES_DUE) == 0
+    await survivor.redis.aclose()

@@ -7,7 +7,7 @@
 --       6 daily token budget, 7 monthly token budget, 8 tokens to reserve,
 --       9 concurrency lease ms, 10 record retention s, 11 key id, 12 HTTP x-request-id
 --       (already checked: ours or a short plain id; '' otherwise),
---       13 prefix of this key's request records (for leases that expired),
+--       13 (unused: was the prefix of this key's request records),
 --       14 daily and 15 monthly money budget, 16 this request's reserved cost (all three
 --       in nano-dollars, sent as integer strings), 17 '1' when the account's limits are its
 --       stored record's (KEYS[7]: an API key, a team), '0' when ARGV's are the only ones
@@ -103,31 +103,9 @@ local ny, nm = y, m + 1
 if nm > 12 then ny, nm = y + 1, 1 end
 local next_month_ms = days_from_civil(ny, nm, 1) * 86400000
 
--- Leases that expired belong to requests whose ingress stopped renewing them
--- (it died): their records become final ('abandoned', reservation charged).
-local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
-for _, id in ipairs(expired) do
-  local rec = ARGV[13] .. id
-  local status = redis.call('HGET', rec, 'status')
-  if status == 'admitted' or status == 'running' then
-    local reserved = tonumber(redis.call('HGET', rec, 'reserved_tokens') or 0)
-    redis.call('HSET', rec, 'status', 'abandoned', 'finished_ms', now, 'usage', 'reserved',
-      'total_tokens', reserved)
-    -- Its model's day counts it as settle.lua counts a request whose usage is unknown.
-    local rec_model, rec_day = redis.call('HGET', rec, 'model'), redis.call('HGET', rec, 'day')
-    if rec_model and rec_model ~= '' and rec_day then
-      local rec_team = redis.call('HGET', rec, 'team')
-      local per_model = rec_day .. (rec_team and (':team:' .. rec_team) or '') .. ':model:' .. rec_model .. ':'
-      redis.call('HINCRBY', KEYS[4], per_model .. 'requests', 1)
-      redis.call('HINCRBY', KEYS[4], per_model .. 'reserved_tokens', reserved)
-      local reserved_nanos = redis.call('HGET', rec, 'reserved_nanos')
-      if reserved_nanos and reserved_nanos ~= '0' then
-        redis.call('HINCRBY', KEYS[4], per_model .. 'cost_reserved_nanos', reserved_nanos)
-      end
-    end
-  end
-  redis.call('ZREM', KEYS[3], id)
-end
+-- Leases that expired belong to requests whose ingress stopped renewing them (it
+-- died): they no longer count (the running count below is of live leases), and the
+-- reaper finalises their records (reap.lua, found through the due index: gatekeeper.py).
 
 -- Counters older than the retention are dropped once a day per key.
 local function prune_usage()

@@ -3,13 +3,15 @@
 -- already settled is left as it is.
 --
 -- KEYS: as admit.lua (1 requests GCRA, 2 tokens GCRA, 3 leases, 4 usage, 5 record)
--- ARGV: 1 request id, 2 final status (completed|failed|cancelled|overloaded), 3 prompt tokens,
+-- ARGV: 1 request id, 2 final status (completed|failed|cancelled|overloaded|withdrawn), 3 prompt tokens,
 --       4 completion tokens, 5 tokens/min limit, 6 record retention s, 7 replica,
 --       8 key id, 9 model, 10 day field, 11 month field (both by the ingress's clock:
 --       used only for a request admitted without Redis, see below),
 --       12-14 its cost in nano-dollars: input, output, reserved (serve_app/accounting/costs.py),
 --       15 how many of its prompt tokens the engine had cached (priced apart; counted per model),
---       16 '1': the final record goes on to the record sink (serve_app/accounting/record_shipper.py)
+--       16 '1': the final record goes on to the record sink (serve_app/accounting/record_shipper.py),
+--       17 its HTTP x-request-id and 18 when the ingress admitted it (ms; both used only for a
+--       request admitted without Redis, whose record this writes: '' when unknown)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done;
 -- with ARGV[16] '1', {delta, the final record's fields} (one read, in the same script).
@@ -21,7 +23,10 @@
 
 local WINDOW = 60000
 local CACHED_PROMPT = tonumber(ARGV[15] or 0)  -- of the prompt, found in the engine's cache
-local SHIP = ARGV[16] == '1'
+-- A withdrawn admission (its request admitted again: gatekeeper.py withdraw) is no
+-- request's final record: it stays in Redis as a tombstone (a late admit of its id
+-- changes nothing) and is never shipped, so the sink holds one record per request.
+local SHIP = ARGV[16] == '1' and ARGV[2] ~= 'withdrawn'
 -- The team the key was in when the request was admitted (admit.lua keeps it in the
 -- record): the usage API reports the key's usage under it, wherever the key is now.
 -- A request admitted without Redis has no record, hence no team here: the usage API
@@ -66,6 +71,8 @@ if not status then
   local prompt, completion = tonumber(ARGV[3]), tonumber(ARGV[4])
   redis.call('HSET', KEYS[5], 'key_id', ARGV[8], 'model', ARGV[9], 'status', ARGV[2],
     'admission', 'local', 'finished_ms', now, 'reserved_tokens', 0, 'day', ARGV[10], 'month', ARGV[11])
+  if ARGV[17] and ARGV[17] ~= '' then redis.call('HSET', KEYS[5], 'http_request_id', ARGV[17]) end
+  if ARGV[18] and ARGV[18] ~= '' then redis.call('HSET', KEYS[5], 'received_ms', ARGV[18]) end
   if prompt >= 0 then
     for _, period in ipairs({ARGV[10], ARGV[11]}) do
       redis.call('HINCRBY', KEYS[4], period .. ':tokens', prompt + completion)
