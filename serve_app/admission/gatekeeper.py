@@ -157,12 +157,12 @@ class Gatekeeper:
             try:
                 admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc, http_request_id)
             except OpenAIError:
-                for level in levels:
-                    self._settle_later(level, request_id, model, "failed", 0, 0)  # in case the call ran
+                for level in levels:  # in case the call ran: taken back, a tombstone (settle.lua)
+                    self._settle_later(level, request_id, model, "withdrawn", 0, 0)
                 raise
             if isinstance(admitted, Refusal):
                 for level in levels:
-                    self._settle_later(level, request_id, model, "failed", 0, 0)
+                    self._settle_later(level, request_id, model, "withdrawn", 0, 0)
             else:
                 admitted.team = team  # the team's share is not kept locally: settled through Redis later
             return admitted
@@ -171,7 +171,7 @@ class Gatekeeper:
             self._no_overlap(key)
             logger.error("Redis refused the admission script: %s", exc)
             for level in levels:
-                self._settle_later(level, request_id, model, "failed", 0, 0)  # undo what a failed script wrote
+                self._settle_later(level, request_id, model, "withdrawn", 0, 0)  # undo what a failed script wrote
             raise quota_store_error() from None
         self.telemetry.admission_took(time.perf_counter() - started)
         decision, last = decisions[0], decisions[-1]
