@@ -31,7 +31,7 @@ export RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE ?= 262144
 
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 
-.PHONY: setup redis prometheus browser demo-model run stop metrics dashboards test test-fast unit bench
+.PHONY: setup redis prometheus browser demo-model run stop metrics dashboards test test-fast unit bench soak
 
 setup: $(STAMP)
 $(STAMP):
@@ -87,3 +87,11 @@ unit: setup
 bench: setup redis demo-model
 	$(VENV)/bin/python -m pip install -q -e '.[bench]'
 	$(VENV)/bin/python bench/serving_overhead.py $(BENCH_ARGS)
+
+# The scale-and-fault soak (soak/): the gateway on the `ray up` twin, a Redis Cluster
+# behind chaos proxies, 2,000 keys in 50 teams, faults on a schedule; prints the
+# ledger's verdict and the figures (docs/operating.md, "Soak"). SOAK_ARGS adds options.
+DURATION ?= 300
+SEED ?= 1
+soak: setup redis demo-model
+	$(VENV)/bin/python -m soak --duration $(DURATION) --seed $(SEED) $(SOAK_ARGS)

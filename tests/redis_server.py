@@ -91,16 +91,19 @@ class RedisClusterServers:
     ``replicas`` replicas (``redis-cli --cluster create``). ``url`` is the
     gateway's ``redis+cluster://`` form, every node a seed."""
 
-    def __init__(self, primaries: int = 3, replicas: int = 1):
+    def __init__(self, primaries: int = 3, replicas: int = 1, announce_ports: list[int] | None = None):
+        """``announce_ports``: the port each node tells clients to reach it on (a
+        proxy in front of it: soak/topology.py), one per node; its own by default."""
         self.primaries, self.replicas = primaries, replicas
         self.nodes = [RedisServer() for _ in range(primaries * (1 + replicas))]
+        self.announce_ports = announce_ports or [node.port for node in self.nodes]
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.announce_ports)
 
     def start(self) -> None:
-        for node in self.nodes:
+        for node, announced in zip(self.nodes, self.announce_ports):
             # The bus port is explicit: the default (port + 10000) overflows for high free ports.
             # No 5 s wait before a replica's first sync (repl-diskless-sync-delay).
             node.start(
@@ -115,6 +118,11 @@ class RedisClusterServers:
                     f"{node.dir}/nodes.conf",
                     "--repl-diskless-sync-delay",
                     "0",
+                    *(
+                        ["--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", str(announced)]
+                        if announced != node.port
+                        else []
+                    ),
                 ]
             )
         create = subprocess.run(
@@ -122,7 +130,7 @@ class RedisClusterServers:
                 shutil.which("redis-cli"),
                 "--cluster",
                 "create",
-                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                *(f"127.0.0.1:{port}" for port in self.announce_ports),
                 "--cluster-replicas",
                 str(self.replicas),
                 "--cluster-yes",

@@ -1,0 +1,5 @@
+import sys
+
+from soak.harness import main
+
+sys.exit(main())

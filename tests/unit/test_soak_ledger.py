@@ -1,0 +1,270 @@
+"""The soak's ledger (soak/ledger.py) judges histories it is handed: shown here to
+pass what a correct admission produces, for any arrivals, and to fail what a broken
+one produces (limits read from a stale copy, each replica counting alone as
+LiteLLM's pods do), a lost or doubled record, a wrong charge, a leaked slot, a 5xx
+outside a fault."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from soak.ledger import (
+    Account,
+    Fault,
+    Limits,
+    Observation,
+    Record,
+    judge,
+    max_overlap,
+    worst_window,
+)
+
+WINDOW_MS = 60_000
+
+
+def brute_worst(times, weights, limit):
+    return max(
+        sum(weights[i : j + 1]) - limit - limit * (times[j] - times[i]) / WINDOW_MS
+        for j in range(len(times))
+        for i in range(j + 1)
+    )
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 300_000), st.integers(0, 50)), min_size=1, max_size=40),
+    st.integers(1, 200),
+)
+def test_worst_window_is_the_brute_force_maximum(arrivals, limit):
+    arrivals.sort()
+    times, weights = [t for t, _ in arrivals], [w for _, w in arrivals]
+    assert abs(worst_window(times, weights, limit)[0] - brute_worst(times, weights, limit)) < 1e-6
+
+
+def test_max_overlap_counts_spans_open_at_once_and_a_handover_as_none():
+    assert max_overlap([(0, 10), (5, 15), (10, 20)])[0] == 2
+    assert max_overlap([(0, 10), (10, 20), (20, 30)])[0] == 1
+
+
+class Gcra:
+    """The admission's rule (admit.lua, settle.lua) in Python: GCRA over 60 s per
+    account for requests and tokens, tokens reserved then settled to their use."""
+
+    def __init__(self):
+        self.tat: dict[tuple[str, str], float] = {}
+
+    def admit(self, account: str, kind: str, now: float, cost: float, limit: int) -> bool:
+        if not limit:
+            return True
+        tat = max(self.tat.get((account, kind), now), now)
+        new = tat + cost * WINDOW_MS / limit
+        if new - now > WINDOW_MS:
+            return False
+        self.tat[(account, kind)] = new
+        return True
+
+    def refund(self, account: str, unused: float, limit: int) -> None:
+        if limit and (account, "tokens") in self.tat:
+            self.tat[(account, "tokens")] -= unused * WINDOW_MS / limit
+
+
+def simulate(seed: int, stale_limits: bool = False, replicas_count_alone: int = 0, alone_is_local: bool = False):
+    """Arrivals on 2 keys of one team; key-a's limits are lowered at 100 s. Returns
+    the ledger's accounts, records and observations. ``stale_limits``: the admission
+    goes on with the limits before the change; ``replicas_count_alone``: that many
+    replicas each keep their own state (N × the limit), with ``alone_is_local`` as
+    fail-open ingresses do while Redis is unreachable (their records say so)."""
+    rng = random.Random(seed)
+    before = Limits(requests_per_minute=30, tokens_per_minute=3000, max_concurrent=4)
+    after = Limits(requests_per_minute=6, tokens_per_minute=600, max_concurrent=1)
+    changed_ms = 100_000
+    states = [Gcra() for _ in range(max(replicas_count_alone, 1))]
+    records, observations, running = [], [], []
+    for n, now in enumerate(sorted(rng.uniform(0, 200_000) for _ in range(1200))):
+        key = rng.choice(["key-a", "key-b"])
+        limits = after if key == "key-a" and now >= changed_ms and not stale_limits else before
+        state = states[n % len(states)]
+        reserve, use = rng.randint(10, 200), 0
+        use = rng.randint(1, reserve)
+        duration = rng.uniform(50, 3000)
+        busy = [span for span in running if span[0] == key and span[1] <= now < span[2]]
+        admitted = (
+            len(busy) < limits.max_concurrent
+            and state.admit(key, "requests", now, 1, limits.requests_per_minute)
+            and state.admit(key, "tokens", now, reserve, limits.tokens_per_minute)
+        )
+        http_id = f"r{n}"
+        if admitted:
+            state.refund(key, reserve - use, limits.tokens_per_minute)
+            running.append((key, now, now + duration))
+            local = alone_is_local and n % len(states) != 0
+            records.append(
+                Record(
+                    http_id, key, "completed", int(now), int(now + duration), use, reserve, 0, http_id, use, 0, local
+                )
+            )
+            observations.append(Observation(http_id, key, int(now), int(now + duration), 200, "", use, 0))
+        else:
+            observations.append(Observation(http_id, key, int(now), int(now) + 1, 429, "rate_limit_exceeded"))
+    accounts = [
+        Account("key-a", [(0, before), (changed_ms, after)]),
+        Account("key-b", [(0, before)]),
+    ]
+    return accounts, records, observations
+
+
+def verdict_of(accounts, records, observations, faults=(), running=None):
+    return judge(accounts, records, observations, list(faults), running or {}, {"key-a", "key-b"})
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_a_correct_admission_passes_for_any_arrivals(seed):
+    verdict = verdict_of(*simulate(seed))
+    assert verdict.passed, verdict.violations[:3]
+
+
+def test_limits_read_from_a_stale_copy_are_caught_on_the_lowered_key():
+    verdict = verdict_of(*simulate(1, stale_limits=True))
+    failed = {(v.check, v.subject) for v in verdict.violations}
+    assert ("requests_per_minute", "key-a") in failed
+    assert ("max_concurrent", "key-a") in failed
+    assert not any(subject == "key-b" for _, subject in failed)  # its limits never changed
+
+
+def test_replicas_counting_alone_admit_a_multiple_of_the_limit_and_are_caught():
+    verdict = verdict_of(*simulate(2, replicas_count_alone=4))
+    assert {v.check for v in verdict.violations} >= {"requests_per_minute", "tokens_per_minute"}
+
+
+def test_local_admissions_in_a_redis_fault_are_overshoot_and_outside_one_a_failure():
+    accounts, records, observations = simulate(3, replicas_count_alone=4, alone_is_local=True)
+    fault = Fault("redis-primary-kill", 0, 200_000, touches_redis=True)
+    verdict = verdict_of(accounts, records, observations, [fault])
+    assert verdict.passed, verdict.violations[:3]
+    assert verdict.overshoot["requests_per_minute"] and verdict.overshoot["tokens_per_minute"]
+    # A fault that is not Redis' (an ingress killed) excuses no admission without Redis.
+    verdict = verdict_of(accounts, records, observations, [Fault("ingress-kill", 0, 200_000)])
+    assert {v.check for v in verdict.violations} == {"local admission"}
+
+
+def test_what_redis_admitted_is_held_exact_even_inside_a_redis_fault():
+    accounts, records, observations = simulate(3, replicas_count_alone=4)  # not marked local: Redis' own
+    fault = Fault("redis-primary-kill", 0, 200_000, touches_redis=True)
+    verdict = verdict_of(accounts, records, observations, [fault])
+    assert {"requests_per_minute", "tokens_per_minute"} <= {v.check for v in verdict.violations}
+
+
+def test_a_lost_record_a_doubled_admission_a_wrong_charge_and_a_recorded_refusal_are_caught():
+    accounts, records, observations = simulate(4)
+    admitted = [r for r in records]
+    lost, doubled, wrong = admitted[0], admitted[1], admitted[2]
+    broken = [r for r in records if r is not lost]
+    broken.append(
+        Record(
+            "another-id",
+            doubled.account,
+            "completed",
+            doubled.admitted_ms,
+            doubled.finished_ms,
+            1,
+            10,
+            0,
+            doubled.http_request_id,
+            1,
+            0,
+        )
+    )
+    broken[broken.index(wrong)] = Record(
+        wrong.id,
+        wrong.account,
+        "completed",
+        wrong.admitted_ms,
+        wrong.finished_ms,
+        wrong.charged_tokens,
+        wrong.reserved_tokens,
+        0,
+        wrong.http_request_id,
+        (wrong.prompt_tokens or 0) + 1,
+        0,
+    )
+    refused = next(o for o in observations if o.status == 429)
+    broken.append(
+        Record(
+            "ghost",
+            refused.key,
+            "completed",
+            refused.started_ms,
+            refused.ended_ms,
+            1,
+            1,
+            0,
+            refused.http_request_id,
+            1,
+            0,
+        )
+    )
+    verdict = verdict_of(accounts, broken, observations)
+    details = " ".join(v.detail for v in verdict.violations)
+    checks = {v.check for v in verdict.violations}
+    assert {"one record", "charge", "refused"} <= checks
+    assert lost.http_request_id in details and doubled.http_request_id in details
+
+
+def test_a_charge_past_its_reservation_an_open_record_and_a_leaked_slot_are_caught():
+    accounts, records, observations = simulate(5)
+    first = records[0]
+    records[0] = Record(
+        first.id,
+        first.account,
+        "running",
+        first.admitted_ms,
+        first.finished_ms,
+        first.reserved_tokens + 1,
+        first.reserved_tokens,
+        0,
+        first.http_request_id,
+        first.prompt_tokens,
+        0,
+    )
+    verdict = verdict_of(accounts, records, observations, running={"key-a": 1, "key-b": 0})
+    assert {"reservation", "open record", "leaked slot"} <= {v.check for v in verdict.violations}
+
+
+def test_failures_outside_every_fault_window_are_caught_and_inside_one_timed():
+    accounts, records, observations = simulate(6)
+    failures = [
+        Observation("x1", "key-a", 10_000, 10_500, 502),
+        Observation("x2", "key-a", 50_000, 50_100, 0, "ServerDisconnectedError"),
+        Observation("x3", "key-b", 150_000, 150_900, 200, "cut", streaming=True),
+    ]
+    faults = [Fault("ingress-kill", 49_000, 55_000)]
+    verdict = verdict_of(accounts, records, observations + failures, faults)
+    outside = {v.detail.split(":")[0] for v in verdict.violations if v.check == "availability"}
+    assert outside == {"x1", "x3"}
+    assert verdict.recovery_ms["ingress-kill@49000"] == [1100]
+
+
+def test_an_admission_after_a_revocation_is_caught():
+    accounts, records, observations = simulate(7)
+    accounts[1].revoked_ms = 150_000
+    verdict = verdict_of(accounts, records, observations)
+    assert any(v.check == "revocation" and v.subject == "key-b" for v in verdict.violations)
+
+
+def test_a_revoked_key_admitted_on_local_limits_is_held_to_the_stale_bound():
+    """In a Redis fault an ingress trusts the key record it last confirmed, for at most
+    quota.key_stale_max_s (docs/quotas.md): within it, overshoot; past it, a failure."""
+    accounts, records, observations = simulate(8)
+    accounts[1].revoked_ms = 150_000
+    records = [r for r in records if not (r.account == "key-b" and r.admitted_ms > 150_000)]
+    observations = [o for o in observations if not (o.key == "key-b" and o.started_ms > 150_000)]
+    fault = Fault("redis-pause", 160_000, 170_000, touches_redis=True)
+    late = Record("late", "key-b", "completed", 165_000, 165_100, 5, 5, 0, "late", 5, 0, local=True)
+    verdict = verdict_of(accounts, records + [late], observations, [fault])
+    assert verdict.passed, verdict.violations[:3]
+    assert verdict.overshoot["revoked, admitted on local limits (s after)"] == [15.0]
+    verdict = judge(accounts, records + [late], observations, [fault], {}, {"key-a", "key-b"}, stale_max_ms=10_000)
+    assert any(v.check == "revocation" for v in verdict.violations)
