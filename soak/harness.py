@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from soak import faults as fault_kinds
-from soak.ledger import Account, Fault, Limits, Record, Verdict, judge, summary
+from soak.ledger import Account, Fault, Limits, Record, Verdict, judge, max_overlap, summary
 from soak.tenants import Tenant, as_body, provision
 from soak.topology import PRICES, ProxiedRedisCluster, Twin, free_port, run_dir, serve_config
 from soak.traffic import Load, now_ms
@@ -262,7 +262,9 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     to_admission = sorted(
         r.admitted_ms - sent[r.http_request_id] for r in key_records if not r.local and r.http_request_id in sent
     )
+    streams = [(seen.started_ms, seen.ended_ms) for seen in load.observations if seen.streaming and seen.status == 200]
     figures = {
+        "streams_at_once": max_overlap(streams)[0],
         "to_admission_ms": to_admission,
         "elapsed_s": elapsed_s,
         "began_ms": began_ms,
@@ -303,6 +305,7 @@ def print_report(shape: Shape, verdict: Verdict, figures: dict) -> None:
         ),
         ("requests/s (all answers)", f"{figures['requests'] / elapsed:.1f}"),
         ("admissions/s (200s)", f"{figures['admitted'] / elapsed:.1f}"),
+        ("streams open at once (most)", str(figures["streams_at_once"])),
         ("statuses", ", ".join(f"{k}: {v}" for k, v in sorted(figures["statuses"].items()))),
         ("client send → first byte p50 / p99 ms", f"{_pct(lat, 50):.0f} / {_pct(lat, 99):.0f}"),
         ("client send → admitted in Redis p50 / p99 ms", f"{_pct(admit, 50):.0f} / {_pct(admit, 99):.0f}"),

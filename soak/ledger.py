@@ -295,6 +295,9 @@ def check_errors(verdict: Verdict, observations: list[Observation], faults: list
     from the fault to the last failure it caused (a failure belongs to the latest fault
     begun before it ended)."""
     for seen in observations:
+        if seen.status == 503 and seen.code == "model_overloaded":
+            verdict.counts["shed under load (503 model_overloaded, retry-after)"] += 1  # designed, not a failure
+            continue
         failed = (
             seen.status == 0
             or seen.status >= 500

@@ -60,10 +60,11 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
     await run(adm, a, "chat", 40, "overloaded", 0, 0)  # refused by the model's queue: charged nothing
     await run(adm, a, "", 0, "completed", 0, 0)  # a Files/Batch route: no model, no inference
     await run(adm, b, "chat", 10, "completed", 3, 4)
-    # A request whose ingress died: its lease expires and the next admission reaps it.
+    # A request whose ingress died: its lease expires and the reaper finalises it.
     rid = f"{b.id}-{next(_ids):016x}"
     assert (await adm.admit(b, rid, "chat", 25)).admitted
     await asyncio.sleep(0.4)
+    await adm.reap(b.id)
     await run(adm, b, "embed", 5, "completed", 5, 0)
     # Admitted without Redis (an outage): only its settlement reaches Redis.
     await adm.settle(b, f"{b.id}-{next(_ids):016x}", "completed", 6, 1, "r1", "chat")

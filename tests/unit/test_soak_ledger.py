@@ -239,6 +239,7 @@ def test_failures_outside_every_fault_window_are_caught_and_inside_one_timed():
         Observation("x1", "key-a", 10_000, 10_500, 502),
         Observation("x2", "key-a", 50_000, 50_100, 0, "ServerDisconnectedError"),
         Observation("x3", "key-b", 150_000, 150_900, 200, "cut", streaming=True),
+        Observation("x4", "key-b", 160_000, 160_010, 503, "model_overloaded"),  # load shed: designed
     ]
     faults = [Fault("ingress-kill", 49_000, 55_000)]
     verdict = verdict_of(accounts, records, observations + failures, faults)

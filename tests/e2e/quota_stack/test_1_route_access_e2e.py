@@ -105,7 +105,10 @@ def test_each_route_answers_each_credential_as_its_access_declares(
         return
     response = call(base_url, method, path, secrets[credential])
     status = response.status_code
-    assert status < 500, f"{credential}: {response.text}"
+    # A readiness probe says 503 "starting" while a model has no replica that answered
+    # (a replica restarting under the suite's load, at the moment it asks): its answer, not a failure.
+    not_ready = access == "probe" and status == 503 and response.json().get("status") == "starting"
+    assert status < 500 or not_ready, f"{credential}: {response.text}"
     allowed = {"probe": set(CREDENTIALS), "key": {"key", "identity_token"}, "admin": {"admin"}}[access]
     if credential in allowed:
         assert status != 401, f"{credential} refused: {response.text}"
