@@ -28,7 +28,6 @@ class Context:
     redis: ProxiedRedisCluster
     twin: Twin
     base_url: str
-    ingress_replicas: int
 
 
 def _kill_one(mark: str, rng: random.Random) -> int:
@@ -51,21 +50,21 @@ def _replicas_running(ctx: Context, mark: str, count: int) -> bool:
     return len(processes(mark)) >= count and ctx.twin.app_status() == "RUNNING"
 
 
-async def ingress_kill(ctx: Context, rng: random.Random) -> bool:
-    mark = f"ServeReplica:{APP}:Ingress"
-    await asyncio.to_thread(_kill_one, mark, rng)
-    await asyncio.sleep(2)
-    await _until(lambda: _replicas_running(ctx, mark, ctx.ingress_replicas), 120)
-    return False
-
-
-async def model_kill(ctx: Context, rng: random.Random) -> bool:
-    mark = f"ServeReplica:{APP}:model-{PACED}"
+async def _kill_replica(ctx: Context, mark: str, rng: random.Random) -> bool:
+    """SIGKILL one replica of ``mark``; undone once Serve runs as many as before."""
     before = len(processes(mark))
     await asyncio.to_thread(_kill_one, mark, rng)
     await asyncio.sleep(2)
     await _until(lambda: _replicas_running(ctx, mark, before), 120)
     return False
+
+
+async def ingress_kill(ctx: Context, rng: random.Random) -> bool:
+    return await _kill_replica(ctx, f"ServeReplica:{APP}:Ingress", rng)
+
+
+async def model_kill(ctx: Context, rng: random.Random) -> bool:
+    return await _kill_replica(ctx, f"ServeReplica:{APP}:model-{PACED}", rng)
 
 
 async def _kill_redis_node(ctx: Context, role: str, down_s: float) -> bool:

@@ -216,7 +216,7 @@ async def soak(shape: Shape) -> Verdict:
 
 
 async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> tuple[Verdict, dict]:
-    ctx = fault_kinds.Context(redis_cluster, twin, base_url, shape.ingress_replicas)
+    ctx = fault_kinds.Context(redis_cluster, twin, base_url)
     load = Load(base_url, tenants, shape.seed, shape.clients, shape.with_vllm)
     stop = asyncio.Event()
     quiet_s = max(30.0, LEASE_S * 2)  # no fault in the last stretch: the rest state is then the gateway's own

@@ -367,25 +367,24 @@ class Admission:
         ]
 
     async def due_accounts(self, limit: int = 100) -> list[str]:
-        """Accounts whose leases may have expired by now (Redis' clock)."""
-        now_s, now_us = await self.redis.time()
-        now_ms = int(now_s) * 1000 + int(now_us) // 1000
-        return [_text(a) for a in await self.redis.zrangebyscore(redis_names.LEASES_DUE, "-inf", now_ms, 0, limit)]
+        """Accounts whose leases may have expired by now (Redis' clock), in one call."""
+        due = await self.pipeline.call(self._due, [redis_names.LEASES_DUE], ["due", limit])
+        return [_text(account) for account in due]
 
     async def reap(self, account_id: str) -> tuple[int, list[dict[str, Any]]]:
         """Finalise ``account_id``'s requests whose leases expired (reap.lua), and take
         it off the due index (or set when it is next due). Returns its earliest live
         lease's expiry (-1: none) and the final records to ship (an API key's, with a
         sink; a team's stay in Redis, as its settled records do)."""
-        now_s, now_us = await self.redis.time()
-        reaped_at = int(now_s) * 1000 + int(now_us) // 1000
         ship = self.settled_s is not None and not is_team_id(account_id)
-        next_ms, finals = await self.pipeline.call(
+        next_ms, finals, reaped_at = await self.pipeline.call(
             self._reap,
             [redis_names.concurrency(account_id), redis_names.usage(account_id)],
             [redis_names.request_record_prefix(account_id), self.settled_s or self.retention_s, "1" if ship else "0"],
         )
-        await self.pipeline.call(self._due, [redis_names.LEASES_DUE], ["reaped", account_id, reaped_at, int(next_ms)])
+        await self.pipeline.call(
+            self._due, [redis_names.LEASES_DUE], ["reaped", account_id, int(reaped_at), int(next_ms)]
+        )
         records = [
             as_state(_text(finals[i]), dict(zip(finals[i + 1][::2], finals[i + 1][1::2])))
             for i in range(0, len(finals), 2)

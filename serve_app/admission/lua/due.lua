@@ -5,7 +5,13 @@
 -- Mode 'reaped': the account was reaped at ARGV[3]; unless it was registered again
 -- since (a score past ARGV[3]), it is next due at ARGV[4] (its earliest live lease),
 -- or leaves the index (ARGV[4] = -1: no lease left).
--- KEYS: 1 the due index. ARGV: 1 mode, 2 account id, 3 ms, 4 next (reaped only).
+-- Mode 'due': the accounts due by now (Redis' clock), ARGV[2] of them at most.
+-- KEYS: 1 the due index. ARGV: 1 mode, 2 account id (due: how many), 3 ms, 4 next (reaped only).
+if ARGV[1] == 'due' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+end
 if ARGV[1] == 'register' then
   return redis.call('ZADD', KEYS[1], 'GT', ARGV[3], ARGV[2])
 end

@@ -8,7 +8,8 @@
 -- KEYS: 1 the account's leases (zset), 2 its usage counters (hash)
 -- ARGV: 1 the prefix of its request records, 2 how long a final record stays in Redis (s),
 --       3 '1': return the final records (to ship them to the record sink)
--- Returns {the earliest live lease's expiry (ms, -1: none left), {id, fields, id, fields, ...}}.
+-- Returns {the earliest live lease's expiry (ms, -1: none left), {id, fields, id, fields, ...},
+--          when it reaped (Redis' clock, ms)}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local finals = {}
@@ -41,4 +42,4 @@ for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[1], id)
 end
 local next_lease = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {next_lease[2] and math.floor(tonumber(next_lease[2])) or -1, finals}
+return {next_lease[2] and math.floor(tonumber(next_lease[2])) or -1, finals, now}
