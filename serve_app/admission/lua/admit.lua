@@ -41,6 +41,7 @@
 --          limits: those applied, "rpm,tpm,concurrent,daily,monthly,daily nanos,monthly nanos"
 --          when read from the record ('' otherwise).
 
+--#include gcra
 local WINDOW = 60000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -124,10 +125,10 @@ end
 local function gcra(key, limit, cost)
   if limit <= 0 then return {ok = true, unlimited = true} end
   local T = WINDOW / limit
-  local tat = tonumber(redis.call('GET', key) or now)
-  if tat < now then tat = now end
+  local state = gcra_state(key, now)
+  local tat = math.max(state.tat, now)
   local new_tat = tat + cost * T
-  local s = {T = T, tat = tat, new_tat = new_tat, too_large = cost > limit}
+  local s = {T = T, tat = tat, new_tat = new_tat, too_large = cost > limit, state = state}
   s.ok = (new_tat - now) <= WINDOW
   if s.ok then
     s.remaining = math.floor((WINDOW - (new_tat - now)) / T)
@@ -234,11 +235,15 @@ if cost > 0 then  -- settle.lua replaces it with the real cost
   redis.call('HINCRBY', KEYS[4], day_field .. ':cost_nanos', ARGV[16])
   redis.call('HINCRBY', KEYS[4], month_field .. ':cost_nanos', ARGV[16])
 end
-if not r.unlimited then redis.call('SET', KEYS[1], tostring(r.new_tat), 'PX', math.ceil(r.new_tat - now) + WINDOW) end
-if not k.unlimited then redis.call('SET', KEYS[2], tostring(k.new_tat), 'PX', math.ceil(k.new_tat - now) + WINDOW) end
+-- Each rate limit's mark goes in the record: what a give-back of this request may
+-- assume (gcra.lua).
+local rpm_mark, tpm_mark = '', ''
+if not r.unlimited then rpm_mark = gcra_charge(KEYS[1], r.state, rpm, 1, now) end
+if not k.unlimited then tpm_mark = gcra_charge(KEYS[2], k.state, tpm, estimate, now) end
 redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
   'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
-  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0', 'rpm', rpm, 'tpm', tpm)
+  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0', 'rpm', rpm, 'tpm', tpm,
+  'rpm_mark', rpm_mark, 'tpm_mark', tpm_mark)
 if ARGV[18] and ARGV[18] ~= '' then redis.call('HSET', KEYS[5], 'team', ARGV[18]) end
 redis.call('EXPIRE', KEYS[5], retention)
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)

@@ -1,8 +1,9 @@
 -- Take back an admission that another level of the same request refused (a key
 -- admitted, its team not, or the reverse: admission/gatekeeper.py admits every level at
 -- once). Everything admit.lua committed for it is undone, as if it had been
--- refused here: its requests/min and tokens/min cost, its token and money
--- reservations, its lease and its record (a refusal stores nothing: admit.lua);
+-- refused here: its requests/min and tokens/min cost (as far back as is provable:
+-- gcra.lua), its token and money reservations, its lease and its record (a refusal
+-- stores nothing: admit.lua);
 -- the request counts as refused. Nothing calls admit for the id again, and a
 -- settle of it (a client that left meanwhile) finds no record and counts no usage.
 --
@@ -14,27 +15,19 @@
 --       nothing counts it), 5 record retention s
 -- Returns 1 if it undid an admission, 0 if there was none to undo.
 
+--#include gcra
 local WINDOW = 60000
 local status = redis.call('HGET', KEYS[5], 'status')
 if status ~= 'admitted' and status ~= 'running' then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- GCRA: the theoretical arrival time moves back by what this request added.
-local function give_back(key, limit, cost)
-  if limit <= 0 or cost <= 0 then return end
-  local tat = tonumber(redis.call('GET', key) or now) - cost * (WINDOW / limit)
-  if tat > now then
-    redis.call('SET', key, string.format('%.0f', tat), 'PX', math.ceil(tat - now) + WINDOW)
-  else
-    redis.call('DEL', key)
-  end
-end
-
 local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
--- Under the limits it was admitted with (kept in the record), where the record has them.
-give_back(KEYS[1], tonumber(redis.call('HGET', KEYS[5], 'rpm') or ARGV[2]), 1)
-give_back(KEYS[2], tonumber(redis.call('HGET', KEYS[5], 'tpm') or ARGV[3]), reserved)
+-- Under the limits it was admitted with (kept in the record), where the record has them;
+-- no further back than is provable (gcra.lua).
+local function limit(field, default) return tonumber(redis.call('HGET', KEYS[5], field) or default) end
+gcra_give_back(KEYS[1], limit('rpm', ARGV[2]), 1, redis.call('HGET', KEYS[5], 'rpm_mark'), now)
+gcra_give_back(KEYS[2], limit('tpm', ARGV[3]), reserved, redis.call('HGET', KEYS[5], 'tpm_mark'), now)
 
 local reserved_nanos = redis.call('HGET', KEYS[5], 'reserved_nanos') or '0'
 for _, period in ipairs({redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', KEYS[5], 'month')}) do

@@ -21,6 +21,7 @@
 -- is counted, and a final record is written so that a late admit of the same
 -- id finds it and changes nothing (admit.lua), whatever order the calls arrive in.
 
+--#include gcra
 local WINDOW = 60000
 local CACHED_PROMPT = tonumber(ARGV[15] or 0)  -- of the prompt, found in the engine's cache
 -- A withdrawn admission (its request admitted again: gatekeeper.py withdraw) is no
@@ -100,14 +101,15 @@ local known = prompt >= 0
 local delta = 0
 if known then delta = prompt + completion - reserved end
 
--- Tokens/min: give back what was reserved and not used (or charge the excess).
-if tpm > 0 and delta ~= 0 then
-  local tat = tonumber(redis.call('GET', KEYS[2]) or now) + delta * (WINDOW / tpm)
-  if tat > now then
-    redis.call('SET', KEYS[2], tostring(tat), 'PX', math.ceil(tat - now) + WINDOW)
-  else
-    redis.call('DEL', KEYS[2])
-  end
+-- Tokens/min: give back what was reserved and not used, as far back as is provable,
+-- or charge the excess (gcra.lua).
+if tpm > 0 and delta < 0 then
+  gcra_give_back(KEYS[2], tpm, -delta, redis.call('HGET', KEYS[5], 'tpm_mark'), now)
+elseif tpm > 0 and delta > 0 then
+  local state = gcra_state(KEYS[2], now)
+  state.tat = state.tat + delta * (WINDOW / tpm)  -- owed since its admission: not from now
+  state.charged = state.charged + delta
+  gcra_write(KEYS[2], state, now)
 end
 
 -- Budgets count in the period the request was admitted in.
