@@ -27,7 +27,6 @@ from soak.topology import PRICES, ProxiedRedisCluster, Twin, free_port, run_dir,
 from soak.traffic import Load, now_ms
 
 ADMIN_TOKEN = "soak-admin-token"
-LEASE_S = 15  # serve_config's quota.concurrency_lease_s
 
 
 @dataclass
@@ -39,7 +38,8 @@ class Shape:
     clients: int = 200
     ingress_replicas: int = 8
     paced_replicas: int = 2
-    token_interval_s: float = 0.05
+    token_interval_s: float = 0.05  # the paced models' pace: longer, more streams open per CPU
+    lease_s: float = 60  # quota.concurrency_lease_s, as shipped; short runs take less to see reaping
     with_vllm: bool = True
     faults: list[str] = field(default_factory=lambda: list(fault_kinds.KINDS))
 
@@ -202,7 +202,13 @@ async def soak(shape: Shape) -> Verdict:
         started = time.monotonic()
         await asyncio.to_thread(twin.up)
         config = serve_config(
-            port, folder, shape.ingress_replicas, shape.paced_replicas, shape.token_interval_s, shape.with_vllm
+            port,
+            folder,
+            shape.ingress_replicas,
+            shape.paced_replicas,
+            shape.token_interval_s,
+            shape.with_vllm,
+            shape.lease_s,
         )
         await asyncio.to_thread(twin.deploy, config)
         print(f"  twin up and deployed in {time.monotonic() - started:.0f} s, {twin.nodes()} Ray nodes", flush=True)
@@ -219,7 +225,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     ctx = fault_kinds.Context(redis_cluster, twin, base_url)
     load = Load(base_url, tenants, shape.seed, shape.clients, shape.with_vllm)
     stop = asyncio.Event()
-    quiet_s = max(30.0, LEASE_S * 2)  # no fault in the last stretch: the rest state is then the gateway's own
+    quiet_s = max(30.0, shape.lease_s * 2)  # no fault in the last stretch: the rest state is then the gateway's own
     load_task = asyncio.create_task(load.run(stop))
     began_ms, began = now_ms(), time.monotonic()
     schedule = asyncio.create_task(
@@ -232,6 +238,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     stop.set()
     await load_task
     elapsed_s = time.monotonic() - began
+    unended = await load.end_batches(timeout_s=120)  # their requests run on after the load
     await asyncio.sleep(3)  # the last settlements and the shippers' next pass
     # Leases: the load is over, its last fault long undone: any live lease is a leak.
     key_ids = {tenant.key_id for tenant in tenants}
@@ -257,6 +264,9 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     keep_history(folder, raw, load.observations, faults)
     verdict = judge(accounts, key_records + team_records, observations, faults, running, key_ids)
     verdict.counts["records still in Redis at the end"] = in_redis
+    verdict.counts["batches created"] = len(load.batches)
+    for batch_id in unended:
+        verdict.fail("batch ended", batch_id, "still not ended 120 s after the load stopped")
     # Time to admission: from the client's send to Redis' clock in the record (one machine, one clock).
     sent = {seen.http_request_id: seen.started_ms for seen in load.observations}
     to_admission = sorted(
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teams", type=int, default=50)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--ingress-replicas", type=int, default=8)
+    parser.add_argument("--token-interval", type=float, default=0.05, help="the paced models' s per token")
+    parser.add_argument("--lease", type=float, default=60, help="quota.concurrency_lease_s")
     parser.add_argument("--no-vllm", action="store_true", help="every model paced (no real engine)")
     parser.add_argument("--faults", nargs="*", default=list(fault_kinds.KINDS), choices=list(fault_kinds.KINDS))
     args = parser.parse_args(argv)
@@ -356,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         teams=args.teams,
         clients=args.clients,
         ingress_replicas=args.ingress_replicas,
+        token_interval_s=args.token_interval,
+        lease_s=args.lease,
         with_vllm=not args.no_vllm,
         faults=args.faults,
     )

@@ -73,10 +73,16 @@ class ProxiedRedisCluster(RedisClusterServers):
 
 
 def serve_config(
-    port: int, run_dir: Path, ingress_replicas: int, paced_replicas: int, token_interval_s: float, with_vllm: bool
+    port: int,
+    run_dir: Path,
+    ingress_replicas: int,
+    paced_replicas: int,
+    token_interval_s: float,
+    with_vllm: bool,
+    lease_s: float,
 ) -> dict[str, Any]:
-    """The deployment the soak runs: the shipped app, its limits as shipped but for a
-    shorter concurrency lease (the ledger waits out one at rest)."""
+    """The deployment the soak runs: the shipped app, its limits as shipped but for
+    the concurrency lease, the run's (the ledger waits out two at rest)."""
     paced = {
         "engine": "replicas.instant_engine:start_instant",
         "cpus_per_replica": 0.05,
@@ -118,7 +124,7 @@ def serve_config(
                             "ray_actor_options": {"num_cpus": 0.1},
                         }
                     },
-                    "quota": {"concurrency_lease_s": 15},
+                    "quota": {"concurrency_lease_s": lease_s},
                     "records": {"sink_dir": str(run_dir / "records")},
                     "batch": {"files_dir": str(run_dir / "files")},
                     "telemetry": {"access_log": False},

@@ -2,8 +2,9 @@
 another for a key drawn Zipf-distributed over the tenants (a few keys send most
 of the traffic and live at their limits; most send a little), in mixed shapes:
 unary and streamed chat on the paced models (through the ingress and on a direct
-route), ``n`` > 1, embeddings, token-dense prompts and Responses continuations on
-real vLLM. Every request carries its own x-request-id, and what its client saw
+route), ``n`` > 1, embeddings, batches (Files and Batch API: their requests run in the
+background under the key's limits), token-dense prompts and Responses continuations
+on real vLLM. Every request carries its own x-request-id, and what its client saw
 (status, error code, the usage it was shown, a stream cut short) is kept as a
 ledger Observation."""
 
@@ -25,6 +26,9 @@ from soak.topology import PACED, PACED_DIRECT, VLLM_MODEL
 DENSE = "😀🎉🚀💡🔥漢字仮名交じり文தமிழ்நாடு!?!?0123456789"
 
 
+BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -39,6 +43,7 @@ class Load:
     zipf_s: float = 1.1
     observations: list[Observation] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list)  # first byte, admitted requests
+    batches: list[tuple[Tenant, str]] = field(default_factory=list)  # created, to be seen ended
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def _weights(self) -> list[float]:
@@ -80,6 +85,44 @@ class Load:
                 return await self._stream(request_id, tenant, started, response)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             return Observation(request_id, tenant.key_id, started, now_ms(), 0, type(exc).__name__, streaming=streaming)
+
+    async def _upload(self, http, tenant: Tenant, content: bytes) -> tuple[Observation, str]:
+        """A batch input file, uploaded as the openai SDK does (multipart); its id if stored."""
+        request_id, started = self._request_id(), now_ms()
+        headers = {"authorization": f"Bearer {tenant.secret}", "x-request-id": request_id}
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", content, filename="requests.jsonl", content_type="application/jsonl")
+        try:
+            async with http.post("/v1/files", data=form, headers=headers) as response:
+                answer = await response.read()
+                seen = self._unary(request_id, tenant, started, response.status, answer)
+                return seen, json.loads(answer)["id"] if response.status == 200 else ""
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError, KeyError) as exc:
+            return Observation(request_id, tenant.key_id, started, now_ms(), 0, type(exc).__name__), ""
+
+    async def end_batches(self, timeout_s: float) -> list[str]:
+        """Wait for every batch created to end (its requests run after the load stops);
+        the ids of those that did not (a key revoked since is answered 401: its
+        batch's requests are refused as revoked, so it ends too, unseen)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.batches)
+        async with aiohttp.ClientSession(self.base_url, timeout=aiohttp.ClientTimeout(total=30)) as http:
+            while pending and time.monotonic() < deadline:
+                still = []
+                for tenant, batch_id in pending:
+                    headers = {"authorization": f"Bearer {tenant.secret}"}
+                    try:
+                        async with http.get(f"/v1/batches/{batch_id}", headers=headers) as response:
+                            status = (await response.json()).get("status") if response.status == 200 else None
+                            if response.status == 200 and status not in BATCH_ENDED:
+                                still.append((tenant, batch_id))
+                    except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError):
+                        still.append((tenant, batch_id))
+                pending = still
+                if pending:
+                    await asyncio.sleep(2)
+        return [batch_id for _, batch_id in pending]
 
     def _unary(self, request_id, tenant, started, status, answer: bytes) -> Observation:
         try:
@@ -163,6 +206,41 @@ async def embeddings(load: Load, http, rng, tenant) -> Observation:
     return await load._post(http, tenant, "/v1/embeddings", body, False)
 
 
+async def batch(load: Load, http, rng, tenant) -> Observation:
+    """A small batch of paced chat requests: its file uploaded and the batch created
+    (an observation each, charged as a request with no tokens); its requests run in the
+    background under the key's limits (records with no client of their own)."""
+    lines = [
+        {
+            "custom_id": f"line-{n}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": PACED,
+                "messages": [{"role": "user", "content": "batch " * rng.randint(1, 20)}],
+                "max_tokens": rng.randint(4, 24),
+            },
+        }
+        for n in range(rng.randint(2, 5))
+    ]
+    seen, file_id = await load._upload(http, tenant, "".join(json.dumps(line) + "\n" for line in lines).encode())
+    if not file_id:
+        return seen
+    load.observations.append(seen)
+    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    request_id, started = load._request_id(), now_ms()
+    headers = {"authorization": f"Bearer {tenant.secret}", "x-request-id": request_id}
+    try:
+        async with http.post("/v1/batches", json=body, headers=headers) as response:
+            answer = await response.read()
+            seen = load._unary(request_id, tenant, started, response.status, answer)
+            if response.status == 200:
+                load.batches.append((tenant, json.loads(answer)["id"]))
+            return seen
+    except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+        return Observation(request_id, tenant.key_id, started, now_ms(), 0, type(exc).__name__)
+
+
 async def dense_chat(load: Load, http, rng, tenant) -> Observation:
     text = "".join(rng.choice(DENSE) for _ in range(rng.randint(20, 200)))
     body = {"model": VLLM_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": rng.randint(4, 16)}
@@ -195,6 +273,7 @@ SHAPE_TABLE = [
     (chat_stream, 45, False),
     (chat_n, 10, False),
     (embeddings, 8, False),
+    (batch, 2, False),
     (dense_chat, 4, True),
     (responses_continuation, 3, True),
 ]

@@ -406,8 +406,9 @@ class Gatekeeper:
             logger.warning("finalised %d requests whose ingress stopped renewing their leases", shipped)
         return shipped
 
-    async def renew_leases(self) -> None:
-        """One pipeline renewing the leases of every request this ingress runs."""
+    async def renew_leases(self) -> bool:
+        """One pipeline renewing the leases of every request this ingress runs; False
+        when Redis did not take it (the caller tries again at its next tick)."""
         running: dict[str, list[str]] = {}
         for ticket in self._leased.values():
             for level in ticket.levels():
@@ -418,3 +419,5 @@ class Gatekeeper:
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("renew")
             logger.warning("could not renew concurrency leases: %s", type(exc).__name__)
+            return False
+        return True

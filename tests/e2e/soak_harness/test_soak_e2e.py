@@ -25,7 +25,7 @@ def test_the_ledger_holds_under_load_and_every_fault_kind():
     while ray_processes():
         assert time.monotonic() < deadline, f"another Ray instance runs here; `ray up` would stop it: {ray_processes()}"
         time.sleep(0.5)
-    verdict = asyncio.run(soak(Shape(duration_s=150, seed=11, clients=40)))
+    verdict = asyncio.run(soak(Shape(duration_s=150, seed=11, clients=40, lease_s=15)))
     wait_for_no_engines()
     assert not ray_processes()
     assert verdict.counts["admitted (client saw 200)"] > 500
