@@ -140,6 +140,13 @@ def quota_store_unavailable() -> OpenAIError:
     return _quota_store_503("The service cannot check quotas right now.", "quota_backend_unavailable")
 
 
+def gateway_overloaded() -> OpenAIError:
+    """This ingress is too busy to hear Redis in time (admission/loop_lag.py): shed."""
+    return OpenAIError(
+        503, "The service is overloaded. Please retry shortly.", code="gateway_overloaded", headers=dict(RETRY_HEADERS)
+    )
+
+
 def records_backlog() -> OpenAIError:
     """The record sink has not taken ``records.max_backlog`` final records: no new request until it does."""
     return _quota_store_503(

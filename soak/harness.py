@@ -134,15 +134,19 @@ def as_record(fields: dict[str, Any], account: str | None = None) -> Record:
     )
 
 
-def gather_records(redis_cluster: ProxiedRedisCluster, sink: Path, key_ids: set[str]) -> tuple[list[dict], int]:
-    """Every final record of the run's keys: the sink's, then Redis' (those not
-    shipped yet, and any left open); and how many Redis still held."""
+def gather_records(
+    redis_cluster: ProxiedRedisCluster, sink: Path, key_ids: set[str], team_ids: set[str]
+) -> tuple[list[dict], list[dict], int]:
+    """Every final record of the run's keys (the sink's, then Redis': those not shipped
+    yet, and any left open), every record of its teams' own admissions (kept in Redis
+    only, never shipped), and how many key records Redis still held."""
     import redis
 
-    found: list[dict] = []
+    keys: list[dict] = []
     for path in sorted(sink.rglob("*.jsonl")):
         for line in path.read_text().splitlines():
-            found.append(json.loads(line))
+            keys.append(json.loads(line))
+    teams: list[dict] = []
     in_redis = 0
     for node in redis_cluster.nodes:
         client = redis.Redis(port=node.port, decode_responses=True)
@@ -150,11 +154,13 @@ def gather_records(redis_cluster: ProxiedRedisCluster, sink: Path, key_ids: set[
             continue
         for name in client.scan_iter(match="llm:req:*", count=1000):
             fields = client.hgetall(name)
+            fields.setdefault("id", name.rsplit(":", 1)[-1])
             if fields.get("key_id") in key_ids:
-                fields.setdefault("id", name.rsplit(":", 1)[-1])
-                found.append(fields)
+                keys.append(fields)
                 in_redis += 1
-    return found, in_redis
+            elif fields.get("key_id") in team_ids:
+                teams.append(fields)
+    return keys, teams, in_redis
 
 
 def leases_at_rest(redis_cluster: ProxiedRedisCluster, account_ids: list[str]) -> dict[str, int]:
@@ -238,17 +244,21 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     stop.set()
     await load_task
     elapsed_s = time.monotonic() - began
-    unended = await load.end_batches(timeout_s=120)  # their requests run on after the load
+    unended, cancelled = await load.end_batches(timeout_s=120)  # their requests run on after the load
     await asyncio.sleep(3)  # the last settlements and the shippers' next pass
     # Leases: the load is over, its last fault long undone: any live lease is a leak.
     key_ids = {tenant.key_id for tenant in tenants}
     accounts_ids = sorted(key_ids | set(teams))
     running = await asyncio.to_thread(leases_at_rest, redis_cluster, accounts_ids)
     await asyncio.sleep(5)  # the shippers empty the outbox to the sink
-    raw, in_redis = await asyncio.to_thread(gather_records, redis_cluster, folder / "records", key_ids)
+    raw, raw_teams, in_redis = await asyncio.to_thread(
+        gather_records, redis_cluster, folder / "records", key_ids, set(teams)
+    )
     key_records = [as_record(fields) for fields in raw]
-    team_of = {tenant.key_id: tenant.team_id for tenant in tenants}
-    team_records = [as_record(fields, team_of[fields["key_id"]]) for fields in raw]
+    # A team's limits are judged on its own admissions' records: their times are Redis'
+    # on the team's shard, when the team's lease was taken and given back (a key's record
+    # times its own level, up to a pipeline's flush apart from its team's).
+    team_records = [as_record(fields) for fields in raw_teams]
     accounts = []
     for tenant in tenants:
         periods = changes.periods.get(tenant.key_id, [(0, tenant.limits)])
@@ -261,12 +271,13 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     observations = [
         seen for seen in load.observations if seen.key not in revoked_keys or seen.ended_ms < revoked_keys[seen.key]
     ]
-    keep_history(folder, raw, load.observations, faults)
+    keep_history(folder, raw + raw_teams, load.observations, faults)
     verdict = judge(accounts, key_records + team_records, observations, faults, running, key_ids)
     verdict.counts["records still in Redis at the end"] = in_redis
     verdict.counts["batches created"] = len(load.batches)
+    verdict.counts["batches cancelled after the load (parked: their key at a limit)"] = cancelled
     for batch_id in unended:
-        verdict.fail("batch ended", batch_id, "still not ended 120 s after the load stopped")
+        verdict.fail("batch ended", batch_id, "not ended 120 s after the load stopped, 60 s after its cancel")
     # Time to admission: from the client's send to Redis' clock in the record (one machine, one clock).
     sent = {seen.http_request_id: seen.started_ms for seen in load.observations}
     to_admission = sorted(

@@ -29,6 +29,9 @@ from typing import Any
 
 WINDOW_MS = 60_000
 CLOCK_MS = 2  # what the records' millisecond times may each be off by (truncated)
+# Load shed by design (503 with retry-after): a model's queue full; an ingress too
+# overloaded to hear Redis in time (serve_app/admission/loop_lag.py).
+SHED = frozenset({"model_overloaded", "gateway_overloaded"})
 FINAL = frozenset({"completed", "failed", "cancelled", "overloaded", "abandoned", "withdrawn"})
 
 
@@ -295,8 +298,8 @@ def check_errors(verdict: Verdict, observations: list[Observation], faults: list
     from the fault to the last failure it caused (a failure belongs to the latest fault
     begun before it ended)."""
     for seen in observations:
-        if seen.status == 503 and seen.code == "model_overloaded":
-            verdict.counts["shed under load (503 model_overloaded, retry-after)"] += 1  # designed, not a failure
+        if seen.status == 503 and seen.code in SHED:  # designed, with retry-after: not a failure
+            verdict.counts[f"shed under load (503 {seen.code}, retry-after)"] += 1
             continue
         failed = (
             seen.status == 0

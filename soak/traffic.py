@@ -11,6 +11,7 @@ ledger Observation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -101,14 +102,24 @@ class Load:
         except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError, KeyError) as exc:
             return Observation(request_id, tenant.key_id, started, now_ms(), 0, type(exc).__name__), ""
 
-    async def end_batches(self, timeout_s: float) -> list[str]:
-        """Wait for every batch created to end (its requests run after the load stops);
-        the ids of those that did not (a key revoked since is answered 401: its
-        batch's requests are refused as revoked, so it ends too, unseen)."""
-        deadline = time.monotonic() + timeout_s
+    async def end_batches(self, timeout_s: float) -> tuple[list[str], int]:
+        """Every batch created, ended: waited for half of ``timeout_s`` (their requests
+        run on after the load), then those still going cancelled, as their owner would
+        (a batch whose key is over a limit or budget is parked until it may go on, up to
+        its 24 h window) and waited for. Returns the ids of those that did not end, and
+        how many were cancelled. (A key revoked since is answered 401: its batch's
+        requests are refused as revoked, so it ends too, unseen.)"""
+        began = time.monotonic()
         pending = list(self.batches)
+        cancelled = 0
         async with aiohttp.ClientSession(self.base_url, timeout=aiohttp.ClientTimeout(total=30)) as http:
-            while pending and time.monotonic() < deadline:
+            while pending and time.monotonic() - began < timeout_s:
+                if cancelled == 0 and time.monotonic() - began >= timeout_s / 2:
+                    for tenant, batch_id in pending:
+                        headers = {"authorization": f"Bearer {tenant.secret}"}
+                        with contextlib.suppress(TimeoutError, aiohttp.ClientError, ConnectionError):
+                            async with http.post(f"/v1/batches/{batch_id}/cancel", headers=headers) as response:
+                                cancelled += response.status == 200
                 still = []
                 for tenant, batch_id in pending:
                     headers = {"authorization": f"Bearer {tenant.secret}"}
@@ -122,7 +133,7 @@ class Load:
                 pending = still
                 if pending:
                     await asyncio.sleep(2)
-        return [batch_id for _, batch_id in pending]
+        return [batch_id for _, batch_id in pending], cancelled
 
     def _unary(self, request_id, tenant, started, status, answer: bytes) -> Observation:
         try:

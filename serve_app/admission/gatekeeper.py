@@ -9,7 +9,9 @@ response, and the Redis-down behaviour that ``fail_mode`` chooses.
 Redis failures are told apart (docs/quotas.md, "Keys and quotas"):
 - unreachable (connection refused or lost, timeout; a Redis Cluster with a slot
   between primaries, CLUSTERDOWN or TRYAGAIN, once the client's own retries
-  are spent): ``fail_mode`` decides, and
+  are spent): ``fail_mode`` decides, but for a timeout while this process' own
+  loop ran half a timeout late (loop_lag.py): that is the ingress overloaded,
+  and the request is shed (503 ``gateway_overloaded``, retry-after); and
   every request the ingress decided without Redis is settled through Redis
   once it answers again. A timed-out call may still have run, and settling is
   idempotent, so nothing that call wrote outlives the request.
@@ -32,13 +34,20 @@ from serve_app.accounting.costs import Cost
 from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.accounting.usage import new_request_id
 from serve_app.admission.local_limits import LocalLimiter
+from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.overlap import OverlapGuard
 from serve_app.admission.scripts import Admission, Decision, LocalOrigin, Refusal
 from serve_app.admission.ticket import Ticket
-from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable, records_backlog
+from serve_app.errors import (
+    OpenAIError,
+    gateway_overloaded,
+    quota_store_error,
+    quota_store_unavailable,
+    records_backlog,
+)
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import TeamRecord
-from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
+from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE, RedisTimeoutError
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from serve_app.tracing import now_ns
@@ -81,6 +90,10 @@ class Gatekeeper:
         # Which keys' streams may start before their admission returns (overlap.py).
         self.overlap = OverlapGuard() if quota.overlap_admission else None
         self.local = LocalLimiter(replica_count)
+        # A Redis timeout while this process' loop runs this late is its own overload,
+        # not Redis': shed, never admitted on local limits (loop_lag.py).
+        self.loop_lag = LoopLag()
+        self._overload_lag_s = quota.redis_timeout_s / 2
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
         self._leased: dict[str, Ticket] = {}
@@ -154,6 +167,10 @@ class Gatekeeper:
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)  # no guesses while Redis cannot answer
+            if self._overloaded(exc):
+                for level in levels:  # in case the call ran: taken back, a tombstone (settle.lua)
+                    self._settle_later(level, request_id, model, "withdrawn", 0, 0)
+                raise gateway_overloaded() from None
             try:
                 admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc, http_request_id)
             except OpenAIError:
@@ -241,6 +258,17 @@ class Gatekeeper:
             used = {decision.kind.split("_")[0]: int(decision.detail)}
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
+
+    def _overloaded(self, exc: BaseException) -> bool:
+        """A timeout while the loop was late enough to cause it (loop_lag.py)."""
+        if not isinstance(exc, (RedisTimeoutError, TimeoutError)):
+            return False
+        lag_s = self.loop_lag.recent_s()
+        if lag_s < self._overload_lag_s:
+            return False
+        self.telemetry.fell_back("shed_overloaded")
+        logger.warning("Redis timed out while this ingress' loop ran %.2f s late: shed, not admitted locally", lag_s)
+        return True
 
     def _admit_locally(
         self, key: KeyRecord, request_id: str, model: str, reserve_tokens: int, exc, http_request_id: str

@@ -81,6 +81,7 @@ class Maintenance:
         """Start the loop on the running event loop (Serve runs ``__init__`` on it)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self.maintain())
+            self.gate.loop_lag.start()
             if self.records is not None:
                 self.records.start()
 

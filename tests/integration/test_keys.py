@@ -140,6 +140,35 @@ async def test_a_write_on_a_connection_closed_meanwhile_is_a_connection_error(re
         await client.aclose()
 
 
+async def test_a_pooled_connection_closed_while_idle_is_replaced_and_the_command_sent(redis_server, monkeypatch):
+    # The write fails as a whole (nothing sent): once more on a new connection.
+    from serve_app.redis_store import redis_client
+
+    client = redis_client.connect(redis_server.url)
+    original, failures = redis_client._send_packed, []
+    uvloop_raise = _raising_in(
+        "uvloop/handles/handle.pyx",
+        RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed"),
+    )
+    namespace: dict = {"uvloop_raise": uvloop_raise}
+    exec(compile("async def closed():\n    await uvloop_raise()\n", asyncio.streams.__file__, "exec"), namespace)
+
+    async def closed_once(self, command, check_health=True):
+        if not failures:
+            failures.append(self)
+            await namespace["closed"]()
+        return await original(self, command, check_health)
+
+    try:
+        await client.set("idle", "ok")
+        monkeypatch.setattr(redis_client, "_send_packed", closed_once)
+        assert await client.get("idle") == b"ok"
+        assert len(failures) == 1
+    finally:
+        monkeypatch.undo()
+        await client.aclose()
+
+
 async def test_priority_tiers_are_checked_and_old_records_read_as_normal(redis):
     import json
 

@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import os
 import signal
+import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -273,6 +274,36 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"14"  # 1 reserved + 13 used
     await redis.delete(redis_names.concurrency(k.id))  # (the first request ends)
     assert not (await access.gate.admit(k, "m", 10)).local
+
+
+async def test_a_timeout_while_the_ingress_runs_late_is_shed_not_admitted_locally(node_access, redis_server):
+    # The same stall, twice: on a punctual loop the timeout is Redis' (fail_mode open
+    # admits on local limits); after the loop itself stalled 0.3 s (its CPU spent, as an
+    # overloaded ingress' is), a timeout says nothing about Redis: 503, no local admission.
+    access, redis = node_access
+    k = key(max_concurrent=5)
+    await access.gate.admit(k, "m", 1)  # connections are open before the stall
+    access.gate.loop_lag.start()
+    await asyncio.sleep(0.3)  # the watcher has seen a punctual loop
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        punctual = await access.gate.admit(k, "m", 10)
+        assert punctual.local
+        time.sleep(0.3)  # the loop stalls
+        with pytest.raises(OpenAIError) as caught:
+            await access.gate.admit(k, "m", 10)
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert caught.value.status == 503 and caught.value.code == "gateway_overloaded"
+    assert caught.value.headers["retry-after"] == "1"
+    assert access.gate.local._keys[k.id].running == {punctual.request_id}  # the shed one holds no local slot
+    access.gate.settle(punctual, "completed", Usage(prompt_tokens=3, completion_tokens=2))
+    while access.gate._unsettled:
+        await access.gate.flush_unsettled()
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # any admit call still in flight has run by now
+    await access.gate.flush_unsettled()
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's only
 
 
 # -- authentication against hostile headers -------------------------------------------
