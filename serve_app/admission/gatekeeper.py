@@ -9,9 +9,9 @@ response, and the Redis-down behaviour that ``fail_mode`` chooses.
 Redis failures are told apart (docs/quotas.md, "Keys and quotas"):
 - unreachable (connection refused or lost, timeout; a Redis Cluster with a slot
   between primaries, CLUSTERDOWN or TRYAGAIN, once the client's own retries
-  are spent): ``fail_mode`` decides, but for a timeout while this process' own
-  loop ran half a timeout late (loop_lag.py): that is the ingress overloaded,
-  and the request is shed (503 ``gateway_overloaded``, retry-after); and
+  are spent): ``fail_mode`` decides, but while this process' own loop runs half a
+  timeout late (loop_lag.py) the ingress is overloaded, and the request is shed
+  (503 ``gateway_overloaded``, retry-after); and
   every request the ingress decided without Redis is settled through Redis
   once it answers again. A timed-out call may still have run, and settling is
   idempotent, so nothing that call wrote outlives the request.
@@ -47,7 +47,7 @@ from serve_app.errors import (
 )
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import TeamRecord
-from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE, RedisTimeoutError
+from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 from serve_app.tracing import now_ns
@@ -260,14 +260,19 @@ class Gatekeeper:
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
     def _overloaded(self, exc: BaseException) -> bool:
-        """A timeout while the loop was late enough to cause it (loop_lag.py)."""
-        if not isinstance(exc, (RedisTimeoutError, TimeoutError)):
-            return False
+        """Redis unreachable while this process' loop ran late enough to make it so
+        (loop_lag.py): a reply or a connect not handled in time (redis-py words a connect
+        that timed out as a ConnectionError), or an outage met while overloaded, when
+        shedding is the answer anyway."""
         lag_s = self.loop_lag.recent_s()
         if lag_s < self._overload_lag_s:
             return False
         self.telemetry.fell_back("shed_overloaded")
-        logger.warning("Redis timed out while this ingress' loop ran %.2f s late: shed, not admitted locally", lag_s)
+        logger.warning(
+            "Redis unreachable (%s) while this ingress' loop ran %.2f s late: shed, not admitted locally",
+            type(exc).__name__,
+            lag_s,
+        )
         return True
 
     def _admit_locally(
@@ -276,7 +281,11 @@ class Gatekeeper:
         if not self.fail_open:
             raise quota_store_unavailable()
         self.telemetry.fell_back("local_limits")
-        logger.warning("Redis unreachable (%s): admitting on local limits", type(exc).__name__)
+        logger.warning(
+            "Redis unreachable (%s): admitting on local limits (loop %.2f s late at most lately)",
+            type(exc).__name__,
+            self.loop_lag.recent_s(),
+        )
         admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
         if not admitted:
             return Refusal(key, kind, reserve_tokens, retry_s=retry_s)
