@@ -32,6 +32,9 @@ CLOCK_MS = 2  # what the records' millisecond times may each be off by (truncate
 # Load shed by design (503 with retry-after): a model's queue full; an ingress too
 # overloaded to hear Redis in time (serve_app/admission/loop_lag.py).
 SHED = frozenset({"model_overloaded", "gateway_overloaded"})
+# A 429 of the quotas stores nothing; another 429 (too_many_active_batches) is a route's
+# answer to a request its key was admitted for: its record is final, charged nothing.
+QUOTA_REFUSALS = frozenset({"rate_limit_exceeded", "insufficient_quota"})
 FINAL = frozenset({"completed", "failed", "cancelled", "overloaded", "abandoned", "withdrawn"})
 
 
@@ -176,6 +179,9 @@ def _periods(account: Account, records: list[Record]) -> Iterable[tuple[Limits, 
 def check_limits(verdict: Verdict, account: Account, records: list[Record], faults: list[Fault], grace_ms: int):
     """Every limit of one account: exact on what Redis admitted; what was admitted
     without Redis lies in a Redis fault's window, and what it adds is the overshoot."""
+    # A withdrawn record is a tombstone of an admission taken back (or never made: a
+    # request shed, or whose client left while its admission was on the wire): no admission.
+    records = [record for record in records if record.status != "withdrawn"]
     for record in records:
         if record.local and not _in_faults(record.admitted_ms, record.admitted_ms, faults, grace_ms, redis_only=True):
             verdict.fail("local admission", account.id, f"{record.id} admitted without Redis, no Redis fault")
@@ -254,8 +260,8 @@ def check_revocation(
 
 def check_records(verdict: Verdict, key_records: list[Record], observations: list[Observation]) -> None:
     """Every request a client saw admitted has exactly one final record, charged what
-    the client was shown; a request the client saw refused has none; nothing is
-    charged beyond its reservation."""
+    the client was shown; a request the client saw refused by a quota has none;
+    nothing is charged beyond its reservation."""
     by_http: dict[str, list[Record]] = collections.defaultdict(list)
     for record in key_records:
         if record.status != "withdrawn":  # a tombstone of an admission taken back, not a request's record
@@ -287,7 +293,7 @@ def check_records(verdict: Verdict, key_records: list[Record], observations: lis
                     )
                 else:
                     verdict.counts["charges matched to the token"] += 1
-        elif seen.status == 429 and found:
+        elif seen.status == 429 and seen.code in QUOTA_REFUSALS and found:
             verdict.fail(
                 "refused", seen.key, f"{seen.http_request_id}: refused (429) yet recorded as {found[0].status}"
             )

@@ -160,9 +160,10 @@ class Gatekeeper:
         except asyncio.CancelledError:
             # The client left while its admission was on the wire: the call still
             # runs in Redis (auto_pipeline), so the id is settled, which frees a
-            # lease it took or makes a later admit of it change nothing.
+            # lease it took or makes a later admit of it change nothing. Nothing ran:
+            # withdrawn (its reservation given back, a tombstone never shipped).
             for level in levels:
-                self._settle_later(level, request_id, model, "cancelled", 0, 0)
+                self._settle_later(level, request_id, model, "withdrawn", 0, 0)
             raise
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")

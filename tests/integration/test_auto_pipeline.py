@@ -115,6 +115,7 @@ async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, red
     request_id = settlement[1]
     await access.gate.flush_unsettled()  # ...and its settlement frees it
     assert await redis.zcard(leases) == 0
-    assert await redis.hget(redis_names.request_record(key.id, request_id), "status") == b"cancelled"
+    # Nothing ran: a tombstone (its reservation given back, never shipped), not a request's record.
+    assert await redis.hget(redis_names.request_record(key.id, request_id), "status") == b"withdrawn"
     assert (await access.gate.admit(key, "m", 10)).request_id
     await access.redis.aclose()

@@ -269,3 +269,19 @@ def test_a_revoked_key_admitted_on_local_limits_is_held_to_the_stale_bound():
     assert verdict.overshoot["revoked, admitted on local limits (s after)"] == [15.0]
     verdict = judge(accounts, records + [late], observations, [fault], {}, {"key-a", "key-b"}, stale_max_ms=10_000)
     assert any(v.check == "revocation" for v in verdict.violations)
+
+
+def test_tombstones_and_a_routes_own_429_are_no_admission_and_no_lost_refusal():
+    # A withdrawn record outside any fault (a request shed, or taken back) admitted
+    # nothing; a 429 too_many_active_batches answers a request its key was admitted for
+    # (its record final, charged nothing), unlike a quota's 429, which stores nothing.
+    accounts, records, observations = simulate(5)  # long over by 10**9 ms
+    tombstone = Record("tomb", "key-a", "withdrawn", 10**9, 10**9, 0, 0, 0, local=True)
+    batch_refused = Observation("soak-batch", "key-a", 10**9, 10**9 + 10, 429, "too_many_active_batches")
+    its_record = Record("batch-rec", "key-a", "failed", 10**9 + 1, 10**9 + 5, 0, 0, 0, "soak-batch")
+    verdict = verdict_of(accounts, [*records, tombstone, its_record], [*observations, batch_refused])
+    assert verdict.passed, verdict.violations[:3]
+    quota_refused = Observation("soak-quota", "key-a", 10**9, 10**9 + 10, 429, "rate_limit_exceeded")
+    recorded = Record("quota-rec", "key-a", "failed", 10**9 + 1, 10**9 + 5, 0, 0, 0, "soak-quota")
+    verdict = verdict_of(accounts, [*records, recorded], [*observations, quota_refused])
+    assert {v.check for v in verdict.violations} == {"refused"}
