@@ -101,6 +101,8 @@ class Gatekeeper:
         self._unsettled: dict[str, tuple] = {}
         # account id -> when this ingress last put it in the due index (monotonic s): see _register_due.
         self._registered: dict[str, float] = {}
+        # Accounts whose registration Redis did not take: registered again at the next tick.
+        self._unregistered: set[str] = set()
         self._lease_s = quota.concurrency_lease_s
 
     def running_tickets(self) -> list[Ticket]:
@@ -422,13 +424,20 @@ class Gatekeeper:
     def _registration_done(self, account: str):
         def done(call: asyncio.Future) -> None:
             if call.cancelled() or call.exception() is not None:
-                self._registered.pop(account, None)  # registered again by the next admission or renewal
+                # Again at the next maintenance tick, not the next admission or renewal:
+                # this ingress may die before either, and its leases would then never be
+                # reaped (the soak's 30-minute run left one request `running` so).
+                self._registered.pop(account, None)
+                self._unregistered.add(account)
 
         return done
 
     async def reap_abandoned(self) -> int:
         """Finalise the requests whose ingress died (their leases expired unrenewed) of
         the accounts the due index says are due, and ship their records; how many."""
+        if self._unregistered:
+            accounts, self._unregistered = list(self._unregistered), set()
+            self._register_due(accounts)
         try:
             accounts = await self.admission.due_accounts()
             reaped = await asyncio.gather(*(self.admission.reap(account) for account in accounts))

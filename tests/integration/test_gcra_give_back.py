@@ -75,6 +75,34 @@ async def test_taking_back_the_first_of_a_burst_gives_no_idle_time_back(redis):
     assert _excess(records, 120, lambda r: 1) <= EXACT
 
 
+async def test_a_limit_lowered_between_a_request_and_its_take_back_gives_no_more_back(redis):
+    # Taken back under the limit it came under (120/min: 500 ms), after a request under
+    # the lowered one (60/min: 1 s) found the state in the past: what came since is
+    # counted in time, at its own limit's interval, not at the taken-back request's.
+    fast = _key(requests_per_minute=120)
+    slow = fast.model_copy(update={"requests_per_minute": 60})
+    adm = Admission(redis, lease_s=600, retention_s=3600)
+    first = f"{fast.id}-first"
+    assert (await adm.admit(fast, first, "m", 1)).admitted
+    await asyncio.sleep(0.6)  # the state is in the past
+    ids = [f"{slow.id}-{n}" for n in range(400)]
+    assert (await adm.admit(slow, ids[0], "m", 1)).admitted
+    assert await adm.release(fast, first, "team_requests")
+    refused = False
+    for request_id in ids[1:]:
+        decision = await adm.admit(slow, request_id, "m", 1)
+        if refused and decision.admitted:
+            break
+        refused = refused or not decision.admitted
+        if refused:
+            await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("the limit never let one more in")
+    records = await _surviving(redis, slow, ids)
+    assert len(records) >= 61
+    assert _excess(records, 60, lambda r: 1) <= EXACT
+
+
 # A history: requests, each after a pause, of some cost, and its fate once k more
 # requests have come: kept, taken back (its team refused it; admitted again at another
 # size), settled for a share of what it reserved, or cancelled (usage unknown: the
@@ -91,6 +119,7 @@ HISTORY = st.lists(
         st.sampled_from([1, 2, 5, 20, 100, 400]),  # tokens it reserves
         FATES,
         st.integers(0, 3),  # requests admitted after it before its fate
+        st.booleans(),  # admitted under the limit halved (an operator lowered it meanwhile)
     ),
     min_size=2,
     max_size=10,
@@ -98,7 +127,13 @@ HISTORY = st.lists(
 # One limit at a time, each with a whole emission interval: requests/min at 600
 # (100 ms a request), tokens/min at 3,000 (20 ms a token). Pauses of tens of ms leave
 # the state in the past between admissions.
-LIMITS = {"requests_per_minute": (600, lambda r: 1), "tokens_per_minute": (3000, _final_tokens)}
+# Each record weighs its cost in emission time at its own limit (kept in the record), in
+# units of the full limit's interval: GCRA keeps the time charged over any span within
+# 60 s + the span, whatever limit each request came under.
+LIMITS = {
+    "requests_per_minute": (600, lambda r: 600 / int(r["rpm"])),
+    "tokens_per_minute": (3000, lambda r: _final_tokens(r) * 3000 / int(r["tpm"])),
+}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -114,6 +149,7 @@ async def _history(url: str, limit: str, history) -> None:
     redis = redis_client.connect(url)
     value, weight = LIMITS[limit]
     key = _key(**{limit: value})
+    lowered = key.model_copy(update={limit: value // 2})
     adm = Admission(redis, lease_s=600, retention_s=3600)
     admitted: list[str] = []
     pending: list[tuple[int, str, int, tuple]] = []  # (due after this many admissions, id, reserved, fate)
@@ -130,10 +166,10 @@ async def _history(url: str, limit: str, history) -> None:
                 await adm.settle(key, request_id, "cancelled", -1, 0)
 
     try:
-        for number, (pause_ms, tokens, fate, later) in enumerate(history):
+        for number, (pause_ms, tokens, fate, later, halved) in enumerate(history):
             await asyncio.sleep(pause_ms / 1000)
             request_id = f"{key.id}-{number}"
-            if (await adm.admit(key, request_id, "m", tokens)).admitted:
+            if (await adm.admit(lowered if halved else key, request_id, "m", tokens)).admitted:
                 admitted.append(request_id)
                 await meet_fates(len(admitted))
                 pending.append((len(admitted) + later, request_id, tokens, fate))

@@ -219,6 +219,29 @@ async def node_access(redis_server):
     await client.aclose()
 
 
+async def test_a_due_registration_redis_refused_is_made_again_at_the_next_tick(access, redis):
+    # The due index is how a dead ingress' requests are found: an admission whose
+    # registration failed must not wait for this ingress' next admission or renewal
+    # (it may die first), but be registered at the next maintenance tick.
+    k = key(max_concurrent=2)
+    await redis.set(redis_names.LEASES_DUE, "not a sorted set")  # every ZADD to it fails
+    ticket = await access.gate.admit(k, "m", 10)
+    for _ in range(100):  # the registration went out in the admission's pipeline, and failed
+        if k.id in access.gate._unregistered:
+            break
+        await asyncio.sleep(0.01)
+    assert k.id in access.gate._unregistered
+    await redis.delete(redis_names.LEASES_DUE)
+    await access.gate.reap_abandoned()  # one tick
+    for _ in range(100):
+        if await redis.zscore(redis_names.LEASES_DUE, k.id) is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert await redis.zscore(redis_names.LEASES_DUE, k.id) is not None
+    assert not access.gate._unregistered
+    access.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+
+
 async def test_a_script_error_is_a_503_and_leaks_no_slot(access, redis):
     # A reservation Redis cannot add (beyond 64-bit) makes the script fail
     # mid-way; the request must not be served on local limits.

@@ -108,7 +108,7 @@ if tpm > 0 and delta < 0 then
 elseif tpm > 0 and delta > 0 then
   local state = gcra_state(KEYS[2], now)
   state.tat = state.tat + delta * (WINDOW / tpm)  -- owed since its admission: not from now
-  state.charged = state.charged + delta
+  state.charged = state.charged + delta * (WINDOW / tpm)
   gcra_write(KEYS[2], state, now)
 end
 
