@@ -132,6 +132,8 @@ class Gatekeeper:
         the reservation, held against the money budgets."""
         if self.records is not None and self.records.backlogged:
             raise records_backlog()  # back-pressure: the sink is down, Redis holds its bound of records
+        # Sent to the engine already (an overlapped admission): it may have run.
+        may_have_run = request_id is not None
         request_id = request_id or new_request_id(key.id)
         team = await self._team_of(key, model)
         levels = [key] if team is None else [key, team]
@@ -162,10 +164,12 @@ class Gatekeeper:
         except asyncio.CancelledError:
             # The client left while its admission was on the wire: the call still
             # runs in Redis (auto_pipeline), so the id is settled, which frees a
-            # lease it took or makes a later admit of it change nothing. Nothing ran:
-            # withdrawn (its reservation given back, a tombstone never shipped).
+            # lease it took or makes a later admit of it change nothing. Unless its
+            # stream started beside its admission (a request's record: cancelled),
+            # nothing ran: withdrawn, a tombstone never shipped.
+            status = "cancelled" if may_have_run else "withdrawn"
             for level in levels:
-                self._settle_later(level, request_id, model, "withdrawn", 0, 0)
+                self._settle_later(level, request_id, model, status, 0, 0)
             raise
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
