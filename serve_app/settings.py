@@ -223,6 +223,13 @@ class BatchConfig(BaseModel):
         "if that replica dies, another resumes the batch this long after.",
     )
     poll_s: float = Field(1.0, gt=0, description="How often an idle ingress replica looks for a batch to run.")
+    reconcile_s: float = Field(
+        300.0,
+        gt=0,
+        description="How often one ingress replica (of all) rebuilds the runners' set of batches from each key's "
+        "own, with a SCAN of Redis: a batch whose entry a Redis failover lost (or whose ingress died while "
+        "creating it) runs within this.",
+    )
 
 
 class StoreConfig(BaseModel):

@@ -69,8 +69,14 @@ def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
         # tests call them; the shipped shape (each model behind its direct route, /v1
         # in one hop) runs in tests/e2e/local_stack/ and direct_route_stack/.
         model.pop("direct_route", None)
-    # Batch files in a directory of this test run, batches resumed fast after a runner dies.
-    args["batch"] = {"files_dir": tempfile.mkdtemp(prefix="llm-files-"), "lease_s": 3.0, "poll_s": 0.2}
+    # Batch files in a directory of this test run, batches resumed fast after a runner dies
+    # and the runners' set reconciled within seconds.
+    args["batch"] = {
+        "files_dir": tempfile.mkdtemp(prefix="llm-files-"),
+        "lease_s": 3.0,
+        "poll_s": 0.2,
+        "reconcile_s": 5.0,
+    }
     args["records"] = {"sink_dir": tempfile.mkdtemp(prefix="llm-records-")}  # this run's request records
     return args
 

@@ -211,13 +211,26 @@ def active_batches_of(key_id: str) -> str:
     return f"{PREFIX}:batchesactive:{tag(key_id)}"
 
 
+# Every key's ``active_batches_of`` (a SCAN pattern): what ``ACTIVE_BATCHES`` is rebuilt from.
+ACTIVE_BATCHES_OF_ANY_KEY = f"{PREFIX}:batchesactive:*"
+
+
+def key_of_active_batches(name: str) -> str:
+    """The key id an ``active_batches_of`` name belongs to."""
+    return name.split(":{k:", 1)[1].rsplit("}", 1)[0]
+
+
 def batch_lease(key_id: str, batch_id: str) -> str:
     """Which ingress replica runs the batch now (expires unless renewed)."""
     return f"{PREFIX}:batchlease:{tag(key_id)}:{batch_id}"
 
 
 # Set of "<key id>/<batch id>" of the batches not finished yet: what runners look at.
+# One slot for every key: a write it loses (a failover) is made again from each key's
+# ``active_batches_of`` by the runners' reconciliation (batches.py ``reconcile``).
 ACTIVE_BATCHES = f"{PREFIX}:batches:active"
+# A runner's claim on the next reconciliation (one replica of all does it, each period).
+BATCH_RECONCILER = f"{PREFIX}:batches:reconciler"
 # Final request records on their way to the record sink (record_shipper.py): a stream.
 RECORD_OUTBOX = f"{PREFIX}:records:outbox"
 # Accounts (keys, teams) with leases, scored by when those may have expired: where the

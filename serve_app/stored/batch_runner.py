@@ -110,6 +110,7 @@ class BatchRunner:
         self._park = self.redis.register_script(_PARK)
         self._task: asyncio.Task | None = None
         self._swept_at = 0.0
+        self._reconciled_at = 0.0
         self._jobs: dict[str, asyncio.Task] = {}  # batch id -> its job, running here
         self._per_key: dict[str, int] = {}  # key id -> its batches running here
 
@@ -124,6 +125,10 @@ class BatchRunner:
                 if time.monotonic() - self._swept_at > SWEEP_EVERY_S:  # however busy: expired content goes
                     self._swept_at = time.monotonic()
                     await self.files.sweep()
+                # Each replica asks four times a period: the claim's holder reconciles within it.
+                if time.monotonic() - self._reconciled_at > self.config.reconcile_s / 4:
+                    self._reconciled_at = time.monotonic()
+                    await self._reconcile()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -150,6 +155,17 @@ class BatchRunner:
                 task = asyncio.ensure_future(self._run_leased(key_id, batch_id))
                 self._jobs[batch_id] = task
                 task.add_done_callback(functools.partial(self._job_ended, key_id, batch_id))
+
+    async def _reconcile(self) -> None:
+        """Once per ``reconcile_s`` of all replicas (the first to claim the period;
+        the claim expires with it, so a replica that dies holding it delays the next by none):
+        the runners' set made again from the keys' places (``BatchStore.reconcile``)."""
+        period_ms = int(self.config.reconcile_s * 1000)
+        if not await self.redis.set(redis_names.BATCH_RECONCILER, self.owner, nx=True, px=period_ms):
+            return
+        found = await self.store.reconcile()
+        if any(found.values()):
+            logger.warning("batch runner: reconciled the runners' set: %s", found)
 
     def _job_ended(self, key_id: str, batch_id: str, _: asyncio.Task) -> None:
         self._jobs.pop(batch_id, None)

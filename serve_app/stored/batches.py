@@ -5,8 +5,12 @@ as JSON, and its status, times, counts and usage as fields of their own, so the
 runner (``batch_runner.py``) and a cancel can change them without overwriting
 each other. Every status change goes through one script that changes it only
 from the statuses allowed (a cancel racing the end of a batch either wins or
-is told the batch already ended). A batch not yet ended is also in
-``ACTIVE_BATCHES``, where runners find it.
+is told the batch already ended). A batch not yet ended holds a place in its
+key's ``active_batches_of`` (its bound; the same slot as its record) and is in
+``ACTIVE_BATCHES``, where runners find it. That one set serves every key, so a
+write to it can be lost where a record's is not (a failover loses what the dying
+primary had not replicated; an ingress can die between the two writes):
+``reconcile`` makes it again from the keys' places, so no batch stays unrun.
 
 Statuses as OpenAI's: validating → in_progress → finalizing → completed;
 failed (its file does not hold valid requests for the endpoint); cancelling →
@@ -54,6 +58,9 @@ return 1
 MAX_RECORD_BYTES = 64 * 1024
 # How long a record counts in its key's account at most: its window, the horizon, its retention.
 _RECORD_KEPT_S = COMPLETION_WINDOWS["24h"] + _ACTIVE_HORIZON_S + RECORD_RETENTION_S
+# A place without a record is a creation still reading its file (200 MB at most)
+# for this long at most; past it, one that never finished (its ingress died).
+_CREATION_BOUND_S = 600
 ENDED = ("completed", "failed", "expired", "cancelled")
 _COUNTS = ("total", "completed", "failed")
 _USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
@@ -174,7 +181,13 @@ class BatchStore:
             raise
 
     async def _not_made(self, key_id: str, batch_id: str) -> None:
-        await self.redis.zrem(redis_names.active_batches_of(key_id), batch_id)
+        """A creation the client is told failed leaves no batch: whatever of it was written goes."""
+        await self.redis.srem(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}")
+        async with self.redis.pipeline(transaction=True) as pipe:  # one slot: the key's
+            pipe.delete(redis_names.batch_record(key_id, batch_id))
+            pipe.zrem(redis_names.batch_index(key_id), batch_id)
+            pipe.zrem(redis_names.active_batches_of(key_id), batch_id)
+            await pipe.execute()
         if self.records is not None:
             await self.records.release(key_id, batch_id)
 
@@ -314,6 +327,30 @@ class BatchStore:
 
     async def update(self, key_id: str, batch_id: str, **fields: Any) -> None:
         await self.redis.hset(redis_names.batch_record(key_id, batch_id), mapping=fields)
+
+    async def reconcile(self, now_s: float | None = None) -> dict[str, int]:
+        """Make ``ACTIVE_BATCHES`` agree with the keys' places (SCAN over every
+        node): a batch not ended is put back where runners find it; a place whose
+        batch ended is given back; a place whose creation never finished (no record
+        past ``_CREATION_BOUND_S``) is given back with its record's room. Returns how
+        many of each it found."""
+        now_s = time.time() if now_s is None else now_s
+        found = {"restored": 0, "ended": 0, "unmade": 0}
+        async for name in self.redis.scan_iter(match=redis_names.ACTIVE_BATCHES_OF_ANY_KEY, count=1000, _type="zset"):
+            key_id = redis_names.key_of_active_batches(as_text(name))
+            for member, created_s in await self.redis.zrange(name, 0, -1, withscores=True):
+                batch_id = as_text(member)
+                status = await self.status(key_id, batch_id)
+                if status is None:
+                    if now_s - created_s > _CREATION_BOUND_S:
+                        await self._not_made(key_id, batch_id)
+                        found["unmade"] += 1
+                elif status in ENDED:
+                    await self.ended(key_id, batch_id)
+                    found["ended"] += 1
+                elif await self.redis.sadd(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}"):
+                    found["restored"] += 1
+        return found
 
     async def ended(self, key_id: str, batch_id: str) -> None:
         """Out of the runners' set; the record is kept as long as its files."""

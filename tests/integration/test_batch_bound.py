@@ -1,6 +1,7 @@
 """A key's batches not yet ended are bounded, against a real Redis (one node, a
 cluster, Sentinel): one more is refused before its file is read, and a place comes
-back when a batch ends, fails at once, or cannot be made."""
+back when a batch ends, fails at once, or cannot be made. The runners' set of
+batches is made again from the keys' places when a write to it was lost."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from serve_app.errors import OpenAIError
 from serve_app.redis_store import redis_names
 from serve_app.stored.batches import BatchStore
 from serve_app.stored.files_api import FileStore
+from serve_app.stored.stored_responses import stored_space
 
 KEY = "k-batches"
 
@@ -72,3 +74,69 @@ async def test_a_place_whose_ending_was_lost_is_forgotten_after_the_window(tmp_p
     created = await batches.create(KEY, body(await uploaded(files, line("a"))))
     assert created["status"] == "validating"
     assert [m.decode() for m in await redis.zrange(redis_names.active_batches_of(KEY), 0, -1)] == [created["id"]]
+
+
+async def runners_set(redis) -> set[str]:
+    return {m.decode() for m in await redis.smembers(redis_names.ACTIVE_BATCHES)}
+
+
+async def test_batches_whose_runners_entry_was_lost_are_found_again_and_dead_places_given_back(tmp_path, redis):
+    """What a failover (a write the dying primary had not replicated) or an ingress
+    killed mid-creation leaves, on keys spread over the cluster's slots: a batch
+    runners cannot see (it would stay 'validating', or 'cancelling' once cancelled,
+    forever), an ended batch still holding its key's place, a place whose creation
+    never wrote its record (and the record's room still reserved). A creation still
+    reading its file is left alone."""
+    space = stored_space(redis, max_bytes=10**6, max_objects=100)
+    files = FileStore(redis, str(tmp_path), max_bytes=10_000)
+    batches = BatchStore(redis, files, max_requests=10, max_active_per_key=5, records=space)
+    keys = [f"k-lost-{n}" for n in range(6)]
+    made = {}
+    for key in keys:
+        async with files.reservation(key, 1_000) as file_id:
+            stored = await files.upload(key, file_id, "in.jsonl", "batch", io.BytesIO(line("a")))
+        made[key] = (await batches.create(key, body(stored["id"])))["id"]
+    assert await runners_set(redis) == {f"{k}/{b}" for k, b in made.items()}
+    await redis.delete(redis_names.ACTIVE_BATCHES)  # every entry lost
+    await batches.cancel(keys[0], made[keys[0]])  # cancelled meanwhile: still to be ended by a runner
+    await batches.transition(keys[1], made[keys[1]], "completed", ("validating",))  # ended, its place not given
+    now = time.time()
+    await redis.zadd(redis_names.active_batches_of(keys[2]), {"batch_dead": now - 601})  # its ingress died
+    await space.reserve(keys[2], "batch_dead", 64 * 1024, now + 3600)
+    await redis.zadd(redis_names.active_batches_of(keys[3]), {"batch_reading": now - 5})  # still reading its file
+    held_before = (await space.used(keys[2]))[0]
+
+    found = await batches.reconcile(now_s=now)
+
+    assert found == {"restored": 5, "ended": 1, "unmade": 1}
+    assert await runners_set(redis) == {f"{k}/{b}" for k, b in made.items() if k != keys[1]}
+    assert (await batches.get(keys[0], made[keys[0]]))["status"] == "cancelling"
+    places = {k: {m.decode() for m in await redis.zrange(redis_names.active_batches_of(k), 0, -1)} for k in keys}
+    assert places[keys[1]] == set()
+    assert places[keys[2]] == {made[keys[2]]}
+    assert places[keys[3]] == {made[keys[3]], "batch_reading"}
+    assert (await space.used(keys[2]))[0] == held_before - 64 * 1024
+    assert await batches.reconcile(now_s=now) == {"restored": 0, "ended": 0, "unmade": 0}  # agreed now
+
+
+async def test_a_creation_that_fails_after_its_record_leaves_no_batch(tmp_path, redis, monkeypatch):
+    """The client is told the creation failed (here: Redis refused the runners'
+    set): no record is left listed as 'validating' with no runner to take it, and
+    its place and its record's room are given back."""
+    space = stored_space(redis, max_bytes=10**6, max_objects=100)
+    files = FileStore(redis, str(tmp_path), max_bytes=10_000)
+    batches = BatchStore(redis, files, max_requests=10, max_active_per_key=1, records=space)
+    file_id = await uploaded(files, line("a"))
+    real_sadd = redis.sadd
+
+    async def refused(*args):
+        raise ConnectionError("the write was lost")
+
+    monkeypatch.setattr(redis, "sadd", refused)
+    with pytest.raises(ConnectionError):
+        await batches.create(KEY, body(file_id))
+    monkeypatch.setattr(redis, "sadd", real_sadd)
+    assert (await batches.page(KEY, limit=10, after=None))["data"] == []
+    assert await redis.zcard(redis_names.active_batches_of(KEY)) == 0
+    assert await space.used(KEY) == (0, 0)
+    assert (await batches.create(KEY, body(file_id)))["status"] == "validating"  # its place is free

@@ -220,6 +220,29 @@ def test_a_batch_survives_the_death_of_the_ingress_replica_running_it(base_url, 
     wait_until_both_ingresses_serve(base_url, secret, MODEL)
 
 
+def test_a_batch_whose_runners_entry_was_lost_still_runs(base_url, redis_server, redis):
+    """A Redis failover can lose the write that puts a new batch where runners find
+    it (one set for every key; the dying primary had not replicated it), and a
+    runner can lose its lease: the batch is found again from its key's places
+    within ``batch.reconcile_s`` (5 s here) and finished, each request once."""
+    key_id, secret = create_key(redis_server.url, "batch-entry-lost")
+    client = sdk(base_url, secret)
+    lines = [chat_line(f"lost-{i}", max_tokens=24, min_tokens=24, ignore_eos=True) for i in range(20)]
+    batch = start(client, lines)
+    member = f"{key_id}/{batch.id}"
+    lost_at = time.monotonic()
+    while time.monotonic() - lost_at < 1.5:  # lost, and any runner that took it meanwhile loses it
+        redis.srem(redis_names.ACTIVE_BATCHES, member)
+        redis.delete(redis_names.batch_lease(key_id, batch.id))
+        time.sleep(0.05)
+    assert not redis.sismember(redis_names.ACTIVE_BATCHES, member)
+    assert client.batches.retrieve(batch.id).status not in ENDED  # only the reconciliation can finish it now
+    batch = wait_for(client, batch.id, ended, timeout_s=120)
+    assert batch.status == "completed", batch
+    output = lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(line["custom_id"] for line in lines)  # once each
+
+
 def test_files_and_batches_belong_to_their_key(base_url, redis_server, redis):
     _, secret = create_key(redis_server.url, "batch-owner")
     _, other_secret = create_key(redis_server.url, "batch-other")
