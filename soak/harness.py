@@ -20,13 +20,18 @@ from typing import Any
 
 import httpx
 
+from serve_app.settings import QuotaConfig
 from soak import faults as fault_kinds
 from soak.ledger import Account, Fault, Limits, Record, Verdict, judge, max_overlap, summary
+from soak.redis_probe import RedisPathProbe
 from soak.tenants import Tenant, as_body, provision
 from soak.topology import PRICES, ProxiedRedisCluster, Twin, free_port, run_dir, serve_config
 from soak.traffic import Load, now_ms
 
 ADMIN_TOKEN = "soak-admin-token"
+# The Redis path counts as slow past this: half the shipped quota.redis_timeout_s, the
+# loop lateness past which the gateway sheds rather than admits on local limits.
+SLOW_REDIS_S = QuotaConfig().redis_timeout_s / 2
 
 
 @dataclass
@@ -232,6 +237,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     load = Load(base_url, tenants, shape.seed, shape.clients, shape.with_vllm)
     stop = asyncio.Event()
     quiet_s = max(30.0, shape.lease_s * 2)  # no fault in the last stretch: the rest state is then the gateway's own
+    probe = RedisPathProbe([proxy.listen_port for proxy in redis_cluster.proxies], SLOW_REDIS_S).start()
     load_task = asyncio.create_task(load.run(stop))
     began_ms, began = now_ms(), time.monotonic()
     schedule = asyncio.create_task(
@@ -245,6 +251,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     await load_task
     elapsed_s = time.monotonic() - began
     unended, cancelled = await load.end_batches(timeout_s=120)  # their requests run on after the load
+    slow_redis = await asyncio.to_thread(probe.stop)
     await asyncio.sleep(3)  # the last settlements and the shippers' next pass
     # Leases: the load is over, its last fault long undone: any live lease is a leak.
     key_ids = {tenant.key_id for tenant in tenants}
@@ -271,8 +278,8 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     observations = [
         seen for seen in load.observations if seen.key not in revoked_keys or seen.ended_ms < revoked_keys[seen.key]
     ]
-    keep_history(folder, raw + raw_teams, load.observations, faults)
-    verdict = judge(accounts, key_records + team_records, observations, faults, running, key_ids)
+    keep_history(folder, raw + raw_teams, load.observations, faults + slow_redis)
+    verdict = judge(accounts, key_records + team_records, observations, faults + slow_redis, running, key_ids)
     verdict.counts["records still in Redis at the end"] = in_redis
     verdict.counts["batches created"] = len(load.batches)
     verdict.counts["batches cancelled after the load (parked: their key at a limit)"] = cancelled
@@ -294,6 +301,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
         "requests": len(load.observations),
         "latencies_ms": load.latencies_ms,
         "faults": faults,
+        "slow_redis": slow_redis,
     }
     return verdict, figures
 
@@ -345,6 +353,13 @@ def print_report(shape: Shape, verdict: Verdict, figures: dict) -> None:
                 f"failures seen until +{worst:.1f} s ({len(recoveries[0]) if recoveries else 0})",
             )
         )
+    slow = [fault.healed_ms - fault.started_ms for fault in figures["slow_redis"]]
+    rows.append(
+        (
+            f"Redis path slower than {SLOW_REDIS_S * 1000:.0f} ms or not answering (the probe's)",
+            f"{len(slow)} times, {sum(slow) / 1000:.1f} s in all, longest {max(slow, default=0) / 1000:.1f} s",
+        )
+    )
     width = max(len(name) for name, _ in rows)
     print("\n| what | figure |\n|---|---|")
     for name, value in rows:

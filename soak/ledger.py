@@ -102,6 +102,14 @@ class Fault:
     started_ms: int
     healed_ms: int  # when the harness undid it (the process back, the proxy clean)
     touches_redis: bool = False
+    # Not injected but seen: the Redis path slower than the gateway's shedding bound
+    # (soak/redis_probe.py). It excuses what a slow Redis causes, for its own grace.
+    observed: bool = False
+    grace_ms: int | None = None  # None: the ledger's
+
+    def until_ms(self, grace_ms: int) -> int:
+        """The end of its window: when it was undone, and the grace to recover."""
+        return self.healed_ms + (grace_ms if self.grace_ms is None else self.grace_ms)
 
 
 @dataclass
@@ -161,7 +169,7 @@ def max_overlap(spans: Iterable[tuple[int, int]]) -> tuple[int, int]:
 
 def _in_faults(start_ms: int, end_ms: int, faults: list[Fault], grace_ms: int, redis_only: bool) -> bool:
     return any(
-        fault.started_ms <= end_ms and start_ms <= fault.healed_ms + grace_ms
+        fault.started_ms <= end_ms and start_ms <= fault.until_ms(grace_ms)
         for fault in faults
         if fault.touches_redis or not redis_only
     )
@@ -316,15 +324,16 @@ def check_errors(verdict: Verdict, observations: list[Observation], faults: list
         if not failed:
             continue
         verdict.counts["failures seen by clients"] += 1
-        hit = [f for f in faults if f.started_ms <= seen.ended_ms and seen.started_ms <= f.healed_ms + grace_ms]
+        hit = [f for f in faults if f.started_ms <= seen.ended_ms and seen.started_ms <= f.until_ms(grace_ms)]
         if not hit:
             verdict.fail(
                 "availability",
                 seen.key,
                 f"{seen.http_request_id}: {seen.status} {seen.code} at {seen.started_ms}..{seen.ended_ms} ms, no fault",
             )
-        if hit:  # the failure is the latest fault's that began before it ended
-            fault = max(hit, key=lambda f: f.started_ms)
+        injected = [f for f in hit if not f.observed]
+        if injected:  # the failure is the latest injected fault's that began before it ended
+            fault = max(injected, key=lambda f: f.started_ms)
             verdict.recovery_ms[f"{fault.kind}@{fault.started_ms}"].append(max(0, seen.ended_ms - fault.started_ms))
 
 

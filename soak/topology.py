@@ -126,7 +126,9 @@ def serve_config(
                     },
                     "quota": {"concurrency_lease_s": lease_s},
                     "records": {"sink_dir": str(run_dir / "records")},
-                    "batch": {"files_dir": str(run_dir / "files")},
+                    # A batch a failover lost from the runners' set is found again within 20 s
+                    # (300 as shipped): the harness gives batches 120 s to end after the load.
+                    "batch": {"files_dir": str(run_dir / "files"), "reconcile_s": 20},
                     "telemetry": {"access_log": False},
                     "models": models,
                 },

@@ -149,6 +149,13 @@ def test_local_admissions_in_a_redis_fault_are_overshoot_and_outside_one_a_failu
     verdict = verdict_of(accounts, records, observations, [Fault("ingress-kill", 0, 200_000)])
     assert {v.check for v in verdict.violations} == {"local admission"}
 
+    # A slow Redis path the probe saw excuses the admissions within its own short grace only.
+    slow = Fault("redis-slow (observed)", 0, 100_000, touches_redis=True, observed=True, grace_ms=5_000)
+    verdict = verdict_of(accounts, records, observations, [slow])
+    late = [r for r in records if r.local and r.admitted_ms > 105_000]
+    assert late and {v.check for v in verdict.violations} == {"local admission"}
+    assert len(verdict.violations) == len(late)
+
 
 def test_what_redis_admitted_is_held_exact_even_inside_a_redis_fault():
     accounts, records, observations = simulate(3, replicas_count_alone=4)  # not marked local: Redis' own
