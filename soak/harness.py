@@ -29,8 +29,10 @@ from soak.topology import PRICES, ProxiedRedisCluster, Twin, free_port, run_dir,
 from soak.traffic import Load, now_ms
 
 ADMIN_TOKEN = "soak-admin-token"
-# The Redis path counts as slow past this: half the shipped quota.redis_timeout_s, the
-# loop lateness past which the gateway sheds rather than admits on local limits.
+# The Redis path counts as slow past this: half the shipped quota.redis_timeout_s. The
+# gateway sheds rather than admits on local limits while its loop runs a quarter late,
+# and a call waits on the loop at least twice: a call that failed below that spent at
+# least half the timeout on the path.
 SLOW_REDIS_S = QuotaConfig().redis_timeout_s / 2
 
 
@@ -187,6 +189,34 @@ def leases_at_rest(redis_cluster: ProxiedRedisCluster, account_ids: list[str]) -
         client.close()
 
 
+def why_open(redis_cluster: ProxiedRedisCluster, verdict: Verdict) -> None:
+    """For each record left open at rest, what the reaper had to go by: its account's
+    place in the due index and its request's lease (to tell a lost registration from a
+    reaper that did not run)."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    from serve_app.redis_store import redis_names
+
+    found = [v for v in verdict.violations if v.check == "open record"]
+    if not found:
+        return
+    client = RedisCluster(
+        startup_nodes=[ClusterNode("127.0.0.1", redis_cluster.nodes[0].port)], address_remap=_unproxied(redis_cluster)
+    )
+    try:
+        now = time.time() * 1000
+        for violation in found:
+            request_id = violation.detail.split(" ", 1)[0]
+            due = client.zscore(redis_names.LEASES_DUE, violation.subject)
+            lease = client.zscore(redis_names.concurrency(violation.subject), request_id)
+            violation.detail += (
+                f"; due index: {'none' if due is None else f'{(due - now) / 1000:+.0f} s'}, "
+                f"lease: {'none' if lease is None else f'{(lease - now) / 1000:+.0f} s'}"
+            )
+    finally:
+        client.close()
+
+
 def _unproxied(redis_cluster: ProxiedRedisCluster):
     by_proxy = {proxy.listen_port: node.port for proxy, node in zip(redis_cluster.proxies, redis_cluster.nodes)}
     return lambda address: (address[0], by_proxy.get(address[1], address[1]))
@@ -280,11 +310,12 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     ]
     keep_history(folder, raw + raw_teams, load.observations, faults + slow_redis)
     verdict = judge(accounts, key_records + team_records, observations, faults + slow_redis, running, key_ids)
+    await asyncio.to_thread(why_open, redis_cluster, verdict)
     verdict.counts["records still in Redis at the end"] = in_redis
     verdict.counts["batches created"] = len(load.batches)
     verdict.counts["batches cancelled after the load (parked: their key at a limit)"] = cancelled
-    for batch_id in unended:
-        verdict.fail("batch ended", batch_id, "not ended 120 s after the load stopped, 60 s after its cancel")
+    for batch_id, last in unended.items():
+        verdict.fail("batch ended", batch_id, f"not ended 120 s after the load stopped, 60 s after its cancel ({last})")
     # Time to admission: from the client's send to Redis' clock in the record (one machine, one clock).
     sent = {seen.http_request_id: seen.started_ms for seen in load.observations}
     to_admission = sorted(

@@ -94,6 +94,7 @@ class Observation:
     prompt_tokens: int | None = None  # the usage the client was shown, when it was
     completion_tokens: int | None = None
     streaming: bool = False
+    message: str = ""  # a 5xx's error message, kept to read a verdict by
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,8 @@ def check_errors(verdict: Verdict, observations: list[Observation], faults: list
             verdict.fail(
                 "availability",
                 seen.key,
-                f"{seen.http_request_id}: {seen.status} {seen.code} at {seen.started_ms}..{seen.ended_ms} ms, no fault",
+                f"{seen.http_request_id}: {seen.status} {seen.code} at {seen.started_ms}..{seen.ended_ms} ms, "
+                f"no fault{': ' + seen.message if seen.message else ''}",
             )
         injected = [f for f in hit if not f.observed]
         if injected:  # the failure is the latest injected fault's that began before it ended

@@ -4,13 +4,14 @@ own PINGs every Redis node through its chaos proxy, each on its own thread every
 not at all.
 
 The gateway admits on local limits when a Redis call fails or times out
-(``quota.fail_mode`` open), unless its own loop was late then (it sheds instead).
+(``quota.fail_mode`` open), unless its own loop was a quarter of the timeout late
+then (it sheds instead).
 A slow Redis path is a Redis fault whether the harness injected it or not (a box
 at load average 25 runs the proxies and Redis late too), so the ledger excuses
 local admissions in these windows, for a short grace, and reports them; outside
 every window, a local admission is the gateway's fault. Its threshold is half
-``quota.redis_timeout_s``: a call that timed out while the loop ran less than that
-late spent the rest on the path."""
+``quota.redis_timeout_s``: a call waits on the loop at least twice, so one that timed
+out while the loop ran less than a quarter late spent at least half on the path."""
 
 from __future__ import annotations
 

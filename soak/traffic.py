@@ -11,7 +11,6 @@ ledger Observation."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import random
@@ -102,38 +101,51 @@ class Load:
         except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError, KeyError) as exc:
             return Observation(request_id, tenant.key_id, started, now_ms(), 0, type(exc).__name__), ""
 
-    async def end_batches(self, timeout_s: float) -> tuple[list[str], int]:
+    async def end_batches(self, timeout_s: float) -> tuple[dict[str, str], int]:
         """Every batch created, ended: waited for half of ``timeout_s`` (their requests
         run on after the load), then those still going cancelled, as their owner would
         (a batch whose key is over a limit or budget is parked until it may go on, up to
-        its 24 h window) and waited for. Returns the ids of those that did not end, and
+        its 24 h window; a cancel is a request of its key: a key at its limits is
+        answered 429 and asks again, as an owner would), and waited for. Returns, for
+        each batch that did not end, what was last seen of it and of its cancel; and
         how many were cancelled. (A key revoked since is answered 401: its batch's
         requests are refused as revoked, so it ends too, unseen.)"""
         began = time.monotonic()
         pending = list(self.batches)
-        cancelled = 0
+        cancels: dict[str, str] = {}  # batch id -> its cancel's last answer
+        seen: dict[str, str] = {}  # batch id -> its last status seen
         async with aiohttp.ClientSession(self.base_url, timeout=aiohttp.ClientTimeout(total=30)) as http:
             while pending and time.monotonic() - began < timeout_s:
-                if cancelled == 0 and time.monotonic() - began >= timeout_s / 2:
+                if time.monotonic() - began >= timeout_s / 2:
                     for tenant, batch_id in pending:
+                        if cancels.get(batch_id) in ("200", "409", "404", "401"):
+                            continue  # cancelled, ending already, or gone
                         headers = {"authorization": f"Bearer {tenant.secret}"}
-                        with contextlib.suppress(TimeoutError, aiohttp.ClientError, ConnectionError):
+                        try:
                             async with http.post(f"/v1/batches/{batch_id}/cancel", headers=headers) as response:
-                                cancelled += response.status == 200
+                                cancels[batch_id] = str(response.status)
+                        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+                            cancels[batch_id] = type(exc).__name__
                 still = []
                 for tenant, batch_id in pending:
                     headers = {"authorization": f"Bearer {tenant.secret}"}
                     try:
                         async with http.get(f"/v1/batches/{batch_id}", headers=headers) as response:
                             status = (await response.json()).get("status") if response.status == 200 else None
+                            seen[batch_id] = f"{status or response.status}"
                             if response.status == 200 and status not in BATCH_ENDED:
                                 still.append((tenant, batch_id))
-                    except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError):
+                    except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError) as exc:
+                        seen[batch_id] = type(exc).__name__
                         still.append((tenant, batch_id))
                 pending = still
                 if pending:
                     await asyncio.sleep(2)
-        return [batch_id for _, batch_id in pending], cancelled
+        unended = {
+            batch_id: f"{tenant.key_id}: last seen {seen.get(batch_id)}, its cancel answered {cancels.get(batch_id)}"
+            for tenant, batch_id in pending
+        }
+        return unended, sum(answer == "200" for answer in cancels.values())
 
     def _unary(self, request_id, tenant, started, status, answer: bytes) -> Observation:
         try:
@@ -141,10 +153,12 @@ class Load:
         except ValueError:
             parsed = {}
         if status != 200:
-            code = ((parsed.get("error") or {}) if isinstance(parsed, dict) else {}).get("code") or ""
+            error = (parsed.get("error") or {}) if isinstance(parsed, dict) else {}
+            code = error.get("code") or ""
             if not isinstance(parsed, dict) or "error" not in parsed:
                 code = "not-the-gateway"  # an answer of the edge (Ray's HAProxy), not in OpenAI's envelope
-            return Observation(request_id, tenant.key_id, started, now_ms(), status, str(code))
+            message = str(error.get("message") or "")[:300] if status >= 500 else ""
+            return Observation(request_id, tenant.key_id, started, now_ms(), status, str(code), message=message)
         self.latencies_ms.append(now_ms() - started)
         usage = parsed.get("usage") or {}
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))

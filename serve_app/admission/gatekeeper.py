@@ -91,9 +91,12 @@ class Gatekeeper:
         self.overlap = OverlapGuard() if quota.overlap_admission else None
         self.local = LocalLimiter(replica_count)
         # A Redis timeout while this process' loop runs this late is its own overload,
-        # not Redis': shed, never admitted on local limits (loop_lag.py).
+        # not Redis': shed, never admitted on local limits (loop_lag.py). A quarter of the
+        # timeout: a call waits on the loop at least twice (its write, its reply; a connect
+        # and a redirect more), so a call that failed below it spent half its time or more
+        # on the Redis path itself (the soak's probe threshold).
         self.loop_lag = LoopLag()
-        self._overload_lag_s = quota.redis_timeout_s / 2
+        self._overload_lag_s = quota.redis_timeout_s / 4
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
         self._leased: dict[str, Ticket] = {}

@@ -301,8 +301,10 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
 
 async def test_a_timeout_while_the_ingress_runs_late_is_shed_not_admitted_locally(node_access, redis_server):
     # The same stall, twice: on a punctual loop the timeout is Redis' (fail_mode open
-    # admits on local limits); after the loop itself stalled 0.3 s (its CPU spent, as an
+    # admits on local limits); after the loop itself stalled 0.2 s (its CPU spent, as an
     # overloaded ingress' is), a timeout says nothing about Redis: 503, no local admission.
+    # (The watcher sees 0.1-0.2 s of lag: past a quarter of the 0.3 s timeout, not always
+    # past half, where the soak found replicas admitting locally on a healthy Redis.)
     access, redis = node_access
     k = key(max_concurrent=5)
     await access.gate.admit(k, "m", 1)  # connections are open before the stall
@@ -312,7 +314,7 @@ async def test_a_timeout_while_the_ingress_runs_late_is_shed_not_admitted_locall
     try:
         punctual = await access.gate.admit(k, "m", 10)
         assert punctual.local
-        time.sleep(0.3)  # the loop stalls
+        time.sleep(0.2)  # the loop stalls
         with pytest.raises(OpenAIError) as caught:
             await access.gate.admit(k, "m", 10)
     finally:
