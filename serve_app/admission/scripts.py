@@ -357,18 +357,20 @@ class Admission:
     # -- requests no ingress will settle (it died): the due index and the reaper ---------
 
     def register_due(self, account_ids: list[str], due_ms: int) -> list[asyncio.Future]:
-        """Put ``account_ids`` in the due index no earlier than ``due_ms`` (reap.lua
-        runs for them then). Called in the turn that sends their admissions, so both go
-        out in the same pipeline flush: an ingress that dies after admitting has
-        registered the account too."""
+        """Put ``account_ids`` in the due index no later than ``due_ms`` (reap.lua runs
+        for them then; a registration never puts off a due time, due.lua). Called in the
+        turn that sends their admissions, so both go out in the same pipeline flush: an
+        ingress that dies after admitting has registered the account too."""
         return [
-            self.pipeline.call(self._due, [redis_names.LEASES_DUE], ["register", account, due_ms])
+            self.pipeline.call(
+                self._due, [redis_names.LEASES_DUE, redis_names.LEASES_SEEN], ["register", account, due_ms]
+            )
             for account in account_ids
         ]
 
     async def due_accounts(self, limit: int = 100) -> list[str]:
         """Accounts whose leases may have expired by now (Redis' clock), in one call."""
-        due = await self.pipeline.call(self._due, [redis_names.LEASES_DUE], ["due", limit])
+        due = await self.pipeline.call(self._due, [redis_names.LEASES_DUE, redis_names.LEASES_SEEN], ["due", limit])
         return [_text(account) for account in due]
 
     async def reap(self, account_id: str) -> tuple[int, list[dict[str, Any]]]:
@@ -383,7 +385,10 @@ class Admission:
             [redis_names.request_record_prefix(account_id), self.settled_s or self.retention_s, "1" if ship else "0"],
         )
         await self.pipeline.call(
-            self._due, [redis_names.LEASES_DUE], ["reaped", account_id, int(reaped_at), int(next_ms)]
+            self._due,
+            [redis_names.LEASES_DUE, redis_names.LEASES_SEEN],
+            # Guarded for a lease: longer than an ingress counts on a registration (half a lease).
+            ["reaped", account_id, int(reaped_at), int(next_ms), self.lease_ms, self.lease_ms * 3 // 2],
         )
         records = [
             as_state(_text(finals[i]), dict(zip(finals[i + 1][::2], finals[i + 1][1::2])))

@@ -237,3 +237,6 @@ RECORD_OUTBOX = f"{PREFIX}:records:outbox"
 # reaper looks for requests a dead ingress left (serve_app/admission/lua/reap.lua).
 # One member per account with live leases; an account leaves it once reaped with none left.
 LEASES_DUE = f"{PREFIX}:leases:due"
+# When each account in LEASES_DUE was last registered (ms); its hash tag is LEASES_DUE's
+# whole name, so both are in one slot (due.lua reads them together).
+LEASES_SEEN = "{" + LEASES_DUE + "}:seen"

@@ -176,6 +176,30 @@ async def test_leases_that_expire_stop_counting_and_the_reaper_finalises_their_r
     assert await redis.zcard(redis_names.LEASES_DUE) == 0  # nothing left: off the index
 
 
+async def test_an_account_registered_within_a_lease_stays_due_though_it_had_no_lease(redis):
+    # An ingress registers an account once per half lease and counts on that for the
+    # leases it takes meanwhile: a reap that found none, just after such a registration,
+    # must not take the account off the index (a lease taken next would never be
+    # reaped); it is looked at again. A registration never puts a due time off.
+    adm, k = admission(redis, lease_s=0.2), key(max_concurrent=1)
+    await adm.register_due([k.id], 0)[0]
+    assert await adm.due_accounts() == [k.id]
+    assert (await adm.reap(k.id))[0] == -1  # no lease yet
+    again = await redis.zscore(redis_names.LEASES_DUE, k.id)
+    assert again is not None and await adm.due_accounts() == []  # looked at again, later
+    await adm.register_due([k.id], int(again) + 60_000)[0]
+    assert await redis.zscore(redis_names.LEASES_DUE, k.id) == again  # not put off
+    dead, _ = await admit(adm, k)  # taken now, its ingress then dies
+    await asyncio.sleep(0.35)  # the look again (a lease and a half), the lease expired
+    assert await adm.due_accounts() == [k.id]
+    await adm.reap(k.id)
+    assert await redis.hget(redis_names.request_record(k.id, dead), "status") == b"abandoned"
+    await asyncio.sleep(0.25)  # no registration within a lease: off the index at the next reap
+    await redis.zadd(redis_names.LEASES_DUE, {k.id: 0})
+    assert (await adm.reap(k.id))[0] == -1
+    assert await redis.zcard(redis_names.LEASES_DUE) == 0 and await redis.zcard(redis_names.LEASES_SEEN) == 0
+
+
 async def test_usage_counters_keep_35_days_and_13_months(redis):
     adm, k = admission(redis), key()
     now = datetime.datetime.now(datetime.UTC)

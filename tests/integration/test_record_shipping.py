@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
+from contract.replica_wire import Usage
 from serve_app.accounting import record_shipper
 from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.accounting.usage import request_state
@@ -154,3 +156,32 @@ async def test_a_request_whose_ingress_died_is_finalised_by_another_and_reaches_
     assert await survivor.gate.reap_abandoned() == 0  # once
     assert await redis.zcard(redis_names.LEASES_DUE) == 0
     await survivor.redis.aclose()
+
+
+async def test_a_dead_ingress_request_is_finalised_though_a_live_one_keeps_its_key_busy(redis, redis_url, tmp_path):
+    """The soak's 30-minute run left three requests open 15 minutes after their ingress
+    was killed: their keys and teams went on being admitted by the live ingresses,
+    and each registration put the account's due time off. A registration may only
+    bring it forward: the dead request is final within a lease and a half of its
+    admission while its key never pauses."""
+    settings = AppSettings(
+        redis_url=redis_url,
+        quota={"concurrency_lease_s": 0.5},
+        records={"sink_dir": str(tmp_path), "recent_s": RECENT_S},
+    )
+    dying, busy = (build_quota_services(settings, Telemetry(False, False)) for _ in range(2))
+    key, _ = await KeyStore(redis).create("kept-busy")
+    dead = await dying.gate.admit(key, "chat", 20)
+    await dying.redis.aclose()  # it dies: no settlement, no renewal
+    record = redis_names.request_record(key.id, dead.request_id)
+    began = time.monotonic()
+    while await redis.hget(record, "status") != b"abandoned":
+        assert time.monotonic() - began < 3.0, "the dead ingress' request was never reaped"
+        ticket = await busy.gate.admit(key, "chat", 5)  # registers the key every half lease
+        busy.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+        await busy.gate.reap_abandoned()
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - began < 0.5 * 1.5 + 1.0  # a lease and a half, and a tick
+    while busy.gate._unsettled:
+        await busy.gate.flush_unsettled()
+    await busy.redis.aclose()
