@@ -55,7 +55,9 @@ async def _kill_replica(ctx: Context, mark: str, rng: random.Random) -> bool:
     before = len(processes(mark))
     await asyncio.to_thread(_kill_one, mark, rng)
     await asyncio.sleep(2)
-    await _until(lambda: _replicas_running(ctx, mark, before), 120)
+    # Serve restarts a replica within ~100 s on this box at load average 25 (a vLLM-free
+    # paced model; its health check, then a new actor): a bound with room, not a target.
+    await _until(lambda: _replicas_running(ctx, mark, before), 300)
     return False
 
 
@@ -155,7 +157,12 @@ async def run_schedule(ctx: Context, kinds: list[str], seed: int, start_s: float
     for index, kind in enumerate(order):
         await asyncio.sleep(max(0.0, began + start_s + index * spacing - time.monotonic()))
         started = now_ms()
-        touches_redis = await KINDS[kind](ctx, rng)
+        try:
+            touches_redis = await KINDS[kind](ctx, rng)
+        except TimeoutError:  # not undone in its bound: the run goes on, the verdict says so
+            done.append(Fault(kind, started, now_ms(), kind.startswith(("redis", "network")), undone=False))
+            print(f"  fault {kind}: NOT undone within its bound ({(now_ms() - started) / 1000:.0f} s)", flush=True)
+            continue
         done.append(Fault(kind, started, now_ms(), touches_redis))
         print(f"  fault {kind}: {(now_ms() - started) / 1000:.1f} s until undone", flush=True)
     return done

@@ -380,7 +380,8 @@ def print_report(shape: Shape, verdict: Verdict, figures: dict) -> None:
         rows.append(
             (
                 f"fault {fault.kind}",
-                f"undone in {(fault.healed_ms - fault.started_ms) / 1000:.1f} s; "
+                f"{'undone in' if fault.undone else 'NOT undone, given up after'} "
+                f"{(fault.healed_ms - fault.started_ms) / 1000:.1f} s; "
                 f"failures seen until +{worst:.1f} s ({len(recoveries[0]) if recoveries else 0})",
             )
         )

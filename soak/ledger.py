@@ -107,6 +107,7 @@ class Fault:
     # (soak/redis_probe.py). It excuses what a slow Redis causes, for its own grace.
     observed: bool = False
     grace_ms: int | None = None  # None: the ledger's
+    undone: bool = True  # False: the system had not recovered when the harness gave up on it
 
     def until_ms(self, grace_ms: int) -> int:
         """The end of its window: when it was undone, and the grace to recover."""
@@ -374,6 +375,10 @@ def judge(
     check_records(verdict, [r for r in unique.values() if r.account in key_ids], observations)
     check_errors(verdict, observations, faults, grace_ms)
     check_at_rest(verdict, running_at_rest)
+    for fault in faults:
+        if not fault.undone:
+            given_up_s = (fault.healed_ms - fault.started_ms) / 1000
+            verdict.fail("recovery", fault.kind, f"not undone {given_up_s:.0f} s after")
     verdict.counts["client observations"] = len(observations)
     return verdict
 

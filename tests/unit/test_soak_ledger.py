@@ -255,6 +255,13 @@ def test_failures_outside_every_fault_window_are_caught_and_inside_one_timed():
     assert verdict.recovery_ms["ingress-kill@49000"] == [1100]
 
 
+def test_a_fault_the_system_did_not_recover_from_in_its_bound_is_caught():
+    accounts, records, observations = simulate(5)
+    stuck = Fault("model-kill", 10_000, 310_000, undone=False)
+    verdict = verdict_of(accounts, records, observations, [stuck])
+    assert [(v.check, v.subject) for v in verdict.violations] == [("recovery", "model-kill")]
+
+
 def test_an_admission_after_a_revocation_is_caught():
     accounts, records, observations = simulate(7)
     accounts[1].revoked_ms = 150_000
