@@ -141,6 +141,7 @@ class Gatekeeper:
         team = await self._team_of(key, model)
         levels = [key] if team is None else [key, team]
         started = time.perf_counter()
+        called_at = self.loop_lag.clock()
         try:
             # Level by level, the key first, each on its own slot, stopping at the first
             # that refuses; the levels that admitted it are then taken back (below). So a
@@ -177,7 +178,7 @@ class Gatekeeper:
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)  # no guesses while Redis cannot answer
-            if self._overloaded(exc):
+            if self._overloaded(exc, called_at):
                 for level in levels:  # in case the call ran: taken back, a tombstone (settle.lua)
                     self._settle_later(level, request_id, model, "withdrawn", 0, 0)
                 raise gateway_overloaded() from None
@@ -269,12 +270,12 @@ class Gatekeeper:
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
 
-    def _overloaded(self, exc: BaseException) -> bool:
+    def _overloaded(self, exc: BaseException, since: float) -> bool:
         """Redis unreachable while this process' loop ran late enough to make it so
         (loop_lag.py): a reply or a connect not handled in time (redis-py words a connect
         that timed out as a ConnectionError), or an outage met while overloaded, when
         shedding is the answer anyway."""
-        lag_s = self.loop_lag.recent_s()
+        lag_s = self.loop_lag.recent_s(since)  # while the call was out: a stall before it is not its cause
         if lag_s < self._overload_lag_s:
             return False
         self.telemetry.fell_back("shed_overloaded")

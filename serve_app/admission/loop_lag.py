@@ -50,12 +50,14 @@ class LoopLag:
             self._seen.pop()
         self._seen.append((now, lag_s))
 
-    def recent_s(self) -> float:
-        """The most the loop was late within the window, now included."""
+    def recent_s(self, since: float | None = None) -> float:
+        """The most the loop was late within the window, now included; with ``since``
+        (this clock), only lateness that ended after it (the span of one call)."""
         now = self.clock()
         while self._seen and self._seen[0][0] < now - self.window_s:
             self._seen.popleft()
-        worst = self._seen[0][1] if self._seen else 0.0
+        # The deque's lags fall from front to back: the first one seen since is the most.
+        worst = next((lag for when, lag in self._seen if since is None or when >= since), 0.0)
         if self._sleeping_since is not None:
             worst = max(worst, now - self._sleeping_since - self.interval_s)
         return max(worst, 0.0)

@@ -1,5 +1,6 @@
 """The event loop's lateness as the gatekeeper reads it (serve_app/admission/loop_lag.py):
-the most within its window, the current stall included, then forgotten."""
+the most within its window (or since a call went out), the current stall included,
+then forgotten."""
 
 import asyncio
 import time
@@ -30,6 +31,23 @@ def test_the_most_within_the_window_counts_and_then_is_forgotten():
     assert lag.recent_s() == 0.05
     clock.now += 10
     assert lag.recent_s() == 0.0
+
+
+def test_since_a_call_went_out_only_what_ended_after_it_counts():
+    # A stall before a Redis call is not why the call failed; one while it was out is.
+    clock = Clock()
+    lag = LoopLag(window_s=5.0, clock=clock)
+    lag.saw(0.4)
+    clock.now += 1
+    lag.saw(0.05)
+    sent = clock.now + 0.5
+    clock.now += 1
+    assert lag.recent_s(sent) == 0.0 and lag.recent_s() == 0.4
+    lag.saw(0.2)
+    assert lag.recent_s(sent) == 0.2
+    lag._sleeping_since = clock.now
+    clock.now += 0.5  # stalled now, the watcher not woken yet
+    assert abs(lag.recent_s(sent) - 0.4) < 1e-9
 
 
 def test_a_stall_counts_before_the_watcher_wakes():
