@@ -133,16 +133,22 @@ async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(red
     await access.redis.aclose()
 
 
-async def test_a_request_whose_ingress_died_is_finalised_by_another_and_reaches_the_sink(redis, redis_url, tmp_path):
-    """One ingress admits and dies (never settles, never renews); another one's
-    maintenance reaps the lease once it expired, and ships the abandoned record: the
-    sink holds one final record per admitted request even when no ingress settles it."""
+def two_ingresses(redis_url: str, tmp_path) -> tuple[QuotaServices, QuotaServices]:
+    """Two ingress replicas' quota services sharing Redis and a sink, with a 0.5 s lease."""
     settings = AppSettings(
         redis_url=redis_url,
         quota={"concurrency_lease_s": 0.5},
         records={"sink_dir": str(tmp_path), "recent_s": RECENT_S},
     )
-    dying, survivor = (build_quota_services(settings, Telemetry(False, False)) for _ in range(2))
+    first, second = (build_quota_services(settings, Telemetry(False, False)) for _ in range(2))
+    return first, second
+
+
+async def test_a_request_whose_ingress_died_is_finalised_by_another_and_reaches_the_sink(redis, redis_url, tmp_path):
+    """One ingress admits and dies (never settles, never renews); another one's
+    maintenance reaps the lease once it expired, and ships the abandoned record: the
+    sink holds one final record per admitted request even when no ingress settles it."""
+    dying, survivor = two_ingresses(redis_url, tmp_path)
     key, _ = await KeyStore(redis).create("left-behind")
     ticket = await dying.gate.admit(key, "chat", 20, http_request_id="client-left-behind")
     await dying.redis.aclose()  # it dies: no settlement, no renewal
@@ -164,12 +170,7 @@ async def test_a_dead_ingress_request_is_finalised_though_a_live_one_keeps_its_k
     and each registration put the account's due time off. A registration may only
     bring it forward: the dead request is final within a lease and a half of its
     admission while its key never pauses."""
-    settings = AppSettings(
-        redis_url=redis_url,
-        quota={"concurrency_lease_s": 0.5},
-        records={"sink_dir": str(tmp_path), "recent_s": RECENT_S},
-    )
-    dying, busy = (build_quota_services(settings, Telemetry(False, False)) for _ in range(2))
+    dying, busy = two_ingresses(redis_url, tmp_path)
     key, _ = await KeyStore(redis).create("kept-busy")
     dead = await dying.gate.admit(key, "chat", 20)
     await dying.redis.aclose()  # it dies: no settlement, no renewal
