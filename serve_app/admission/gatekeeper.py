@@ -468,6 +468,13 @@ class Gatekeeper:
         for ticket in self._leased.values():
             for level in ticket.levels():
                 running.setdefault(level.id, []).append(ticket.request_id)
+        # A request that ended while Redis did not take its settlement keeps its lease
+        # until the settlement lands: else the reaper finalises it `abandoned` a lease
+        # later (its reservation charged) and the settlement, when it lands, finds it
+        # final (the soak: 5 requests charged their reservation, not what they used).
+        # renew.lua renews only a lease whose record is still open.
+        for level, request_id, *_ in self._unsettled.values():
+            running.setdefault(level.id, []).append(request_id)
         self._register_due(list(running))
         try:
             await self.admission.renew(running)

@@ -12,6 +12,7 @@ import json
 import time
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from contract.replica_wire import Usage
 from serve_app.accounting import record_shipper
@@ -186,3 +187,37 @@ async def test_a_dead_ingress_request_is_finalised_though_a_live_one_keeps_its_k
     while busy.gate._unsettled:
         await busy.gate.flush_unsettled()
     await busy.redis.aclose()
+
+
+async def test_a_request_whose_settlement_waits_for_redis_keeps_its_lease_and_its_real_charge(
+    redis, redis_url, tmp_path, monkeypatch
+):
+    """The soak: a replica whose Redis calls failed for minutes queued its requests'
+    settlements; their leases were no longer renewed, so the reaper finalised them
+    `abandoned` (the reservation) a lease later, and the real settlement found them
+    final. A queued settlement's lease is renewed until it lands."""
+    ingress, reaper = two_ingresses(redis_url, tmp_path)
+    key, _ = await KeyStore(redis).create("settles-late")
+    ticket = await ingress.gate.admit(key, "chat", 50)
+    real_settle_many = ingress.gate.admission.settle_many
+
+    async def refused(*args, **kwargs):
+        raise RedisConnectionError("Redis did not take it")
+
+    monkeypatch.setattr(ingress.gate.admission, "settle", refused, raising=False)
+    monkeypatch.setattr(ingress.gate.admission, "settle_many", refused)
+    ingress.gate.settle(ticket, "completed", Usage(prompt_tokens=7, completion_tokens=3))
+    for _ in range(30):  # six leases: renewed all along, never reaped
+        await asyncio.sleep(0.1)
+        await ingress.gate.flush_unsettled()
+        await ingress.gate.renew_leases()
+        await reaper.gate.reap_abandoned()
+    record = redis_names.request_record(key.id, ticket.request_id)
+    assert await redis.hget(record, "status") in (b"admitted", b"running")
+    monkeypatch.setattr(ingress.gate.admission, "settle_many", real_settle_many)
+    while ingress.gate._unsettled:
+        await ingress.gate.flush_unsettled()
+    assert await redis.hget(record, "status") == b"completed"
+    assert await redis.hget(record, "total_tokens") == b"10"
+    await ingress.redis.aclose()
+    await reaper.redis.aclose()
