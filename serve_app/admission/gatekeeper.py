@@ -281,7 +281,7 @@ class Gatekeeper:
         self.telemetry.fell_back("shed_overloaded")
         logger.warning(
             "Redis unreachable (%s) while this ingress' loop ran %.2f s late: shed, not admitted locally",
-            type(exc).__name__,
+            what_failed(exc),
             lag_s,
         )
         return True
@@ -294,7 +294,7 @@ class Gatekeeper:
         self.telemetry.fell_back("local_limits")
         logger.warning(
             "Redis unreachable (%s): admitting on local limits (loop %.2f s late at most lately)",
-            type(exc).__name__,
+            what_failed(exc),
             self.loop_lag.recent_s(),
         )
         admitted, kind, retry_s = self.local.admit(key, request_id, reserve_tokens)
@@ -350,7 +350,7 @@ class Gatekeeper:
             settled = await self.admission.settle(*settlement)
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("accounting")
-            logger.warning("Redis did not take a settlement (%s): retrying it", type(exc).__name__)
+            logger.warning("Redis did not take a settlement (%s): retrying it", what_failed(exc))
             key, request_id, status, prompt, completion, replica, model, *rest = settlement
             self._settle_later(key, request_id, model, status, prompt, completion, replica, *rest)
             if trace is not None:
@@ -391,7 +391,7 @@ class Gatekeeper:
         except REDIS_FAILED as exc:
             # Bookkeeping only (first-token time, the x-request-id index): nothing leaks.
             self.telemetry.redis_failed("accounting")
-            logger.warning("Redis failed while accounting a request: %s", type(exc).__name__)
+            logger.warning("Redis failed while accounting a request: %s", what_failed(exc))
 
     # -- what the maintenance loop runs (maintenance.py) ----------------------
 
@@ -480,6 +480,13 @@ class Gatekeeper:
             await self.admission.renew(running)
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("renew")
-            logger.warning("could not renew concurrency leases: %s", type(exc).__name__)
+            logger.warning("could not renew concurrency leases: %s", what_failed(exc))
             return False
         return True
+
+
+def what_failed(exc: BaseException) -> str:
+    """A Redis failure for the log: its kind and what it says (which node, which
+    error), cut short."""
+    said = str(exc)
+    return f"{type(exc).__name__}: {said[:200]}" if said else type(exc).__name__

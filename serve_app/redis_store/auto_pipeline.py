@@ -15,6 +15,12 @@ idempotent). A cluster client sends one pipeline per node (redis-py's
 ClusterPipeline groups the calls by slot and follows MOVED/ASK per call).
 Scripts are called by SHA; a node that lacks one (a restart, a promoted
 replica) answers NOSCRIPT and those calls alone are sent again after it is loaded.
+A call on a cluster that lost its connection or timed out has the client learn
+the slot map again (once at a time, at most once a second): redis-py does so
+when a lone command fails, or a pipeline fails to connect or send, but not when
+a pipelined call's reply never comes, so a client that only pipelines would send
+to a dead primary's address for as long as something answers there (a proxy, a
+restarted node: 3 minutes in the soak).
 
 With ``replicas_to_acknowledge`` (quota settings), each pipeline ends in
 ``WAIT replicas timeout`` on the connection that sent it (one per node on a
@@ -28,18 +34,26 @@ their request ids are settled later, which undoes what they wrote.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Sequence
 
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_app.redis_store.redis_client import clear_error
 
 # Calls in one pipeline at most: a huge pipeline would hold one connection (and
 # Redis' event loop) for long and make its first caller wait for its last.
 MAX_PIPELINE = 512
+# A cluster's slot map is learned again at most this often after failed calls: one
+# CLUSTER SLOTS, while a failover may take seconds to show in the map.
+RELEARN_EVERY_S = 1.0
+
+logger = logging.getLogger(__name__)
 
 
 class NotReplicated(RedisConnectionError):
@@ -64,6 +78,8 @@ class AutoPipeline:
         # Figures for tests and the benchmark: pipelines sent, calls sent.
         self.pipelines = 0
         self.calls = 0
+        self._relearned_at = float("-inf")
+        self._relearning: asyncio.Task | None = None
 
     def call(self, script: AsyncScript, keys: Sequence, args: Sequence) -> asyncio.Future:
         """The reply of ``script(keys=keys, args=args)``, sent with the other calls
@@ -144,6 +160,8 @@ class AutoPipeline:
                 raise
             raise cleared from exc
         replies = [clear_error(reply) if isinstance(reply, BaseException) else reply for reply in replies]
+        if cluster and any(_lost(reply) for reply in replies):
+            self._relearn_slot_map()
         if not waits:
             return replies
         acknowledged = replies[len(calls) :]
@@ -163,3 +181,26 @@ class AutoPipeline:
                     f"fewer than {waits} replica(s) acknowledged the write within {self.acknowledge_timeout_ms} ms"
                 )
         return replies
+
+    def _relearn_slot_map(self) -> None:
+        """Learn the cluster's slot map again, in the background: a primary whose calls
+        were lost may have failed over."""
+        now = time.monotonic()
+        if (self._relearning is not None and not self._relearning.done()) or now - self._relearned_at < RELEARN_EVERY_S:
+            return
+        self._relearned_at = now
+        self._relearning = asyncio.get_running_loop().create_task(self._learn_slot_map())
+        self._tasks.add(self._relearning)
+        self._relearning.add_done_callback(self._tasks.discard)
+
+    async def _learn_slot_map(self) -> None:
+        try:
+            await self.redis.nodes_manager.initialize()
+        except (RedisError, RedisClusterException) as exc:  # the next lost call tries again
+            logger.debug("the cluster's slot map could not be learned again: %r", exc)
+
+
+def _lost(reply) -> bool:
+    """A call whose connection was lost or timed out (not one Redis answered, nor
+    one it ran that replicas did not acknowledge)."""
+    return isinstance(reply, (RedisConnectionError, RedisTimeoutError)) and not isinstance(reply, NotReplicated)

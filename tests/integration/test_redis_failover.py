@@ -17,6 +17,7 @@ import collections
 import time
 
 import pytest
+from redis.exceptions import RedisError
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
 
 from contract.replica_wire import Usage
@@ -27,6 +28,8 @@ from serve_app.identity.keys import KeyStore
 from serve_app.limits import KeyLimits
 from serve_app.pipeline.refusals import render
 from serve_app.redis_store import redis_names
+from serve_app.redis_store.auto_pipeline import AutoPipeline
+from serve_app.redis_store.redis_client import connect
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -194,3 +197,52 @@ async def test_a_cluster_whose_slot_map_cannot_be_learned_is_an_outage_a_node_wi
         await plain.get("k")
     assert isinstance(refused.value, REDIS_FAILED) and not isinstance(refused.value, UNREACHABLE)
     await plain.aclose()
+
+
+async def test_a_client_that_only_pipelines_follows_a_failover():
+    """The soak (8f3e357): a direct-route replica sent every Redis call in pipelines
+    of several, and for three minutes after a primary died every call still went to
+    the dead primary's address (local admissions, settlements queued), where its
+    chaos proxy took each connection and closed it. redis-py's cluster pipeline
+    learns the slot map again only when connecting or sending fails; a reply that
+    never comes is that command's error, returned, and the map stays as it was.
+    Pipelined calls alone must follow the failover to the promoted replica."""
+
+    async def answer_then_hang_up(reader, writer):
+        """A node that takes the connection's handshake and hangs up on the first
+        call, as a proxy in front of a dead node, or a node dying, does."""
+        while data := await reader.read(65536):
+            if b"EVALSHA" in data.upper():
+                break
+            writer.write(b"+OK\r\n" * data.count(b"\r\n*") + (b"+OK\r\n" if data.startswith(b"*") else b""))
+            await writer.drain()
+        writer.close()
+
+    with running_redis_cluster() as servers:
+        redis = connect(servers.url, timeout_s=0.5)
+        pipeline = AutoPipeline(redis)
+        incr = redis.register_script("return redis.call('INCR', KEYS[1])")
+        key = "{pipelined}:count"
+        assert await incr(keys=[key]) == 1
+        owner = redis.get_node_from_key(key)
+        # Its lone commands go elsewhere: only the pipelines meet the dead primary.
+        redis.set_default_node(next(node for node in redis.get_primaries() if node.name != owner.name))
+        [primary] = [node for node in servers.nodes if node.port == owner.port]
+        primary.proc.kill()
+        primary.proc.wait()
+        listener = await asyncio.start_server(answer_then_hang_up, "127.0.0.1", owner.port)
+        deadline = time.monotonic() + FAILOVER_BOUND_S
+        try:
+            while True:
+                try:
+                    replies = await pipeline.run([(incr, [key], []), (incr, [key], [])])
+                except RedisError as failed_all:  # the calls fail alike (AutoPipeline._send)
+                    replies = [failed_all]
+                if not any(isinstance(reply, BaseException) for reply in replies):
+                    break
+                assert time.monotonic() < deadline, f"pipelines fail {FAILOVER_BOUND_S} s after the kill: {replies}"
+                await asyncio.sleep(0.2)
+            assert redis.get_node_from_key(key).port != owner.port
+        finally:
+            listener.close()
+            await redis.aclose()
