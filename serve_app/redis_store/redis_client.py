@@ -30,7 +30,9 @@ import redis.asyncio
 import redis.asyncio.cluster
 import redis.asyncio.connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -56,6 +58,16 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 # connection failed its next command, so a key not in the cache got a 503 (a CI
 # run saw it; tests/integration/test_quota_hardening.py). Off for every pool.
 _POOL_CHECKS_CONNECTIONS = MaintNotificationsConfig(enabled=False)
+# A cluster client tries a call once. redis-py's retries after a connection error
+# (3 by default) close every connection of the client first when the call is a
+# pipeline, those other calls are using too: on a busy replica whose connects timed
+# out on a late loop, every call in flight failed, and their retries did the same
+# (the soak: "Connection closed by server" on every node for five minutes, while
+# Redis answered everyone else; tests/integration/test_redis_failover.py). And a
+# retry waits (0.25 s per pipeline retry, a backoff for a command) where the
+# gateway's fail_mode answers at once. The slot map is still learned again after a
+# failed call: redis-py does so for a command, AutoPipeline for a pipelined call.
+_TRY_ONCE = Retry(NoBackoff(), 0)
 # Redis did not answer (it may still run what was sent): a quota decision falls to
 # ``quota.fail_mode`` (docs/quotas.md, "Keys and quotas").
 UNREACHABLE = (
@@ -284,7 +296,7 @@ def connect(url: str, timeout_s: float | None = None):
     )
     if target.mode == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
-        return SafeRedisCluster(startup_nodes=nodes, **auth, **tls, **timeouts)
+        return SafeRedisCluster(startup_nodes=nodes, retry=_TRY_ONCE, **auth, **tls, **timeouts)
     sentinel_auth: dict[str, Any] = {
         "username": target.query.get("sentinel_username"),
         "password": target.query.get("sentinel_password"),

@@ -17,6 +17,7 @@ import collections
 import time
 
 import pytest
+import uvloop
 from redis.exceptions import RedisError
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
 
@@ -246,3 +247,50 @@ async def test_a_client_that_only_pipelines_follows_a_failover():
         finally:
             listener.close()
             await redis.aclose()
+
+
+def test_a_pipeline_that_cannot_connect_leaves_the_other_calls_in_flight_alone():
+    """The soak (00ec2cf): a busy direct-route replica saw "Connection closed by server"
+    on every node for five minutes while the probe and every other replica saw Redis
+    answer. redis-py's cluster pipeline, when it cannot connect or send, closes every
+    connection of the client before trying again, those in use by other calls too: one
+    connect that timed out on a late loop failed every call in flight, whose retries
+    did the same. A pipeline to a dead node must fail alone. (On uvloop: Ray Serve's
+    loop.)"""
+    with running_redis_cluster(replicas=0) as servers:
+        uvloop.run(pipelines_beside_a_dead_node(servers))
+
+
+async def pipelines_beside_a_dead_node(servers) -> None:
+    redis = connect(servers.url, timeout_s=0.5)
+    pipeline = AutoPipeline(redis)
+    slow = redis.register_script(
+        "local stop = redis.call('TIME')[1] * 1e6 + redis.call('TIME')[2] + 150000 "
+        "while redis.call('TIME')[1] * 1e6 + redis.call('TIME')[2] < stop do end "
+        "return redis.call('INCR', KEYS[1])"
+    )
+    await redis.initialize()  # the slot map
+    keys = [f"{{in-flight-{n}}}:count" for n in range(40)]
+    by_node = collections.defaultdict(list)
+    for key in keys:
+        by_node[redis.get_node_from_key(key).port].append(key)
+    # Not the default node: no other call reaches it.
+    dead_port = next(port for port in by_node if port != redis.get_default_node().port)
+    dead_keys = by_node[dead_port]
+    live_keys = [key for port, node_keys in by_node.items() if port != dead_port for key in node_keys[:1]]
+    for key in live_keys:
+        assert await slow(keys=[key]) == 1  # the script loaded where it runs
+    await redis.get_node("127.0.0.1", dead_port).disconnect()  # its next call connects (and fails to)
+    [dead] = [node for node in servers.nodes if node.port == dead_port]
+    dead.proc.kill()
+    dead.proc.wait()
+    in_flight = [asyncio.create_task(pipeline.run([(slow, [key], []), (slow, [key], [])])) for key in live_keys]
+    await asyncio.sleep(0.05)  # the live nodes run their scripts
+    try:
+        lost = await pipeline.run([(slow, [dead_keys[0]], []), (slow, [dead_keys[0]], [])])
+    except RedisError as failed_all:
+        lost = [failed_all]
+    assert all(isinstance(reply, RedisError) for reply in lost), lost
+    for replies in await asyncio.gather(*in_flight):
+        assert replies == [2, 3], replies
+    await redis.aclose()
