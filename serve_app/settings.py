@@ -78,6 +78,14 @@ class QuotaConfig(BaseModel):
     redis_timeout_s: float = Field(
         0.5, gt=0, description="Per-command Redis timeout; past it Redis counts as unreachable (fail_mode)."
     )
+    shed_loop_lag_s: float = Field(
+        5.0,
+        ge=0,
+        description="An ingress (or a direct route's replica) whose event loop runs this many seconds late "
+        "refuses new requests with 503 gateway_overloaded and retry-after until it catches up: the work it "
+        "holds drains instead of growing until Serve's health check (30 s unanswered) replaces the replica "
+        'and every request on it fails (docs/quotas.md, "An overloaded ingress is not a Redis outage"). 0: never.',
+    )
     replicas_to_acknowledge: int = Field(
         0,
         ge=0,

@@ -97,6 +97,7 @@ class Gatekeeper:
         # on the Redis path itself (the soak's probe threshold).
         self.loop_lag = LoopLag()
         self._overload_lag_s = quota.redis_timeout_s / 4
+        self._shed_lag_s = quota.shed_loop_lag_s
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
         self._leased: dict[str, Ticket] = {}
@@ -269,6 +270,18 @@ class Gatekeeper:
             used = {decision.kind.split("_")[0]: int(decision.detail)}
         for period, tokens in used.items():
             self.telemetry.budget_used(key.name, period, tokens, budgets[period])
+
+    def overloaded(self) -> bool:
+        """Whether this process' loop runs so late (``quota.shed_loop_lag_s``) that a new
+        request is refused before it adds to the backlog. The soak's direct-route
+        replicas, each relaying hundreds of paced streams on a share of 2 cores, fell
+        30 s behind, failed Serve's health checks and were replaced, their requests
+        with them (and a model left without a replica for a minute): shedding keeps a
+        replica answering while what it holds drains."""
+        if not self._shed_lag_s or self.loop_lag.recent_s() < self._shed_lag_s:
+            return False
+        self.telemetry.fell_back("shed_loop_lag")
+        return True
 
     def _overloaded(self, exc: BaseException, since: float) -> bool:
         """Redis unreachable while this process' loop ran late enough to make it so

@@ -56,6 +56,8 @@ class Gate(Protocol):
 
     def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool: ...
 
+    def overloaded(self) -> bool: ...
+
     async def admit(
         self,
         key: KeyRecord,

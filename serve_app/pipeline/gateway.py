@@ -30,7 +30,7 @@ from serve_app.accounting.costs import Rates, reservation_nanos
 from serve_app.accounting.usage import new_request_id
 from serve_app.admission.scripts import Refusal
 from serve_app.admission.ticket import Gate, Ticket
-from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error
+from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded
 from serve_app.identity.authentication import authorize
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.catalog import ModelCatalog
@@ -246,6 +246,8 @@ class Gateway:
         share of the model's queue (503 when full). A stream of a key with room to
         spare may start in the engine meanwhile (serve_app/admission/overlap.py); nothing
         is relayed before Redis admits it."""
+        if self.access.overloaded():  # this replica's loop far behind: nothing more until it catches up
+            raise gateway_overloaded()
         model, body = plan.model, plan.body
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)

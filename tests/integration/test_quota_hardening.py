@@ -355,6 +355,31 @@ async def test_a_timeout_while_the_ingress_runs_late_is_shed_not_admitted_locall
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's only
 
 
+async def test_an_ingress_whose_loop_runs_far_behind_says_so_until_it_catches_up(redis_url):
+    """quota.shed_loop_lag_s: the gate reports overload while its loop ran that late
+    within the lag window, and not once the window has passed; 0 never sheds."""
+    services = build_quota_services(
+        AppSettings(redis_url=redis_url, quota={"shed_loop_lag_s": 0.2}), Telemetry(False, False)
+    )
+    never = build_quota_services(
+        AppSettings(redis_url=redis_url, quota={"shed_loop_lag_s": 0}), Telemetry(False, False)
+    )
+    try:
+        for gate in (services.gate, never.gate):
+            gate.loop_lag.window_s = 1.0
+            gate.loop_lag.start()
+        await asyncio.sleep(0.3)
+        assert not services.gate.overloaded()
+        time.sleep(0.4)  # the loop stalls
+        await asyncio.sleep(0.15)  # the watcher wakes, late
+        assert services.gate.overloaded() and not never.gate.overloaded()
+        await asyncio.sleep(1.2)  # past the window, punctual again
+        assert not services.gate.overloaded()
+    finally:
+        await services.redis.aclose()
+        await never.redis.aclose()
+
+
 # -- authentication against hostile headers -------------------------------------------
 
 

@@ -33,13 +33,16 @@ class Access:
 
     default_max_tokens = 16
 
-    def __init__(self, may_start_early=True):
-        self.may_start_early = may_start_early
+    def __init__(self, may_start_early=True, overloaded=False):
+        self.may_start_early, self._overloaded = may_start_early, overloaded
         self.decision = asyncio.get_running_loop().create_future()
         self.events, self.settled = [], []
 
     def authorize(self, key, model):
         pass
+
+    def overloaded(self):
+        return self._overloaded
 
     def may_start_before_admission(self, key, tokens):
         return self.may_start_early
@@ -236,3 +239,15 @@ async def test_the_ingress_gateway_never_starts_a_stream_before_its_admission():
     gw, sent = gateway(access)
     gw.start_early = False  # as the ingress builds it
     await admitted_before_the_engine_starts(gw, access, sent)
+
+
+async def test_a_replica_whose_loop_is_far_behind_refuses_new_requests_before_anything_runs():
+    """Shedding (quota.shed_loop_lag_s): a 503 with retry-after, no admission asked of
+    Redis, nothing started in the engine, nothing to settle."""
+    access = Access(overloaded=True)
+    gw, sent = gateway(access)
+    with pytest.raises(OpenAIError) as caught:
+        await (await start(gw))
+    assert (caught.value.status, caught.value.code) == (503, "gateway_overloaded")
+    assert caught.value.headers["retry-after"] == "1"
+    assert access.events == [] and not sent and access.settled == []

@@ -36,6 +36,9 @@ class Access:
         if not key.allows_model(model):
             raise OpenAIError(403, "no", param="model")
 
+    def overloaded(self):
+        return False
+
     async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0):
         ticket = Ticket(key, request_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
         self.admitted.append(ticket)
