@@ -68,11 +68,13 @@ class Gatekeeper:
         team_of: Callable[[KeyRecord, str], Awaitable[TeamRecord | None]],
         replica_count: Callable[[], int],
         records: RecordShipper | None = None,
+        loop_lag: LoopLag | None = None,
     ):
         """``team_of(key, model)``: the key's team as admission applies it (a 401/403 for a
         team that refuses it: identity/authentication.py); ``replica_count()``: how many
         replicas share a key's limits while Redis is down (maintenance.IngressReplicas);
-        ``records``: where settled records go (None: they stay in Redis)."""
+        ``records``: where settled records go (None: they stay in Redis); ``loop_lag``:
+        this process' watcher, when the authenticator shares it."""
         self.telemetry = telemetry
         quota = settings.quota
         self.records = records
@@ -95,8 +97,8 @@ class Gatekeeper:
         # timeout: a call waits on the loop at least twice (its write, its reply; a connect
         # and a redirect more), so a call that failed below it spent half its time or more
         # on the Redis path itself (the soak's probe threshold).
-        self.loop_lag = LoopLag()
-        self._overload_lag_s = quota.redis_timeout_s / 4
+        self.loop_lag = loop_lag or LoopLag()
+        self._overload_lag_s = overload_lag_s(quota.redis_timeout_s)
         self._shed_lag_s = quota.shed_loop_lag_s
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
@@ -503,3 +505,9 @@ def what_failed(exc: BaseException) -> str:
     error), cut short."""
     said = str(exc)
     return f"{type(exc).__name__}: {said[:200]}" if said else type(exc).__name__
+
+
+def overload_lag_s(redis_timeout_s: float) -> float:
+    """How late a loop runs when a Redis call that failed meanwhile is taken as the
+    process' own overload, not Redis' (loop_lag.py): a quarter of the timeout."""
+    return redis_timeout_s / 4

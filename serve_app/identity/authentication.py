@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar, Token
 
-from serve_app.errors import OpenAIError, quota_store_error, quota_store_unavailable
+from serve_app.errors import OpenAIError, gateway_overloaded, quota_store_error, quota_store_unavailable
 from serve_app.identity.admins import ADMIN_TOKEN_ACTOR, AdminStore
 from serve_app.identity.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
 from serve_app.identity.credential_guard import CredentialGuard
@@ -69,9 +70,21 @@ def secret_from(headers: Mapping[str, str]) -> str | None:
 
 class Authenticator:
     def __init__(
-        self, keys: KeyStore, teams: TeamStore, admins: AdminStore, settings: AppSettings, telemetry: Telemetry
+        self,
+        keys: KeyStore,
+        teams: TeamStore,
+        admins: AdminStore,
+        settings: AppSettings,
+        telemetry: Telemetry,
+        late_during: Callable[[float], bool] = lambda since: False,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """``late_during(since)``: whether this process' loop ran so late since ``since``
+        (``clock``) that a Redis call failing meanwhile is its own overload
+        (admission/loop_lag.py): a key look-up that failed so is shed (503
+        gateway_overloaded, retry-after), not refused as if Redis were down."""
         quota, auth = settings.quota, settings.auth
+        self.late_during, self.clock = late_during, clock
         self.keys, self.teams, self.admins = keys, teams, admins
         self.telemetry = telemetry
         self.fail_open = quota.fail_mode == "open"
@@ -109,11 +122,12 @@ class Authenticator:
         seen["source"] = "cache"
         if not hit:
             seen["source"] = "redis"
+            called_at = self.clock()
             try:
                 record = await self.keys.authenticate(secret)
             except UNREACHABLE as exc:
                 self.telemetry.redis_failed("authenticate")
-                record = self._fallback(hashed, exc)
+                record = self._fallback(hashed, exc, called_at)
                 seen["source"] = "stale_cache"
             except REDIS_FAILED as exc:
                 self.telemetry.redis_failed("authenticate")
@@ -138,11 +152,17 @@ class Authenticator:
         allowed = [model for model in team.models if key.allows_model(model)]
         return key.model_copy(update={"models": allowed})
 
-    def _fallback(self, hashed: str, exc: Exception) -> KeyRecord:
+    def _fallback(self, hashed: str, exc: Exception, called_at: float) -> KeyRecord:
         """A key record to stand in while Redis is unreachable (fail_mode open):
-        one Redis confirmed within ``key_stale_max_s``, or a 503."""
+        one Redis confirmed within ``key_stale_max_s``, or a 503: the process' own
+        overload (shed, as admission does) if its loop ran late during the call, else
+        Redis unavailable. (The soak: a replica at cold start, its loop 0.7 s late, told
+        its first clients the quota store was down.)"""
         record = self._cache.fallback(hashed) if self.fail_open else None
         if record is None:
+            if self.late_during(called_at):
+                self.telemetry.fell_back("shed_overloaded")
+                raise gateway_overloaded()
             raise quota_store_unavailable()
         logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
         self.telemetry.fell_back("cached_key")

@@ -17,7 +17,7 @@ from contract.replica_wire import Usage
 from serve_app.admission.scripts import Admission, LocalOrigin
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
-from serve_app.identity.keys import KeyRecord
+from serve_app.identity.keys import KeyRecord, KeyStore
 from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -353,6 +353,32 @@ async def test_a_timeout_while_the_ingress_runs_late_is_shed_not_admitted_locall
     await asyncio.sleep(0.2)  # any admit call still in flight has run by now
     await access.gate.flush_unsettled()
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's only
+
+
+async def test_a_key_look_up_that_fails_while_the_ingress_runs_late_is_shed(node_access, redis_server):
+    # The soak: a replica at cold start, its loop 0.7 s late, timed out looking its first
+    # clients' keys up and told them the quota store was down (503
+    # quota_backend_unavailable). On a punctual loop that is what a stopped Redis means;
+    # after the loop itself stalled, it is the ingress' overload: shed, retry-after.
+    access, redis = node_access
+    _, first = await KeyStore(redis).create("cold-1")
+    _, second = await KeyStore(redis).create("cold-2")
+    access.gate.loop_lag.start()
+    await asyncio.sleep(0.3)  # the watcher has seen a punctual loop
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OpenAIError) as punctual:
+            await access.authenticator.authenticate({"authorization": f"Bearer {first}"})
+        lookup = asyncio.ensure_future(access.authenticator.authenticate({"authorization": f"Bearer {second}"}))
+        await asyncio.sleep(0)  # the look-up is out
+        time.sleep(0.2)  # the loop stalls
+        with pytest.raises(OpenAIError) as late:
+            await lookup
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert (punctual.value.status, punctual.value.code) == (503, "quota_backend_unavailable")
+    assert (late.value.status, late.value.code) == (503, "gateway_overloaded")
+    assert late.value.headers["retry-after"] == "1"
 
 
 async def test_an_ingress_whose_loop_runs_far_behind_says_so_until_it_catches_up(redis_url):
