@@ -138,6 +138,7 @@ def as_record(fields: dict[str, Any], account: str | None = None) -> Record:
         prompt_tokens=_int(prompt) if prompt is not None and fields.get("usage") != "reserved" else None,
         completion_tokens=_int(completion) if completion is not None and fields.get("usage") != "reserved" else None,
         local=fields.get("admission") == "local",
+        unadmitted=fields.get("admission") == "none",
     )
 
 

@@ -79,6 +79,15 @@ class Record:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     local: bool = False  # admitted without Redis (its record written by its settlement)
+    # Never admitted at this level: its settlement took back an admission still on the
+    # wire (its client left) and found no record (settle.lua writes admission 'none').
+    unadmitted: bool = False
+
+    @property
+    def admission(self) -> bool:
+        """A request's admission, not a tombstone of one taken back (or never made: a
+        request shed, or whose client left while its admission was on the wire)."""
+        return self.status != "withdrawn" and not self.unadmitted
 
 
 @dataclass(frozen=True)
@@ -189,9 +198,7 @@ def _periods(account: Account, records: list[Record]) -> Iterable[tuple[Limits, 
 def check_limits(verdict: Verdict, account: Account, records: list[Record], faults: list[Fault], grace_ms: int):
     """Every limit of one account: exact on what Redis admitted; what was admitted
     without Redis lies in a Redis fault's window, and what it adds is the overshoot."""
-    # A withdrawn record is a tombstone of an admission taken back (or never made: a
-    # request shed, or whose client left while its admission was on the wire): no admission.
-    records = [record for record in records if record.status != "withdrawn"]
+    records = [record for record in records if record.admission]
     for record in records:
         if record.local and not _in_faults(record.admitted_ms, record.admitted_ms, faults, grace_ms, redis_only=True):
             verdict.fail("local admission", account.id, f"{record.id} admitted without Redis, no Redis fault")
@@ -274,7 +281,7 @@ def check_records(verdict: Verdict, key_records: list[Record], observations: lis
     nothing is charged beyond its reservation."""
     by_http: dict[str, list[Record]] = collections.defaultdict(list)
     for record in key_records:
-        if record.status != "withdrawn":  # a tombstone of an admission taken back, not a request's record
+        if record.admission:  # not a tombstone of an admission taken back
             by_http[record.http_request_id].append(record)
         if record.status not in FINAL:
             verdict.fail("open record", record.account, f"{record.id} is still {record.status!r} at rest")

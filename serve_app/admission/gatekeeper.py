@@ -176,7 +176,7 @@ class Gatekeeper:
             # nothing ran: withdrawn, a tombstone never shipped.
             status = "cancelled" if may_have_run else "withdrawn"
             for level in levels:
-                self._settle_later(level, request_id, model, status, 0, 0)
+                self._settle_later(level, request_id, model, status, 0, 0, taken_back=True)
             raise
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
@@ -377,7 +377,17 @@ class Gatekeeper:
             await self.records.ship(settled.record)
 
     def _settle_later(
-        self, key, request_id, model, status, prompt, completion, replica="", cost=Cost(), origin=None
+        self,
+        key,
+        request_id,
+        model,
+        status,
+        prompt,
+        completion,
+        replica="",
+        cost=Cost(),
+        origin=None,
+        taken_back=False,
     ) -> None:
         if len(self._unsettled) >= MAX_UNSETTLED:
             dropped = next(iter(self._unsettled))
@@ -393,6 +403,7 @@ class Gatekeeper:
             model,
             cost,
             origin,
+            taken_back,
         )
 
     def _spawn(self, coroutine) -> None:

@@ -271,13 +271,18 @@ class Admission:
         model: str = "",
         cost: Cost = Cost(),
         origin: LocalOrigin | None = None,
+        taken_back: bool = False,
     ) -> Settled | None:
         """Final accounting. Idempotent: safe to retry; None when the request was
-        settled already. ``origin``: of a request admitted without Redis, for its record."""
+        settled already. ``origin``: of a request admitted without Redis, for its record.
+        ``taken_back``: it takes back an admission still on the wire (its client left),
+        so a record it finds missing was never admitted here, not admitted locally."""
         reply = await self.pipeline.call(
             self._settle,
             redis_names.admission_keys(key.id, request_id),
-            self._settle_args(key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost, origin),
+            self._settle_args(
+                key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost, origin, taken_back
+            ),
         )
         return _settled(request_id, reply)
 
@@ -292,6 +297,7 @@ class Admission:
         model,
         cost: Cost = Cost(),
         origin: LocalOrigin | None = None,
+        taken_back: bool = False,
     ) -> list:
         now = datetime.datetime.now(datetime.UTC)
         ship = self.settled_s is not None and key_id_of(request_id)[0] == key.id
@@ -314,6 +320,7 @@ class Admission:
             "1" if ship else "0",
             origin.http_request_id if origin else "",
             str(origin.admitted_ms) if origin else "",
+            "1" if taken_back else "",
         ]
 
     async def settle_many(self, settlements: list[tuple]) -> list[tuple[bool, Settled | None]]:

@@ -112,10 +112,30 @@ async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, red
         await asyncio.sleep(0.01)
     assert await redis.zcard(leases) == 1
     [settlement] = access.gate._unsettled.values()
-    request_id = settlement[1]
+    request_id, taken_back = settlement[1], settlement[-1]
+    assert taken_back  # a record it finds missing was never admitted there (below)
     await access.gate.flush_unsettled()  # ...and its settlement frees it
     assert await redis.zcard(leases) == 0
     # Nothing ran: a tombstone (its reservation given back, never shipped), not a request's record.
     assert await redis.hget(redis_names.request_record(key.id, request_id), "status") == b"withdrawn"
     assert (await access.gate.admit(key, "m", 10)).request_id
     await access.redis.aclose()
+
+
+async def test_a_settlement_that_takes_back_an_admission_on_the_wire_marks_no_admission(redis):
+    """The soak: a client left while its team's admission was on its way; the
+    settlement taking it back reached Redis first and wrote the team's record as a
+    local admission's (admission 'local'), though nothing was admitted there. Taken
+    back, a missing record is written admission 'none'; the admit arriving after it
+    changes nothing. A settlement of a request admitted without Redis still writes
+    'local'."""
+    adm = Admission(redis, lease_s=600, retention_s=3600)
+    key = keys(1, max_concurrent=1)[0]
+    await adm.settle(key, f"{key.id}-taken-back", "cancelled", 0, 0, "", "m", taken_back=True)
+    record = redis_names.request_record(key.id, f"{key.id}-taken-back")
+    assert await redis.hget(record, "admission") == b"none"
+    late = await adm.admit(key, f"{key.id}-taken-back", "m", 10)
+    assert await redis.zcard(redis_names.concurrency(key.id)) == 0  # the late admit held nothing
+    assert await redis.hget(record, "status") == b"cancelled", late
+    await adm.settle(key, f"{key.id}-local", "completed", 3, 2, "", "m")
+    assert await redis.hget(redis_names.request_record(key.id, f"{key.id}-local"), "admission") == b"local"

@@ -291,10 +291,16 @@ def test_tombstones_and_a_routes_own_429_are_no_admission_and_no_lost_refusal():
     # (its record final, charged nothing), unlike a quota's 429, which stores nothing.
     accounts, records, observations = simulate(5)  # long over by 10**9 ms
     tombstone = Record("tomb", "key-a", "withdrawn", 10**9, 10**9, 0, 0, 0, local=True)
+    # A request whose client left while its admission was on the wire, taken back before
+    # Redis saw the admission: cancelled, never admitted there (settle.lua: admission 'none').
+    taken_back = Record("gone", "key-a", "cancelled", 0, 10**9, 0, 0, 0, unadmitted=True)
     batch_refused = Observation("soak-batch", "key-a", 10**9, 10**9 + 10, 429, "too_many_active_batches")
     its_record = Record("batch-rec", "key-a", "failed", 10**9 + 1, 10**9 + 5, 0, 0, 0, "soak-batch")
-    verdict = verdict_of(accounts, [*records, tombstone, its_record], [*observations, batch_refused])
+    verdict = verdict_of(accounts, [*records, tombstone, taken_back, its_record], [*observations, batch_refused])
     assert verdict.passed, verdict.violations[:3]
+    as_local = Record("gone", "key-a", "cancelled", 0, 10**9, 0, 0, 0, local=True)  # as it was written before
+    verdict = verdict_of(accounts, [*records, as_local], observations)
+    assert {v.check for v in verdict.violations} == {"local admission"}
     quota_refused = Observation("soak-quota", "key-a", 10**9, 10**9 + 10, 429, "rate_limit_exceeded")
     recorded = Record("quota-rec", "key-a", "failed", 10**9 + 1, 10**9 + 5, 0, 0, 0, "soak-quota")
     verdict = verdict_of(accounts, [*records, recorded], [*observations, quota_refused])

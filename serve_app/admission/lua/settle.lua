@@ -11,7 +11,9 @@
 --       15 how many of its prompt tokens the engine had cached (priced apart; counted per model),
 --       16 '1': the final record goes on to the record sink (serve_app/accounting/record_shipper.py),
 --       17 its HTTP x-request-id and 18 when the ingress admitted it (ms; both used only for a
---       request admitted without Redis, whose record this writes: '' when unknown)
+--       request admitted without Redis, whose record this writes: '' when unknown),
+--       19 '1': it takes back an admission still on its way (the client left meanwhile):
+--       a record it finds missing was never admitted here, so it is written admission 'none'
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done;
 -- with ARGV[16] '1', {delta, the final record's fields} (one read, in the same script).
@@ -71,7 +73,7 @@ if not status then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local prompt, completion = tonumber(ARGV[3]), tonumber(ARGV[4])
   redis.call('HSET', KEYS[5], 'key_id', ARGV[8], 'model', ARGV[9], 'status', ARGV[2],
-    'admission', 'local', 'finished_ms', now, 'reserved_tokens', 0, 'day', ARGV[10], 'month', ARGV[11])
+    'admission', ARGV[19] == '1' and 'none' or 'local', 'finished_ms', now, 'reserved_tokens', 0, 'day', ARGV[10], 'month', ARGV[11])
   if ARGV[17] and ARGV[17] ~= '' then redis.call('HSET', KEYS[5], 'http_request_id', ARGV[17]) end
   if ARGV[18] and ARGV[18] ~= '' then redis.call('HSET', KEYS[5], 'received_ms', ARGV[18]) end
   if prompt >= 0 then
