@@ -275,7 +275,13 @@ def check_revocation(
             )
 
 
-def check_records(verdict: Verdict, key_records: list[Record], observations: list[Observation]) -> None:
+def check_records(
+    verdict: Verdict,
+    key_records: list[Record],
+    observations: list[Observation],
+    faults: list[Fault] = (),
+    grace_ms: int = 30_000,
+) -> None:
     """Every request a client saw admitted has exactly one final record, charged what
     the client was shown; a request the client saw refused by a quota has none;
     nothing is charged beyond its reservation."""
@@ -301,7 +307,16 @@ def check_records(verdict: Verdict, key_records: list[Record], observations: lis
             record = found[0]
             if seen.prompt_tokens is not None and seen.code != "cut":
                 shown = (seen.prompt_tokens, seen.completion_tokens)
-                if (record.prompt_tokens, record.completion_tokens) != shown:
+                if (
+                    record.status == "abandoned"
+                    and record.prompt_tokens is None
+                    and _in_faults(seen.ended_ms, seen.ended_ms, faults, grace_ms, redis_only=True)
+                ):
+                    # Its settlement met a Redis fault and outlasted its lease: finalised
+                    # by the reaper, charged its reservation (docs/quotas.md, "Concurrency
+                    # slots are leases"); never past it (checked above).
+                    verdict.counts["charged their reservation: settlement lost in a Redis fault"] += 1
+                elif (record.prompt_tokens, record.completion_tokens) != shown:
                     verdict.fail(
                         "charge",
                         seen.key,
@@ -379,7 +394,7 @@ def judge(
         check_revocation(
             verdict, account, per_account.get(account.id, []), faults, grace_ms, cache_ttl_ms, stale_max_ms
         )
-    check_records(verdict, [r for r in unique.values() if r.account in key_ids], observations)
+    check_records(verdict, [r for r in unique.values() if r.account in key_ids], observations, faults, grace_ms)
     check_errors(verdict, observations, faults, grace_ms)
     check_at_rest(verdict, running_at_rest)
     for fault in faults:

@@ -305,3 +305,30 @@ def test_tombstones_and_a_routes_own_429_are_no_admission_and_no_lost_refusal():
     recorded = Record("quota-rec", "key-a", "failed", 10**9 + 1, 10**9 + 5, 0, 0, 0, "soak-quota")
     verdict = verdict_of(accounts, [*records, recorded], [*observations, quota_refused])
     assert {v.check for v in verdict.violations} == {"refused"}
+
+
+def test_an_abandoned_charge_passes_only_when_its_settlement_met_a_redis_fault():
+    # A replica that cannot settle for the rest of a lease (Redis paused, its own loop
+    # late) is, to the reaper, a dead one's: finalised abandoned, charged its reservation.
+    # The documented charge within a Redis fault's window; anywhere else a lost settlement.
+    accounts, records, observations = simulate(7)
+    shown = {o.http_request_id: o for o in observations if o.status == 200 and o.prompt_tokens is not None}
+    served = next(r for r in records if r.http_request_id in shown and r.account == shown[r.http_request_id].key)
+    seen = shown[served.http_request_id]
+    abandoned = Record(
+        served.id,
+        served.account,
+        "abandoned",
+        served.admitted_ms,
+        seen.ended_ms + 60_000,
+        served.reserved_tokens,
+        served.reserved_tokens,
+        0,
+        served.http_request_id,
+    )
+    records = [abandoned if r is served else r for r in records]
+    pause = Fault("redis-pause", seen.ended_ms - 1_000, seen.ended_ms + 3_000, touches_redis=True)
+    assert verdict_of(accounts, records, observations, [pause]).passed
+    for faults in ([], [Fault("ingress-kill", seen.ended_ms - 1_000, seen.ended_ms + 3_000)]):
+        verdict = verdict_of(accounts, records, observations, faults)
+        assert {v.check for v in verdict.violations} == {"charge"}, verdict.violations[:3]
