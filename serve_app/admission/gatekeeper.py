@@ -8,8 +8,8 @@ response, and the Redis-down behaviour that ``fail_mode`` chooses.
 
 Redis failures are told apart (docs/quotas.md, "Keys and quotas"):
 - unreachable (connection refused or lost, timeout; a Redis Cluster with a slot
-  between primaries, CLUSTERDOWN or TRYAGAIN, once the client's own retries
-  are spent): ``fail_mode`` decides, but while this process' own loop runs half a
+  between primaries, CLUSTERDOWN or TRYAGAIN; a cluster client tries a call once,
+  others retry): ``fail_mode`` decides, but while this process' own loop runs a quarter of a
   timeout late (loop_lag.py) the ingress is overloaded, and the request is shed
   (503 ``gateway_overloaded``, retry-after); and
   every request the ingress decided without Redis is settled through Redis
@@ -92,13 +92,9 @@ class Gatekeeper:
         # Which keys' streams may start before their admission returns (overlap.py).
         self.overlap = OverlapGuard() if quota.overlap_admission else None
         self.local = LocalLimiter(replica_count)
-        # A Redis timeout while this process' loop runs this late is its own overload,
-        # not Redis': shed, never admitted on local limits (loop_lag.py). A quarter of the
-        # timeout: a call waits on the loop at least twice (its write, its reply; a connect
-        # and a redirect more), so a call that failed below it spent half its time or more
-        # on the Redis path itself (the soak's probe threshold).
-        self.loop_lag = loop_lag or LoopLag()
-        self._overload_lag_s = overload_lag_s(quota.redis_timeout_s)
+        # A Redis timeout while this process' loop runs late is its own overload, not
+        # Redis': shed, never admitted on local limits (loop_lag.py).
+        self.loop_lag = loop_lag or LoopLag.judging(quota.redis_timeout_s)
         self._shed_lag_s = quota.shed_loop_lag_s
         self._background: set[asyncio.Task] = set()
         # Requests admitted through Redis and not settled yet: their leases are renewed.
@@ -290,9 +286,9 @@ class Gatekeeper:
         (loop_lag.py): a reply or a connect not handled in time (redis-py words a connect
         that timed out as a ConnectionError), or an outage met while overloaded, when
         shedding is the answer anyway."""
-        lag_s = self.loop_lag.recent_s(since)  # while the call was out: a stall before it is not its cause
-        if lag_s < self._overload_lag_s:
+        if not self.loop_lag.late_during(since):  # while the call was out: a stall before it is not its cause
             return False
+        lag_s = self.loop_lag.recent_s(since)
         self.telemetry.fell_back("shed_overloaded")
         logger.warning(
             "Redis unreachable (%s) while this ingress' loop ran %.2f s late: shed, not admitted locally",
@@ -516,9 +512,3 @@ def what_failed(exc: BaseException) -> str:
     error), cut short."""
     said = str(exc)
     return f"{type(exc).__name__}: {said[:200]}" if said else type(exc).__name__
-
-
-def overload_lag_s(redis_timeout_s: float) -> float:
-    """How late a loop runs when a Redis call that failed meanwhile is taken as the
-    process' own overload, not Redis' (loop_lag.py): a quarter of the timeout."""
-    return redis_timeout_s / 4

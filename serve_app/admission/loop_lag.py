@@ -26,11 +26,28 @@ import time
 
 
 class LoopLag:
-    def __init__(self, interval_s: float = 0.1, window_s: float = 5.0, clock=time.monotonic):
-        self.interval_s, self.window_s, self.clock = interval_s, window_s, clock
+    def __init__(
+        self, interval_s: float = 0.1, window_s: float = 5.0, clock=time.monotonic, late_s: float | None = None
+    ):
+        """``late_s``: how late the loop runs when a Redis call that failed meanwhile is
+        taken as this process' own overload (``late_during``); None: never."""
+        self.interval_s, self.window_s, self.clock, self.late_s = interval_s, window_s, clock, late_s
         self._seen: collections.deque[tuple[float, float]] = collections.deque()  # (when, lag s), lag descending
         self._sleeping_since: float | None = None
         self._task: asyncio.Task | None = None
+
+    @classmethod
+    def judging(cls, redis_timeout_s: float) -> LoopLag:
+        """The watcher that judges Redis calls of ``redis_timeout_s``: late at a quarter of
+        the timeout. A call waits on the loop at least twice (its write, its reply; a
+        connect and a redirect more), so a call that failed below it spent half its time
+        or more on the Redis path itself (the soak's probe threshold)."""
+        return cls(late_s=redis_timeout_s / 4)
+
+    def late_during(self, since: float) -> bool:
+        """Whether the loop ran ``late_s`` late while a call begun at ``since`` (this
+        clock) was out: a Redis failure meanwhile is this process' overload."""
+        return self.late_s is not None and self.recent_s(since) >= self.late_s
 
     def start(self) -> None:
         """Start watching on the running loop (once)."""

@@ -15,7 +15,7 @@ from contract.model_config import ModelConfig
 from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.accounting.record_sink import RecordSink
 from serve_app.admin.operations import AdminStores
-from serve_app.admission.gatekeeper import Gatekeeper, overload_lag_s
+from serve_app.admission.gatekeeper import Gatekeeper
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.maintenance import IngressReplicas, Maintenance
 from serve_app.identity.authentication import Authenticator
@@ -54,15 +54,14 @@ def build_quota_services(
     stores = AdminStores.over(redis, shipper)
     # One watcher of this process' loop: a Redis call that failed while the loop ran
     # late is the process' overload, to authentication as to admission.
-    loop_lag = LoopLag()
-    late_by = overload_lag_s(quota.redis_timeout_s)
+    loop_lag = LoopLag.judging(quota.redis_timeout_s)
     authenticator = Authenticator(
         stores.keys,
         stores.teams,
         stores.admins,
         settings,
         telemetry,
-        late_during=lambda since: loop_lag.recent_s(since) >= late_by,
+        late_during=loop_lag.late_during,
         clock=loop_lag.clock,
     )
     replicas = IngressReplicas(dict(settings.ingress.deployment if deployment is None else deployment))
