@@ -43,6 +43,32 @@ def _drop_nulls(node: Any) -> Any:
     return node
 
 
+def readable_responses_input(body: dict[str, Any]) -> None:
+    """Each assistant message in a Responses ``input`` as one ``output_text`` part
+    holding all its text. vLLM reads only an assistant message's first part, and its
+    ``text``: a message with no parts (what vLLM itself answers for an empty output,
+    so a continuation of it) raises IndexError, a refusal part AttributeError, both
+    500s for what is valid input; a second part is dropped."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return
+    for item in items:
+        if not isinstance(item, dict) or item.get("role") != "assistant" or not isinstance(item.get("content"), list):
+            continue
+        parts = item["content"]
+        texts = [_part_text(part) for part in parts]
+        if None in texts or (len(parts) == 1 and parts[0].get("type") == "output_text"):
+            continue  # one part vLLM reads, or a part its validator refuses (400)
+        item["content"] = [{"type": "output_text", "text": "".join(texts), "annotations": []}]
+
+
+def _part_text(part: Any) -> str | None:
+    if not isinstance(part, dict):
+        return None
+    text = part.get("refusal") if part.get("type") == "refusal" else part.get("text")
+    return text if isinstance(text, str) else None
+
+
 async def responses_sse(events):
     async for event in events:
         data = event.model_dump_json(indent=None, by_alias=True)

@@ -48,6 +48,7 @@ from replicas.openai_json import (
     is_error,
     names_a_tool,
     openai_json,
+    readable_responses_input,
     responses_json,
     responses_sse,
     validation_error,
@@ -178,6 +179,8 @@ class VLLMReplica:
         if unknown:
             name = sorted(unknown)[0]
             return self._refusal(400, {"message": f"Unrecognized request argument supplied: {name}", "param": name})
+        if operation == "responses":
+            readable_responses_input(body)
         try:
             request = request_type.validate_python(body)
             if span is not None and takes_raw_request(handler):
@@ -188,7 +191,10 @@ class VLLMReplica:
         except Exception as exc:  # vLLM raises for some bad input; it maps them to statuses
             if self._error_from is None:  # a stand-in engine (no vLLM serving layer to map it)
                 raise
-            return self._error_from(exc)
+            refusal = self._error_from(exc)
+            if refusal.error.code >= 500:  # not the client's mistake: the operator needs the traceback
+                logger.exception("vLLM failed on a %s request of model %s", operation, self.config.name)
+            return refusal
 
     def _tracked(self, operation: str, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         """The body as the engine gets it, and the key the engine's KV-cache events about

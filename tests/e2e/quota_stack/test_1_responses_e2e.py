@@ -91,6 +91,38 @@ def test_a_follow_up_on_another_ingress_replica_continues_the_conversation(base_
     assert [item.content[0].text for item in items.data] == ["What is my name?"]  # its own input
 
 
+def test_assistant_messages_vllm_reads_only_in_part_are_read_whole(base_url, redis_server):
+    """An assistant message with no parts (vLLM's own answer for an empty output, so
+    what a continuation of one sends), a refusal, or two parts: vLLM read only the
+    first part's text and failed on the first two with a 500 (found by the soak).
+    The engine now sees all of each one's text, as chat counts it."""
+    _, secret = create_key(redis_server.url, "responses-assistant-parts")
+
+    def said(*parts):
+        return {
+            "type": "message",
+            "role": "assistant",
+            "id": f"msg_{uuid.uuid4().hex}",
+            "status": "completed",
+            "content": list(parts),
+        }
+
+    def part(text):
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    turns = [said(), said({"type": "refusal", "refusal": "No."}), said(part("Yes, "), part("Ada."))]
+    conversation, items = [{"role": "user", "content": "Hi, I am Ada."}], [{"role": "user", "content": "Hi, I am Ada."}]
+    for turn, content in zip(turns, ["", "No.", "Yes, Ada."], strict=True):
+        conversation += [{"role": "assistant", "content": content}, {"role": "user", "content": "Again?"}]
+        items += [turn, {"role": "user", "content": "Again?"}]
+    response, _ = create(sdk(base_url, secret), input=items, max_output_tokens=4)
+    chat = sdk(base_url, secret).chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=4, temperature=0
+    )
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
+
+
 def test_another_key_can_neither_read_nor_continue_nor_delete_a_response(base_url, redis_server):
     _, owner = create_key(redis_server.url, "responses-owner")
     _, intruder = create_key(redis_server.url, "responses-intruder")
