@@ -59,7 +59,7 @@ def readable_responses_input(body: dict[str, Any]) -> None:
         texts = [_part_text(part) for part in parts]
         if None in texts or (len(parts) == 1 and parts[0].get("type") == "output_text"):
             continue  # one part vLLM reads, or a part its validator refuses (400)
-        item["content"] = [{"type": "output_text", "text": "".join(texts), "annotations": []}]
+        item["content"] = [{"type": "output_text", "text": "".join(filter(None, texts)), "annotations": []}]
 
 
 def _part_text(part: Any) -> str | None:

@@ -160,13 +160,19 @@ class Authenticator:
         its first clients the quota store was down.)"""
         record = self._cache.fallback(hashed) if self.fail_open else None
         if record is None:
-            if self.late_during(called_at):
-                self.telemetry.fell_back("shed_overloaded")
-                raise gateway_overloaded()
-            raise quota_store_unavailable()
+            raise self._unreachable(called_at)
         logger.warning("Redis unreachable (%s): using the cached key record", type(exc).__name__)
         self.telemetry.fell_back("cached_key")
         return record
+
+    def _unreachable(self, called_at: float) -> OpenAIError:
+        """The 503 for a look-up begun at ``called_at`` that found Redis unreachable and
+        nothing cached to stand in: this process' own overload (shed, as admission
+        does) if its loop ran late meanwhile, else the quota store unavailable."""
+        if self.late_during(called_at):
+            self.telemetry.fell_back("shed_overloaded")
+            return gateway_overloaded()
+        return quota_store_unavailable()
 
     async def admin_actor(self, headers: Mapping[str, str]) -> str:
         """Who is calling the admin API (the audit trail's actor: ``admin-token`` for
@@ -184,11 +190,12 @@ class Authenticator:
             return ADMIN_TOKEN_ACTOR
         admin = None
         if secret and secret.startswith(ADMIN_SECRET_PREFIX):
+            called_at = self.clock()
             try:
                 admin = await self.admins.authenticate(secret)
             except UNREACHABLE:
                 self.telemetry.redis_failed("authenticate")
-                raise quota_store_unavailable() from None
+                raise self._unreachable(called_at) from None
             except REDIS_FAILED:
                 self.telemetry.redis_failed("authenticate")
                 raise quota_store_error() from None
@@ -208,6 +215,7 @@ class Authenticator:
             return None
         hit, team = self._team_cache.get(key.team)
         if not hit:
+            called_at = self.clock()
             try:
                 # By id (a key's), or by name (an identity token's team claim, jwt_auth.py).
                 team = await self.teams.resolve(key.team)
@@ -217,7 +225,7 @@ class Authenticator:
                 self.telemetry.redis_failed("authenticate")
                 team = self._team_cache.fallback(key.team) if self.fail_open else None
                 if team is None:
-                    raise quota_store_unavailable() from None
+                    raise self._unreachable(called_at) from None
             except REDIS_FAILED:
                 self.telemetry.redis_failed("authenticate")
                 raise quota_store_error() from None

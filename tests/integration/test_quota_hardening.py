@@ -18,6 +18,7 @@ from serve_app.admission.scripts import Admission, LocalOrigin
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyRecord, KeyStore
+from serve_app.identity.teams import TeamStore
 from serve_app.redis_store import redis_names
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -379,6 +380,29 @@ async def test_a_key_look_up_that_fails_while_the_ingress_runs_late_is_shed(node
     assert (punctual.value.status, punctual.value.code) == (503, "quota_backend_unavailable")
     assert (late.value.status, late.value.code) == (503, "gateway_overloaded")
     assert late.value.headers["retry-after"] == "1"
+
+
+async def test_a_team_look_up_that_fails_while_the_ingress_runs_late_is_shed(node_access, redis_server):
+    # The 15-minute soak at ac4a398: at cold start the key look-ups were shed, but the
+    # team look-up after them still told three clients the quota store was down.
+    access, redis = node_access
+    key, _ = await KeyStore(redis).create("cold-member")
+    first, second = [key.model_copy(update={"team": (await TeamStore(redis).create(name)).id}) for name in "ab"]
+    access.gate.loop_lag.start()
+    await asyncio.sleep(0.3)  # the watcher has seen a punctual loop
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OpenAIError) as punctual:
+            await access.authenticator.team_of(first)
+        lookup = asyncio.ensure_future(access.authenticator.team_of(second))
+        await asyncio.sleep(0)  # the look-up is out
+        time.sleep(0.2)  # the loop stalls
+        with pytest.raises(OpenAIError) as late:
+            await lookup
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert (punctual.value.status, punctual.value.code) == (503, "quota_backend_unavailable")
+    assert (late.value.status, late.value.code) == (503, "gateway_overloaded")
 
 
 async def test_an_ingress_whose_loop_runs_far_behind_says_so_until_it_catches_up(redis_url):
