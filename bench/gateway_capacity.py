@@ -1,29 +1,39 @@
-"""Gateway capacity: what the ingress path can relay when the engine costs nothing.
+"""Gateway capacity: the gateway's own CPU per request and per streamed token when the
+engine costs nothing.
 
 The model's replica is the real one (replicas/vllm_replica.py: validation, the
 fields check, coalescing, usage) with an engine that answers N tokens as fast as it
 can in the engine seam (``engine: replicas.instant_engine:start_instant``), so every
-figure is the gateway's own: the proxy, the ingress (auth, admission and settlement
-in Redis, telemetry, the relay), one hop and the replica around the engine. For each target (a set of
-Ray Serve environment variables) the script starts Ray and Serve in a child
-process, drives concurrent streaming chat requests for a fixed time at each
-concurrency, and reads the CPU time of each process group meanwhile. Targets run
-one after the other, never side by side. Prints one table: requests/s, streamed
-tokens/s, TTFT p50/p99 and end-to-end p99 as the client saw them, and the
-CPU-µs per request and per streamed token of the proxy and the ingress (the
-number a platform team sizes ingress CPUs by).
+figure is the gateway's own. Targets:
+
+- ``one-hop``: the path ``/v1`` ships (configs/local.yaml's ``direct_route``): HAProxy
+  sends the request straight to the model's replica, which runs the gateway (auth,
+  admission and settlement in Redis, records, metrics, the relay) in-process beside
+  the engine (serve_app/http/direct.py);
+- ``shipped``: the two-hop path every other route takes, HAProxy -> ingress replica ->
+  model replica; ``ray-proxy``: the same behind Ray's Python proxy;
+- ``traced-unsampled``, ``traced-all``, ``one-hop-traced-unsampled``: with traces sent
+  to an OTLP sink (telemetry.tracing), nothing resp. every request sampled.
+
+For each target (a set of Ray Serve environment variables) the script starts Ray and
+Serve in a child process, drives concurrent streaming chat requests for a fixed time
+at each concurrency, reads the CPU time of each process group meanwhile and samples the
+model replica with py-spy: the share of its samples in the engine seam
+(``instant_engine.py``) is the seam's, the rest the gateway's. ``gateway µs/req`` is the
+ingress' CPU plus the replica's but the seam's, per request; ``µs/tok`` the same CPU per
+streamed token (one figure two ways, as a platform team sizes CPUs by either). HAProxy
+(C, Ray's) is its own column. Targets run one after the other, never side by side,
+``--repeats`` times interleaved; the table shows medians.
 
     REDIS_URL=redis://127.0.0.1:6379/0 python bench/gateway_capacity.py \
-        [--tokens 64] [--concurrency 1 32] [--duration 15] [--targets shipped ray-proxy]
-
-Targets ``traced-unsampled`` and ``traced-all`` are ``shipped`` with traces sent
-to an OTLP sink (telemetry.tracing), nothing resp. every request sampled.
+        [--tokens 64] [--concurrency 1 32] [--duration 15] [--repeats 3] [--targets one-hop shipped]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -41,6 +51,8 @@ sys.path.insert(0, str(REPO))
 from serve_env import MAKEFILE_ENV, RAY_PROXY_ENV  # noqa: E402
 
 TARGETS = {
+    "one-hop": MAKEFILE_ENV,
+    "one-hop-traced-unsampled": MAKEFILE_ENV,
     "shipped": MAKEFILE_ENV,
     "ray-proxy": RAY_PROXY_ENV,
     "traced-unsampled": MAKEFILE_ENV,
@@ -49,16 +61,24 @@ TARGETS = {
 # Traces (serve_app/tracing.py) to an OTLP sink in this process: the sample ratio per
 # target (None: telemetry.tracing unset, as shipped). "traced-unsampled": an endpoint
 # set and nothing sampled (every request still carries an unsampled span context).
-TRACE_RATIO = {"traced-unsampled": 0.0, "traced-all": 1.0}
+TRACE_RATIO = {"traced-unsampled": 0.0, "traced-all": 1.0, "one-hop-traced-unsampled": 0.0}
 MODEL = "fake"
 INSTANT_ENGINE = "replicas.instant_engine:start_instant"
 APP = "llm"
+# "one-hop": what `/v1` ships (configs/local.yaml's `direct_route`): HAProxy sends the
+# request straight to the model's replica, which runs the gateway in-process
+# (serve_app/http/direct.py) beside the engine; the ingress sees none of it. The other
+# targets run the model without a direct route: HAProxy -> ingress -> model replica.
+ONE_HOP_TARGETS = {"one-hop", "one-hop-traced-unsampled"}
 # Which processes a CPU figure belongs to, by what their command line holds.
 GROUPS = {
     "proxy": ("ProxyActor", "haproxy"),
     "ingress": (f"ServeReplica:{APP}:Ingress",),
-    "engine": (f"ServeReplica:{APP}:model-{MODEL}",),
+    "engine": (f"ServeReplica:{APP}:model-{MODEL}", f"ServeReplica:direct-{MODEL}:"),
 }
+# The engine seam's own frames: on the one-hop path the gateway and the engine share a
+# process, and py-spy's samples tell their CPU apart (what is not the seam's is the gateway's).
+SEAM_FILES = ("instant_engine.py",)
 
 
 # -- one target (child process) ---------------------------------------------------------
@@ -142,6 +162,41 @@ def otlp_sink() -> str:
     return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
 
 
+def seam_share(profile_dir: Path) -> float:
+    """The share of the model replica's py-spy samples spent in the engine seam (a stack
+    through ``SEAM_FILES``), from the collapsed stacks ``hop_profile.profiled`` left."""
+    seam = total = 0
+    for path in profile_dir.glob("replica-*.txt"):
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack and count.isdigit():
+                total += int(count)
+                seam += int(count) if any(name in stack for name in SEAM_FILES) else 0
+    return seam / total if total else 0.0
+
+
+def split_load(url: str, secret: str, args, concurrency: int) -> dict:
+    """One load, the model replica sampled meanwhile: its CPU split into the engine
+    seam's and the gateway's (``gateway_us_*``: the ingress' and the replica's but the
+    seam's: the seam's share of py-spy's samples of a second, shorter load). Its
+    collapsed stacks stay in ``--profile``'s folder when given (flame graphs)."""
+    import tempfile
+
+    from hop_profile import profiled
+
+    with tempfile.TemporaryDirectory(prefix="gateway-capacity-") as scratch:
+        folder = Path(args.profile) / args.run_target / f"c{concurrency}" if args.profile else Path(scratch)
+        result = asyncio.run(drive(url, secret, args.tokens, concurrency, args.duration))
+        # Sampled apart: under py-spy the replica's CPU reads 25-35% higher (measured).
+        with profiled(folder, {"replica": GROUPS["engine"]}):  # "engine" is hop_profile's unsampled group
+            asyncio.run(drive(url, secret, args.tokens, concurrency, args.duration / 2))
+        share = seam_share(folder)
+    result["seam_share"] = share
+    for per in ("request", "token"):
+        result[f"gateway_us_per_{per}"] = result[f"ingress_us_per_{per}"] + result[f"engine_us_per_{per}"] * (1 - share)
+    return result
+
+
 def run_target(args) -> None:
     """Child process: Ray and Serve with this process's environment, the loads, JSON on stdout."""
     import ray
@@ -149,7 +204,7 @@ def run_target(args) -> None:
     from serving_overhead import bench_api_key, free_port
 
     from contract.model_config import ModelConfig
-    from serve_app.app import model_deployment
+    from serve_app.app import build_app, build_direct_app, direct_apps, model_deployment
     from serve_app.http.ingress import Ingress
     from serve_app.settings import AppSettings, TracingConfig
 
@@ -161,25 +216,44 @@ def run_target(args) -> None:
         engine=INSTANT_ENGINE,
         cpus_per_replica=0.25,
         stream_batch_interval_ms=args.batch_interval_ms,
+        direct_route=args.run_target in ONE_HOP_TARGETS,
         deployment={"max_ongoing_requests": 1024, "max_queued_requests": 1024},
     )
     settings = AppSettings(models=[model], redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    ingress_actor = {"num_cpus": 0.25, "runtime_env": {"env_vars": tracing.env("llm-gateway")}}
-    app = Ingress.options(num_replicas=1, max_ongoing_requests=1024, ray_actor_options=ingress_actor).bind(
-        settings, {MODEL: model_deployment(model, tracing.env(f"llm-model-{MODEL}"))}
-    )
     port = free_port()
     ray.init(log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app, name=APP, route_prefix="/")
+        if model.direct_route:  # as `llmctl run` deploys configs/local.yaml: the model in its own application
+            args_of_app = {
+                "models": [model.model_dump(exclude_unset=True)],
+                "redis_url": settings.redis_url,
+                "ingress": {
+                    "deployment": {
+                        "num_replicas": 1,
+                        "max_ongoing_requests": 1024,
+                        "ray_actor_options": {"num_cpus": 0.25},
+                    }
+                },
+                "telemetry": {"tracing": tracing.model_dump()},
+            }
+            for entry in direct_apps(args_of_app):
+                serve.run(build_direct_app(entry["args"]), name=entry["name"], route_prefix=entry["route_prefix"])
+            serve.run(build_app(args_of_app), name=APP, route_prefix="/")
+        else:
+            ingress_actor = {"num_cpus": 0.25, "runtime_env": {"env_vars": tracing.env("llm-gateway")}}
+            app = Ingress.options(num_replicas=1, max_ongoing_requests=1024, ray_actor_options=ingress_actor).bind(
+                settings, {MODEL: model_deployment(model, tracing.env(f"llm-model-{MODEL}"))}
+            )
+            serve.run(app, name=APP, route_prefix="/")
         url, secret = f"http://127.0.0.1:{port}", bench_api_key()
         asyncio.run(drive(url, secret, args.tokens, 4, 3.0))  # warm-up: connections, caches, JIT-free paths
-        results = {str(c): asyncio.run(drive(url, secret, args.tokens, c, args.duration)) for c in args.concurrency}
+        results = {str(c): split_load(url, secret, args, c) for c in args.concurrency}
         if args.profile:
+            from hop_profile import GROUPS as HOPS
             from hop_profile import profiled, report
 
-            with profiled(Path(args.profile) / args.run_target) as hops:
+            with profiled(Path(args.profile) / args.run_target, {**HOPS, "replica": GROUPS["engine"]}) as hops:
                 load = asyncio.run(drive(url, secret, args.tokens, max(args.concurrency), args.duration))
             results["profile"] = report(hops, load["requests"], load["requests"] * args.tokens)
         print("RESULT " + json.dumps(results), flush=True)
@@ -199,10 +273,20 @@ COLUMNS = [
     ("e2e_p99_ms", "e2e p99 ms", "{:.0f}"),
     ("proxy_us_per_request", "proxy µs/req", "{:.0f}"),
     ("ingress_us_per_request", "ingress µs/req", "{:.0f}"),
-    ("proxy_us_per_token", "proxy µs/tok", "{:.1f}"),
-    ("ingress_us_per_token", "ingress µs/tok", "{:.1f}"),
-    ("engine_us_per_token", "replica µs/tok (no engine)", "{:.1f}"),
+    ("engine_us_per_request", "model replica µs/req", "{:.0f}"),
+    ("seam_share", "of it the engine seam's", "{:.0%}"),
+    ("gateway_us_per_request", "gateway µs/req", "{:.0f}"),
+    ("gateway_us_per_token", "gateway µs/tok", "{:.1f}"),
 ]
+
+
+def medians(by_repeat: list[dict]) -> dict:
+    """Each figure's median over the repeats of one target (the profile: the first's)."""
+    merged: dict = {key: value for key, value in by_repeat[0].items() if key == "profile"}
+    for c in by_repeat[0]:
+        if c != "profile":
+            merged[c] = {key: statistics.median(run[c][key] for run in by_repeat) for key in by_repeat[0][c]}
+    return merged
 
 
 def table(results: dict[str, dict], concurrency: list[int]) -> str:
@@ -229,20 +313,21 @@ def main() -> int:
         default=50.0,
         help="the replica's stream_batch_interval_ms (configs/local.yaml: 50)",
     )
-    parser.add_argument("--targets", nargs="+", default=["shipped", "ray-proxy"], choices=list(TARGETS))
+    parser.add_argument("--targets", nargs="+", default=["one-hop", "shipped"], choices=list(TARGETS))
     parser.add_argument(
         "--profile",
         metavar="DIR",
         help="one more load at the highest concurrency under py-spy "
         "(bench/hop_profile.py): CPU per request/token per process, top functions",
     )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every target, interleaved; medians shown")
     parser.add_argument("--run-target", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_target:
         run_target(args)
         return 0
-    results = {}
-    for target in args.targets:
+    runs: dict[str, list[dict]] = {target: [] for target in args.targets}
+    for _, target in itertools.product(range(args.repeats), args.targets):  # repeats interleaved: drift hits all
         child = [
             sys.executable,
             __file__,
@@ -262,12 +347,22 @@ def main() -> int:
         if done.returncode != 0 or not lines:
             print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
             return 1
-        results[target] = json.loads(lines[-1][len("RESULT ") :])
+        runs[target].append(json.loads(lines[-1][len("RESULT ") :]))
+    results = {target: medians(by_repeat) for target, by_repeat in runs.items()}
     print(
         f"\nGateway capacity: no engine (replicas/instant_engine.py), {args.tokens} tokens/request, "
-        f"{args.duration:g} s per concurrency\n"
+        f"{args.duration:g} s per concurrency, medians of {args.repeats}\n"
     )
     print(table(results, args.concurrency))
+    if args.repeats > 1:
+        print(
+            "\ngateway µs/req by repeat: "
+            + "; ".join(
+                f"{target} c={c}: " + " / ".join(f"{run[str(c)]['gateway_us_per_request']:.0f}" for run in by_repeat)
+                for target, by_repeat in runs.items()
+                for c in args.concurrency
+            )
+        )
     for target, by_c in results.items():
         if "profile" in by_c:
             print(f"\n## {target}: CPU by process at c={max(args.concurrency)} (py-spy, {args.profile}/{target})\n")
