@@ -49,9 +49,11 @@ sys.path.insert(0, str(REPO))
 # Makefile exports (HAProxy ingress, throughput mode); "ray-proxy": the same with
 # Ray's Python proxy instead of HAProxy (the default before).
 from serve_env import MAKEFILE_ENV, RAY_PROXY_ENV  # noqa: E402
+from starlette.requests import Request  # noqa: E402  # the floor's route: FastAPI reads its annotation by name here
 
 TARGETS = {
     "one-hop": MAKEFILE_ENV,
+    "floor": MAKEFILE_ENV,
     "one-hop-traced-unsampled": MAKEFILE_ENV,
     "shipped": MAKEFILE_ENV,
     "ray-proxy": RAY_PROXY_ENV,
@@ -74,8 +76,14 @@ ONE_HOP_TARGETS = {"one-hop", "one-hop-traced-unsampled"}
 GROUPS = {
     "proxy": ("ProxyActor", "haproxy"),
     "ingress": (f"ServeReplica:{APP}:Ingress",),
-    "engine": (f"ServeReplica:{APP}:model-{MODEL}", f"ServeReplica:direct-{MODEL}:"),
+    "engine": (f"ServeReplica:{APP}:model-{MODEL}", f"ServeReplica:direct-{MODEL}:", f"ServeReplica:{APP}:Floor"),
 }
+# "floor": what the one-hop path costs without the gateway: a Serve deployment on the
+# same HTTP path (HAProxy, Serve's replica, FastAPI) that validates the body with vLLM's
+# request model, runs the same engine seam and relays its events coalesced as the
+# replica does, and nothing else: no key, no Redis, no records, no metrics. What
+# one-hop costs beyond it is the gateway's own, whatever the framework costs.
+FLOOR_TARGETS = {"floor"}
 # The engine seam's own frames: on the one-hop path the gateway and the engine share a
 # process, and py-spy's samples tell their CPU apart (what is not the seam's is the gateway's).
 SEAM_FILES = ("instant_engine.py",)
@@ -197,6 +205,41 @@ def split_load(url: str, secret: str, args, concurrency: int) -> dict:
     return result
 
 
+def floor_deployment():
+    """The ``floor`` target's deployment (see FLOOR_TARGETS), made in the child that runs it."""
+    from fastapi import FastAPI
+    from ray import serve
+    from starlette.responses import StreamingResponse
+
+    from replicas.instant_engine import start_instant
+    from replicas.streaming import coalesce
+
+    app = FastAPI()
+
+    @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25})
+    @serve.ingress(app)
+    class Floor:
+        async def __init__(self, config):
+            self.batch_interval_s = config.stream_batch_interval_ms / 1000
+            self.validator, _, self.handler = (await start_instant(config)).endpoints["chat"]
+            self.streams = 0
+
+        @app.post("/v1/chat/completions")
+        async def chat(self, request: Request):
+            events = await self.handler(self.validator.validate_python(await request.json()))
+            return StreamingResponse(self._relayed(events), media_type="text/event-stream")
+
+        async def _relayed(self, events):
+            self.streams += 1
+            try:
+                async for text in coalesce(events, self.batch_interval_s, busy=lambda: self.streams > 1):
+                    yield text
+            finally:
+                self.streams -= 1
+
+    return Floor
+
+
 def run_target(args) -> None:
     """Child process: Ray and Serve with this process's environment, the loads, JSON on stdout."""
     import ray
@@ -224,7 +267,9 @@ def run_target(args) -> None:
     ray.init(log_to_driver=False, logging_level="WARNING", include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        if model.direct_route:  # as `llmctl run` deploys configs/local.yaml: the model in its own application
+        if args.run_target in FLOOR_TARGETS:
+            serve.run(floor_deployment().bind(model), name=APP, route_prefix="/")
+        elif model.direct_route:  # as `llmctl run` deploys configs/local.yaml: the model in its own application
             args_of_app = {
                 "models": [model.model_dump(exclude_unset=True)],
                 "redis_url": settings.redis_url,

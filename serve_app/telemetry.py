@@ -105,11 +105,40 @@ REFUSAL_LEVELS = ("key", "team")
 EARLY_OUTCOMES = ("admitted", "withdrawn")
 
 
-def zero(counter: Counter, tags: dict[str, str]) -> None:
+def zero(counter: Counter | BatchedCounter, tags: dict[str, str]) -> None:
     """Export ``counter``'s series for ``tags`` at 0. Ray's ``Counter.inc`` refuses 0;
     its recording path (what ``inc`` calls) takes it, and the exporters then send the
     series with value 0 (pinned by tests/unit/test_telemetry.py)."""
     counter._record(0, tags=tags)
+
+
+# How often the per-request counters' sums are recorded (BatchedCounter): well within
+# Ray's metrics export interval (10 s), so Prometheus sees the same series.
+COUNTER_FLUSH_S = 1.0
+
+
+class BatchedCounter:
+    """A Ray counter whose increments are summed here and recorded once per series and
+    flush (``Telemetry.flush_counters``, every ``COUNTER_FLUSH_S``): each Ray record
+    validates its tags and calls into the core worker (~10 µs), and a request makes
+    several (bench/gateway_capacity.py, issue 57)."""
+
+    def __init__(self, counter: Counter):
+        self.counter = counter
+        self._pending: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        series = tuple(tags.items()) if tags else ()
+        self._pending[series] = self._pending.get(series, 0.0) + value
+
+    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.counter._record(value, tags=tags)  # zero(): at once
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for series, value in pending.items():
+            if value:
+                self.counter.inc(value, tags=dict(series))
 
 
 class KeyLabels:
@@ -140,29 +169,41 @@ class Telemetry:
         self.key_labels = KeyLabels(per_key_max_keys)
         self.team_labels = KeyLabels(per_key_max_keys, OTHER_TEAMS)
         self.access_log = _access_logger() if access_log else None
-        self.requests = Counter(
-            "llm_gateway_requests", "Requests answered, by model, route and HTTP status.", ("model", "route", "status")
+        self.requests = BatchedCounter(
+            Counter(
+                "llm_gateway_requests",
+                "Requests answered, by model, route and HTTP status.",
+                ("model", "route", "status"),
+            )
         )
-        self.refusals = Counter(
-            "llm_gateway_rate_limit_refusals",
-            "429s by model, the limit that refused them and its level (the key's own, or its team's).",
-            ("model", "limit", "level"),
+        self.refusals = BatchedCounter(
+            Counter(
+                "llm_gateway_rate_limit_refusals",
+                "429s by model, the limit that refused them and its level (the key's own, or its team's).",
+                ("model", "limit", "level"),
+            )
         )
         # Teams (serve_app/identity/teams.py): what each charged and spent, and its keys'
         # refusals by level. Team names are bounded as key names are (KeyLabels).
-        self.team_tokens = Counter(
-            "llm_gateway_team_tokens",
-            "Tokens charged to a team's keys, by kind (prompt, completion, or reserved: "
-            "a stream whose usage never came) (bounded: KeyLabels).",
-            ("team", "kind"),
+        self.team_tokens = BatchedCounter(
+            Counter(
+                "llm_gateway_team_tokens",
+                "Tokens charged to a team's keys, by kind (prompt, completion, or reserved: "
+                "a stream whose usage never came) (bounded: KeyLabels).",
+                ("team", "kind"),
+            )
         )
-        self.team_spend = Counter(
-            "llm_gateway_team_spend_usd", "What a team's requests cost at their models' prices, USD.", ("team",)
+        self.team_spend = BatchedCounter(
+            Counter(
+                "llm_gateway_team_spend_usd", "What a team's requests cost at their models' prices, USD.", ("team",)
+            )
         )
-        self.team_refusals = Counter(
-            "llm_gateway_team_refusals",
-            "429s of a team's keys, by the level that refused: the key's own limit, or the team's.",
-            ("team", "level"),
+        self.team_refusals = BatchedCounter(
+            Counter(
+                "llm_gateway_team_refusals",
+                "429s of a team's keys, by the level that refused: the key's own limit, or the team's.",
+                ("team", "level"),
+            )
         )
         self.duration = Histogram(
             "llm_gateway_request_duration_seconds",
@@ -179,9 +220,11 @@ class Telemetry:
             PER_TOKEN_BUCKETS,
             ("model",),
         )
-        self.prompt_tokens = Counter("llm_gateway_prompt_tokens", "Prompt tokens of answered requests.", ("model",))
-        self.completion_tokens = Counter(
-            "llm_gateway_completion_tokens", "Completion tokens of answered requests.", ("model",)
+        self.prompt_tokens = BatchedCounter(
+            Counter("llm_gateway_prompt_tokens", "Prompt tokens of answered requests.", ("model",))
+        )
+        self.completion_tokens = BatchedCounter(
+            Counter("llm_gateway_completion_tokens", "Completion tokens of answered requests.", ("model",))
         )
         self.in_flight = Gauge("llm_gateway_requests_in_flight", "Admitted requests not finished yet.", ("model",))
         self.admission = Histogram(
@@ -195,14 +238,16 @@ class Telemetry:
             "Requests decided without Redis (fail-open: cached key, local limits).",
             ("kind",),
         )
-        self.disconnects = Counter(
-            "llm_gateway_client_disconnects", "Streams the client cancelled before the end.", ("model",)
+        self.disconnects = BatchedCounter(
+            Counter("llm_gateway_client_disconnects", "Streams the client cancelled before the end.", ("model",))
         )
-        self.early_starts = Counter(
-            "llm_gateway_early_starts",
-            "Streams sent to the engine before their admission returned "
-            "(quota.overlap_admission), by outcome: admitted, or withdrawn (refused, or the client left).",
-            ("model", "outcome"),
+        self.early_starts = BatchedCounter(
+            Counter(
+                "llm_gateway_early_starts",
+                "Streams sent to the engine before their admission returned "
+                "(quota.overlap_admission), by outcome: admitted, or withdrawn (refused, or the client left).",
+                ("model", "outcome"),
+            )
         )
         self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
         self.prompt_resizes = Counter(
@@ -217,10 +262,12 @@ class Telemetry:
             "llm_gateway_request_records_backlog",
             "Final request records waiting in Redis for the record sink (records.max_backlog refuses new requests).",
         )
-        self.records_written = Counter(
-            "llm_gateway_request_records_shipped", "Final request records written to the record sink."
+        self.records_written = BatchedCounter(
+            Counter("llm_gateway_request_records_shipped", "Final request records written to the record sink.")
         )
-        self.record_bytes = Counter("llm_gateway_request_record_bytes", "Bytes written to the record sink.")
+        self.record_bytes = BatchedCounter(
+            Counter("llm_gateway_request_record_bytes", "Bytes written to the record sink.")
+        )
         self.record_failures = Counter(
             "llm_gateway_request_record_failures",
             "Record shipping attempts that failed, by kind: redis, sink "
@@ -233,11 +280,13 @@ class Telemetry:
             "llm_gateway_model_info", "1 per served model: its Serve deployment.", ("model", "deployment")
         )
         if self.per_key:
-            self.key_requests = Counter(
-                "llm_gateway_key_requests", "Requests by API key name (bounded: KeyLabels).", ("key_name", "status")
+            self.key_requests = BatchedCounter(
+                Counter(
+                    "llm_gateway_key_requests", "Requests by API key name (bounded: KeyLabels).", ("key_name", "status")
+                )
             )
-            self.key_tokens = Counter(
-                "llm_gateway_key_tokens", "Tokens by API key name (bounded: KeyLabels).", ("key_name", "kind")
+            self.key_tokens = BatchedCounter(
+                Counter("llm_gateway_key_tokens", "Tokens by API key name (bounded: KeyLabels).", ("key_name", "kind"))
             )
             self.key_budget = Gauge(
                 "llm_gateway_key_budget_used_ratio",
@@ -256,8 +305,23 @@ class Telemetry:
         self._deployments: dict[str, str] = {}
         self._budgets: dict[tuple[str, str], tuple[float, float]] = {}  # (key, period) -> (ratio, set at)
         self._refresher: asyncio.Task | None = None
+        self._flusher: asyncio.Task | None = None
 
     # -- gauges ------------------------------------------------------------------
+
+    def flush_counters(self) -> None:
+        """Record what the batched counters summed since the last flush, and the
+        in-flight gauges as they stand."""
+        for counter in vars(self).values():
+            if isinstance(counter, BatchedCounter):
+                counter.flush()
+        for model, count in self._in_flight.items():
+            self.in_flight.set(count, tags={"model": model})
+
+    async def _flush_counters(self) -> None:
+        while True:
+            await asyncio.sleep(COUNTER_FLUSH_S)
+            self.flush_counters()
 
     def keep_gauges_fresh(self) -> None:
         """Ray drops a gauge that is not set again within two metrics export
@@ -267,6 +331,7 @@ class Telemetry:
         loop every half interval; one cheap wake-up, not per request."""
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_counters())
 
     async def _refresh_gauges(self) -> None:
         interval = _gauge_refresh_s()
@@ -391,9 +456,7 @@ class Telemetry:
         return self._in_flight.get(model, 0)
 
     def _move_in_flight(self, model: str, delta: int) -> None:
-        count = self._in_flight.get(model, 0) + delta
-        self._in_flight[model] = count
-        self.in_flight.set(count, tags={"model": model})
+        self._in_flight[model] = self._in_flight.get(model, 0) + delta  # the gauge: at the next flush
 
 
 def _gauge_refresh_s() -> float:

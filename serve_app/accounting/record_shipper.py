@@ -32,6 +32,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from serve_app.accounting.record_sink import RecordSink
 from serve_app.redis_store import redis_names
+from serve_app.redis_store.auto_pipeline import AutoPipeline
 
 logger = logging.getLogger("ray.serve")
 
@@ -58,6 +59,12 @@ class RecordShipper:
         self._own_pending = False  # entries read and not acknowledged (the sink refused them)
         self._claimed_at = float("-inf")
         self._task: asyncio.Task | None = None
+        # The turn's pipeline (auto_pipeline.py) a record is added through, beside the
+        # settlement that made it: no write of its own per request (ship_through).
+        self._pipeline: AutoPipeline | None = None
+
+    def ship_through(self, pipeline: AutoPipeline) -> None:
+        self._pipeline = pipeline
 
     @property
     def backlogged(self) -> bool:
@@ -68,7 +75,10 @@ class RecordShipper:
         """Hand a final record to the sink, through the outbox (one XADD)."""
         entry = json.dumps(record, separators=(",", ":"))
         try:
-            await self.redis.xadd(redis_names.RECORD_OUTBOX, {"r": entry})
+            if self._pipeline is not None:
+                await self._pipeline.command("XADD", redis_names.RECORD_OUTBOX, "*", "r", entry)
+            else:
+                await self.redis.xadd(redis_names.RECORD_OUTBOX, {"r": entry})
         except RedisError:
             if len(self._unsent) >= MAX_UNSENT:
                 logger.error(

@@ -87,6 +87,8 @@ class Gatekeeper:
             replicas_to_acknowledge=quota.replicas_to_acknowledge,
             acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
         )
+        if records is not None:  # a settled record goes to the outbox in its settlement's turn
+            records.ship_through(self.admission.pipeline)
         self.fail_open = quota.fail_mode == "open"
         self.default_max_tokens = quota.default_max_tokens
         # Which keys' streams may start before their admission returns (overlap.py).

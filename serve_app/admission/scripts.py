@@ -254,8 +254,13 @@ class Admission:
             # The first request to use an id keeps the global entry (NX): a tenant that
             # reuses another's x-request-id never takes over its lookup; per key, the last.
             kept_s = self.settled_s or self.retention_s  # past it, the record sink answers the lookup
-            await self.redis.set(redis_names.http_request(http_request_id), request_id, ex=kept_s, nx=True)
-            await self.redis.set(redis_names.http_request(http_request_id, key_id), request_id, ex=kept_s)
+            # Both in the turn's pipeline with the admissions and settlements: no write of their own.
+            await asyncio.gather(
+                self.pipeline.command("SET", redis_names.http_request(http_request_id), request_id, "EX", kept_s, "NX"),
+                self.pipeline.command(
+                    "SET", redis_names.http_request(http_request_id, key_id), request_id, "EX", kept_s
+                ),
+            )
 
     async def running(self, key_id: str, request_id: str, replica: str = "") -> None:
         await self.pipeline.call(self._running, redis_names.admission_keys(key_id, request_id), [replica])

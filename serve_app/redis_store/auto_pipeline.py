@@ -1,4 +1,4 @@
-"""Script calls made in the same event-loop turn go to Redis as one pipeline.
+"""Script calls (and commands) made in the same event-loop turn go to Redis as one pipeline.
 
 An ingress admits and settles many requests at once; sent one by one, each
 script call pays redis-py's whole per-command path (a pool checkout, a write, a
@@ -73,7 +73,8 @@ class AutoPipeline:
         self.max_pipeline = max_pipeline
         self.replicas_to_acknowledge = replicas_to_acknowledge
         self.acknowledge_timeout_ms = acknowledge_timeout_ms
-        self._pending: list[tuple[AsyncScript, Sequence, Sequence, asyncio.Future]] = []
+        # (script, its keys, its args, the caller's future); a command: (None, (its key,), the command)
+        self._pending: list[tuple[AsyncScript | None, Sequence, Sequence, asyncio.Future]] = []
         self._tasks: set[asyncio.Task] = set()
         # Figures for tests and the benchmark: pipelines sent, calls sent.
         self.pipelines = 0
@@ -84,6 +85,15 @@ class AutoPipeline:
     def call(self, script: AsyncScript, keys: Sequence, args: Sequence) -> asyncio.Future:
         """The reply of ``script(keys=keys, args=args)``, sent with the other calls
         of this turn. Cancelling the future does not take the call back."""
+        return self._queue(script, keys, args)
+
+    def command(self, *args) -> asyncio.Future:
+        """The reply of the Redis command ``args`` (its key second, as a cluster routes
+        it: ``SET key ...``), sent with the other calls of this turn: a request's
+        bookkeeping beside its admissions and settlements, not a write of its own."""
+        return self._queue(None, args[1:2], args)
+
+    def _queue(self, script: AsyncScript | None, keys: Sequence, args: Sequence) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
@@ -119,6 +129,8 @@ class AutoPipeline:
         if len(calls) == 1 and not self.replicas_to_acknowledge:  # nothing to gain from a pipeline
             script, keys, args = calls[0][:3]
             try:
+                if script is None:
+                    return [await self.redis.execute_command(*args)]
                 return [await script(keys=keys, args=args)]
             except ResponseError as exc:  # Redis answered: that call's own error
                 return [exc]
@@ -140,10 +152,13 @@ class AutoPipeline:
             async with self.redis.pipeline(transaction=False) as pipe:
                 nodes = []
                 for script, keys, args, *_ in calls:
-                    # Not pipe.evalsha: a cluster pipeline blocks that method by name
-                    # (an old concern over finding its slot), yet routes the command
-                    # by its keys like any other.
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                    if script is None:  # a command: a cluster routes it by its key
+                        pipe.execute_command(*args)
+                    else:
+                        # Not pipe.evalsha: a cluster pipeline blocks that method by name
+                        # (an old concern over finding its slot), yet routes the command
+                        # by its keys like any other.
+                        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
                     if waits and cluster:
                         nodes.append(self.redis.get_node_from_key(keys[0]))
                 # A cluster pipeline keeps each node's commands in order on one

@@ -6,11 +6,13 @@ of its pipeline, and a caller that leaves mid-call leaks nothing."""
 import asyncio
 
 import pytest
+from redis.asyncio import connection as redis_connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis_server import every_node
 from test_admission import commandstats
 
+from contract.replica_wire import Usage
 from serve_app.admission.scripts import Admission
 from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyRecord
@@ -139,3 +141,48 @@ async def test_a_settlement_that_takes_back_an_admission_on_the_wire_marks_no_ad
     assert await redis.hget(record, "status") == b"cancelled", late
     await adm.settle(key, f"{key.id}-local", "completed", 3, 2, "", "m")
     assert await redis.hget(redis_names.request_record(key.id, f"{key.id}-local"), "admission") == b"local"
+
+
+async def test_a_requests_redis_work_is_seven_calls_all_in_shared_pipelines(redis, redis_url, tmp_path, monkeypatch):
+    """The hot path's shape (issue 57), so that it cannot silently regrow: 32 requests at
+    once, as the gateway runs them (admitted, marked running, settled, their records
+    shipped), cost Redis seven calls each (the admit, due, running and settle scripts; the
+    two SETs indexing its x-request-id; its record's XADD to the outbox) and every call went
+    out in an auto-pipeline shared with other requests: Redis saw no write of its own."""
+    settings = AppSettings(redis_url=redis_url, records={"sink_dir": str(tmp_path)})
+    gate = build_quota_services(settings, Telemetry(False, False)).gate
+    pipeline = gate.admission.pipeline
+    tenants = keys(32, prefix="khot", requests_per_minute=1000, tokens_per_minute=10**6, max_concurrent=4)
+
+    async def one_request(n: int, key: KeyRecord) -> None:
+        ticket = await gate.admit(key, "m", 100, http_request_id=f"hot-{n}")
+        gate.running(ticket, "replica")
+        await asyncio.sleep(0)  # a token or two relayed
+        gate.settle(ticket, "completed", Usage(prompt_tokens=10, completion_tokens=20))
+
+    async def settled() -> None:
+        while gate._background:
+            await asyncio.sleep(0.01)
+
+    # A burst before: every script loaded, as many connections open as a burst takes.
+    await asyncio.gather(*(one_request(-n, key) for n, key in enumerate(keys(32, prefix="khotwarm"), 1)))
+    await settled()
+    await redis.config_resetstat(**every_node(redis))
+    writes = []
+    sent = redis_connection.AbstractConnection.send_packed_command
+
+    async def counted(self, command, check_health=True):
+        writes.append(self)
+        return await sent(self, command, check_health)
+
+    monkeypatch.setattr(redis_connection.AbstractConnection, "send_packed_command", counted)
+    pipelines, calls = pipeline.pipelines, pipeline.calls
+    await asyncio.gather(*(one_request(n, key) for n, key in enumerate(tenants)))
+    await settled()
+    monkeypatch.undo()
+    assert pipeline.calls - calls == 7 * len(tenants)
+    ran = await commandstats(redis)
+    assert (ran["cmdstat_evalsha"], ran["cmdstat_xadd"]) == (4 * len(tenants), len(tenants))
+    assert pipeline.pipelines - pipelines <= 8  # a few turns' worth for 224 calls
+    nodes = 3 if "cluster" in redis_url else 1
+    assert len(writes) <= (pipeline.pipelines - pipelines) * nodes  # nothing written beside them

@@ -4,7 +4,16 @@ an operator needs) and how a refusal is classified for metrics."""
 import json
 
 from contract.replica_wire import Usage
-from serve_app.telemetry import OTHER_KEYS, OTHER_TEAMS, KeyLabels, RequestRecord, access_line
+from serve_app.telemetry import (
+    OTHER_KEYS,
+    OTHER_TEAMS,
+    BatchedCounter,
+    KeyLabels,
+    RequestRecord,
+    Telemetry,
+    access_line,
+    zero,
+)
 
 
 def test_access_line_is_one_json_object_with_the_request_outcome():
@@ -94,3 +103,41 @@ def test_a_counter_can_be_exported_at_zero():
         pass  # still refused by inc: the reason zero() exists
     else:
         raise AssertionError("Counter.inc accepts 0 now: use it in zero()")
+
+
+class _RecordingCounter:
+    def __init__(self):
+        self.records: list[tuple[float, dict]] = []
+
+    def inc(self, value=1.0, tags=None):
+        self.records.append((value, tags))
+
+    def _record(self, value, tags=None):
+        self.records.append((value, tags))
+
+
+def test_a_batched_counter_records_each_series_once_per_flush_with_the_sum():
+    """Per-request counters cost one Ray record per series and flush, not one per
+    request (issue 57); nothing is lost, and a zero export is not held back."""
+    ray_counter = _RecordingCounter()
+    counter = BatchedCounter(ray_counter)
+    zero(counter, {"model": "m"})
+    assert ray_counter.records == [(0, {"model": "m"})]
+    for _ in range(50):
+        counter.inc(tags={"model": "m", "status": "200"})
+        counter.inc(3, tags={"model": "n", "status": "200"})
+    counter.inc(0, tags={"model": "quiet", "status": "200"})
+    assert len(ray_counter.records) == 1  # nothing recorded before the flush
+    counter.flush()
+    assert ray_counter.records[1:] == [
+        (50.0, {"model": "m", "status": "200"}),
+        (150.0, {"model": "n", "status": "200"}),
+    ]
+    counter.flush()
+    assert len(ray_counter.records) == 3  # nothing new: nothing recorded
+
+
+def test_the_per_request_counters_of_the_gateway_are_batched():
+    telemetry = Telemetry(per_key_metrics=True, access_log=False)
+    batched = {name for name, value in vars(telemetry).items() if isinstance(value, BatchedCounter)}
+    assert {"requests", "prompt_tokens", "completion_tokens", "key_requests", "key_tokens", "team_tokens"} <= batched
