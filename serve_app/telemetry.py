@@ -328,7 +328,8 @@ class Telemetry:
         intervals (its metrics agent's TTL for dead workers' series), so a value
         set once — the model info, an idle in-flight count, a quiet key's
         budget use — would vanish from Prometheus. Re-set them on the running
-        loop every half interval; one cheap wake-up, not per request."""
+        loop every half interval (the in-flight counts with the counters' flush,
+        every second); cheap wake-ups, not per request."""
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
             self._flusher = asyncio.get_running_loop().create_task(self._flush_counters())
@@ -339,8 +340,6 @@ class Telemetry:
             await asyncio.sleep(interval)
             for model, deployment in self._deployments.items():
                 self.model_info.set(1, tags={"model": model, "deployment": deployment})
-            for model, count in self._in_flight.items():
-                self.in_flight.set(count, tags={"model": model})
             cutoff = time.monotonic() - BUDGET_SERIES_KEEP_S
             for (key_name, period), (ratio, at) in list(self._budgets.items()):
                 if at < cutoff:

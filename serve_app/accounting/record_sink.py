@@ -30,7 +30,7 @@ _HOUR_MS = 3600 * 1000
 
 
 def _hour_dir(root: Path, ms: int) -> Path:
-    return _hour_path(root, ms // 3_600_000)
+    return _hour_path(root, ms // _HOUR_MS)
 
 
 @functools.lru_cache(maxsize=256)
@@ -38,7 +38,7 @@ def _hour_path(root: Path, hour: int) -> Path:
     """An hour's folder, made once: a batch's records are nearly all of one hour, and
     a datetime, two strftime and two pathlib joins per record showed in py-spy's profile
     of the shipping replica (bench/gateway_capacity.py)."""
-    when = datetime.datetime.fromtimestamp(hour * 3600, datetime.UTC)
+    when = datetime.datetime.fromtimestamp(hour * _HOUR_MS / 1000, datetime.UTC)
     return root / when.strftime("%Y%m%d") / when.strftime("%H")
 
 

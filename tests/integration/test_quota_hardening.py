@@ -356,30 +356,38 @@ async def test_a_timeout_while_the_ingress_runs_late_is_shed_not_admitted_locall
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's only
 
 
+async def punctual_then_late(access, redis_server, lookup) -> tuple[OpenAIError, OpenAIError]:
+    """What ``lookup(0)`` raises while Redis is stopped on a punctual loop, and what
+    ``lookup(1)`` raises when the loop stalls while it is out."""
+    access.gate.loop_lag.start()
+    await asyncio.sleep(0.3)  # the watcher has seen a punctual loop
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OpenAIError) as punctual:
+            await lookup(0)
+        pending = asyncio.ensure_future(lookup(1))
+        await asyncio.sleep(0)  # the look-up is out
+        time.sleep(0.2)  # the loop stalls
+        with pytest.raises(OpenAIError) as late:
+            await pending
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    return punctual.value, late.value
+
+
 async def test_a_key_look_up_that_fails_while_the_ingress_runs_late_is_shed(node_access, redis_server):
     # The soak: a replica at cold start, its loop 0.7 s late, timed out looking its first
     # clients' keys up and told them the quota store was down (503
     # quota_backend_unavailable). On a punctual loop that is what a stopped Redis means;
     # after the loop itself stalled, it is the ingress' overload: shed, retry-after.
     access, redis = node_access
-    _, first = await KeyStore(redis).create("cold-1")
-    _, second = await KeyStore(redis).create("cold-2")
-    access.gate.loop_lag.start()
-    await asyncio.sleep(0.3)  # the watcher has seen a punctual loop
-    os.kill(redis_server.proc.pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(OpenAIError) as punctual:
-            await access.authenticator.authenticate({"authorization": f"Bearer {first}"})
-        lookup = asyncio.ensure_future(access.authenticator.authenticate({"authorization": f"Bearer {second}"}))
-        await asyncio.sleep(0)  # the look-up is out
-        time.sleep(0.2)  # the loop stalls
-        with pytest.raises(OpenAIError) as late:
-            await lookup
-    finally:
-        os.kill(redis_server.proc.pid, signal.SIGCONT)
-    assert (punctual.value.status, punctual.value.code) == (503, "quota_backend_unavailable")
-    assert (late.value.status, late.value.code) == (503, "gateway_overloaded")
-    assert late.value.headers["retry-after"] == "1"
+    secrets = [(await KeyStore(redis).create(f"cold-{n}"))[1] for n in (1, 2)]
+    punctual, late = await punctual_then_late(
+        access, redis_server, lambda n: access.authenticator.authenticate({"authorization": f"Bearer {secrets[n]}"})
+    )
+    assert (punctual.status, punctual.code) == (503, "quota_backend_unavailable")
+    assert (late.status, late.code) == (503, "gateway_overloaded")
+    assert late.headers["retry-after"] == "1"
 
 
 async def test_a_team_look_up_that_fails_while_the_ingress_runs_late_is_shed(node_access, redis_server):
@@ -387,22 +395,10 @@ async def test_a_team_look_up_that_fails_while_the_ingress_runs_late_is_shed(nod
     # team look-up after them still told three clients the quota store was down.
     access, redis = node_access
     key, _ = await KeyStore(redis).create("cold-member")
-    first, second = [key.model_copy(update={"team": (await TeamStore(redis).create(name)).id}) for name in "ab"]
-    access.gate.loop_lag.start()
-    await asyncio.sleep(0.3)  # the watcher has seen a punctual loop
-    os.kill(redis_server.proc.pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(OpenAIError) as punctual:
-            await access.authenticator.team_of(first)
-        lookup = asyncio.ensure_future(access.authenticator.team_of(second))
-        await asyncio.sleep(0)  # the look-up is out
-        time.sleep(0.2)  # the loop stalls
-        with pytest.raises(OpenAIError) as late:
-            await lookup
-    finally:
-        os.kill(redis_server.proc.pid, signal.SIGCONT)
-    assert (punctual.value.status, punctual.value.code) == (503, "quota_backend_unavailable")
-    assert (late.value.status, late.value.code) == (503, "gateway_overloaded")
+    members = [key.model_copy(update={"team": (await TeamStore(redis).create(name)).id}) for name in "ab"]
+    punctual, late = await punctual_then_late(access, redis_server, lambda n: access.authenticator.team_of(members[n]))
+    assert (punctual.status, punctual.code) == (503, "quota_backend_unavailable")
+    assert (late.status, late.code) == (503, "gateway_overloaded")
 
 
 async def test_an_ingress_whose_loop_runs_far_behind_says_so_until_it_catches_up(redis_url):
