@@ -260,6 +260,8 @@ def check_revocation(
     if account.revoked_ms is None:
         return
     for record in records:
+        if not record.admission:  # taken back (its team refused it) or never made: nothing ran
+            continue
         if record.admitted_ms > account.revoked_ms:
             late = record.admitted_ms - account.revoked_ms
             in_fault = _in_faults(record.admitted_ms, record.admitted_ms, faults, 0, True)

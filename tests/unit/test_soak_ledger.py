@@ -269,6 +269,19 @@ def test_an_admission_after_a_revocation_is_caught():
     assert any(v.check == "revocation" and v.subject == "key-b" for v in verdict.violations)
 
 
+def test_a_key_admission_taken_back_after_its_teams_revocation_is_no_admission():
+    """A key of a revoked team passes its own admission, then its team refuses it (401
+    team_disabled) and the key's admission is withdrawn: nothing ran, nothing charged."""
+    accounts, records, observations = simulate(7)
+    accounts[1].revoked_ms = 150_000
+    records = [r for r in records if not (r.account == "key-b" and r.admitted_ms > 150_000)]
+    observations = [o for o in observations if not (o.key == "key-b" and o.started_ms > 150_000)]
+    refused = Observation("refused", "key-b", 150_400, 150_420, 401, "team_disabled")
+    taken_back = Record("taken-back", "key-b", "withdrawn", 150_416, 150_900, 0, 0, 0, "refused")
+    verdict = verdict_of(accounts, [*records, taken_back], [*observations, refused])
+    assert verdict.passed, verdict.violations[:3]
+
+
 def test_a_revoked_key_admitted_on_local_limits_is_held_to_the_stale_bound():
     """In a Redis fault an ingress trusts the key record it last confirmed, for at most
     quota.key_stale_max_s (docs/quotas.md): within it, overshoot; past it, a failure."""
