@@ -18,14 +18,19 @@ Targets (``--targets``, all by default):
   engine options, Ray Serve's defaults: what users would run instead of us.
 - ``rsllm-fast``: Ray Serve LLM in the high-throughput mode Ray documents
   (HAProxy + throughput-optimized + ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING``).
+- ``litellm``: LiteLLM's proxy in front of bare ``vllm serve``, configured the way a
+  platform team runs it for per-key limits (``bench/litellm_proxy.py``: its own
+  virtualenv, one worker, limits counted in the stack's Redis, a key with limits).
 
 For each target: start it, drive it with `vllm bench serve` (random dataset,
 the model's local tokenizer, ignore_eos so every request makes the same number
 of tokens) at each concurrency, stop it. Targets run one after the other,
 never side by side: on a 2-core box they would steal each other's CPU. With
 --repeats N the whole sequence repeats and every figure is the median over
-repeats. Prints one table: TTFT p50/p99, TPOT p50, output tokens/s per target
-and each target's ratio to bare vLLM; with repeats, each repeat's figures too,
+repeats. Prints one table: TTFT p50/p99, TPOT p50, output tokens/s and the CPU
+each request cost outside the engine (every process of the target but vLLM's
+engine core, and Redis where the target uses it) per target and each target's
+ratio to bare vLLM; with repeats, each repeat's figures too,
 and TTFT p50/p99 over every request of every repeat, with each of this stack's
 targets against each of Ray Serve LLM's as a difference and its 95% bootstrap
 interval (``bench/tail_stats.py``): a one-load p99 flips with one stall.
@@ -46,6 +51,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -66,7 +72,11 @@ METRICS = [
     ("p99_ttft_ms", "TTFT p99 ms"),
     ("median_tpot_ms", "TPOT p50 ms"),
     ("output_throughput", "output tok/s"),
+    ("front_cpu_ms", "CPU/req ms"),
 ]
+# vLLM's engine processes: what every target shares, left out of "CPU/req" so that it
+# is what the target adds in front of the engine (bare vLLM: its API server).
+ENGINE_MARKS = ("VLLM::EngineCore", "VLLM::Worker", "EngineCore_DP")
 
 
 # The stack's Redis (the Makefile's default): the load generator's key is made there,
@@ -74,19 +84,26 @@ METRICS = [
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+# The load generator's key, on every target that takes keys: limits that never bind but
+# are counted (requests and tokens per minute, requests at once), as a platform team's
+# key has them; LiteLLM's gets the same (bench/litellm_proxy.py).
+BENCH_KEY_LIMITS = {"requests_per_minute": 1_000_000, "tokens_per_minute": 1_000_000_000, "max_concurrent": 10_000}
+
+
 def bench_api_key() -> str:
-    """An unlimited key in the stack's Redis (REDIS_URL) for the load generator."""
+    """A key with BENCH_KEY_LIMITS in the stack's Redis (REDIS_URL) for the load generator."""
     import asyncio
 
     import redis.asyncio
     import redis.exceptions
 
     from serve_app.identity.keys import KeyStore
+    from serve_app.limits import KeyLimits
 
     async def create() -> str:
         client = redis.asyncio.Redis.from_url(REDIS_URL)
         try:
-            return (await KeyStore(client).create(f"bench-{time.time_ns()}"))[1]
+            return (await KeyStore(client).create(f"bench-{time.time_ns()}", KeyLimits(**BENCH_KEY_LIMITS)))[1]
         finally:
             await client.aclose()
 
@@ -104,16 +121,62 @@ def redis_class() -> str:
     still waits for the yes), which then is the stack's c=1 TTFT p99, not its gateway
     (docs/performance-history.md, "What the c=1 tail was"); ``scripts/ensure_redis.sh`` starts it
     in the real-time class."""
+    pid = redis_pid()
+    if pid is None:  # not on this host (another machine's pid), or gone
+        return "unknown class"
+    try:
+        policy = os.sched_getscheduler(pid) & ~os.SCHED_RESET_ON_FORK  # ensure_redis.sh sets reset-on-fork
+    except OSError:
+        return "unknown class"
+    return "real-time class" if policy in (os.SCHED_FIFO, os.SCHED_RR) else "normal class"
+
+
+def redis_pid() -> int | None:
+    """The stack's Redis (REDIS_URL) when it runs on this host (None otherwise): its CPU
+    is a stack's (and LiteLLM's limits') cost per request, its class part of what the
+    figures mean."""
+    import psutil
     import redis
 
     try:
         client = redis.Redis.from_url(REDIS_URL)
         pid = int(client.info("server")["process_id"])
         client.close()
-        policy = os.sched_getscheduler(pid) & ~os.SCHED_RESET_ON_FORK  # ensure_redis.sh sets reset-on-fork
-    except Exception:  # not on this host (another machine's pid), or gone
-        return "unknown class"
-    return "real-time class" if policy in (os.SCHED_FIFO, os.SCHED_RR) else "normal class"
+        return pid if psutil.pid_exists(pid) else None
+    except Exception:
+        return None
+
+
+@dataclass
+class Running:
+    """A started target: where to send requests, and the processes it runs as (each
+    with its descendants) for its CPU."""
+
+    url: str
+    pids: list[int] = field(default_factory=list)
+
+
+def front_cpu_s(pids: list[int]) -> dict[int, float]:
+    """CPU seconds (user + system) so far of every process under ``pids`` (each with its
+    descendants) but vLLM's engine processes, by pid."""
+    import psutil
+
+    found: dict[int, float] = {}
+    for pid in pids:
+        try:
+            top = psutil.Process(pid)
+            tree = [top, *top.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in tree:
+            try:
+                if any(mark in " ".join(proc.cmdline()) for mark in ENGINE_MARKS):
+                    continue
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            found[proc.pid] = times.user + times.system
+    return found
 
 
 def wait_ready(url: str, proc: subprocess.Popen, model: str, timeout_s: float = 600) -> None:
@@ -151,14 +214,26 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
         proc = subprocess.Popen(cmd, env={**os.environ, **config.env}, stdout=out, stderr=out, cwd=REPO)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, config.name)
-        yield f"http://127.0.0.1:{port}"
+        yield Running(f"http://127.0.0.1:{port}", [proc.pid])
     finally:
         stop(proc)
 
 
+@contextmanager
+def litellm_in_front(config: ModelConfig, source: str, out_dir: Path):
+    """LiteLLM's proxy (bench/litellm_proxy.py) in front of bare ``vllm serve``."""
+    from litellm_proxy import litellm_proxy
+
+    with bare_vllm(config, source, out_dir / "litellm-vllm.log") as engine:
+        key = os.environ["OPENAI_API_KEY"]  # the load generator's
+        with litellm_proxy(engine.url, config.name, REDIS_URL, out_dir, key, BENCH_KEY_LIMITS) as (url, proc):
+            wait_ready(url, proc, config.name)
+            yield Running(url, [proc.pid, *engine.pids, *filter(None, [redis_pid()])])
+
+
 from serve_env import MAKEFILE_ENV, RAY_DEFAULT_ENV, RAY_PROXY_ENV, RSLLM_FAST_ENV  # noqa: E402
 
-TARGETS = ["vllm", "stack", "stack-ingress", "stack-direct", "stack-ray-proxy", "rsllm", "rsllm-fast"]
+TARGETS = ["vllm", "stack", "stack-ingress", "stack-direct", "stack-ray-proxy", "rsllm", "rsllm-fast", "litellm"]
 
 
 def without_direct_route(serve_config: dict) -> dict:
@@ -185,10 +260,10 @@ def direct_stack(serve_config: dict, config: ModelConfig, log: Path, env: dict[s
     """The stack with the model's direct route; yields the route's base URL."""
     from contract.model_config import direct_route_prefix
 
-    with serve_stack(with_direct_route(serve_config), config.name, log, env) as url:
-        direct = url + direct_route_prefix(config.name)
+    with serve_stack(with_direct_route(serve_config), config.name, log, env) as running:
+        direct = running.url + direct_route_prefix(config.name)
         wait_ready(direct, None, config.name)
-        yield direct
+        yield Running(direct, running.pids)
 
 
 def ray_serve_llm_config(config: ModelConfig, source: str, ingress_cpus: float | None) -> dict:
@@ -237,7 +312,9 @@ def ray_serve_llm_config(config: ModelConfig, source: str, ingress_cpus: float |
 
 
 @contextmanager
-def serve_stack(serve_config: dict, model: str, log: Path, env: dict[str, str]):
+def serve_stack(serve_config: dict, model: str, log: Path, env: dict[str, str], with_redis: bool = True):
+    """``serve run`` of ``serve_config`` (its Ray starts under it); ``with_redis``: the
+    target's CPU includes Redis's (this stack's; Ray Serve LLM uses none)."""
     port = free_port()
     serve_config = {**serve_config, "http_options": {**serve_config.get("http_options", {}), "port": port}}
     config_file = log.with_suffix(".yaml")
@@ -253,12 +330,12 @@ def serve_stack(serve_config: dict, model: str, log: Path, env: dict[str, str]):
         )
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, model)
-        yield f"http://127.0.0.1:{port}"
+        yield Running(f"http://127.0.0.1:{port}", [proc.pid, *filter(None, [redis_pid() if with_redis else None])])
     finally:
         stop(proc)
 
 
-def profile_target(url: str, config: ModelConfig, source: str, target: str, args, out_dir: Path) -> str:
+def profile_target(running: Running, config: ModelConfig, source: str, target: str, args, out_dir: Path) -> str:
     from hop_profile import GROUPS, profiled, report
 
     groups = GROUPS
@@ -273,7 +350,7 @@ def profile_target(url: str, config: ModelConfig, source: str, target: str, args
     if target == "vllm":  # `vllm serve`'s API server process is what a model replica is here
         groups = {**GROUPS, "replica": ("vllm_cli serve",)}
     with profiled(args.profile / target, groups) as hops:
-        result = run_load(url, config, source, max(args.concurrency), args, out_dir)
+        result = run_load(running, config, source, max(args.concurrency), args, out_dir)
     return report(hops, result["completed"], result["total_output_tokens"])
 
 
@@ -295,8 +372,9 @@ def client_priority(wanted: str) -> list[str]:
     return ["chrt", "-f", "1"]
 
 
-def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args, out_dir: Path) -> dict:
+def run_load(running: Running, config: ModelConfig, source: str, concurrency: int, args, out_dir: Path) -> dict:
     name = f"c{concurrency}-{time.monotonic_ns()}.json"
+    url = running.url
     cmd = [
         *args.client_prefix,
         sys.executable,
@@ -345,8 +423,13 @@ def run_load(url: str, config: ModelConfig, source: str, concurrency: int, args,
         "--result-filename",
         name,
     ]
+    cpu_before = front_cpu_s(running.pids)
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    cpu_after = front_cpu_s(running.pids)
     result = json.loads((out_dir / name).read_text())
+    # A process gone meanwhile is left out (its CPU unknown); one new counts from 0.
+    spent_s = sum(after - cpu_before.get(pid, 0.0) for pid, after in cpu_after.items())
+    result["front_cpu_ms"] = 1000 * spent_s / max(result["completed"], 1)
     # Each answered request's TTFT (s) for the pooled tails (a failed one's is 0);
     # not the texts and inter-token latencies.
     result["ttfts"] = [ttft for ttft, error in zip(result["ttfts"], result["errors"]) if not error]
@@ -519,22 +602,28 @@ def main() -> None:
                 {**RAY_PROXY_ENV, **stack_env},
             ),
             "rsllm": lambda: serve_stack(
-                ray_serve_llm_config(config, source, ingress_cpus), config.name, out_dir / "rsllm.log", RAY_DEFAULT_ENV
+                ray_serve_llm_config(config, source, ingress_cpus),
+                config.name,
+                out_dir / "rsllm.log",
+                RAY_DEFAULT_ENV,
+                with_redis=False,
             ),
             "rsllm-fast": lambda: serve_stack(
                 ray_serve_llm_config(config, source, None),
                 config.name,
                 out_dir / "rsllm-fast.log",
                 {**RAY_DEFAULT_ENV, **RSLLM_FAST_ENV},
+                with_redis=False,
             ),
+            "litellm": lambda: litellm_in_front(config, source, out_dir),
         }
         for _ in range(args.repeats):
             for target in args.targets:
                 try:
-                    with starts[target]() as url:
-                        run_load(url, config, source, 1, args, out_dir)  # warm-up, discarded
+                    with starts[target]() as running:
+                        run_load(running, config, source, 1, args, out_dir)  # warm-up, discarded
                         for concurrency in args.concurrency:
-                            result = run_load(url, config, source, concurrency, args, out_dir)
+                            result = run_load(running, config, source, concurrency, args, out_dir)
                             results.setdefault((target, concurrency), []).append(result)
                             print(
                                 f"{target} c={concurrency}: "
@@ -543,7 +632,7 @@ def main() -> None:
                                 flush=True,
                             )
                         if args.profile:
-                            profiles[target] = profile_target(url, config, source, target, args, out_dir)
+                            profiles[target] = profile_target(running, config, source, target, args, out_dir)
                 except Exception:
                     log = out_dir / f"{target}.log"
                     print(
