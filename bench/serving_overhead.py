@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import signal
@@ -560,6 +561,11 @@ def main() -> None:
         "py-spy (bench/hop_profile.py): CPU per request/token per process, top functions",
     )
     args = parser.parse_args()
+    missing = [name for name in ("pyarrow", "jsonref") if importlib.util.find_spec(name) is None]
+    if missing and any(target.startswith("rsllm") for target in args.targets):
+        # ray.serve.llm imports them in its application build, which Serve retries while
+        # `serve run` waits: without them a Ray Serve LLM target would only time out.
+        raise SystemExit(f"Ray Serve LLM needs {', '.join(missing)}: pip install -e '.[bench]' (`make bench` does)")
     args.client_prefix = client_priority(args.client_class)  # asked once: the header says what ran
 
     from serve_app.app import with_direct_apps
