@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -103,19 +102,16 @@ def key_limits(bench_limits: dict[str, int]) -> dict[str, int]:
     }
 
 
-@contextmanager
-def litellm_proxy(engine_url: str, model: str, redis_url: str, out_dir: Path, key: str, limits: dict[str, int]):
-    """Start the proxy in front of ``engine_url``; yields (its URL, its process)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from ports import free_port
-
+def litellm_command(
+    engine_url: str, model: str, redis_url: str, work: Path, port: int, key: str, limits: dict[str, int]
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that start the proxy on ``port`` in front of
+    ``engine_url``, its config and hook written into ``work``."""
     python = litellm_python()
-    work = out_dir / "litellm"
     work.mkdir(exist_ok=True)
     (work / "custom_auth.py").write_text(CUSTOM_AUTH)
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(proxy_config(engine_url, model, redis_url)))
-    port = free_port()
     env = {
         **os.environ,
         "BENCH_LITELLM_KEY": key,
@@ -125,26 +121,5 @@ def litellm_proxy(engine_url: str, model: str, redis_url: str, out_dir: Path, ke
         "LITELLM_LOG": "ERROR",
         "PYTHONPATH": str(work),
     }
-    command = [
-        str(python.with_name("litellm")),
-        "--config",
-        str(config),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--num_workers",
-        "1",
-    ]
-    with (out_dir / "litellm.log").open("w") as log:
-        proc = subprocess.Popen(command, env=env, cwd=work, stdout=log, stderr=log)
-    try:
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    command = [str(python.with_name("litellm")), "--config", str(config), "--host", "127.0.0.1"]
+    return [*command, "--port", str(port), "--num_workers", "1"], env

@@ -75,9 +75,6 @@ METRICS = [
     ("output_throughput", "output tok/s"),
     ("front_cpu_ms", "CPU/req ms"),
 ]
-# vLLM's engine processes: what every target shares, left out of "CPU/req" so that it
-# is what the target adds in front of the engine (bare vLLM: its API server).
-ENGINE_MARKS = ("VLLM::EngineCore", "VLLM::Worker", "EngineCore_DP")
 
 
 # The stack's Redis (the Makefile's default): the load generator's key is made there,
@@ -159,8 +156,10 @@ class Running:
 
 def front_cpu_s(pids: list[int]) -> dict[int, float]:
     """CPU seconds (user + system) so far of every process under ``pids`` (each with its
-    descendants) but vLLM's engine processes, by pid."""
+    descendants) but vLLM's engine processes (what every target runs alike, left out so
+    that "CPU/req" is what the target adds in front of the engine), by pid."""
     import psutil
+    from hop_profile import GROUPS
 
     found: dict[int, float] = {}
     for pid in pids:
@@ -171,7 +170,7 @@ def front_cpu_s(pids: list[int]) -> dict[int, float]:
             continue
         for proc in tree:
             try:
-                if any(mark in " ".join(proc.cmdline()) for mark in ENGINE_MARKS):
+                if any(mark in " ".join(proc.cmdline()) for mark in GROUPS["engine"]):
                     continue
                 times = proc.cpu_times()
             except psutil.Error:
@@ -223,13 +222,19 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
 @contextmanager
 def litellm_in_front(config: ModelConfig, source: str, out_dir: Path):
     """LiteLLM's proxy (bench/litellm_proxy.py) in front of bare ``vllm serve``."""
-    from litellm_proxy import litellm_proxy
+    from litellm_proxy import litellm_command
 
     with bare_vllm(config, source, out_dir / "litellm-vllm.log") as engine:
+        port = free_port()
         key = os.environ["OPENAI_API_KEY"]  # the load generator's
-        with litellm_proxy(engine.url, config.name, REDIS_URL, out_dir, key, BENCH_KEY_LIMITS) as (url, proc):
-            wait_ready(url, proc, config.name)
-            yield Running(url, [proc.pid, *engine.pids, *filter(None, [redis_pid()])])
+        cmd, env = litellm_command(engine.url, config.name, REDIS_URL, out_dir / "litellm", port, key, BENCH_KEY_LIMITS)
+        with (out_dir / "litellm.log").open("w") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, cwd=out_dir / "litellm")
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc, config.name)
+            yield Running(f"http://127.0.0.1:{port}", [proc.pid, *engine.pids, *filter(None, [redis_pid()])])
+        finally:
+            stop(proc)
 
 
 from serve_env import MAKEFILE_ENV, RAY_DEFAULT_ENV, RAY_PROXY_ENV, RSLLM_FAST_ENV  # noqa: E402
