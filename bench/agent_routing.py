@@ -17,6 +17,13 @@ least connections sends a turn back to the replica the previous one just left, t
 with a connection free); every request streamed. Each replica's KV cache is capped (``--kv-blocks``
 blocks of 128 tokens) below what all conversations need, as on a busy cluster.
 
+``--isolation shared team key``: one run per prompt-cache isolation level instead of per
+policy (the model's ``cache_isolation``, serve_app/identity/cache_isolation.py; routed by the
+first of ``--policies``), the conversations sent by ``--teams`` teams of ``--keys-per-team``
+keys, each key using every application: under ``shared`` an application's system prompt is
+cached once for all, under ``team`` once per team, under ``key`` once per key: what
+isolation costs in hit rate and first-token time.
+
 ``--one-hop``: the model behind its direct route as shipped (``/v1`` in one hop, the
 replica chosen at the edge by the same router class: serve_app/http/edge_router.py;
 ``power_of_two`` there is HAProxy's least connections, ``sessions`` the edge router's
@@ -35,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -50,13 +56,14 @@ sys.path.insert(0, str(REPO))
 
 from prefix_routing import engine_loads, stack_config  # noqa: E402
 from serve_env import MAKEFILE_ENV  # noqa: E402
-from serving_overhead import bench_api_key, serve_stack  # noqa: E402
+from serving_overhead import BENCH_KEY_LIMITS, REDIS_URL, bench_api_key, serve_stack  # noqa: E402
 
 from contract.edge import DEFAULT_SESSION_HEADER  # noqa: E402
 from contract.model_config import ModelConfig, direct_app_name  # noqa: E402
 from serve_app.app import with_direct_apps  # noqa: E402
 
 POLICIES = ["power_of_two", "prefix_affinity", "cache_affinity", "sessions"]
+ISOLATION_LEVELS = ["shared", "team", "key"]
 METRICS = ["TTFT p50 ms", "TTFT p90 ms", "output tok/s", "prefix-cache hit rate", "max/mean replica load"]
 WORDS = (
     "license grant patent copyright notice source object form work derivative contribution contributor "
@@ -107,24 +114,38 @@ async def conversation(
             await asyncio.sleep(args.think_ms / 1000)
 
 
-async def run_load(url: str, model: str, args, sessions: bool = False) -> tuple[list[tuple[float, int]], float]:
+async def run_load(
+    url: str, model: str, args, secrets: list[str], sessions: bool = False
+) -> tuple[list[tuple[float, int]], float]:
+    """Every conversation, conversation ``n`` sent with ``secrets[n % len(secrets)]`` (of
+    application ``n % apps``: each key uses every application)."""
     rng = random.Random(0)  # the same conversations for every policy
     systems = [f"You are application {app}. " + words(rng, args.system_words) for app in range(args.apps)]
+    clients = [
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=600) for secret in secrets
+    ]
     plans = [
-        (systems[n % args.apps], random.Random(1000 + n), f"conversation-{n}" if sessions else None)
+        (
+            clients[(n // args.apps) % len(clients)],
+            systems[n % args.apps],
+            random.Random(1000 + n),
+            f"conversation-{n}" if sessions else None,
+        )
         for n in range(args.conversations)
     ]
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ["OPENAI_API_KEY"], max_retries=0, timeout=600)
     samples: list[tuple[float, int]] = []
     gate = asyncio.Semaphore(args.concurrency)
 
-    async def one(system, conversation_rng, session):
+    async def one(client, system, conversation_rng, session):
         async with gate:
             await conversation(client, model, system, conversation_rng, args, samples, session)
 
     started = time.perf_counter()
-    async with client:  # closed on this loop (left to the collector, its sockets outlive the loop)
+    try:
         await asyncio.gather(*(one(*plan) for plan in plans))
+    finally:  # closed on this loop (left to the collector, their sockets outlive the loop)
+        for client in clients:
+            await client.close()
     return samples, time.perf_counter() - started
 
 
@@ -152,17 +173,28 @@ def main() -> None:
     parser.add_argument("--source", default="demo:small", help="demo:small (default) or demo (the tiny model)")
     parser.add_argument("--one-hop", action="store_true", help="behind the direct route, as shipped")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every policy, each on a fresh stack")
+    parser.add_argument(
+        "--isolation", nargs="+", choices=ISOLATION_LEVELS, help="one run per cache isolation level (see above)"
+    )
+    parser.add_argument("--teams", type=int, default=4, help="with --isolation: teams sending the conversations")
+    parser.add_argument("--keys-per-team", type=int, default=2, help="with --isolation: keys of each team")
     args = parser.parse_args()
 
-    os.environ["OPENAI_API_KEY"] = bench_api_key()
-    runs: dict[str, list[dict]] = {policy: [] for policy in args.policies}
+    # (column, routing policy, cache isolation level)
+    variants = (
+        [(level, args.policies[0], level) for level in args.isolation]
+        if args.isolation
+        else [(policy, policy, "shared") for policy in args.policies]
+    )
+    secrets = tenant_keys(args.teams, args.keys_per_team) if args.isolation else [bench_api_key()]
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
-        for repeat in range(args.repeats):  # the policies in turn within each repeat: drift hits all alike
-            for policy in args.policies:
-                runs[policy].append(run_policy(policy, args, Path(tmp) / f"{policy}-{repeat}.log"))
+        for repeat in range(args.repeats):  # the variants in turn within each repeat: drift hits all alike
+            for name, policy, isolation in variants:
+                log = Path(tmp) / f"{name}-{repeat}.log"
+                runs[name].append(run_policy(policy, args, log, secrets, isolation))
                 print(
-                    f"{policy} (repeat {repeat + 1}): "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in runs[policy][-1].items()),
+                    f"{name} (repeat {repeat + 1}): " + ", ".join(f"{k} {v:.3f}" for k, v in runs[name][-1].items()),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -173,7 +205,13 @@ def main() -> None:
         f"system prompt, {args.conversations} conversations x {args.turns} turns of {args.user_words} words, "
         f"{args.output_len} output tokens, {args.concurrency} conversations at a time, {args.think_ms:g} ms "
         f"between turns; "
-        f"median of {args.repeats} repeat(s) (each repeat's value after it)\n"
+        + (
+            f"routed by {args.policies[0]}, sent by {args.teams} teams of {args.keys_per_team} keys, one column per "
+            "cache_isolation; "
+            if args.isolation
+            else ""
+        )
+        + f"median of {args.repeats} repeat(s) (each repeat's value after it)\n"
     )
     print("| metric | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))
@@ -188,11 +226,41 @@ def main() -> None:
         print(f"| {metric} | " + " | ".join(cells) + " |")
 
 
-def run_policy(policy: str, args, log: Path) -> dict[str, float]:
-    """One policy's run on a freshly started stack (empty prefix caches)."""
+def tenant_keys(teams: int, keys_per_team: int) -> list[str]:
+    """The secrets of ``keys_per_team`` keys in each of ``teams`` new teams, in the stack's
+    Redis, with the bench key's limits; listed key by key across teams (so neighbouring
+    conversations are other teams')."""
+    import redis.asyncio
+
+    from serve_app.admin import operations as admin
+    from serve_app.admin.operations import AdminStores
+
+    async def create() -> list[str]:
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        try:
+            stores, run = AdminStores.over(client), time.time_ns()
+            team_ids = [
+                (await admin.create_team(stores, {"name": f"bench-{run}-{t}"}, "bench"))["id"] for t in range(teams)
+            ]
+            secrets = []
+            for k in range(keys_per_team):
+                for t, team_id in enumerate(team_ids):
+                    body = {"name": f"bench-{run}-{t}-{k}", "team": team_id, **BENCH_KEY_LIMITS}
+                    secrets.append((await admin.create_key(stores, body, "bench"))["secret"])
+            return secrets
+        finally:
+            await client.aclose()
+
+    return asyncio.run(create())
+
+
+def run_policy(policy: str, args, log: Path, secrets: list[str], isolation: str = "shared") -> dict[str, float]:
+    """One policy's run on a freshly started stack (empty prefix caches), the model's
+    prompt cache isolated by ``isolation``."""
     serve_config = stack_config(
         "prefix_affinity" if policy == "sessions" else policy, args.kv_blocks, args.source, direct=args.one_hop
     )
+    serve_config["applications"][0]["args"]["models"][0]["cache_isolation"] = isolation
     config = ModelConfig(**serve_config["applications"][0]["args"]["models"][0])
     app_name = direct_app_name(config.name) if args.one_hop else "llm"
     if args.one_hop:
@@ -200,7 +268,7 @@ def run_policy(policy: str, args, log: Path) -> dict[str, float]:
     try:
         with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
             before = engine_loads(config.name, app_name)
-            samples, wall = asyncio.run(run_load(url, config.name, args, sessions=policy == "sessions"))
+            samples, wall = asyncio.run(run_load(url, config.name, args, secrets, sessions=policy == "sessions"))
             after = engine_loads(config.name, app_name)
     except Exception:
         print(f"{policy} failed; its log ends:\n" + (log.read_text()[-3000:] if log.exists() else ""), file=sys.stderr)

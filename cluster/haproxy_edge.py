@@ -58,6 +58,12 @@ through ``edge_config`` first:
   the node's private address and firewall it, docs/operating.md "What listens where"),
   and its admin socket (``stats socket``, which can stop and reroute servers) is
   ``mode 600`` (Ray writes 666): only the user running Ray talks to it, as Ray does.
+- The credential goes to a direct route's edge router with the body: Ray's Lua action
+  (``lua-load-per-thread``) forwards the body, the session and request-id headers to
+  ``/internal/route``; the patched copy this loads (``edge_router_lua``) adds the
+  client's credential headers, so the router salts the prompt it routes as the replica's
+  gateway will (the tenant's cache: serve_app/identity/cache_isolation.py), and a
+  tenant's requests are placed where its own cache is, never where another's is.
 """
 
 from __future__ import annotations
@@ -71,7 +77,14 @@ import urllib.request
 from http import HTTPStatus
 from pathlib import Path
 
-from contract.edge import DIRECT_ROUTE_ROOT, EDGE_NAMES_PATH, EDGE_TIME_HEADER, ONE_HOP_ROUTES, session_header
+from contract.edge import (
+    CREDENTIAL_HEADERS,
+    DIRECT_ROUTE_ROOT,
+    EDGE_NAMES_PATH,
+    EDGE_TIME_HEADER,
+    ONE_HOP_ROUTES,
+    session_header,
+)
 
 REQUEST_HEADERS_TIMEOUT_S = 10
 KEEP_ALIVE_TIMEOUT_S = 60
@@ -378,13 +391,61 @@ def _with_body_buffer(section: str) -> str:
 
 def rewrite_args(args: list[str]) -> list[str]:
     """haproxy's arguments with each ``-f <file>`` replaced by that file passed
-    through ``edge_config`` (written beside it, as ``<file>.edge``)."""
+    through ``edge_config`` (written beside it, as ``<file>.edge``), loading the
+    edge router's Lua patched by ``edge_router_lua`` (beside Ray's, as ``<lua>.edge``)."""
     out = list(args)
     for i, arg in enumerate(args[:-1]):
         if arg == "-f":
             source = Path(args[i + 1])
             target = source.with_name(source.name + ".edge")
             config = source.read_text()
-            target.write_text(edge_config(config, source.parent / "edge-errors", route_names(config)))
+            config = edge_config(config, source.parent / "edge-errors", route_names(config))
+            target.write_text(_LUA_LOAD.sub(_patched_lua, config))
             out[i + 1] = str(target)
     return out
+
+
+_LUA_LOAD = re.compile(r"(?m)^(\s*lua-load-per-thread\s+)(\S+)$")
+
+# Ray's Lua (ray/serve/_private/ingress_request_router.lua.tmpl, as Ray 2.60 writes it):
+# each anchor is found exactly once, or the edge refuses to start (a Ray upgrade
+# that moved them must be looked at, not routed around).
+_LUA_PATCHES = (
+    (
+        "local function call_router(router, body, truncated_length, session_id, request_id)\n",
+        "local LLM_CREDENTIAL_HEADERS = {" + ", ".join(f'"{name}"' for name in CREDENTIAL_HEADERS) + "}\n"
+        "-- The client's credential headers as request lines (llm-cluster: cluster/haproxy_edge.py).\n"
+        "local function llm_credentials(hdrs)\n"
+        '    local lines = ""\n'
+        "    for _, name in ipairs(LLM_CREDENTIAL_HEADERS) do\n"
+        "        local entry = hdrs and hdrs[name]\n"
+        "        if entry and entry[0] then\n"
+        '            lines = lines .. name .. ": " .. entry[0] .. "\\r\\n"\n'
+        "        end\n"
+        "    end\n"
+        "    return lines\n"
+        "end\n\n"
+        "local function call_router(router, body, truncated_length, session_id, request_id, credentials)\n",
+    ),
+    ("        .. request_id_header\n", '        .. request_id_header\n        .. (credentials or "")\n'),
+    (
+        "response = call_router(router, body, truncated, session_id, request_id)\n",
+        "response = call_router(router, body, truncated, session_id, request_id, llm_credentials(hdrs))\n",
+    ),
+)
+
+
+def edge_router_lua(source: str) -> str:
+    """Ray's ingress-request-router Lua forwarding the client's credential headers too."""
+    for anchor, replacement in _LUA_PATCHES:
+        if source.count(anchor) != 1:
+            raise ValueError(f"Ray's ingress request router Lua changed: {anchor.strip()!r} not found once")
+        source = source.replace(anchor, replacement)
+    return source
+
+
+def _patched_lua(load: re.Match) -> str:
+    source = Path(load.group(2))
+    target = source.with_name(source.name + ".edge")
+    target.write_text(edge_router_lua(source.read_text()))
+    return load.group(1) + str(target)

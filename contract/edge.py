@@ -21,6 +21,11 @@ ONE_HOP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 EDGE_NAMES_PATH = "/-/edge-names"
 
 
+# The client headers a credential comes in (a bearer token, Azure's api-key, Anthropic's
+# x-api-key: serve_app/identity/authentication.py ``secret_from``), lower case; the edge
+# hands them to a direct route's edge router with the body (cluster/haproxy_edge.py).
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
+
 # Requests carrying this header with one value are one conversation: they go to one
 # replica of their model while its load allows (its cached history is there), at the
 # edge for a direct route and in the ingress' request router otherwise. Ray Serve's own

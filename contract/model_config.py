@@ -36,6 +36,9 @@ DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
 # each sends as vLLM's request `priority` (lower runs earlier).
 PriorityTier = Literal["high", "normal", "low"]
 PRIORITY_TIERS: tuple[str, ...] = get_args(PriorityTier)
+# Whose requests share a model's prefix cache (serve_app/identity/cache_isolation.py):
+# each key its own, each team its own (a key without a team: its own), or everyone's.
+CacheIsolation = Literal["key", "team", "shared"]
 VLLM_PRIORITY = {tier: rank for rank, tier in enumerate(PRIORITY_TIERS)}
 
 
@@ -306,6 +309,14 @@ class ModelConfig(BaseModel):
     )
     lora: LoraSettings | None = Field(None, description="LoRA adapters on this (generative) model.")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    cache_isolation: CacheIsolation = Field(
+        "team",
+        description="Whose requests may reuse each other's cached prompt blocks: 'team' (a team's keys "
+        "share, a key without a team has its own), 'key', or 'shared' (every tenant: another tenant can "
+        "time its first tokens to learn whether a prompt was sent). The gateway sets vLLM's cache_salt "
+        "from a server secret and the tenant; a client's own cache_salt only divides its tenant's cache. "
+        "A key's or team's cache_isolation overrides this.",
+    )
     priority: PrioritySettings = Field(default_factory=PrioritySettings)
     fair_share: FairShareSettings = Field(default_factory=FairShareSettings)
     pricing: Pricing = Field(default_factory=Pricing)

@@ -5,7 +5,10 @@ the router's index; replicas/kv_events.py translates the engine's KV-cache event
 A prompt (the messages' roles and text in order, as the engine reads them first) is cut
 into blocks of ``block_chars`` characters; block *i*'s hash covers blocks 0..*i*, so a
 match of block *i* means the whole prompt up to it is the same (as vLLM's own block
-hashes chain)."""
+hashes chain). A request's ``cache_salt`` (set by the gateway from its tenant:
+serve_app/identity/cache_isolation.py) comes before its text, as vLLM puts it in its
+first block's hash: two tenants' same prompt are different texts to every router and
+index, as they are different blocks to the engine."""
 
 from __future__ import annotations
 
@@ -20,10 +23,17 @@ MAX_HASHED_CHARS = 65_536
 
 def prompt_text(body: Any, limit: int = MAX_HASHED_CHARS) -> str:
     """The first ``limit`` characters of what the engine reads first: the messages'
-    roles and text in order, or the prompt (the first of a batch). '' when there is
-    none (then nothing is gained by affinity)."""
+    roles and text in order, or the prompt (the first of a batch), after the request's
+    cache salt. '' when there is none (then nothing is gained by affinity)."""
     if not isinstance(body, Mapping):
         return ""
+    salt = body.get("cache_salt")
+    head = f"\x1d{salt}\x1d" if isinstance(salt, str) and salt else ""
+    text = _unsalted_text(body, limit)
+    return head + text if text else ""
+
+
+def _unsalted_text(body: Mapping[str, Any], limit: int) -> str:
     parts: list[str] = []
     size = 0
     messages = body.get("messages")

@@ -564,6 +564,24 @@ def quotas() -> Dashboard:
         )
         .with_panel(
             timeseries(
+                "Prompt cache hit rate, per team",
+                "Of each team's prompt tokens, the share its models' engines served from the team's own "
+                "prefix cache (the models' and teams' cache_isolation: a team never reads another's; "
+                f"the 10 largest). {per_team}",
+                "percentunit",
+                target(
+                    top_keys(
+                        rate("ray_llm_gateway_team_cached_prompt_tokens_total", by="team")
+                        + " / "
+                        + rate("ray_llm_gateway_team_tokens_total", 'kind="prompt"', by="team")
+                    ),
+                    "{{team}}",
+                ),
+                width=6,
+            )
+        )
+        .with_panel(
+            timeseries(
                 "Spend per team",
                 f"What each team's requests cost at their models' prices (models' pricing), in USD "
                 f"per hour (the 10 largest). {per_team}",

@@ -83,7 +83,7 @@ def build_direct_app(args: dict[str, Any]) -> Application:
     from serve_app.http.edge_router import edge_router
 
     app = DirectModel.options(**options).bind(model, settings)
-    return app._with_ingress_request_router(edge_router(app, model))
+    return app._with_ingress_request_router(edge_router(app, model, settings))
 
 
 def routes_at_the_edge(model: ModelConfig, options: dict[str, Any]) -> bool:

@@ -1,7 +1,8 @@
 """``llmctl``: the operator's command line.
 
     llmctl keys create NAME [--rpm N --tpm N --max-concurrent N --daily-tokens N
-                             --monthly-tokens N --models a,b --priority high|normal|low] [--json]
+                             --monthly-tokens N --models a,b --priority high|normal|low
+                             --cache-isolation key|team|shared|model] [--json]
     llmctl keys list|show|update|revoke ...
     llmctl usage --key NAME_OR_ID | [--key K] --days N [--by api_key_id,model] [--csv]
     llmctl requests show REQUEST_ID [--key NAME_OR_ID]
@@ -24,8 +25,9 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import get_args
 
-from contract.model_config import PRIORITY_TIERS
+from contract.model_config import PRIORITY_TIERS, CacheIsolation
 
 LIMIT_FLAGS = {
     "rpm": "requests_per_minute",
@@ -49,6 +51,8 @@ def _limit_changes(args: argparse.Namespace) -> dict:
         changes["models"] = None if args.models in ("", "*") else args.models.split(",")
     if args.priority is not None:
         changes["priority"] = args.priority
+    if args.cache_isolation is not None:
+        changes["cache_isolation"] = None if args.cache_isolation == "model" else args.cache_isolation
     return changes
 
 
@@ -351,6 +355,13 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=None, help="comma-separated model names; '*' = all")
     parser.add_argument(
         "--priority", default=None, choices=PRIORITY_TIERS, help="scheduling tier under load (default normal)"
+    )
+    parser.add_argument(
+        "--cache-isolation",
+        default=None,
+        choices=(*get_args(CacheIsolation), "model"),
+        help="whose requests share the prompt cache with this one's: key, team, shared; "
+        "'model' (the default): the team's, else the model's setting",
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract.model_config import PriorityTier
+from contract.model_config import CacheIsolation, PriorityTier
 
 
 class KeyLimits(BaseModel):
@@ -29,4 +29,9 @@ class KeyLimits(BaseModel):
         description="Scheduling tier: high, normal or low. Under load a model's engine runs higher tiers "
         "first (where the model enables priority scheduling) and the ingress refuses lower tiers first "
         "when the model's queue fills (contract/model_config.py PrioritySettings).",
+    )
+    cache_isolation: CacheIsolation | None = Field(
+        None,
+        description="Whose requests share the prefix cache with this key's (a team's: its keys'): key, "
+        "team or shared; unset: its team's, else the model's (contract/model_config.py cache_isolation).",
     )

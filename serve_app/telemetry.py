@@ -193,6 +193,14 @@ class Telemetry:
                 ("team", "kind"),
             )
         )
+        self.team_cached_tokens = BatchedCounter(
+            Counter(
+                "llm_gateway_team_cached_prompt_tokens",
+                "Of a team's keys' prompt tokens, those the engine served from the team's prefix cache "
+                "(its hit rate: this over the team's prompt tokens; what cache_isolation costs it).",
+                ("team",),
+            )
+        )
         self.team_spend = BatchedCounter(
             Counter(
                 "llm_gateway_team_spend_usd", "What a team's requests cost at their models' prices, USD.", ("team",)
@@ -377,13 +385,17 @@ class Telemetry:
             self.key_budget.set(used / budget, tags={"key_name": key_name, "period": period})
             self._budgets[key_name, period] = (used / budget, time.monotonic())
 
-    def team_charged(self, team_name: str, prompt: int, completion: int, reserved: int, cost_nanos: int) -> None:
+    def team_charged(
+        self, team_name: str, prompt: int, completion: int, reserved: int, cost_nanos: int, cached_prompt: int = 0
+    ) -> None:
         """A request of a team's key settled: the tokens charged (``reserved`` when its
-        usage never came) and what they cost."""
+        usage never came), what they cost, and how much of its prompt was cached."""
         team = self.team_labels.label(team_name)
         for kind, count in (("prompt", prompt), ("completion", completion), ("reserved", reserved)):
             if count > 0:
                 self.team_tokens.inc(count, tags={"team": team, "kind": kind})
+        if cached_prompt > 0:
+            self.team_cached_tokens.inc(cached_prompt, tags={"team": team})
         if cost_nanos > 0:
             self.team_spend.inc(cost_nanos / 1e9, tags={"team": team})
 

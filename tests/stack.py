@@ -410,6 +410,47 @@ def create_key_of_disabled_team(redis_url: str, name: str) -> str:
     return asyncio.run(create())
 
 
+def create_team_key(redis_url: str, team_name: str, key_name: str, **team_fields) -> tuple[str, str, str]:
+    """A key in team ``team_name`` (made with ``team_fields``, e.g. ``cache_isolation``,
+    if it is not there yet), through the admin operations: (team id, key id, secret)."""
+    from serve_app.admin import operations as admin
+    from serve_app.admin.operations import AdminStores
+    from serve_app.redis_store.redis_client import connect
+
+    async def create() -> tuple[str, str, str]:
+        client = connect(redis_url)
+        try:
+            stores = AdminStores.over(client)
+            teams = {team.name: team for team in await stores.teams.list()}
+            if team_name in teams:
+                team_id = teams[team_name].id
+            else:
+                team_id = (await admin.create_team(stores, {"name": team_name, **team_fields}, "test"))["id"]
+            key = await admin.create_key(stores, {"name": key_name, "team": team_id}, "test")
+            return team_id, key["id"], key["secret"]
+        finally:
+            await client.aclose()
+
+    return asyncio.run(create())
+
+
+def cache_salt(redis_url: str, tenant: str, client_salt: str | None = None) -> str | None:
+    """The engine cache salt the gateway gives requests of ``tenant`` ("key:<id>",
+    "team:<id>", "" shared): what the routers hash with their prompts
+    (serve_app/identity/cache_isolation.py), read from the stack's secret."""
+    from serve_app.identity.cache_isolation import CacheSalts, salt_for
+    from serve_app.redis_store.redis_client import connect
+
+    async def secret() -> bytes:
+        client = connect(redis_url)
+        try:
+            return await CacheSalts(client).secret()
+        finally:
+            await client.aclose()
+
+    return salt_for(asyncio.run(secret()), tenant, client_salt)
+
+
 def call_replica(model_name: str, method: str, *args, app_name: str = APP_NAME):
     """Call a model replica's method from (synchronous) test code.
 

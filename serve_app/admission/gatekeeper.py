@@ -115,6 +115,10 @@ class Gatekeeper:
 
     # -- admission -------------------------------------------------------------
 
+    async def team_of(self, key: KeyRecord, model: str) -> TeamRecord | None:
+        """The key's team as admission applies it (cached; a 401/403 for a team that refuses it)."""
+        return await self._team_of(key, model)
+
     def may_start_before_admission(self, key: KeyRecord, reserve_tokens: int) -> bool:
         """Whether a stream of ``key`` may go to the engine while its admission is
         in Redis (overlap.py); if so, the room it assumes is spent."""
@@ -337,7 +341,9 @@ class Gatekeeper:
         cost = Cost.of(ticket.rates, prompt, completion, *ticket.reserved, cached_prompt=cached)
         if ticket.team is not None:
             reserved = sum(ticket.reserved) if prompt < 0 else 0
-            self.telemetry.team_charged(ticket.team.name, max(prompt, 0), max(completion, 0), reserved, cost.nanos)
+            self.telemetry.team_charged(
+                ticket.team.name, max(prompt, 0), max(completion, 0), reserved, cost.nanos, cached_prompt=cached
+            )
         if ticket.local:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.

@@ -228,6 +228,7 @@ def _limits_text(record) -> str:
         f"{record.daily_token_budget} tok/day" if record.daily_token_budget else "",
         f"${record.daily_cost_budget_usd:g}/day" if record.daily_cost_budget_usd else "",
         "models: " + ", ".join(record.models) if record.models is not None else "",
+        f"prompt cache: {record.cache_isolation}" if record.cache_isolation else "",
     ]
     return e("; ".join(p for p in parts if p) or "unlimited")
 
@@ -359,25 +360,37 @@ def _chart(daily: dict, team_names: dict) -> str:
 
 
 def _usage_table(daily: dict, spent: dict, team_names: dict) -> str:
-    totals: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
+    """Requests, tokens and the prompt cache's hit rate (the prompt tokens the engines
+    served from the team's own cache: cache_isolation's cost to it) per team and model."""
+    totals: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for bucket in daily["data"]:
         for r in bucket["results"]:
             row = totals[(r["project_id"], r["model"])]
             row[0] += r["num_model_requests"]
             row[1] += r["input_tokens"] + r["output_tokens"] + r["reserved_tokens"]
+            row[2] += r["input_tokens"]
+            row[3] += r["input_cached_tokens"]
     money: dict[str | None, float] = defaultdict(float)
     for bucket in spent["data"]:
         for r in bucket["results"]:
             money[r["project_id"]] += r["amount"]["value"]
     rows = [
-        [e(team_names.get(team, team or "(no team)")), e(model or ""), str(n), f"{tokens:,}"]
-        for (team, model), (n, tokens, _) in sorted(totals.items(), key=lambda i: (i[0][0] or "", i[0][1] or ""))
+        [
+            e(team_names.get(team, team or "(no team)")),
+            e(model or ""),
+            str(n),
+            f"{tokens:,}",
+            f"{cached / prompt:.0%}" if prompt else "-",
+        ]
+        for (team, model), (n, tokens, prompt, cached) in sorted(
+            totals.items(), key=lambda i: (i[0][0] or "", i[0][1] or "")
+        )
     ]
     spend = [
         [e(team_names.get(team, team or "(no team)")), f"${usd:,.4f}"]
         for team, usd in sorted(money.items(), key=lambda i: i[0] or "")
     ]
-    return _table(["Team", "Model", "Requests", "Tokens"], rows, "usage") + _table(
+    return _table(["Team", "Model", "Requests", "Tokens", "Prompt cache hits"], rows, "usage") + _table(
         ["Team", f"Spend, {DAYS} days"], spend, "spend"
     )
 

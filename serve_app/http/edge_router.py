@@ -19,8 +19,13 @@ What this costs: one HTTP call from HAProxy to this deployment per request (it r
 beside HAProxy, ``num_cpus=0``), before the request goes out. A model with one replica
 and no autoscaling has nothing to choose and keeps HAProxy's own balancing.
 
-A body the router cannot read (not JSON, past HAProxy's buffer) has no prompt: the
-router then balances by load, as for a request without one. Anything that fails here
+The prompt is placed as the replica's gateway will run it: salted with its tenant's
+cache salt (serve_app/identity/cache_isolation.py), from the credential HAProxy forwards
+with the body (cluster/haproxy_edge.py ``edge_router_lua``), so a tenant's request goes
+where its own cache is and never where another tenant's is; a ``prompt_cache_key`` is
+its tenant's session. A credential that does not authenticate here (the replica will
+refuse it) is routed unsalted. A body the router cannot read (not JSON, past HAProxy's
+buffer) has no prompt: the router then balances by load, as for a request without one. Anything that fails here
 is HAProxy's 503 "Ingress request router failed" (the client retries), never a request
 sent nowhere.
 """
@@ -37,6 +42,11 @@ from ray.serve.handle import DeploymentHandle
 
 from contract.edge import MAX_SESSION_ID_CHARS, session_header
 from contract.model_config import ModelConfig
+from contract.prompt_blocks import prompt_text
+from serve_app.errors import OpenAIError
+from serve_app.http.services import build_edge_tenancy
+from serve_app.settings import AppSettings
+from serve_app.telemetry import Telemetry
 
 router_app = FastAPI()
 
@@ -59,17 +69,19 @@ class EdgeRouter:
     """Answers HAProxy's ``/internal/route``: ``{"host", "port", "replica_id"}`` of the
     replica the model's request router picks for this body and session."""
 
-    def __init__(self, model: DeploymentHandle, config: ModelConfig):
+    def __init__(self, model: DeploymentHandle, config: ModelConfig, settings: AppSettings):
         self._model = model
         self._config = config
         self._model._init()  # the handle's router starts now, not on the first request
         self._session_header = session_header()
+        self._tenancy = build_edge_tenancy(settings, Telemetry(False, False))
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
         body = routing_body(await request.body())
         routing: dict[str, Any] = {}
-        if session := request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS]:
+        cache_session = await self._salt(body, request) if prompt_text(body, 1) else None
+        if session := request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS] or cache_session:
             routing["session_id"] = session
         if isinstance(body.get("model"), str) and (adapter := self._config.adapter_named(body["model"])):
             routing["multiplexed_model_id"] = adapter  # as the gateway names it (pipeline/gateway.py)
@@ -84,6 +96,17 @@ class EdgeRouter:
                 return {"host": host, "port": port, "replica_id": replica.replica_id.to_full_id_str()}
         except DeploymentUnavailableError as exc:
             raise HTTPException(503, str(exc)) from None
+
+    async def _salt(self, body: dict[str, Any], request: Request) -> str | None:
+        """Salts ``body`` as the replica's gateway will (its tenant's cache); the session
+        its ``prompt_cache_key`` names, or None. Unsalted when the caller is not known here."""
+        try:
+            key = await self._tenancy.authenticator.authenticate(request.headers)
+            team = await self._tenancy.authenticator.team_of(key, self._config.name)
+            return await self._tenancy.salts.isolate(body, key, team, self._config)
+        except OpenAIError:  # refused, or Redis away: the replica answers it
+            body.pop("cache_salt", None)
+            return None
 
     @router_app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -102,7 +125,7 @@ def edge_router_name(model_name: str) -> str:
 QUEUE_LENGTH_REFRESH_S = "0.1"
 
 
-def edge_router(model_app, config: ModelConfig) -> Any:
+def edge_router(model_app, config: ModelConfig, settings: AppSettings) -> Any:
     """The ingress request router of the direct application ``model_app`` (the bound
     deployment of the model ``config``), named after the model (``llmctl status`` lists
     every direct application's deployments side by side)."""
@@ -113,4 +136,4 @@ def edge_router(model_app, config: ModelConfig) -> Any:
         name=edge_router_name(config.name),
         max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
-    ).bind(model_app, config)
+    ).bind(model_app, config, settings)

@@ -19,6 +19,7 @@ from serve_app.admission.gatekeeper import Gatekeeper
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.maintenance import IngressReplicas, Maintenance
 from serve_app.identity.authentication import Authenticator
+from serve_app.identity.cache_isolation import CacheSalts
 from serve_app.pipeline.gateway import Gateway
 from serve_app.redis_store import redis_client
 from serve_app.settings import AppSettings
@@ -72,6 +73,22 @@ def build_quota_services(
     return QuotaServices(stores, authenticator, gate, maintenance)
 
 
+@dataclass(frozen=True)
+class EdgeTenancy:
+    """What a direct route's edge router needs to place a request as its gateway will
+    salt it: who is calling (a cached look-up) and the cache salts."""
+
+    authenticator: Authenticator
+    salts: CacheSalts
+
+
+def build_edge_tenancy(settings: AppSettings, telemetry: Telemetry) -> EdgeTenancy:
+    redis = redis_client.connect(settings.redis_url, timeout_s=settings.quota.redis_timeout_s)
+    stores = AdminStores.over(redis, None)
+    authenticator = Authenticator(stores.keys, stores.teams, stores.admins, settings, telemetry)
+    return EdgeTenancy(authenticator, CacheSalts(redis))
+
+
 def build_gateway(
     settings: AppSettings,
     telemetry: Telemetry,
@@ -85,4 +102,5 @@ def build_gateway(
     replicas) admitting through them."""
     services = build_quota_services(settings, telemetry, deployment)
     services.maintenance.start()
-    return services, Gateway(services.gate, dict(models), configs, telemetry, **gateway_options)
+    salts = CacheSalts(services.redis)
+    return services, Gateway(services.gate, dict(models), configs, telemetry, salts, **gateway_options)

@@ -32,6 +32,7 @@ from serve_app.admission.scripts import Refusal
 from serve_app.admission.ticket import Gate, Ticket
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded
 from serve_app.identity.authentication import authorize
+from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, prompt_cache_key_of
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.catalog import ModelCatalog
 from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
@@ -76,6 +77,10 @@ class _PromptOverReservation(Exception):
 PROMPT_RESIZES = 1
 
 
+# Operations whose ``prompt_cache_key`` (OpenAI's, on chat and Responses; the edge
+# reads it on completions too) is a routing hint: requests of one tenant with one key
+# go to one replica while its load allows.
+CACHE_KEYED = frozenset({"chat", "completions", "responses"})
 # Operations whose engine requests carry the key's tier as vLLM's `priority`.
 PRIORITIZED = frozenset({"chat", "completions", "responses"})
 # The rank of batch requests (``run(background=True)``): after every key's tier, in
@@ -97,11 +102,14 @@ class Gateway:
         models: dict[str, DeploymentHandle],
         configs: list[ModelConfig],
         telemetry: Telemetry,
+        salts: CacheSalts,
         describers: dict[str, DeploymentHandle] | None = None,
         start_early: bool = False,
         start_early_when_idle: bool = False,
     ):
         self.access = access
+        # Each request's engine cache_salt, from its tenant (identity/cache_isolation.py).
+        self.salts = salts
         # Whether a stream may start before its admission (``_start_early``): a model's
         # direct route only, whose replica is in-process. Through the ingress an early
         # call would sit in Serve's queue uncounted by the tiers' queue shares and the
@@ -153,7 +161,7 @@ class Gateway:
         request never costs. Such a request never starts before its admission.
         ``session`` (the client's session header): the model's request router keeps
         one session's requests on one replica while its load allows."""
-        plan = self._plan(key, operation, body, raw_size, record, background, session)
+        plan = await self._isolate(key, self._plan(key, operation, body, raw_size, record, background, session))
         for resizes in range(PROMPT_RESIZES + 1):
             ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
             if once_admitted is not None:
@@ -198,18 +206,17 @@ class Gateway:
         op = OPERATIONS[operation] if isinstance(operation, str) else operation
         record.operation = op.name
         request = validate_request(op, body)
+        # The client's cache salt and prompt_cache_key, read before the parameter policy
+        # drops what vLLM does not know: _isolate turns them into the tenant's.
+        client_salt = client_salt_of(body) if op.cache_salted else None
+        cache_key = prompt_cache_key_of(body) if op.name in CACHE_KEYED else None
         apply_parameter_policy(op.name, body)
         model, adapter = self.catalog.target(request.model)
         record.model = model
         body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
-        routing: dict[str, Any] = {}
         if adapter is not None:  # Serve model multiplexing: prefer replicas that already hold the adapter
-            routing["multiplexed_model_id"] = adapter
-        if session:  # the model's router keeps a session on one replica
-            routing["session_id"] = session[:MAX_SESSION_ID_CHARS]
-        if routing:
-            handle = handle.options(**routing)
+            handle = handle.options(multiplexed_model_id=adapter)
         authorize(key, model)
         config = self.catalog.config(model)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal
@@ -237,7 +244,30 @@ class Gateway:
             rank,
             tier,
             streaming=bool(getattr(request, "stream", False)),
+            client_salt=client_salt,
+            cache_key=cache_key,
+            session=session[:MAX_SESSION_ID_CHARS] if session else None,
         )
+
+    async def _isolate(self, key: KeyRecord, plan: _Plan) -> _Plan:
+        """The request's engine ``cache_salt`` set from its tenant (its key's, its team's,
+        or none: identity/cache_isolation.py), so that no tenant's prompt is served from
+        another's cache, on every way work gets in (each takes ``run``); and its routing
+        session: the client's session header, else its ``prompt_cache_key`` within its
+        tenant. The model's router reads both (the salt is part of its prompt text)."""
+        session = plan.session
+        if plan.op.cache_salted:
+            team = await self.access.team_of(key, plan.model)
+            salt = await self.salts.salt(key, team, plan.config, plan.client_salt)
+            if salt is None:
+                plan.body.pop("cache_salt", None)
+            else:
+                plan.body["cache_salt"] = salt
+            if session is None and plan.cache_key is not None:
+                session = self.salts.session(salt, plan.cache_key)
+        if session:  # the model's router keeps a session on one replica
+            plan = dataclasses.replace(plan, handle=plan.handle.options(session_id=session))
+        return plan
 
     async def _admit(
         self, key: KeyRecord, plan: _Plan, record: RequestRecord, may_start_early: bool = True
@@ -606,6 +636,9 @@ class _Plan:
     rank: int  # its place in the engine's priority and the fair-share gate's order
     tier: PriorityTier  # whose share of the model's queue it may take
     streaming: bool
+    client_salt: str | None = None  # the client's own cache_salt (it divides its tenant's cache)
+    cache_key: str | None = None  # OpenAI's prompt_cache_key: a routing hint within the tenant
+    session: str | None = None  # the client's session header
 
     def resized(self, prompt_tokens: int) -> _Plan:
         """The same request, its prompt reserved as the replica counted it."""

@@ -240,3 +240,7 @@ LEASES_DUE = f"{PREFIX}:leases:due"
 # When each account in LEASES_DUE was last registered (ms); its hash tag is LEASES_DUE's
 # whole name, so both are in one slot (due.lua reads them together).
 LEASES_SEEN = "{" + LEASES_DUE + "}:seen"
+
+# The secret every process salts tenants' prompt caches with (serve_app/identity/cache_isolation.py):
+# made once by whichever process needs it first, never shown.
+CACHE_SALT_SECRET = f"{PREFIX}:cache-salt-secret"

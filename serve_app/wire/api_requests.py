@@ -166,6 +166,9 @@ class Operation:
     carries_request_id: bool = True
     streams_as: str = "openai"  # the SSE shape of its streams: "openai", "responses" or "anthropic"
     replica: ReplicaOperation | None = None  # what the replica runs, where it differs from ``name``
+    # Runs a prompt through the engine, so its prefix cache is salted by tenant
+    # (serve_app/identity/cache_isolation.py); the tokenizer routes put none in it.
+    cache_salted: bool = True
 
     @property
     def replica_operation(self) -> ReplicaOperation:
@@ -182,13 +185,13 @@ OPERATIONS: dict[str, Operation] = {
         Operation("responses", ResponsesEnvelope, generates=True, streams_as="responses"),
         # Anthropic's Messages API, by vLLM's Anthropic layer (its request model has no request id).
         Operation("messages", MessagesEnvelope, generates=True, carries_request_id=False, streams_as="anthropic"),
-        Operation("count_tokens", CountTokensEnvelope, generates=False, carries_request_id=False),
+        Operation("count_tokens", CountTokensEnvelope, generates=False, carries_request_id=False, cache_salted=False),
         # Relevance of text pairs (a cross-encoder, or an embedding model's cosine similarity).
         Operation("score", ScoringEnvelope, generates=False),
         Operation("rerank", ScoringEnvelope, generates=False),
         # The tokenizer only: nothing generated, nothing charged but the request.
-        Operation("tokenize", TokenizeEnvelope, generates=False, carries_request_id=False),
-        Operation("detokenize", DetokenizeEnvelope, generates=False, carries_request_id=False),
+        Operation("tokenize", TokenizeEnvelope, generates=False, carries_request_id=False, cache_salted=False),
+        Operation("detokenize", DetokenizeEnvelope, generates=False, carries_request_id=False, cache_salted=False),
     )
 }
 

@@ -48,7 +48,8 @@ IGNORED: dict[str, frozenset[str]] = {
             "metadata",  # stored-completion tags; nothing is stored
             "service_tier",  # OpenAI's capacity tiers; one tier here
             "safety_identifier",  # abuse tracking id for OpenAI
-            "prompt_cache_key",  # vLLM caches prefixes automatically
+            # (prompt_cache_key: read by the gateway as a routing hint before this
+            # policy runs; serve_app/identity/cache_isolation.py)
             "prompt_cache_retention",
             "prompt_cache_options",
             "prediction",  # predicted outputs only cut latency; the answer is the same

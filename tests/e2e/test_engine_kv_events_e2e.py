@@ -4,6 +4,9 @@ starts it for a ``cache_affinity`` model (publishing its events on the replica's
 socket), prompts sent as the replica sends them (its key as vLLM's ``session_id``,
 ``kv_cache_report_mode: full``), and the published router hashes read back — then a
 flood of other prompts through a cache of 20 blocks evicts the first, and its hashes go.
+And two tenants' cache salts (serve_app/identity/cache_isolation.py) keep one prompt's
+blocks apart in the engine: the second tenant's copy finds nothing of the first's
+cached and is stored as blocks of its own; each tenant's repeat is served from its own.
 """
 
 from __future__ import annotations
@@ -75,11 +78,15 @@ async def test_the_engine_s_events_say_what_it_holds_in_the_routers_terms(monkey
     replica = type("Replica", (), {"_held": held})()  # what VLLMReplica._tracked reads
     request_type, _, handler = binding.endpoints["chat"]
 
-    async def ask(body: dict) -> None:
+    asked: list[str] = []  # each prompt's key, in order
+
+    async def ask(body: dict):
         tracked, key = VLLMReplica.func_or_class._tracked(replica, "chat", body)
         assert key is not None and tracked["session_id"] == key and "session_id" not in body
+        asked.append(key)
         answer = await handler(request_type.validate_python(tracked))
         held.ended(key, answer.usage.prompt_tokens)
+        return answer
 
     try:
         await asyncio.sleep(0.5)  # the subscription joins before the first event
@@ -99,6 +106,25 @@ async def test_the_engine_s_events_say_what_it_holds_in_the_routers_terms(monkey
             await ask(chat(system_prompt(n), "Cancel my order. " * 10))
         await until(lambda: not held.published() & set(mine))
         assert held.published()  # what the engine holds now is the others'
+
+        # One prompt, two tenants' salts: the engine shares nothing between them.
+        def cached(answer) -> int:
+            return answer.usage.prompt_tokens_details.cached_tokens
+
+        shared = chat(system_prompt(100), "What does the licence grant? " * 10)
+        tenant_a, tenant_b = {**shared, "cache_salt": "A" * 43}, {**shared, "cache_salt": "B" * 43}
+        assert cached(await ask(tenant_a)) == 0
+        assert cached(await ask(tenant_a)) > 0  # its own repeat: from its cache
+        assert cached(await ask(tenant_b)) == 0  # the same text under another salt: nothing
+        assert cached(await ask(tenant_b)) > 0
+        await asyncio.sleep(0.5)
+        a_blocks = {block for key in asked[-4:-2] for block in held._prompts[key].chain}
+        b_blocks = {block for key in asked[-2:] for block in held._prompts[key].chain}
+        assert a_blocks and b_blocks and not a_blocks & b_blocks  # other blocks in the engine
+        a_hashes = block_hashes(prompt_text(tenant_a), config.routing.block_chars)
+        b_hashes = block_hashes(prompt_text(tenant_b), config.routing.block_chars)
+        assert leading(held.published(), a_hashes) > 0 and leading(held.published(), b_hashes) > 0
+        assert not set(a_hashes) & set(b_hashes)  # and to the routers, two prompts
     finally:
         following.cancel()
         binding.engine.shutdown()

@@ -38,7 +38,16 @@ import redis as redis_sync
 from ports import free_port
 from settled import records as records_of
 from settled import wait_until_settled
-from stack import APP_NAME, call_replica, create_key, edge_server_states, edge_server_stats, local_app_args, serve_stack
+from stack import (
+    APP_NAME,
+    cache_salt,
+    call_replica,
+    create_key,
+    edge_server_states,
+    edge_server_stats,
+    local_app_args,
+    serve_stack,
+)
 
 from serve_app.routing.policies import prompt_prefix, rendezvous_order
 
@@ -123,6 +132,13 @@ def key(redis_server) -> tuple[str, str]:
     return create_key(redis_server.url, "routing", requests_per_minute=100_000, max_concurrent=100)
 
 
+@pytest.fixture(scope="module")
+def salt(redis_server, key) -> str:
+    """The cache salt of ``key``'s requests (a key without a team: its own cache), which
+    the routers hash before the prompt (serve_app/identity/cache_isolation.py)."""
+    return cache_salt(redis_server.url, "key:" + key[0])
+
+
 def edge_states(replica_ids: list[str]) -> dict[str, str]:
     """HAProxy's state of each replica in the backend it sends the edge router's picks
     to (a replica it holds down gets none of them: HAProxy balances instead)."""
@@ -136,7 +152,7 @@ def edge_states(replica_ids: list[str]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def client(base_url, key, replica_ids, redis_server):
+def client(base_url, key, replica_ids, redis_server, salt):
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key[1], max_retries=0, timeout=300)
     deadline = time.monotonic() + 600
     while True:  # both replicas answer (the first may come up well before the second)
@@ -156,7 +172,7 @@ def client(base_url, key, replica_ids, redis_server):
     # second replica to the first, then every later one right). Until then a replica it
     # does not know takes nothing, as it should.
     for replica in replica_ids:
-        [system] = system_prompts_preferring(replica, replica_ids, 1, title="Warm-up")
+        [system] = system_prompts_preferring(replica, replica_ids, 1, salt, title="Warm-up")
         while replicas_that_ran(redis_server, key, [send(client, conversation(system, "hi"))]) != [replica]:
             assert time.monotonic() < deadline, f"the edge router never sent a prompt preferring {replica} there"
             time.sleep(1)
@@ -164,15 +180,16 @@ def client(base_url, key, replica_ids, redis_server):
 
 
 def system_prompts_preferring(
-    replica: str, replica_ids: list[str], count: int, title: str = "Policy book"
+    replica: str, replica_ids: list[str], count: int, salt: str | None, title: str = "Policy book"
 ) -> list[str]:
-    """Distinct long system prompts whose prefix ranks ``replica`` first."""
+    """Distinct long system prompts whose prefix, under the cache salt ``salt``, ranks
+    ``replica`` first."""
     found = []
     n = 0
     while len(found) < count:
         system = f"{title} {n}. " + "Answer politely, cite the policy, never promise refunds. " * 30
-        prefix = prompt_prefix({"messages": conversation(system, "")}, PREFIX_CHARS)
-        assert prefix.startswith(f"system\x1f{title}")  # the body as the router reads it
+        prefix = prompt_prefix({"messages": conversation(system, ""), "cache_salt": salt}, PREFIX_CHARS)
+        assert prefix.startswith(f"\x1d{salt}\x1dsystem\x1f{title}")  # the body as the router reads it
         if rendezvous_order(prefix, replica_ids)[0] == replica:
             found.append(system)
         n += 1
@@ -199,10 +216,10 @@ def send(client, messages, max_tokens: int = 2, model: str = MODEL, **extra) -> 
     return raw.headers["x-request-id"]
 
 
-def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids, redis_server, key):
+def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids, redis_server, key, salt):
     sent: list[tuple[str, str]] = []  # (request id, replica its prefix ranks first)
     for replica in replica_ids:
-        for system in system_prompts_preferring(replica, replica_ids, 3):
+        for system in system_prompts_preferring(replica, replica_ids, 3, salt):
             for question in ("Where is my parcel?", "Cancel my order", "Do you ship to Mars?"):
                 sent.append((send(client, conversation(system, question)), replica))
     ran = replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent])
@@ -210,7 +227,7 @@ def test_a_shared_prefix_runs_on_the_replica_it_ranks_first(client, replica_ids,
     assert set(ran) == set(replica_ids)  # different prefixes use both replicas
 
 
-def test_through_the_ingress_the_model_is_routed_by_the_same_router(base_url, key, replica_ids, redis_server):
+def test_through_the_ingress_the_model_is_routed_by_the_same_router(base_url, key, replica_ids, redis_server, salt):
     """Routes the edge does not send in one hop (here Azure's chat route) reach the
     model through the ingress' handle, whose request router is the same class: a
     shared prefix runs on the replica it ranks first there too."""
@@ -223,14 +240,14 @@ def test_through_the_ingress_the_model_is_routed_by_the_same_router(base_url, ke
     )
     sent = []
     for replica in replica_ids:
-        for system in system_prompts_preferring(replica, replica_ids, 2):
+        for system in system_prompts_preferring(replica, replica_ids, 2, salt):
             sent.append((send(ingress, conversation(system, "Where is my parcel?")), replica))
     assert replicas_that_ran(redis_server, key, [request_id for request_id, _ in sent]) == [r for _, r in sent]
 
 
-def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, replica_ids, redis_server, key):
+def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, replica_ids, redis_server, key, salt):
     preferred = replica_ids[0]
-    [system] = system_prompts_preferring(preferred, replica_ids, 1)
+    [system] = system_prompts_preferring(preferred, replica_ids, 1, salt)
     streams = 12
     # Long generations, each streaming before the next is sent, so every one is routed
     # while the earlier ones run: the router sees the queues the guard is about (sent
@@ -255,14 +272,14 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, 
     assert on_preferred > streams - on_preferred, ran  # still the prefix's replica first
 
 
-def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, replica_ids, redis_server, key):
+def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, replica_ids, redis_server, key, salt):
     from contract.edge import DEFAULT_SESSION_HEADER
     from serve_app.routing.policies import SESSION_KEY
 
     # One application: every conversation starts with its system prompt, which ranks
     # one replica first. By prefix they all run there; by session each runs on the
     # replica its session id ranks first, every turn.
-    [system] = system_prompts_preferring(replica_ids[0], replica_ids, 1)
+    [system] = system_prompts_preferring(replica_ids[0], replica_ids, 1, salt)
 
     # Four sessions ranking each replica first, chosen from the replica ids of this run
     # (eight names taken blindly all ranked one replica first in a CI run: 1 in 128).
@@ -296,7 +313,7 @@ def one_hop_counts(replica_ids: list[str]) -> dict[str, int]:
 
 
 def test_an_alias_and_an_adapter_take_the_one_hop_and_the_adapter_runs_where_it_is_loaded(
-    base_url, client, replica_ids, redis_server, key
+    base_url, client, replica_ids, redis_server, key, salt
 ):
     """Every name of the model takes the edge's one hop (cluster/haproxy_edge.py: the
     names its replicas gave), and the edge router sends an adapter's requests to the
@@ -306,7 +323,7 @@ def test_an_alias_and_an_adapter_take_the_one_hop_and_the_adapter_runs_where_it_
     sent.append(send(client, conversation("Be brief.", "hi"), model=ADAPTER))
     # The replica that loaded it tells Serve; the edge router learns it (Serve's long poll).
     time.sleep(3)
-    systems = [s for replica in replica_ids for s in system_prompts_preferring(replica, replica_ids, 3)]
+    systems = [s for replica in replica_ids for s in system_prompts_preferring(replica, replica_ids, 3, salt)]
     sent += [send(client, conversation(system, "Ahoy?"), model=ADAPTER) for system in systems]
     after = one_hop_counts(replica_ids)
     ran = replicas_that_ran(redis_server, key, sent)
@@ -316,6 +333,68 @@ def test_an_alias_and_an_adapter_take_the_one_hop_and_the_adapter_runs_where_it_
     # The names the edge knows them by are no client's to read.
     answer = httpx.get(f"{base_url}/direct/{MODEL}/-/edge-names", timeout=30)
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_url"
+
+
+def test_one_prompt_of_two_tenants_runs_where_each_tenants_salt_ranks_it(
+    base_url, client, replica_ids, redis_server, key, salt
+):
+    """The routers hash a request's cache salt with its prompt (its tenant's cache:
+    serve_app/identity/cache_isolation.py): a prompt cached for one tenant attracts
+    that tenant's requests, never another's, which go where their own salt ranks the
+    prompt; at the edge (the router there authenticates the credential HAProxy hands
+    it) as through the ingress."""
+    other_key = create_key(redis_server.url, "routing-other", requests_per_minute=100_000, max_concurrent=100)
+    other_salt = cache_salt(redis_server.url, "key:" + other_key[0])
+    other = openai.OpenAI(base_url=base_url + "/v1", api_key=other_key[1], max_retries=0, timeout=300)
+    systems = []  # ranking one replica first for this test's key and the other for the other key
+    for replica in replica_ids:
+        for system in system_prompts_preferring(replica, replica_ids, 40, salt, title="Shared manual"):
+            prefix = prompt_prefix({"messages": conversation(system, ""), "cache_salt": other_salt}, PREFIX_CHARS)
+            if rendezvous_order(prefix, replica_ids)[0] != replica:
+                systems.append((system, replica))
+                break
+    assert len(systems) == 2, "no prompt ranks the replicas apart for the two salts"
+    mine, theirs, expected_mine, expected_theirs = [], [], [], []
+    for system, replica in systems:
+        other_replica = next(r for r in replica_ids if r != replica)
+        for question in ("Where is my parcel?", "Cancel my order"):
+            mine.append(send(client, conversation(system, question)))
+            expected_mine.append(replica)
+            theirs.append(send(other, conversation(system, question)))
+            expected_theirs.append(other_replica)
+    assert replicas_that_ran(redis_server, key, mine) == expected_mine
+    assert replicas_that_ran(redis_server, other_key, theirs) == expected_theirs
+
+
+def test_a_prompt_cache_key_keeps_one_tenants_requests_on_one_replica(
+    base_url, client, replica_ids, redis_server, key, salt
+):
+    """OpenAI's ``prompt_cache_key``: requests of one tenant naming one key run on one
+    replica, whatever their prompts start with (by prefix they would use both), the
+    replica the key's session ranks first within the tenant; through the SDK's own
+    parameter, at the edge."""
+    from serve_app.identity.cache_isolation import CacheSalts
+    from serve_app.routing.policies import SESSION_KEY
+
+    def preferring(replica: str):
+        names = (f"agent-{i}" for i in itertools.count())
+        session = (
+            n for n in names if rendezvous_order(SESSION_KEY + CacheSalts.session(salt, n), replica_ids)[0] == replica
+        )
+        return next(session)
+
+    systems = [s for replica in replica_ids for s in system_prompts_preferring(replica, replica_ids, 2, salt)]
+    sent, expected = [], []
+    for replica in replica_ids:
+        cache_key = preferring(replica)
+        for system in systems:
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=conversation(system, "hi"), max_tokens=2, prompt_cache_key=cache_key
+            )
+            raw.parse()
+            sent.append(raw.headers["x-request-id"])
+            expected.append(replica)
+    assert replicas_that_ran(redis_server, key, sent) == expected
 
 
 # -- priority tiers -------------------------------------------------------------------
@@ -587,7 +666,8 @@ def test_a_cache_affinity_replica_tells_the_routers_what_its_engine_holds(base_u
 
     block_chars = RoutingSettings().block_chars  # the fair model's (its default)
 
-    secret = create_key(redis_server.url, "held-blocks", priority="high")[1]
+    key_id, secret = create_key(redis_server.url, "held-blocks", priority="high")
+    salt = cache_salt(redis_server.url, "key:" + key_id)  # what the replica hashes with the prompt
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=300)
 
     def held() -> frozenset:  # what Serve's controller asks it every held_period_s
@@ -613,10 +693,13 @@ def test_a_cache_affinity_replica_tells_the_routers_what_its_engine_holds(base_u
     for _ in client.chat.completions.create(model=FAIR, messages=messages(2), max_tokens=2, stream=True):
         pass
     for n in (1, 2):
-        hashes = block_hashes(prompt_text({"messages": messages(n)}), block_chars)
+        hashes = block_hashes(prompt_text({"messages": messages(n), "cache_salt": salt}), block_chars)
         # Its whole engine blocks (128 tokens; the partial last one is not cached): most of it.
         while leading(hashes) < len(hashes) // 2:
             assert time.monotonic() < deadline, (n, leading(hashes), len(hashes))
             time.sleep(0.5)
-    never = block_hashes(prompt_text({"messages": messages(3)}), block_chars)
+    never = block_hashes(prompt_text({"messages": messages(3), "cache_salt": salt}), block_chars)
     assert not held() & set(never)
+    # Nor the same prompts under another tenant's salt: what one tenant cached is its own.
+    other = cache_salt(redis_server.url, "key:someone-else")
+    assert not held() & set(block_hashes(prompt_text({"messages": messages(1), "cache_salt": other}), block_chars))

@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from cache_secret import salts
 
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
@@ -50,7 +51,7 @@ def gateway_with(response_class, names=("a", "b")):
     calls = []
     handle = SimpleNamespace(model_info=SimpleNamespace(remote=lambda: response_class(calls)))
     configs = [ModelConfig(name=n, queue_timeout_s=QUEUE_TIMEOUT_S) for n in names]
-    gateway = Gateway(SimpleNamespace(), {n: handle for n in names}, configs, Telemetry(False, False))
+    gateway = Gateway(SimpleNamespace(), {n: handle for n in names}, configs, Telemetry(False, False), salts())
     return gateway, calls
 
 
@@ -108,7 +109,12 @@ async def test_descriptions_go_through_their_own_handles_never_the_clients_queue
     clients = SimpleNamespace(model_info=SimpleNamespace(remote=clients_queue))
     own = SimpleNamespace(model_info=SimpleNamespace(remote=lambda: Answers(calls)))
     gateway = Gateway(
-        SimpleNamespace(), {"a": clients}, [ModelConfig(name="a")], Telemetry(False, False), describers={"a": own}
+        SimpleNamespace(),
+        {"a": clients},
+        [ModelConfig(name="a")],
+        Telemetry(False, False),
+        salts(),
+        describers={"a": own},
     )
     card = await gateway.catalog.model_card("a")
     assert card["max_model_len"] == 256 and len(calls) == 1

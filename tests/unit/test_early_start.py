@@ -12,6 +12,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from cache_secret import salts
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart
@@ -37,6 +38,9 @@ class Access:
         self.may_start_early, self._overloaded = may_start_early, overloaded
         self.decision = asyncio.get_running_loop().create_future()
         self.events, self.settled = [], []
+
+    async def team_of(self, key, model):
+        return None
 
     def authorize(self, key, model):
         pass
@@ -105,7 +109,7 @@ def gateway(access, fair_share=False, busy=True, when_idle=False):
     if busy:
         telemetry.admitted(RequestRecord("openai", "other", model="tiny-llama"))
     return Gateway(
-        access, {"tiny-llama": handle}, [config], telemetry, start_early=True, start_early_when_idle=when_idle
+        access, {"tiny-llama": handle}, [config], telemetry, salts(), start_early=True, start_early_when_idle=when_idle
     ), sent
 
 

@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from cache_secret import salts
 from ray.exceptions import ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
@@ -31,6 +32,9 @@ class Access:
 
     def __init__(self):
         self.settled, self.admitted = [], []
+
+    async def team_of(self, key, model):
+        return None
 
     def authorize(self, key, model):
         if not key.allows_model(model):
@@ -92,7 +96,11 @@ def run(response):
     access = Access()
     handle = Handle(lambda *_, **__: response)
     gateway = Gateway(
-        access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)], Telemetry(False, False)
+        access,
+        {"tiny-llama": handle},
+        [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
+        Telemetry(False, False),
+        salts(),
     )
 
     async def go():
@@ -185,7 +193,11 @@ async def test_a_stream_whose_first_item_fails_on_its_way_is_a_502_charged_nothi
     stream_handle = SimpleNamespace(remote=lambda *_, **__: Streamed())
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=stream_handle))
     gateway = Gateway(
-        access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)], Telemetry(False, False)
+        access,
+        {"tiny-llama": handle},
+        [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
+        Telemetry(False, False),
+        salts(),
     )
     with pytest.raises(OpenAIError) as caught:
         await gateway.run(KEY, "chat", {**CHAT, "stream": True}, 100, RequestRecord("openai", "x"))
@@ -202,7 +214,9 @@ async def test_a_client_gone_mid_call_keeps_its_reservation_charged():
 async def test_refusals_before_admission_settle_nothing():
     for body in ({**CHAT, "model": "nope"}, {**CHAT, "max_tokens": "4"}, {**CHAT, "messages": []}):
         access = Access()
-        gateway = Gateway(access, {"tiny-llama": None}, [ModelConfig(name="tiny-llama")], Telemetry(False, False))
+        gateway = Gateway(
+            access, {"tiny-llama": None}, [ModelConfig(name="tiny-llama")], Telemetry(False, False), salts()
+        )
         with pytest.raises(OpenAIError) as caught:
             await gateway.run(KEY, "chat", json.loads(json.dumps(body)), 100, RequestRecord("openai", "x"))
         assert caught.value.status in (400, 404) and access.settled == []
@@ -228,7 +242,7 @@ def tiered_gateway(engine_kwargs=None, max_queued=4):
     config = ModelConfig(
         name="tiny-llama", engine_kwargs=engine_kwargs or {}, deployment={"max_queued_requests": max_queued}
     )
-    return Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False)), access, sent, release
+    return Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False), salts()), access, sent, release
 
 
 def tier(name: str) -> KeyRecord:
@@ -334,7 +348,7 @@ async def test_the_next_request_gets_the_place_however_the_first_ends(monkeypatc
     handle = Handle(remote)
     # Times wide enough for a loaded box (a CI neighbour stalled this loop past a 0.3 s bound).
     config = ModelConfig(name="tiny-llama", queue_timeout_s=1.5)
-    gateway = Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False))
+    gateway = Gateway(access, {"tiny-llama": handle}, [config], Telemetry(False, False), salts())
 
     first = asyncio.create_task(answer_or_error(gateway, tier("normal")))
     await asyncio.sleep(0.75)  # the second's queue timeout ends this much after the first's
@@ -356,7 +370,9 @@ def recording_gateway(answer: ReplicaAnswer):
         sent.append(args)
         return Response(result=answer)
 
-    gateway = Gateway(access, {"tiny-llama": Handle(remote)}, [ModelConfig(name="tiny-llama")], Telemetry(False, False))
+    gateway = Gateway(
+        access, {"tiny-llama": Handle(remote)}, [ModelConfig(name="tiny-llama")], Telemetry(False, False), salts()
+    )
     return gateway, access, sent
 
 
@@ -428,7 +444,11 @@ async def test_what_completes_a_body_once_admitted_runs_after_admission_and_its_
         lambda operation, body, **_: calls.append(body) or Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
     )
     gateway = Gateway(
-        access, {"tiny-llama": handle}, [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)], Telemetry(False, False)
+        access,
+        {"tiny-llama": handle},
+        [ModelConfig(name="tiny-llama", queue_timeout_s=0.2)],
+        Telemetry(False, False),
+        salts(),
     )
 
     async def history_gone():
@@ -487,7 +507,11 @@ class SizingAccess(Access):
 def sizing_gateway(replica: CountingReplica):
     access = SizingAccess()
     gateway = Gateway(
-        access, {"tiny-llama": Handle(replica.remote)}, [ModelConfig(name="tiny-llama")], Telemetry(False, False)
+        access,
+        {"tiny-llama": Handle(replica.remote)},
+        [ModelConfig(name="tiny-llama")],
+        Telemetry(False, False),
+        salts(),
     )
     return gateway, access
 

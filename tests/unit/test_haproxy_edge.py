@@ -5,7 +5,17 @@ real binary)."""
 import json
 from pathlib import Path
 
-from cluster.haproxy_edge import EDGE_ERRORS, ONE_HOP_BODY_BYTES, edge_config, error_response, rewrite_args
+import pytest
+
+from cluster.haproxy_edge import (
+    EDGE_ERRORS,
+    ONE_HOP_BODY_BYTES,
+    edge_config,
+    edge_router_lua,
+    error_response,
+    rewrite_args,
+)
+from contract.edge import CREDENTIAL_HEADERS
 
 RAY_CONFIG = """global
     maxconn 4096
@@ -50,6 +60,35 @@ def test_the_config_haproxy_is_given_is_the_rewritten_one_beside_rays(tmp_path):
     assert args == ["-db", "-f", str(tmp_path / "haproxy.cfg.edge"), "-sf", "12"]
     assert "timeout http-request" in (tmp_path / "haproxy.cfg.edge").read_text()
     assert (tmp_path / "haproxy.cfg").read_text() == RAY_CONFIG
+
+
+def _rays_router_lua() -> str:
+    import ray.serve
+
+    return (Path(ray.serve.__file__).parent / "_private" / "ingress_request_router.lua.tmpl").read_text()
+
+
+def test_the_edge_routers_lua_hands_it_the_clients_credential_headers(tmp_path):
+    """Ray's Lua, as the installed Ray writes it, patched where it builds the router's
+    request and where it calls it; loaded in its place by the rewritten config."""
+    source = _rays_router_lua()
+    patched = edge_router_lua(source)
+    assert "llm_credentials(hdrs)" in patched and '.. (credentials or "")' in patched
+    for name in CREDENTIAL_HEADERS:
+        assert f'"{name}"' in patched
+    lua = tmp_path / "ingress_request_router.lua"
+    lua.write_text(source)
+    (tmp_path / "haproxy.cfg").write_text(f"global\n    lua-load-per-thread {lua}\n" + RAY_CONFIG.split("\n", 1)[1])
+    rewrite_args(["-f", str(tmp_path / "haproxy.cfg")])
+    assert f"lua-load-per-thread {lua}.edge\n" in (tmp_path / "haproxy.cfg.edge").read_text()
+    assert (tmp_path / "ingress_request_router.lua.edge").read_text() == patched
+    assert lua.read_text() == source
+
+
+def test_a_ray_whose_lua_moved_is_refused_not_routed_around():
+    source = _rays_router_lua().replace("        .. request_id_header\n", "        .. request_id_header .. x\n")
+    with pytest.raises(ValueError, match="request_id_header"):
+        edge_router_lua(source)
 
 
 RAY_CONFIG_WITH_DIRECT_ROUTES = """global

@@ -2,6 +2,7 @@
 (configured name, alias, LoRA adapter name, '<model>:<adapter folder>')."""
 
 import pytest
+from cache_secret import salts
 
 from contract.model_config import ModelConfig
 from serve_app.errors import OpenAIError
@@ -16,7 +17,7 @@ CONFIGS = [
 
 @pytest.fixture
 def gateway():
-    return Gateway(access=None, models={}, configs=CONFIGS, telemetry=None)
+    return Gateway(access=None, models={}, configs=CONFIGS, telemetry=None, salts=salts())
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ import contextlib
 import gc
 from types import SimpleNamespace
 
+from cache_secret import salts
+
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart, Usage
 from serve_app.admission.ticket import Ticket
@@ -68,7 +70,7 @@ class RecordingAccess:
 
 def streaming_gateway(chunks=None):
     access = RecordingAccess()
-    gateway = Gateway(access, {}, [ModelConfig(name="tiny-llama")], Telemetry(False, False))
+    gateway = Gateway(access, {}, [ModelConfig(name="tiny-llama")], Telemetry(False, False), salts())
     ticket = Ticket(KeyRecord(id="k1", name="n", created_at=0), "k1-0", "tiny-llama")
     return access, gateway, chunks or FakeChunks(), ticket
 

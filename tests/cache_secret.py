@@ -1,0 +1,25 @@
+"""The cache salts' secret store for unit tests whose Redis is faked: a gateway needs
+one (serve_app/identity/cache_isolation.py); the real one is tested on Redis in
+tests/integration/test_cache_isolation.py."""
+
+from serve_app.identity.cache_isolation import CacheSalts
+
+
+class SecretStore:
+    """Redis' SET NX and GET, in memory."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+
+    async def set(self, name, value, nx=False):
+        if nx and name in self.values:
+            return None
+        self.values[name] = value
+        return True
+
+    async def get(self, name):
+        return self.values.get(name)
+
+
+def salts() -> CacheSalts:
+    return CacheSalts(SecretStore())
