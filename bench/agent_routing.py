@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -187,6 +188,7 @@ def main() -> None:
         else [(policy, policy, "shared") for policy in args.policies]
     )
     secrets = tenant_keys(args.teams, args.keys_per_team) if args.isolation else [bench_api_key()]
+    os.environ["OPENAI_API_KEY"] = secrets[0]  # the stack's readiness probe asks with it (serving_overhead.py)
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         for repeat in range(args.repeats):  # the variants in turn within each repeat: drift hits all alike
@@ -266,7 +268,8 @@ def run_policy(policy: str, args, log: Path, secrets: list[str], isolation: str 
     if args.one_hop:
         serve_config = with_direct_apps(serve_config)
     try:
-        with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
+        with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as running:
+            url = running.url
             before = engine_loads(config.name, app_name)
             samples, wall = asyncio.run(run_load(url, config.name, args, secrets, sessions=policy == "sessions"))
             after = engine_loads(config.name, app_name)

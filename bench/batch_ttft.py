@@ -146,7 +146,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         log = Path(tmp) / "stack.log"
         try:
-            with serve_stack(stack_config(tmp + "/files"), MODEL, log, MAKEFILE_ENV) as url:
+            with serve_stack(stack_config(tmp + "/files"), MODEL, log, MAKEFILE_ENV) as running:
+                url = running.url
                 rows = asyncio.run(run(url, keys, args))
         except Exception:
             print(

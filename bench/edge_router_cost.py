@@ -123,7 +123,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-edge-router-") as tmp:
         log = Path(tmp) / "stack.log"
         try:
-            with serve_stack(stack_config(), ROUTED, log, MAKEFILE_ENV) as url:
+            with serve_stack(stack_config(), ROUTED, log, MAKEFILE_ENV) as running:
+                url = running.url
                 wait_ready(url, None, BALANCED)
                 headers = {"authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
                 with httpx.Client(base_url=url, headers=headers, timeout=120) as client:

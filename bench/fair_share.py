@@ -162,7 +162,8 @@ def main() -> None:
             log = Path(tmp) / f"{mode}.log"
             keys = {"heavy": bench_api_key(), "light": bench_api_key()}
             try:
-                with serve_stack(stack_config(MODES[mode], args.ongoing), MODEL, log, MAKEFILE_ENV) as url:
+                with serve_stack(stack_config(MODES[mode], args.ongoing), MODEL, log, MAKEFILE_ENV) as running:
+                    url = running.url
                     heavy_streams = no_wait_heavy_streams(args) if mode == "no_wait" else args.heavy
                     rows[mode] = asyncio.run(run_mode(url, keys, args, heavy_streams))
             except Exception:

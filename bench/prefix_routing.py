@@ -182,7 +182,8 @@ def main() -> None:
             source = resolve_source(config)
             log = out_dir / f"{policy}.log"
             try:
-                with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as url:
+                with serve_stack(serve_config, config.name, log, MAKEFILE_ENV) as running:
+                    url = running.url
                     before = prefix_cache_totals(config.name)
                     result = run_load(url, config, source, args, out_dir, args.prefixes * args.prompts_per_prefix, 0)
                     after = prefix_cache_totals(config.name)
