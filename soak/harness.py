@@ -24,6 +24,7 @@ from serve_app.settings import QuotaConfig
 from soak import faults as fault_kinds
 from soak.ledger import Account, Fault, Limits, Record, Verdict, judge, max_overlap, summary
 from soak.redis_probe import RedisPathProbe
+from soak.stall_watch import StallWatch
 from soak.tenants import Tenant, as_body, provision
 from soak.topology import PRICES, ProxiedRedisCluster, Twin, free_port, run_dir, serve_config
 from soak.traffic import Load, now_ms
@@ -269,6 +270,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     stop = asyncio.Event()
     quiet_s = max(30.0, shape.lease_s * 2)  # no fault in the last stretch: the rest state is then the gateway's own
     probe = RedisPathProbe([proxy.listen_port for proxy in redis_cluster.proxies], SLOW_REDIS_S).start()
+    stall_watch = StallWatch(folder, twin.cli).start()
     load_task = asyncio.create_task(load.run(stop))
     began_ms, began = now_ms(), time.monotonic()
     schedule = asyncio.create_task(
@@ -283,6 +285,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
     elapsed_s = time.monotonic() - began
     unended, cancelled = await load.end_batches(timeout_s=120)  # their requests run on after the load
     slow_redis = await asyncio.to_thread(probe.stop)
+    stalls = await asyncio.to_thread(stall_watch.stop)
     await asyncio.sleep(3)  # the last settlements and the shippers' next pass
     # Leases: the load is over, its last fault long undone: any live lease is a leak.
     key_ids = {tenant.key_id for tenant in tenants}
@@ -334,6 +337,7 @@ async def _run(shape, redis_cluster, twin, base_url, tenants, teams, folder) -> 
         "latencies_ms": load.latencies_ms,
         "faults": faults,
         "slow_redis": slow_redis,
+        "stalls": stalls,
     }
     return verdict, figures
 
@@ -393,10 +397,13 @@ def print_report(shape: Shape, verdict: Verdict, figures: dict) -> None:
             f"{len(slow)} times, {sum(slow) / 1000:.1f} s in all, longest {max(slow, default=0) / 1000:.1f} s",
         )
     )
+    rows.append(("replicas the controller lost touch with (soak/stall_watch.py)", str(len(figures["stalls"]))))
     width = max(len(name) for name, _ in rows)
     print("\n| what | figure |\n|---|---|")
     for name, value in rows:
         print(f"| {name.ljust(width)} | {value} |")
+    for stall in figures["stalls"]:
+        print(f"  stalled: {stall}")
     print(f"\nledger: {'PASSED' if verdict.passed else 'FAILED'} ({len(verdict.violations)} violations)")
     by_check = collections.defaultdict(list)
     for violation in verdict.violations:
