@@ -33,7 +33,7 @@ from stack import create_team_key
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
-PROBES = 30  # secrets (right guesses), and as many wrong guesses
+PROBES = 20  # secrets (right guesses), and as many wrong guesses: disjoint sets give p ~ 1e-11
 WORDS = 350  # words of each system prompt: about 450 tokens, 28 of the engine's blocks
 # A difference the test calls detected: one-sided rank test, right guesses faster. Under
 # one distribution a p-value this small comes 1 time in 10,000.
