@@ -1,6 +1,6 @@
 """The cache salts' secret store for unit tests whose Redis is faked: a gateway needs
-one (serve_app/identity/cache_isolation.py); the real one is tested on Redis in
-tests/integration/test_cache_isolation.py."""
+one (serve_app/identity/cache_isolation.py); on the real stack's Redis Cluster the
+secret is made and read by tests/e2e/shared_stack/test_cache_isolation_e2e.py's stack."""
 
 from serve_app.identity.cache_isolation import CacheSalts
 
