@@ -40,9 +40,6 @@ pytestmark = pytest.mark.e2e
 MODEL = "tiny-llama"
 MODELS = ("tiny-llama", "minilm")  # configs/local.yaml
 MESSAGES = [{"role": "user", "content": "hi"}]
-# The trickle's: one long system prompt every time, so its team's prompts are served
-# from its cache after the first (the team hit-rate panel).
-TRICKLE_MESSAGES = [{"role": "system", "content": "Cite the policy, never promise refunds. " * 30}, *MESSAGES]
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 DASHBOARDS = REPO / "dashboards" / "grafana"
 TTFT_COUNT = "ray_llm_gateway_time_to_first_token_seconds_count"
@@ -231,7 +228,7 @@ class Trickle(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": MODEL, "messages": TRICKLE_MESSAGES, "max_tokens": 4, "stream": True}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True}
         try:
             while not self.stopping.is_set():
                 with httpx.Client(
