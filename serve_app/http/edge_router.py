@@ -45,6 +45,7 @@ from contract.model_config import ModelConfig
 from contract.prompt_blocks import prompt_text
 from serve_app.errors import OpenAIError
 from serve_app.http.services import build_edge_tenancy
+from serve_app.identity.cache_isolation import put_salt
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -105,7 +106,7 @@ class EdgeRouter:
             team = await self._tenancy.authenticator.team_of(key, self._config.name)
             return await self._tenancy.salts.isolate(body, key, team, self._config)
         except OpenAIError:  # refused, or Redis away: the replica answers it
-            body.pop("cache_salt", None)
+            put_salt(body, None)
             return None
 
     @router_app.get("/health")

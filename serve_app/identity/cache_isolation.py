@@ -110,6 +110,14 @@ def prompt_cache_key_of(body: dict[str, Any]) -> str | None:
     return value or None
 
 
+def put_salt(body: dict[str, Any], salt: str | None) -> None:
+    """``body`` carrying ``salt`` as vLLM's ``cache_salt``, or none (the shared cache)."""
+    if salt is None:
+        body.pop("cache_salt", None)
+    else:
+        body["cache_salt"] = salt
+
+
 class CacheSalts:
     """Sets each request's ``cache_salt`` (and its ``prompt_cache_key``'s routing
     session) from the server secret in Redis; ``redis`` is a ``redis.asyncio`` client."""
@@ -160,8 +168,5 @@ class CacheSalts:
         client_salt = client_salt_of(body)
         cache_key = prompt_cache_key_of(body)
         salt = await self.salt(key, team, config, client_salt)
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
+        put_salt(body, salt)
         return None if cache_key is None else self.session(salt, cache_key)

@@ -32,7 +32,7 @@ from serve_app.admission.scripts import Refusal
 from serve_app.admission.ticket import Gate, Ticket
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded
 from serve_app.identity.authentication import authorize
-from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, prompt_cache_key_of
+from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, prompt_cache_key_of, put_salt
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.catalog import ModelCatalog
 from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
@@ -259,10 +259,7 @@ class Gateway:
         if plan.op.cache_salted:
             team = await self.access.team_of(key, plan.model)
             salt = await self.salts.salt(key, team, plan.config, plan.client_salt)
-            if salt is None:
-                plan.body.pop("cache_salt", None)
-            else:
-                plan.body["cache_salt"] = salt
+            put_salt(plan.body, salt)
             if session is None and plan.cache_key is not None:
                 session = self.salts.session(salt, plan.cache_key)
         if session:  # the model's router keeps a session on one replica
