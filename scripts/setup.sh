@@ -5,10 +5,26 @@
 #   from PyPI: beside the CPU torch they break `import transformers`.
 # TORCH_INDEX_URL: where pip finds torch==2.13.0+cpu if no local wheel store
 # has it (e.g. https://download.pytorch.org/whl/cpu).
+# PYTHON: the interpreter. By default the distribution's CPython 3.11 where it can
+# make a virtualenv: Debian and Ubuntu build it with PGO and LTO; a pyenv or
+# source build has neither unless asked (--enable-optimizations) and runs this
+# project's Python 1.2-1.6x slower (measured: importing vLLM at every replica
+# start 16.6 vs 13.1 s of CPU; json and list work 3.4 vs 2.1 s; docs/performance.md,
+# "The interpreter").
 set -euo pipefail
 venv=${1:-.venv}
-python=${PYTHON:-python3.11}
+if [ -z "${PYTHON:-}" ] && /usr/bin/python3.11 -c 'import ensurepip, venv' 2>/dev/null; then
+  python=/usr/bin/python3.11
+else
+  python=${PYTHON:-python3.11}
+fi
 
+# A virtualenv made from another interpreter is made again from this one.
+base() { "$1" -c 'import os, sys; print(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))'; }
+if [ -x "$venv/bin/python" ] && [ "$(base "$venv/bin/python")" != "$(base "$python")" ]; then
+  echo "setup: $venv runs $(base "$venv/bin/python"); making it again with $(base "$python")"
+  rm -rf "$venv"
+fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip

@@ -8,6 +8,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # -- where the suite's time goes, per module --------------------------------------------
 
 _MODULE_SECONDS: dict[str, float] = {}
+# The machine's busy and total CPU time (jiffies, all cores) while each module ran:
+# a module that keeps the cores busy is slow because of work (stack starts, engines),
+# one that leaves them idle is slow because of waits (leases, windows, timeouts).
+_MODULE_CPU: dict[str, list[int]] = {}
+_CURRENT: list = [None, (0, 0)]
+
+
+def _machine_cpu() -> tuple[int, int]:
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _close_module() -> None:
+    module, (busy0, total0) = _CURRENT
+    if module is not None:
+        busy, total = _machine_cpu()
+        spent = _MODULE_CPU.setdefault(module, [0, 0])
+        spent[0] += busy - busy0
+        spent[1] += total - total0
+
+
+def pytest_runtest_logstart(nodeid, location):
+    module = nodeid.split("::", 1)[0]
+    if module != _CURRENT[0]:
+        _close_module()
+        _CURRENT[:] = [module, _machine_cpu()]
 
 
 def pytest_runtest_logreport(report):
@@ -19,6 +49,10 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if len(_MODULE_SECONDS) < 2:
         return
-    terminalreporter.write_sep("=", "slowest modules (setup + tests + teardown)")
-    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1])[:12]:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    _close_module()
+    _CURRENT[0] = None
+    terminalreporter.write_sep("=", "slowest modules (setup + tests + teardown; the cores' busy share meanwhile)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1])[:25]:
+        busy, total = _MODULE_CPU.get(module, (0, 0))
+        share = f"{100 * busy / total:4.0f}%" if total else "    "
+        terminalreporter.write_line(f"{seconds:8.1f}s {share}  {module}")

@@ -23,7 +23,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import hiredis
 import redis.asyncio
@@ -107,8 +107,9 @@ def parse(url: str) -> RedisTarget:
     if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
         known = ", ".join(f"{s}://" for s in SINGLE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES)
         raise ValueError(f"redis_url must start with one of {known}")
-    parts = urlsplit(url)
-    credentials, _, hostlist = parts.netloc.rpartition("@")
+    netloc, tail = _netloc_and_tail(url)
+    parts = urlsplit(f"{scheme}://seeds{tail}")
+    credentials, _, hostlist = netloc.rpartition("@")
     username, _, password = credentials.partition(":") if credentials else ("", "", "")
     hosts = [_host_port(item) for item in hostlist.split(",") if item]
     if not hosts:
@@ -342,14 +343,26 @@ def _pack_in_c(self, *args) -> list[bytes]:
 redis.asyncio.connection.AbstractConnection.pack_command = _pack_in_c  # type: ignore[method-assign]
 
 
+def _netloc_and_tail(url: str) -> tuple[str, str]:
+    """A Redis URL's netloc (credentials and one host or a seed list) and what
+    follows it (path, query). Not urlsplit's: a seed list is no URL host, and
+    CPython refuses a bracketed IPv6 seed after the first one (gh-105704, in
+    3.11.12+ and distributions' patched 3.11)."""
+    rest = url.split("://", 1)[1]
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    return rest[:end], rest[end:]
+
+
 def redact(url: str) -> str:
     """``url`` without its password, for logs and status output."""
-    parts = urlsplit(url)
-    credentials, at, hostlist = parts.netloc.rpartition("@")
+    if "://" not in url:
+        return url
+    netloc, tail = _netloc_and_tail(url)
+    credentials, at, hostlist = netloc.rpartition("@")
     if not at or ":" not in credentials:
         return url
     user = credentials.split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostlist}"))
+    return f"{url.split('://', 1)[0]}://{user}:***@{hostlist}{tail}"
 
 
 def _host_port(item: str) -> tuple[str, int]:

@@ -62,6 +62,9 @@ def test_redact_hides_only_the_password():
     assert redis_client.redact("redis+cluster://:s3cret@a:1,b:2") == "redis+cluster://:***@a:1,b:2"
     assert redis_client.redact("redis://h:6379/0") == "redis://h:6379/0"
     assert redis_client.redact("redis://app@h:6379/0") == "redis://app@h:6379/0"
+    # A bracketed IPv6 seed after the first: CPython's urlsplit refuses it (gh-105704).
+    seeds = "rediss+cluster://app:p%40ss@10.0.0.1:7000,[::1]:7002/0?ssl_cert_reqs=none"
+    assert redis_client.redact(seeds) == "rediss+cluster://app:***@10.0.0.1:7000,[::1]:7002/0?ssl_cert_reqs=none"
 
 
 def test_pooled_connections_are_checked_before_use():
