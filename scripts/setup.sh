@@ -8,8 +8,8 @@
 # PYTHON: the interpreter. By default the distribution's CPython 3.11 where it can
 # make a virtualenv: Debian and Ubuntu build it with PGO and LTO; a pyenv or
 # source build has neither unless asked (--enable-optimizations) and runs this
-# project's Python 1.2-1.6x slower (measured: importing vLLM at every replica
-# start 16.6 vs 13.1 s of CPU; json and list work 3.4 vs 2.1 s; docs/performance.md,
+# project's Python 1.1-1.6x slower (measured: importing vLLM at every replica
+# start 16.6 vs 12.3 s of CPU; the gateway's CPU per request 1.14x; docs/performance.md,
 # "The interpreter").
 set -euo pipefail
 venv=${1:-.venv}
