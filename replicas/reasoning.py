@@ -23,9 +23,16 @@ def add_to_response(response: dict[str, Any]) -> None:
             message["reasoning_content"] = message["reasoning"]
 
 
-def add_to_stream(text: str) -> str:
-    """SSE text (one or more events): copy each delta's ``reasoning``.
-    Events without reasoning pass through untouched (no parsing)."""
+def add_to_stream(text: str, start_tag: str | None = None) -> str:
+    """SSE text (one or more events): copy each delta's ``reasoning``, without
+    the parser's ``start_tag`` at its start. Events without reasoning pass
+    through untouched (no parsing).
+
+    vLLM 0.32's thinking parsers (``BaseThinkingReasoningParser.extract_reasoning_streaming``,
+    "start token in delta, no end token in delta") return a delta's whole text as
+    reasoning when the start token comes in one delta with later tokens, which a
+    stream of several tokens per chunk (``stream_batch_tokens``) makes common: the
+    client would read ``<think>`` as the first of its thinking."""
     if _MARK not in text:
         return text
     events = text.split("\n\n")
@@ -36,6 +43,8 @@ def add_to_stream(text: str) -> str:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning") is not None:
+                if start_tag and delta["reasoning"].startswith(start_tag):
+                    delta["reasoning"] = delta["reasoning"][len(start_tag) :]
                 delta["reasoning_content"] = delta["reasoning"]
         events[index] = "data: " + json.dumps(chunk, separators=(",", ":"))
     return "\n\n".join(events)

@@ -39,9 +39,24 @@ class EngineBinding:
     endpoints: dict[str, tuple[Any, frozenset[str], Any]]
     serving_models: Any = None  # vLLM's OpenAIServingModels: LoRA adapters
     reasons: bool = False  # a reasoning parser: answers may carry `reasoning`
+    reasoning_start: str | None = None  # its start tag, which a stream's delta may leak (replicas/reasoning.py)
     error_from: Callable[[Exception], Any] | None = None  # vLLM's error response for an exception it raised
     facts: dict[str, Any] = field(default_factory=dict)  # what it was started with, where (engine_facts)
     kv_events: EventSocket | None = None  # where its KV-cache events are published (replicas/kv_events.py)
+
+
+def reasoning_start_tag(parser_name: str | None) -> str | None:
+    """The start tag of a thinking parser (``<think>``); None for other parsers."""
+    if not parser_name:
+        return None
+    from vllm.reasoning import ReasoningParserManager
+
+    try:
+        # vLLM's thinking parsers declare it as a constant property of the class.
+        tag = ReasoningParserManager.get_reasoning_parser(parser_name).start_token.fget(None)
+    except Exception:  # not a thinking parser, or one that needs its tokenizer for it
+        return None
+    return tag if isinstance(tag, str) and tag else None
 
 
 def engine_maker(config: ModelConfig) -> Callable[[ModelConfig], Awaitable[EngineBinding]]:
@@ -138,6 +153,7 @@ async def start_vllm(config: ModelConfig) -> EngineBinding:
         serving_models=state.openai_serving_models,
         # Only a model with a reasoning parser ever carries `reasoning`.
         reasons=bool(getattr(args, "reasoning_parser", None)),
+        reasoning_start=reasoning_start_tag(getattr(args, "reasoning_parser", None)),
         error_from=create_error_response,
         facts=placement_facts(vllm_config),
         kv_events=events,

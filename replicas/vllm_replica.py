@@ -78,6 +78,7 @@ class VLLMReplica:
         self.engine, self.load, self.max_model_len = binding.engine, binding.load, binding.max_model_len
         self._endpoints, self._serving_models = binding.endpoints, binding.serving_models
         self.reasons, self._error_from, self._facts = binding.reasons, binding.error_from, binding.facts
+        self._reasoning_start = binding.reasoning_start
         self.batch_interval_s = config.stream_batch_interval_ms / 1000
         self._streams = 0  # streams started and not ended: batching applies only beside another
         if config.lora is not None:
@@ -332,7 +333,7 @@ class VLLMReplica:
             if named_tool:
                 text = text.replace(FINISH_STOP, FINISH_TOOL_CALLS)
             if self.reasons:
-                text = reasoning.add_to_stream(text)
+                text = reasoning.add_to_stream(text, self._reasoning_start)
             yield text
 
     # -- LoRA adapters -----------------------------------------------------

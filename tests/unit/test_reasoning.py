@@ -31,3 +31,24 @@ def test_stream_events_get_reasoning_content_and_others_are_untouched():
 def test_stream_without_reasoning_is_returned_as_is():
     text = 'data: {"choices":[{"delta":{"content":"the reasoning is"}}]}\n\n'
     assert add_to_stream(text) is text
+
+
+def test_a_coalesced_first_delta_loses_the_start_tag_vllm_left_in_it():
+    # vLLM 0.32's thinking parser returns the delta's whole text as reasoning when the
+    # start token comes with later tokens in one delta (several tokens per chunk).
+    first = {"choices": [{"index": 0, "delta": {"reasoning": "<think>imow"}}]}
+    later = {"choices": [{"index": 0, "delta": {"reasoning": "ab<think>"}}]}
+    text = f"data: {json.dumps(first)}\n\ndata: {json.dumps(later)}\n\n"
+    events = add_to_stream(text, "<think>").split("\n\n")
+    assert json.loads(events[0][6:])["choices"][0]["delta"] == {"reasoning": "imow", "reasoning_content": "imow"}
+    assert json.loads(events[1][6:])["choices"][0]["delta"]["reasoning_content"] == "ab<think>"
+    # Without a start tag (a parser that has none), nothing is taken out.
+    assert json.loads(add_to_stream(text).split("\n\n")[0][6:])["choices"][0]["delta"]["reasoning"] == "<think>imow"
+
+
+def test_the_thinking_parsers_start_tag_is_read_from_vllm():
+    from replicas.vllm_engine import reasoning_start_tag
+
+    assert reasoning_start_tag("deepseek_r1") == "<think>"
+    assert reasoning_start_tag(None) is None
+    assert reasoning_start_tag("no-such-parser") is None
