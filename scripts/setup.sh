@@ -21,9 +21,12 @@ fi
 
 # A virtualenv made from another interpreter is made again from this one.
 base() { "$1" -c 'import os, sys; print(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))'; }
-if [ -x "$venv/bin/python" ] && [ "$(base "$venv/bin/python")" != "$(base "$python")" ]; then
-  echo "setup: $venv runs $(base "$venv/bin/python"); making it again with $(base "$python")"
-  rm -rf "$venv"
+if [ -x "$venv/bin/python" ]; then
+  have=$(base "$venv/bin/python") want=$(base "$python")
+  if [ "$have" != "$want" ]; then
+    echo "setup: $venv runs $have; making it again with $want"
+    rm -rf "$venv"
+  fi
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)

@@ -107,7 +107,7 @@ def parse(url: str) -> RedisTarget:
     if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
         known = ", ".join(f"{s}://" for s in SINGLE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES)
         raise ValueError(f"redis_url must start with one of {known}")
-    netloc, tail = _netloc_and_tail(url)
+    _, netloc, tail = _split(url)
     parts = urlsplit(f"{scheme}://seeds{tail}")
     credentials, _, hostlist = netloc.rpartition("@")
     username, _, password = credentials.partition(":") if credentials else ("", "", "")
@@ -343,26 +343,24 @@ def _pack_in_c(self, *args) -> list[bytes]:
 redis.asyncio.connection.AbstractConnection.pack_command = _pack_in_c  # type: ignore[method-assign]
 
 
-def _netloc_and_tail(url: str) -> tuple[str, str]:
-    """A Redis URL's netloc (credentials and one host or a seed list) and what
-    follows it (path, query). Not urlsplit's: a seed list is no URL host, and
-    CPython refuses a bracketed IPv6 seed after the first one (gh-105704, in
-    3.11.12+ and distributions' patched 3.11)."""
-    rest = url.split("://", 1)[1]
+def _split(url: str) -> tuple[str, str, str]:
+    """A Redis URL's scheme, netloc (credentials and one host or a seed list) and
+    what follows the netloc (path, query). Not urlsplit's: a seed list is no URL
+    host, and CPython refuses a bracketed IPv6 seed after the first one
+    (gh-105704, in 3.11.12+ and distributions' patched 3.11)."""
+    scheme, _, rest = url.partition("://")
     end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
-    return rest[:end], rest[end:]
+    return scheme, rest[:end], rest[end:]
 
 
 def redact(url: str) -> str:
     """``url`` without its password, for logs and status output."""
-    if "://" not in url:
-        return url
-    netloc, tail = _netloc_and_tail(url)
+    scheme, netloc, tail = _split(url)
     credentials, at, hostlist = netloc.rpartition("@")
-    if not at or ":" not in credentials:
+    if "://" not in url or not at or ":" not in credentials:
         return url
     user = credentials.split(":", 1)[0]
-    return f"{url.split('://', 1)[0]}://{user}:***@{hostlist}{tail}"
+    return f"{scheme}://{user}:***@{hostlist}{tail}"
 
 
 def _host_port(item: str) -> tuple[str, int]:
