@@ -4,6 +4,12 @@ from pathlib import Path
 # Test helpers (stack.py, openai_spec.py) import as top-level modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import waiting_lane  # noqa: E402  (found through the path just set)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(waiting_lane, "waiting_lane")
+
 
 # -- where the suite's time goes, per module --------------------------------------------
 

@@ -14,7 +14,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from ports import free_port
+
+# A real HAProxy: the e2e stacks' teardowns end every HAProxy on the machine.
+pytestmark = pytest.mark.machine_wide
 
 WRAPPER = Path(sys.executable).with_name("llm-haproxy")
 

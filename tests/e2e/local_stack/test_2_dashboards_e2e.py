@@ -193,7 +193,10 @@ def hang_up_mid_stream(load: Load, http: httpx.Client, redis_server, tries: int 
 
 
 def settled_status(redis_server, request_id: str, wait_s: float = 60) -> str:
-    """The final status of the "telemetry" key's request with this x-request-id."""
+    """The final status of the "telemetry" key's request with this x-request-id.
+    The x-request-id's index is written off the request path, after the admission: a
+    lookup that finds no record yet is asked again until ``wait_s``, and what
+    `llmctl` said the last time is in the failure."""
     deadline = time.monotonic() + wait_s
     while True:
         shown = subprocess.run(
@@ -202,12 +205,15 @@ def settled_status(redis_server, request_id: str, wait_s: float = 60) -> str:
             capture_output=True,
             text=True,
             timeout=60,
-            check=True,
         )
-        status = json.loads(shown.stdout)["status"]
-        if status not in ("admitted", "running"):
-            return status
-        assert time.monotonic() < deadline, (request_id, status)
+        said = (request_id, shown.returncode, shown.stdout, shown.stderr)
+        if shown.returncode == 0:
+            status = json.loads(shown.stdout)["status"]
+            if status not in ("admitted", "running"):
+                return status
+        else:
+            print("llmctl requests show failed:", said)  # shown with the test's output if it fails
+        assert time.monotonic() < deadline, said
         time.sleep(1)
 
 

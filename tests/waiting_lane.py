@@ -1,0 +1,117 @@
+"""The integration tests wait far more than they compute (Redis failovers, lease
+expiries, rate windows: 10-30 % of the cores busy while they run), and the
+end-to-end stacks compute far more than they wait. When one session selects both,
+the integration tests run in a second pytest process beside the rest, started at
+the end of collection and awaited at the end of the session; its failures fail
+this session and its report is printed in this one's summary.
+
+A module marked ``machine_wide`` stays in this process: it starts or ends
+something the end-to-end tests count or end on the whole machine (HAProxy: every
+stack's teardown ends any that is left).
+
+``LLM_TEST_LANE=0`` runs everything in one process; the lane itself runs with
+``LLM_TEST_LANE=lane`` and never splits again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+LANE_ENV = "LLM_TEST_LANE"
+LANE_DIR = "tests/integration/"
+LANE_WAIT_S = 30 * 60  # the lane alone takes ~5 min here; past this it is stuck
+
+
+class WaitingLane:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.output: Path | None = None
+        self.count = 0
+
+    def start(self, config: pytest.Config, nodeids: list[str]) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="waiting-lane-"))
+        args = folder / "args"
+        args.write_text("\n".join(nodeids) + "\n")
+        self.output = folder / "output"
+        self.count = len(nodeids)
+        with self.output.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", f"@{args}", "-q", "-rfE", "-p", "no:cacheprovider"],
+                cwd=config.rootpath,
+                env={**os.environ, LANE_ENV: "lane"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C of this session reaches it through stop()
+            )
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=LANE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return -1
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+    def report(self, rc: int) -> str:
+        assert self.output is not None
+        text = self.output.read_text(errors="replace")
+        if rc != 0:
+            return text  # the whole report: its failures, tracebacks and output
+        return "\n".join(text.rstrip().splitlines()[-30:])  # its slowest modules and its count
+
+
+_LANE = WaitingLane()
+
+
+def _in_lane(item: pytest.Item, rootpath: Path) -> bool:
+    path = Path(str(item.path)).resolve().relative_to(rootpath).as_posix()
+    return path.startswith(LANE_DIR) and item.get_closest_marker("machine_wide") is None
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: the lane runs only what was selected
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(LANE_ENV) in ("lane", "0") or config.option.collectonly:
+        return
+    rootpath = config.rootpath.resolve()
+    lane = [item.nodeid for item in items if _in_lane(item, rootpath)]
+    if not lane or len(lane) == len(items):
+        return  # nothing to run beside
+    items[:] = [item for item in items if not _in_lane(item, rootpath)]
+    _LANE.start(config, lane)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _LANE.proc is None:
+        return
+    if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+        _LANE.stop()
+    rc = _LANE.wait()
+    session.config.stash[_RC] = rc
+    if rc != 0 and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_RC = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    rc = config.stash.get(_RC, None)
+    if rc is None:
+        return
+    verdict = "passed" if rc == 0 else f"FAILED (exit {rc})"
+    terminalreporter.write_sep("=", f"waiting lane: {_LANE.count} integration tests run beside, {verdict}")
+    terminalreporter.write_line(_LANE.report(rc))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _LANE.stop()  # interrupted before its end: the lane goes with it
