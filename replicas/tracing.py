@@ -29,7 +29,9 @@ def _process_tracer() -> Tracer | None:
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-            provider = TracerProvider()  # sampler and service name from the environment
+            # Sampler (parentbased_always_off: a span only under the gateway's sampled
+            # one) and service name from the environment (TracingConfig.env).
+            provider = TracerProvider()
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             _tracer = provider.get_tracer("llm_cluster.replica")
     return _tracer

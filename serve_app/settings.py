@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, fiel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract.model_config import ModelConfig
+from contract.tracing import TRACES_SAMPLE_RATIO_ENV
 from serve_app.limits import KeyLimits
 from serve_app.redis_store import redis_client
 
@@ -139,14 +140,22 @@ class TracingConfig(BaseModel):
     def env(self, service: str) -> dict[str, str]:
         """The OpenTelemetry SDK's standard variables for a process of ``service``
         (every deployment's replicas get them): the SDK reads its exporter and
-        sampler from them, so the gateway and the replicas are configured alike."""
+        service name from them, so the gateway and the replicas are configured alike.
+
+        Only the gateway starts traces: its tracer samples a request with no sampled
+        parent at ``sample_ratio`` (serve_app/tracing.py reads it from
+        ``TRACES_SAMPLE_RATIO_ENV``). Every other tracer built from these variables
+        (the replica's, vLLM's engine and loading spans) records a span only under a
+        sampled parent (``parentbased_always_off``): a request the gateway did not
+        sample hands vLLM no context, and vLLM's tracer would otherwise start a trace
+        of its own at the ratio, an orphan engine span."""
         if not self.endpoint:
             return {}
         return {
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.endpoint,
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-            "OTEL_TRACES_SAMPLER_ARG": str(self.sample_ratio),
+            "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+            TRACES_SAMPLE_RATIO_ENV: str(self.sample_ratio),
             "OTEL_SERVICE_NAME": service,
         }
 
@@ -320,7 +329,13 @@ class JwtConfig(BaseModel):
     )
     limits: KeyLimits = Field(default_factory=KeyLimits, description="Every user's limits, as a key's.")
     leeway_s: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on `exp` and `nbf`.")
-    jwks_cache_s: float = Field(3600.0, gt=0, description="How long fetched signing keys are trusted.")
+    jwks_cache_s: float = Field(
+        300.0,
+        gt=0,
+        le=3600,
+        description="How long fetched signing keys are trusted: a key the provider removes is refused by "
+        "every process within this (plus one fetch) while the JWKS can be fetched.",
+    )
     jwks_refresh_min_s: float = Field(
         30.0,
         ge=0,

@@ -10,9 +10,11 @@ replica call. Attributes follow OpenTelemetry's GenAI conventions (model, token
 counts) plus the key id, team and tier; never the key's secret nor prompt text.
 
 Off (no endpoint) a request carries ``None`` and pays one attribute check per
-stage. The SDK reads its exporter, sampler and service name from the standard
-``OTEL_*`` variables, which the application builders set on every deployment
-(``TracingConfig.env``)."""
+stage. The SDK reads its exporter and service name from the standard ``OTEL_*``
+variables, which the application builders set on every deployment
+(``TracingConfig.env``); the sampler is the gateway's own: a client's sampled flag
+is followed, a request without one is sampled at ``sample_ratio``. Only the gateway
+starts traces: every other tracer (the replica's, vLLM's) follows its parent."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from contract.edge import EDGE_TIME_HEADER
+from contract.tracing import TRACES_SAMPLE_RATIO_ENV
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _UNSET = object()
@@ -41,8 +44,10 @@ def process_tracer() -> Tracer | None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-            provider = TracerProvider()  # sampler and service name from the environment
+            ratio = float(os.environ.get(TRACES_SAMPLE_RATIO_ENV, "1.0"))
+            provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)))  # service name: environment
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             _tracer = provider.get_tracer("llm_cluster.gateway")
     return _tracer

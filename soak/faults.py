@@ -7,6 +7,7 @@ state after them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
+import psutil
 
 from soak.ledger import Fault
 from soak.topology import APP, PACED, ProxiedRedisCluster, Twin, processes
@@ -120,13 +122,35 @@ async def network_resets(ctx: Context, rng: random.Random) -> bool:
     return True
 
 
+def edge_listeners(base_url: str) -> list[psutil.Process]:
+    """The processes listening on the edge's port: HAProxy's (two while a reload
+    drains the old one), found by the socket rather than by name."""
+    port = httpx.URL(base_url).port
+    pids = {
+        conn.pid
+        for conn in psutil.net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid
+    }
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found.append(psutil.Process(pid))
+    return found
+
+
 async def haproxy_restart(ctx: Context, rng: random.Random) -> bool:
-    # The edge may be between two HAProxy processes when the fault comes (Serve's
-    # proxy actor starts a new one after a health check it missed under load): the
-    # fault waits for one to kill. Clients that met no edge meanwhile are the
-    # ledger's to judge (availability outside the faults' windows).
-    await _until(lambda: bool(processes("haproxy")), 60)
-    await asyncio.to_thread(_kill_one, "haproxy", rng)
+    """SIGKILL every process listening on the edge's port (Serve's proxy actor starts
+    HAProxy again); undone once the edge answers. The edge may be between two HAProxy
+    processes when the fault comes (the proxy actor starts a new one after a health
+    check it missed under load): the fault waits for a listener. Clients that met no
+    edge meanwhile are the ledger's to judge (availability outside the faults' windows)."""
+    await _until(lambda: bool(edge_listeners(ctx.base_url)), 60)
+    listeners = await asyncio.to_thread(edge_listeners, ctx.base_url)
+    names = {proc.name() for proc in listeners}
+    assert names == {"haproxy"}, f"the edge's port is held by {names}, not HAProxy alone"
+    for proc in listeners:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
     def answers() -> bool:
         try:

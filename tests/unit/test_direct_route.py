@@ -284,7 +284,8 @@ def test_with_a_traces_endpoint_every_deployment_exports_under_its_own_service_n
     for deployment in (ingress, minilm._bound_deployment, direct):
         env = deployment.ray_actor_options["runtime_env"]["env_vars"]
         assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://collector:4318/v1/traces"
-        assert (env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.25")
+        # The gateway samples at the ratio; every other tracer (vLLM's) only under a sampled parent.
+        assert (env["OTEL_TRACES_SAMPLER"], env["LLM_TRACES_SAMPLE_RATIO"]) == ("parentbased_always_off", "0.25")
         services[deployment.name] = env["OTEL_SERVICE_NAME"]
     assert services[ingress.name] == "llm-gateway" and len(set(services.values())) == 3
     # Unset (as shipped): no OTEL_* variable at all, the SDK is never configured.
