@@ -171,7 +171,7 @@ async def _usage(args: argparse.Namespace) -> int:
     from serve_app.admin import operations as admin
 
     async def work(access, actor) -> None:
-        key = await admin.show_key(access, args.key) if args.key else None
+        key = await admin.account(access, args.key) if args.key else None  # a stored key or a token's user
         team = await admin.show_team(access, args.team) if args.team else None
         if key is not None and args.days is None and not args.csv:
             _print(await admin.usage(access, key["id"]), True)
@@ -193,7 +193,7 @@ async def _usage(args: argparse.Namespace) -> int:
         if not args.csv:
             _print(page, True)
             return
-        names = {k["id"]: k["name"] for k in (await admin.list_keys(access))["data"]}
+        names = {k.id: k.name for k in await admin.accounts(access)}
         teams = {t["id"]: t["name"] for t in (await admin.list_teams(access))["data"]}
         columns = (
             "date",

@@ -23,6 +23,7 @@ from serve_app.errors import OpenAIError, invalid_request
 from serve_app.identity.admins import AdminNotFound, AdminStore
 from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 from serve_app.identity.teams import TeamNotFound, TeamRecord, TeamStore
+from serve_app.identity.token_users import TokenUsers
 from serve_app.limits import KeyLimits
 
 
@@ -35,11 +36,14 @@ class AdminStores:
     teams: TeamStore
     admins: AdminStore
     audit: AuditLog
+    token_users: TokenUsers
     records: RecordShipper | None = None  # where final request records went past Redis (None: kept in Redis)
 
     @classmethod
     def over(cls, redis, records: RecordShipper | None = None) -> AdminStores:
-        return cls(redis, KeyStore(redis), TeamStore(redis), AdminStore(redis), AuditLog(redis), records)
+        return cls(
+            redis, KeyStore(redis), TeamStore(redis), AdminStore(redis), AuditLog(redis), TokenUsers(redis), records
+        )
 
 
 # A key's, team's or admin's name: shown in the console, the audit trail, 429s and
@@ -104,6 +108,29 @@ async def _key(stores: AdminStores, id_or_name: str) -> KeyRecord:
         return await stores.keys.resolve(id_or_name)
     except KeyNotFound:
         raise OpenAIError(404, f"No API key '{id_or_name}'.", code="key_not_found") from None
+
+
+async def _account(stores: AdminStores, id_or_name: str) -> KeyRecord:
+    """Who used something: a stored key, or else an identity-token user the gateway
+    admitted (by its ``j…`` id or ``jwt:<user>`` name): usage is theirs alike."""
+    try:
+        return await stores.keys.resolve(id_or_name)
+    except KeyNotFound:
+        pass
+    try:
+        return await stores.token_users.resolve(id_or_name)
+    except KeyNotFound:
+        raise OpenAIError(404, f"No API key or identity-token user '{id_or_name}'.", code="key_not_found") from None
+
+
+async def accounts(stores: AdminStores) -> list[KeyRecord]:
+    """Every stored key and every identity-token user seen in the usage report's window."""
+    return [*await stores.keys.list(), *await stores.token_users.list()]
+
+
+async def account(stores: AdminStores, id_or_name: str) -> dict[str, Any]:
+    """A stored key's record, or an identity-token user's (its id, name and team)."""
+    return (await _account(stores, id_or_name)).model_dump()
 
 
 async def _team(stores: AdminStores, id_or_name: str) -> TeamRecord:
@@ -216,20 +243,22 @@ async def revoke_team(stores: AdminStores, id_or_name: str, actor: str) -> dict[
 
 
 async def usage(stores: AdminStores, id_or_name: str) -> dict[str, Any]:
-    record = await _key(stores, id_or_name)
+    record = await _account(stores, id_or_name)
     return {"key": record.name, "id": record.id, **await key_usage(stores.redis, record.id)}
 
 
 async def completions_usage(stores: AdminStores, params) -> dict[str, Any]:
-    """OpenAI's organization Usage API for completions (usage_report.py), over every key."""
+    """OpenAI's organization Usage API for completions (usage_report.py), over every key
+    and identity-token user."""
     query = usage_report.parse_query(params)
-    return await usage_report.completions_usage(stores.redis, await stores.keys.list(), query)
+    return await usage_report.completions_usage(stores.redis, await accounts(stores), query)
 
 
 async def costs(stores: AdminStores, params) -> dict[str, Any]:
-    """OpenAI's organization Costs API (usage_report.py), over every key."""
+    """OpenAI's organization Costs API (usage_report.py), over every key and
+    identity-token user."""
     query = usage_report.parse_query(params, usage_report.COST_GROUPS)
-    return await usage_report.costs(stores.redis, await stores.keys.list(), query)
+    return await usage_report.costs(stores.redis, await accounts(stores), query)
 
 
 async def request(stores: AdminStores, request_id: str, key: str | None = None) -> dict[str, Any]:

@@ -45,8 +45,10 @@ from serve_app.errors import (
     quota_store_unavailable,
     records_backlog,
 )
+from serve_app.identity.jwt_auth import is_jwt_identity
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import TeamRecord
+from serve_app.identity.token_users import TokenUsers
 from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -87,6 +89,7 @@ class Gatekeeper:
             replicas_to_acknowledge=quota.replicas_to_acknowledge,
             acknowledge_timeout_ms=quota.replica_ack_timeout_ms,
         )
+        self.token_users = TokenUsers(redis)
         if records is not None:  # a settled record goes to the outbox in its settlement's turn
             records.ship_through(self.admission.pipeline)
         self.fail_open = quota.fail_mode == "open"
@@ -231,6 +234,8 @@ class Gatekeeper:
         self._leased[request_id] = ticket
         if http_request_id:
             self._spawn(self.admission.index_http_id(http_request_id, request_id))
+        if is_jwt_identity(key.id):  # listed where keys are (usage, costs, console)
+            self._spawn(self.token_users.seen(key, team.id if team else None, self.admission.pipeline.command))
         return ticket
 
     async def withdraw(self, ticket: Ticket) -> None:

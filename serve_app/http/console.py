@@ -124,14 +124,15 @@ class Console:
     async def _overview(self, actor: str, notice: str) -> str:
         stores = self.stores
         teams, keys = await stores.teams.list(), await stores.keys.list()
+        users = await stores.token_users.list()  # identity tokens' users: their usage counts alike
         team_names = {t.id: t.name for t in teams}
-        usage = {record.id: await key_usage(stores.redis, record.id) for record in [*teams, *keys]}
+        usage = {record.id: await key_usage(stores.redis, record.id) for record in [*teams, *keys, *users]}
         start = int(time.time()) // 86400 * 86400 - (DAYS - 1) * 86400
         query = QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id,model"})
-        daily = await usage_report.completions_usage(stores.redis, keys, usage_report.parse_query(query))
+        daily = await usage_report.completions_usage(stores.redis, [*keys, *users], usage_report.parse_query(query))
         spent = await usage_report.costs(
             stores.redis,
-            keys,
+            [*keys, *users],
             usage_report.parse_query(
                 QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id"}), usage_report.COST_GROUPS
             ),
@@ -144,10 +145,11 @@ class Console:
                 notice,
                 _section("Teams", _teams_table(teams, usage) + _team_form()),
                 _section("Keys", _keys_table(keys, team_names, usage) + _key_form(teams)),
+                _section("Identity-token users", _users_table(users, team_names, usage)),
                 _section(
                     f"Usage, last {DAYS} days", _chart(daily, team_names) + _usage_table(daily, spent, team_names)
                 ),
-                _section("Refusals, last hour", _refusals_table(teams, keys, usage)),
+                _section("Refusals, last hour", _refusals_table(teams, [*keys, *users], usage)),
                 _section("Audit trail", _audit_table(trail)),
             ]
         )
@@ -288,6 +290,23 @@ def _keys_table(keys, team_names, usage) -> str:
     return _table(
         ["Key", "Id", "Team", "Limits", "Requests today", "Tokens today", "Spend today", "Enabled", ""], rows, "keys"
     )
+
+
+def _users_table(users, team_names, usage) -> str:
+    """The identity provider's users the gateway admitted lately: their limits are the
+    configuration's (auth.jwt.limits) and their tokens' expiry is their revocation."""
+    rows = [
+        [
+            e(u.name),
+            f"<code>{e(u.id)}</code>",
+            e(team_names.get(u.team, u.team or "")),
+            str(usage[u.id]["today"]["requests"]),
+            str(usage[u.id]["today"]["tokens"]),
+            _usd(usage[u.id]["today"]["cost_nanos"]),
+        ]
+        for u in users
+    ]
+    return _table(["User", "Id", "Team", "Requests today", "Tokens today", "Spend today"], rows, "token-users")
 
 
 def _number_inputs() -> str:

@@ -55,6 +55,20 @@ def team_members(team_id: str) -> str:
 
 TEAM_INDEX = f"{PREFIX}:teams"
 
+
+def token_user(user_id: str) -> str:
+    """An identity-token user the gateway admitted: its name and team (identity/token_users.py)."""
+    return f"{PREFIX}:tokenuser:{tag(user_id)}"
+
+
+def token_user_name(name: str) -> str:
+    """An identity-token user's name (``jwt:<user>``) → its id."""
+    return f"{PREFIX}:tokenusername:{name}"
+
+
+# The identity-token users seen lately, scored by when each was last admitted.
+TOKEN_USER_INDEX = f"{PREFIX}:tokenusers"
+
 # The audit trail of admin actions: one stream (serve_app/accounting/audit.py).
 AUDIT_LOG = f"{PREFIX}:audit"
 

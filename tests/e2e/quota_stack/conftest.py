@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from jwks_server import Jwks
+from otlp_receiver import running_otlp_receiver
 from ports import free_port
 from redis_server import running_redis
 from stack import serve_stack
@@ -30,6 +31,13 @@ def jwks():
 
 
 @pytest.fixture(scope="package")
-def base_url(redis_server, jwks):
-    with serve_stack(app_args(redis_server.url, jwks.url), port=free_port()) as url:
+def otlp():
+    """Where the stack sends its traces (test_1_trace_sampling_e2e.py)."""
+    with running_otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="package")
+def base_url(redis_server, jwks, otlp):
+    with serve_stack(app_args(redis_server.url, jwks.url, otlp.endpoint), port=free_port()) as url:
         yield url

@@ -1,5 +1,6 @@
 """The application this package's stack runs: the demo chat model behind two
-ingress replicas, identity tokens of a test-run OIDC provider (a `team` claim names the user's team), with a short
+ingress replicas, identity tokens of a test-run OIDC provider (a `team` claim names the user's team, its keys
+trusted 4 s), traces to a test-run OTLP receiver at a sample ratio of 0.5, with a short
 key cache, an admin token, 1 MiB batch files, 4 MiB of files and 3 active batches per key, 2 MiB stored in Redis per
 key, and a narrow copy of it for the backpressure
 tests
@@ -25,10 +26,16 @@ FILES_DIR = tempfile.mkdtemp(prefix="llm-files-quota-")  # the stack's files, wh
 
 
 JWT_REQUESTS_PER_MINUTE = 3  # each identity-token user's limit (auth.jwt.limits)
+# How long a process trusts the signing keys it fetched (auth.jwt.jwks_cache_s; 300 s as
+# shipped): short, so a key's removal is seen on every route within a test's wait.
+JWKS_CACHE_S = 4.0
+# Traces to the package's OTLP receiver, half of the requests without a client's
+# traceparent sampled: the gateway's decision must hold for the engine's spans too.
+TRACE_SAMPLE_RATIO = 0.5
 TEAM_CLAIM = "team"  # an identity token's claim naming its user's team
 
 
-def app_args(redis_url: str, jwks_url: str | None = None) -> dict:
+def app_args(redis_url: str, jwks_url: str | None = None, traces_endpoint: str | None = None) -> dict:
     args = local_app_args(only=[MODEL])
     args["ingress"]["deployment"]["num_replicas"] = 2
     # Redis timeout 1 s: on this loaded 2-core box a 16-client flood can delay answers
@@ -56,6 +63,12 @@ def app_args(redis_url: str, jwks_url: str | None = None) -> dict:
             "jwks_url": jwks_url,
             "team_claim": TEAM_CLAIM,
             "limits": {"requests_per_minute": JWT_REQUESTS_PER_MINUTE},
+            "jwks_cache_s": JWKS_CACHE_S,
+        }
+    if traces_endpoint is not None:
+        args["telemetry"] = {
+            **args.get("telemetry", {}),
+            "tracing": {"endpoint": traces_endpoint, "sample_ratio": TRACE_SAMPLE_RATIO},
         }
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)

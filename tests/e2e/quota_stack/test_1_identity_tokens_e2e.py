@@ -2,7 +2,8 @@
 stack accepts the tokens of a provider this test runs, tests/jwks_server.py): a
 user's token works with the openai SDK as a key would, is admitted against the
 user's own limits and charged to the user (its records in Redis), a bad token is a
-401 in the route's envelope, and a batch needs an API key."""
+401 in the route's envelope, a batch needs an API key, and a signing key the provider
+removes is refused on every route within ``jwks_cache_s``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from http_checks import assert_error_envelope
 from settled import inference, wait_until_settled
 
-from quota_stack.stack_args import JWT_REQUESTS_PER_MINUTE, MODEL
+from quota_stack.stack_args import JWKS_CACHE_S, JWT_REQUESTS_PER_MINUTE, MODEL
 from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import JwtConfig
 
@@ -79,3 +80,43 @@ def test_a_bad_token_is_a_401_naming_why_and_a_batch_needs_an_api_key(base_url, 
     )
     assert_error_envelope(batch, 403)
     assert batch.json()["error"]["code"] == "batch_needs_api_key"
+
+
+# Every way in a token takes, by the process that serves it: the direct route's server
+# (chat, completions), the ingress replicas (the rest), each keeping its own JWKS copy.
+ROUTES = (
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 1}),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+    ("POST", "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 1}),
+    ("POST", "/v1/embeddings", {"model": MODEL, "input": "hi"}),
+    ("GET", "/v1/models", None),
+)
+
+
+def test_a_signing_key_the_provider_removes_is_refused_on_every_route_within_the_cache_bound(base_url, jwks):
+    jwks.add("leaving")
+    # A process that fetched within jwks_refresh_min_s refuses a new kid until its copy
+    # is past jwks_cache_s: then its next token fetches the JWKS again.
+    time.sleep(JWKS_CACHE_S + 1)
+    token = jwks.token("leaving", sub=f"dee-{time.monotonic_ns()}@example.com")
+
+    def ask(method: str, path: str, body: dict | None) -> httpx.Response:
+        return httpx.request(
+            method, base_url + path, json=body, headers={"authorization": f"Bearer {token}"}, timeout=120
+        )
+
+    # Every process learns the key: each route asked often enough to reach both ingress
+    # replicas (a 429 past the user's 3 requests/min is a token that verified, too).
+    for method, path, body in ROUTES:
+        for _ in range(4):
+            response = ask(method, path, body)
+            assert response.status_code != 401 and response.status_code < 500, (path, response.text)
+    del jwks.keys["leaving"]  # the provider removes it
+    removed = time.monotonic()
+    time.sleep(JWKS_CACHE_S + 2)  # the bound: jwks_cache_s plus one fetch (a local one here)
+    for method, path, body in ROUTES:
+        for _ in range(6):
+            response = ask(method, path, body)
+            assert_error_envelope(response, 401)
+            assert "unknown key" in response.json()["error"]["message"], (path, response.text)
+    assert time.monotonic() - removed < JWKS_CACHE_S + 60  # the checks themselves took no minute
