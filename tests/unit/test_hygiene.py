@@ -43,7 +43,7 @@ def tracked_text_files() -> list[Path]:
     return [
         ROOT / name
         for name in names
-        if not name.startswith("spec/") and (Path(name).suffix in suffixes or name == "Makefile")
+        if not name.startswith(("spec/", "third_party/")) and (Path(name).suffix in suffixes or name == "Makefile")
     ]
 
 

@@ -141,3 +141,21 @@ def test_the_per_request_counters_of_the_gateway_are_batched():
     telemetry = Telemetry(per_key_metrics=True, access_log=False)
     batched = {name for name, value in vars(telemetry).items() if isinstance(value, BatchedCounter)}
     assert {"requests", "prompt_tokens", "completion_tokens", "key_requests", "key_tokens", "team_tokens"} <= batched
+
+
+def test_an_identity_tokens_user_has_its_own_per_key_series_under_its_name():
+    from serve_app.identity.jwt_auth import JwtAuthenticator
+    from serve_app.settings import JwtConfig
+
+    config = JwtConfig(issuer="https://idp.example.com/", audience="llm-gateway", jwks_url="https://idp.example.com/k")
+    user = JwtAuthenticator(config)._record({"sub": "ana@example.com"})
+    telemetry = Telemetry(per_key_metrics=True, access_log=False)
+    record = RequestRecord("openai", request_id="req-1", started=100.0)
+    record.for_key(user)
+    record.model, record.status, record.prompt_tokens, record.completion_tokens = "tiny-llama", 200, 7, 3
+    telemetry.finish(record)
+    assert telemetry.key_requests._pending == {(("key_name", "jwt:ana@example.com"), ("status", "200")): 1.0}
+    assert telemetry.key_tokens._pending == {
+        (("key_name", "jwt:ana@example.com"), ("kind", "prompt")): 7.0,
+        (("key_name", "jwt:ana@example.com"), ("kind", "completion")): 3.0,
+    }
