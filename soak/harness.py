@@ -224,6 +224,19 @@ def _unproxied(redis_cluster: ProxiedRedisCluster):
     return lambda address: (address[0], by_proxy.get(address[1], address[1]))
 
 
+def wait_until_ready(base_url: str, timeout_s: float = 300) -> None:
+    """Until ``/ready`` answers 200 through the edge three times in a row, a second apart."""
+    deadline, in_a_row = time.monotonic() + timeout_s, 0
+    while in_a_row < 3:
+        try:
+            in_a_row = in_a_row + 1 if httpx.get(base_url + "/ready", timeout=5).status_code == 200 else 0
+        except httpx.HTTPError:
+            in_a_row = 0
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base_url}/ready did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(1)
+
+
 async def soak(shape: Shape) -> Verdict:
     from serve_app.admin.operations import AdminStores
     from serve_app.redis_store.redis_client import connect
@@ -254,6 +267,10 @@ async def soak(shape: Shape) -> Verdict:
             shape.lease_s,
         )
         await asyncio.to_thread(twin.deploy, config)
+        # Serve's RUNNING is not yet the edge's: the load starts when /ready says so through
+        # HAProxy, as a load balancer would send the first client (run 10 met HAProxy's own
+        # 503s for ~10 s after RUNNING, before any fault).
+        await asyncio.to_thread(wait_until_ready, base_url)
         print(f"  twin up and deployed in {time.monotonic() - started:.0f} s, {twin.nodes()} Ray nodes", flush=True)
         verdict, figures = await _run(shape, redis_cluster, twin, base_url, tenants, teams, folder)
         verdict.run_folder = str(folder)

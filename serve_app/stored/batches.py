@@ -258,7 +258,12 @@ class BatchStore:
 
     async def cancel(self, key_id: str, batch_id: str) -> dict[str, Any]:
         """Ask the batch to stop: ``cancelling`` until a runner has written what
-        ran (a parked batch is claimed again at once for it). 409 once it ended."""
+        ran (a parked batch is claimed again at once for it). 409 once it ended.
+        The batch is put back in the runners' set too: a failover may have lost its
+        entry there, and a cancel then waited for ``reconcile`` (up to its period,
+        5 minutes) before a runner ended it (the soak saw it: a cancel answered 200,
+        its batch not ended 60 s later). One a runner ended meanwhile is taken out
+        again by the runner that finds it ended."""
         was = await self.transition(key_id, batch_id, "cancelling", ("validating", "in_progress"))
         if was is None:
             raise not_found(batch_id)
@@ -270,6 +275,7 @@ class BatchStore:
                 code="batch_not_cancellable",
             )
         await self._unpark(keys=[redis_names.batch_lease(key_id, batch_id)])
+        await self.redis.sadd(redis_names.ACTIVE_BATCHES, f"{key_id}/{batch_id}")
         return await self.get(key_id, batch_id)
 
     async def active(self) -> list[tuple[str, str]]:
