@@ -3,11 +3,13 @@
 with the same ``Console`` the ingress routes to (the ingress' own routes are
 driven end to end in tests/e2e/shared_stack/test_console_e2e.py). Log in, create
 a team and a key, see the key's first request in the usage; a wrong credential,
-a form from another site, a revoked admin's session."""
+a form from another site, a revoked admin's session; an identity token's user
+listed with its usage."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 
@@ -24,6 +26,7 @@ from starlette.routing import Route
 from serve_app.admin import operations as admin
 from serve_app.http.console import Console
 from serve_app.http.services import QuotaServices, build_quota_services
+from serve_app.identity.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -166,3 +169,24 @@ def test_a_form_from_another_site_and_a_revoked_admins_session_do_nothing(consol
         assert "credential" in http.get("/console").text  # the session ended with its admin
         assert http.post("/console/teams", data={"name": f"late-{name}"}).status_code == 303
         assert f"late-{name}" not in [t.name for t in aside(redis_url, lambda a: a.stores.teams.list())]
+
+
+async def charge_a_token_user(access: QuotaServices, sub: str) -> str:
+    """An identity token's user admitted and charged as the ingress would; its id."""
+    user = KeyRecord(id="j" + hashlib.sha256(sub.encode()).hexdigest()[:16], name=f"jwt:{sub}", created_at=0)
+    ticket = await access.gate.admit(user, "tiny-llama", 20)
+    for level in ticket.levels():
+        await access.gate.admission.settle(level, ticket.request_id, "completed", 5, 7, "", "tiny-llama")
+    await asyncio.sleep(0.5)  # the user's entry is written in a later pipeline turn
+    return user.id
+
+
+def test_an_identity_tokens_user_is_listed_with_its_usage(console_url):
+    url, redis_url = console_url
+    sub = f"ana-{time.monotonic_ns()}@example.com"
+    user_id = aside(redis_url, lambda a: charge_a_token_user(a, sub))
+    with headless_chromium() as driver:
+        log_in(driver, url, ADMIN_TOKEN)
+        row = next(r for r in driver.find_elements(By.CSS_SELECTOR, "#token-users tr") if f"jwt:{sub}" in r.text)
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        assert cells[1] == user_id and cells[3:5] == ["1", "12"]  # requests and tokens today
