@@ -1,11 +1,12 @@
 """The integration tests wait far more than they compute (Redis failovers, lease
 expiries, rate windows: 10-30 % of the cores busy while they run alone), and the
 unit tests compute without waiting. When one session selects both, the
-integration tests run in a second pytest process beside the unit tests, started at
-the end of collection; this session waits for it before its first end-to-end test
-(a stack starting beside the lane took up to twice as long: the `ray up` twin's
-start went from 109 to 208 s in a CI run where the lane overlapped it), and its
-failures fail this session, its report printed in this one's summary.
+integration tests run in a second pytest process beside the unit tests (pytest runs
+them after the end-to-end tests: the lane starts with the first test outside
+tests/e2e, and an end-to-end test waits for a lane that runs). A stack starting
+beside the lane took up to twice as long: the `ray up` twin's start went from 109 to
+208 s in a CI run where the lane overlapped it. The lane's failures fail this
+session, its report printed in this one's summary.
 
 A module marked ``machine_wide`` stays in this process: it starts or ends
 something the end-to-end tests count or end on the whole machine (HAProxy: every
@@ -89,10 +90,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not lane or len(lane) == len(items):
         return  # nothing to run beside
     items[:] = [item for item in items if not _in_lane(item, rootpath)]
-    _LANE.start(config, lane)
+    config.stash[_PENDING] = lane
 
 
+_PENDING = pytest.StashKey[list[str]]()  # the lane's tests, until it starts
 _RC = pytest.StashKey[int]()
+
+
+def _start_lane(config: pytest.Config) -> None:
+    lane = config.stash.get(_PENDING, None)
+    if lane and _LANE.proc is None:
+        _LANE.start(config, lane)
 
 
 def _await_lane(config: pytest.Config) -> None:
@@ -100,17 +108,27 @@ def _await_lane(config: pytest.Config) -> None:
         config.stash[_RC] = _LANE.wait()
 
 
+def _is_e2e(item: pytest.Item) -> bool:
+    return "/tests/e2e/" in Path(str(item.path)).as_posix()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if "/tests/e2e/" in Path(str(item.path)).as_posix():  # no stack starts beside the lane
+    # Beside the first test that starts no stack (pytest's order: e2e, then unit), and
+    # never beside a stack: an e2e test waits for a lane that runs.
+    if _is_e2e(item):
         _await_lane(item.config)
+    else:
+        _start_lane(item.config)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _LANE.proc is None:
-        return
     if session.exitstatus == pytest.ExitCode.INTERRUPTED:
         _LANE.stop()
+    elif _LANE.proc is None:
+        _start_lane(session.config)  # nothing else ran beside it: it runs now
+    if _LANE.proc is None:
+        return
     _await_lane(session.config)
     if session.config.stash[_RC] != 0 and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
