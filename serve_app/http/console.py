@@ -125,14 +125,15 @@ class Console:
         stores = self.stores
         teams, keys = await stores.teams.list(), await stores.keys.list()
         users = await stores.token_users.list()  # identity tokens' users: their usage counts alike
+        accounts = [*keys, *users]
         team_names = {t.id: t.name for t in teams}
-        usage = {record.id: await key_usage(stores.redis, record.id) for record in [*teams, *keys, *users]}
+        usage = {record.id: await key_usage(stores.redis, record.id) for record in [*teams, *accounts]}
         start = int(time.time()) // 86400 * 86400 - (DAYS - 1) * 86400
         query = QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id,model"})
-        daily = await usage_report.completions_usage(stores.redis, [*keys, *users], usage_report.parse_query(query))
+        daily = await usage_report.completions_usage(stores.redis, accounts, usage_report.parse_query(query))
         spent = await usage_report.costs(
             stores.redis,
-            [*keys, *users],
+            accounts,
             usage_report.parse_query(
                 QueryParams({"start_time": start, "limit": DAYS, "group_by": "project_id"}), usage_report.COST_GROUPS
             ),
@@ -149,7 +150,7 @@ class Console:
                 _section(
                     f"Usage, last {DAYS} days", _chart(daily, team_names) + _usage_table(daily, spent, team_names)
                 ),
-                _section("Refusals, last hour", _refusals_table(teams, [*keys, *users], usage)),
+                _section("Refusals, last hour", _refusals_table(teams, accounts, usage)),
                 _section("Audit trail", _audit_table(trail)),
             ]
         )

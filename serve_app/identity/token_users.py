@@ -14,6 +14,7 @@ so it holds at most the users seen in it."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -41,11 +42,14 @@ class TokenUsers:
         if len(self._written) >= _MAX_REMEMBERED:
             self._written.clear()
         record = redis_names.token_user(user.id)
-        await command("HSET", record, "name", user.name, "team", team_id or "")
-        await command("EXPIRE", record, int(KEPT_S))
-        await command("SET", redis_names.token_user_name(user.name), user.id, "EX", int(KEPT_S))
-        await command("ZADD", redis_names.TOKEN_USER_INDEX, now, user.id)
-        await command("ZREMRANGEBYSCORE", redis_names.TOKEN_USER_INDEX, "-inf", now - KEPT_S)
+        # Together: one pipeline turn, not one round trip each.
+        await asyncio.gather(
+            command("HSET", record, "name", user.name, "team", team_id or ""),
+            command("EXPIRE", record, int(KEPT_S)),
+            command("SET", redis_names.token_user_name(user.name), user.id, "EX", int(KEPT_S)),
+            command("ZADD", redis_names.TOKEN_USER_INDEX, now, user.id),
+            command("ZREMRANGEBYSCORE", redis_names.TOKEN_USER_INDEX, "-inf", now - KEPT_S),
+        )
         self._written[user.id] = now
 
     async def list(self) -> list[KeyRecord]:
