@@ -134,11 +134,11 @@ async def test_records_a_shipper_read_and_never_wrote_are_claimed_by_another(red
     await access.redis.aclose()
 
 
-def two_ingresses(redis_url: str, tmp_path) -> tuple[QuotaServices, QuotaServices]:
+def two_ingresses(redis_url: str, tmp_path, lease_s: float = 0.5) -> tuple[QuotaServices, QuotaServices]:
     """Two ingress replicas' quota services sharing Redis and a sink, with a 0.5 s lease."""
     settings = AppSettings(
         redis_url=redis_url,
-        quota={"concurrency_lease_s": 0.5},
+        quota={"concurrency_lease_s": lease_s},
         records={"sink_dir": str(tmp_path), "recent_s": RECENT_S},
     )
     first, second = (build_quota_services(settings, Telemetry(False, False)) for _ in range(2))
@@ -195,8 +195,12 @@ async def test_a_request_whose_settlement_waits_for_redis_keeps_its_lease_and_it
     """The soak: a replica whose Redis calls failed for minutes queued its requests'
     settlements; their leases were no longer renewed, so the reaper finalised them
     `abandoned` (the reservation) a lease later, and the real settlement found them
-    final. A queued settlement's lease is renewed until it lands."""
-    ingress, reaper = two_ingresses(redis_url, tmp_path)
+    final. A queued settlement's lease is renewed until it lands.
+
+    A 2 s lease, renewed and reaped back to back every 0.2 s: a busy CI box once
+    stalled this loop past a 0.5 s lease before its first renewal (the lane beside
+    the unit tests), which reaped the request for a reason that is not the bug."""
+    ingress, reaper = two_ingresses(redis_url, tmp_path, lease_s=2.0)
     key, _ = await KeyStore(redis).create("settles-late")
     ticket = await ingress.gate.admit(key, "chat", 50)
     real_settle_many = ingress.gate.admission.settle_many
@@ -207,8 +211,9 @@ async def test_a_request_whose_settlement_waits_for_redis_keeps_its_lease_and_it
     monkeypatch.setattr(ingress.gate.admission, "settle", refused, raising=False)
     monkeypatch.setattr(ingress.gate.admission, "settle_many", refused)
     ingress.gate.settle(ticket, "completed", Usage(prompt_tokens=7, completion_tokens=3))
-    for _ in range(30):  # six leases: renewed all along, never reaped
-        await asyncio.sleep(0.1)
+    await ingress.gate.renew_leases()
+    for _ in range(30):  # three leases: renewed all along, never reaped
+        await asyncio.sleep(0.2)
         await ingress.gate.flush_unsettled()
         await ingress.gate.renew_leases()
         await reaper.gate.reap_abandoned()

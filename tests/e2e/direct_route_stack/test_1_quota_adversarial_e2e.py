@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -161,7 +162,12 @@ def test_hostile_shapes_never_get_more_than_the_allowance(base_url, redis_server
     assert 0 < total_charged <= allowance, (total_charged, allowance, statuses)
     assert seen["total"] <= total_charged, seen  # clients saw no more than Redis charged
     assert sum(int(r.get("total_tokens", 0)) for r in found) == total_charged
-    assert all(r["status"] in ("completed", "cancelled", "failed") for r in found)
+    # `abandoned` too: a replica whose event loop 16 clients and its engine kept busy
+    # past the 1 s lease (a CI run) is reaped, charged its reservation, which the
+    # allowance above still bounds; what must never be is a record left open.
+    assert all(r["status"] in ("completed", "cancelled", "failed", "abandoned") for r in found), Counter(
+        r["status"] for r in found
+    )
     assert statuses["completions 8 prompts x 500"] and set(statuses["completions 8 prompts x 500"]) == {429}
     assert sum(s == 200 for ss in statuses.values() for s in ss) >= 2
 
