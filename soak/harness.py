@@ -12,6 +12,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -241,6 +242,11 @@ async def soak(shape: Shape) -> Verdict:
     from serve_app.admin.operations import AdminStores
     from serve_app.redis_store.redis_client import connect
 
+    # The edge is HAProxy only with the Serve settings the Makefile exports; without
+    # them Serve's proxy actor holds the port and the haproxy-restart fault has no
+    # HAProxy to restart (a soak run by plain pytest, twice).
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        raise SystemExit("the soak needs the Makefile's Serve settings: run `make soak` (or `make test`)")
     folder = run_dir()
     print(f"soak: seed {shape.seed}, {shape.duration_s:.0f} s, run folder {folder}", flush=True)
     redis_cluster = ProxiedRedisCluster()
