@@ -271,7 +271,7 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
     confirm_key_on_every_ingress(stack, secret)
     load = Load(stack.base_url, secret)
     try:
-        time.sleep(4)  # steady streaming
+        time.sleep(2)  # steady streaming: every client's stream is in flight
         fault_at = time.monotonic()
         fault()
 
@@ -285,7 +285,7 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
             assert time.monotonic() - fault_at < RECOVERY_BOUND_S[name], f"not serving after {name}: {stack.log_tail()}"
             time.sleep(0.5)
         recovered_s = time.monotonic() - fault_at
-        time.sleep(3)  # served again under load
+        time.sleep(1.5)  # served again under load
     finally:
         load.stop()  # a failed fault leaves no load running into the next one
 
@@ -307,10 +307,10 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
     seen = f"{len(failed_in_flight)}/{len(hit)} streams in flight ended with an error" if hit else "no stream in flight"
     RECOVERY.append((name, seen, recovered_s))
 
-    # Settled: a dead ingress' leases expire, and the reaper finalises their records.
-    time.sleep(LEASE_S + 0.5)
+    # Settled: a dead ingress' leases expire (LEASE_S), and the reaper finalises their
+    # records; wait_until_settled waits for that.
     assert stack.serves(secret)
-    found = wait_until_settled(redis, key_id)
+    found = wait_until_settled(redis, key_id, timeout_s=LEASE_S * 3 + 10)
     failed = [r for r in found if r["status"] == "failed"]
     delivered = sum(o.received for o in outcomes if o.kind == "error")
     charged = sum(int(r.get("completion_tokens") or 0) for r in failed)
