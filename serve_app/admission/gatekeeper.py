@@ -497,10 +497,9 @@ class Gatekeeper:
             return 0  # next tick
         final = [record for _, records in reaped for record in records]
         await self._ship(final)
-        shipped = len(final)
-        if shipped:
-            logger.warning("finalised %d requests whose ingress stopped renewing their leases", shipped)
-        return shipped
+        if final:
+            logger.warning("finalised %d requests whose ingress stopped renewing their leases", len(final))
+        return len(final)
 
     async def renew_leases(self) -> bool:
         """One pipeline renewing the leases of every request this ingress runs; False

@@ -73,6 +73,9 @@ class Maintenance:
     ):
         self.gate, self.keys, self.teams, self.replicas, self.records = gate, keys, teams, replicas, records
         self.renew_every_s = lease_s / 3
+        # Both loops tick at least every third of a lease: with a short lease the reaper
+        # and the retried settlements keep its pace too.
+        self.tick_s = min(MAINTENANCE_TICK_S, self.renew_every_s)
         # How often the keys of running requests are read again (a revoked key's streams stop).
         self.revocation_check_s = max(key_cache_ttl_s, MAINTENANCE_TICK_S)
         self._task: asyncio.Task | None = None
@@ -97,9 +100,8 @@ class Maintenance:
         failing, while the one loop shipped a backlog of settlements' records and read
         Serve's replica count."""
         last_renewal = time.monotonic()
-        tick_s = min(MAINTENANCE_TICK_S, self.renew_every_s)
         while True:
-            await asyncio.sleep(tick_s)
+            await asyncio.sleep(self.tick_s)
             now = time.monotonic()
             try:
                 if now - last_renewal >= self.renew_every_s and await self.gate.renew_leases():
@@ -112,7 +114,7 @@ class Maintenance:
             await self.replicas.refresh()
         last_count = last_check = time.monotonic()
         while True:
-            await asyncio.sleep(MAINTENANCE_TICK_S)
+            await asyncio.sleep(self.tick_s)
             now = time.monotonic()
             try:
                 await self.gate.flush_unsettled()
