@@ -143,18 +143,12 @@ class Maintenance:
                 running.setdefault(ticket.key.id, []).append(ticket)
             elif ticket.team is not None:
                 running.setdefault(ticket.team.id, []).append(ticket)
+        # Read at once, in one turn's pipeline: read one after another, a saturated
+        # replica's loop takes a turn per account (its every reply waits for the loop),
+        # and a revoked key's stream ran on 49.7 s in the soak's run 12.
+        verdicts = await asyncio.gather(*(self._gone(account_id) for account_id in running))
         marked = 0
-        for account_id, tickets in running.items():
-            try:
-                if is_team_id(account_id):
-                    team = await self.teams.get(account_id)
-                    gone = not team.enabled
-                else:
-                    gone = await self.keys.active(account_id) is None
-            except TeamNotFound:
-                gone = True
-            except REDIS_FAILED:
-                return marked  # unknown now: the next check
+        for tickets, gone in zip(running.values(), verdicts, strict=True):
             if gone:
                 for ticket in tickets:
                     ticket.revoked = True
@@ -162,3 +156,15 @@ class Maintenance:
                         ticket.on_revoke()
                 marked += len(tickets)
         return marked
+
+    async def _gone(self, account_id: str) -> bool:
+        """Whether a key or team is revoked or disabled now (False while Redis cannot
+        say: the next check reads it again)."""
+        try:
+            if is_team_id(account_id):
+                return not (await self.teams.get(account_id)).enabled
+            return await self.keys.active(account_id) is None
+        except TeamNotFound:
+            return True
+        except REDIS_FAILED:
+            return False

@@ -69,3 +69,38 @@ async def test_a_marked_request_is_told_once_so_a_unary_call_cancels_itself():
     await access.stop_revoked()
     await access.stop_revoked()
     assert cancelled == ["kgone"]
+
+
+async def test_the_keys_of_running_requests_are_read_at_once():
+    """One turn's pipeline for all of them: a saturated replica's loop takes a turn per
+    read, so reads one after another stopped a revoked key's stream late (soak run 12)."""
+    import asyncio
+
+    keys = [f"k{n}" for n in range(50)]
+    in_flight: set[str] = set()
+    all_out = asyncio.Event()
+
+    async def get(key_id):
+        in_flight.add(key_id)
+        if len(in_flight) == len(keys):
+            all_out.set()
+        await all_out.wait()  # answered only once every read is out: one after another never gets here
+        return KeyNotFound(key_id) if key_id == "k7" else KeyRecord(id=key_id, name=key_id, created_at=0)
+
+    async def raising_get(key_id):
+        found = await get(key_id)
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    running = [ticket(key_id, 1) for key_id in keys]
+    access = access_running({}, running)
+    access.keys.get = raising_get
+    assert await asyncio.wait_for(access.stop_revoked(), 2) == 1
+    assert [t.key.id for t in running if t.revoked] == ["k7"]
+
+
+async def test_a_key_redis_cannot_read_leaves_the_others_checked():
+    running = [ticket("kdown", 1), ticket("kgone", 1)]
+    access = access_running({"kdown": RedisConnectionError("down"), "kgone": KeyNotFound("kgone")}, running)
+    assert await access.stop_revoked() == 1 and [t.revoked for t in running] == [False, True]
