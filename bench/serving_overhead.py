@@ -66,7 +66,7 @@ from ports import free_port  # noqa: E402
 
 from contract.model_config import ModelConfig  # noqa: E402
 from replicas.sources import resolve_source  # noqa: E402
-from replicas.vllm_engine import vllm_serve_command  # noqa: E402
+from replicas.vllm_engine import compile_env, vllm_serve_command  # noqa: E402
 
 METRICS = [
     ("median_ttft_ms", "TTFT p50 ms"),
@@ -211,7 +211,8 @@ def bare_vllm(config: ModelConfig, source: str, log: Path):
     port = free_port()
     cmd = vllm_serve_command(config, source, "127.0.0.1", port)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env={**os.environ, **config.env}, stdout=out, stderr=out, cwd=REPO)
+        env = {**os.environ, **compile_env(config), **config.env}
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, cwd=REPO)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, config.name)
         yield Running(f"http://127.0.0.1:{port}", [proc.pid])

@@ -75,6 +75,8 @@ def engine_config(config: ModelConfig, extra_cli: Sequence[str] = ()):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     os.environ.update(MEDIA_ENV)  # read by vLLM when it fetches, in this process
+    for name, value in compile_env(config).items():  # read by the engine's processes, started from this one
+        os.environ.setdefault(name, value)  # a model's own `env` wins
     cli = vllm_cli_args(config, resolve_source(config)) + list(extra_cli)
     traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if traces:  # telemetry.tracing: vLLM's own span of each traced request (replicas/tracing.py joins it)
@@ -174,6 +176,20 @@ NO_MEDIA_DOMAIN = "media-fetching-is-off.invalid"
 
 # A media URL that redirects could lead vLLM's fetch off the allowed domains.
 MEDIA_ENV = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
+
+# vLLM 0.32's AOT compile cache (its default with torch >= 2.10) is written but never
+# loads on the CPU build with torch 2.13 ("'function' object has no attribute
+# 'finalize_loading'", vllm/compilation/decorators.py), so every engine start compiled
+# again. Without it vLLM uses its earlier cache (Inductor's artifacts, same directory),
+# which loads: engine init 15.5 s warm instead of 34-52 s (docs/performance.md, "Engine
+# starts"). GPU builds keep vLLM's default.
+CPU_COMPILE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def compile_env(config: ModelConfig) -> dict[str, str]:
+    """The environment vLLM's compilation needs for ``config``'s engine (a bare
+    ``vllm serve`` compared with the stack gets it too)."""
+    return dict(CPU_COMPILE_ENV) if config.accelerator == "cpu" else {}
 
 
 def vllm_cli_args(config: ModelConfig, source: str) -> list[str]:
