@@ -51,4 +51,6 @@ def test_the_probe_sees_the_moments_the_path_was_slow_and_only_those(proxy):
     seen = probe.stop()
     assert seen and all(fault.observed and fault.touches_redis for fault in seen)
     assert all(began - 100 <= fault.started_ms and fault.healed_ms <= ended + 600 for fault in seen)
-    assert sum(fault.healed_ms - fault.started_ms for fault in seen) >= 1000
+    # Most of the 1.5 s: each end of it may miss up to one PING in flight (0.4 s slow)
+    # and one probe period (0.1 s); seen 903 ms once, beside the unit tests.
+    assert sum(fault.healed_ms - fault.started_ms for fault in seen) >= 1500 - 2 * (400 + 100)
