@@ -510,15 +510,9 @@ class Gateway:
     def _replica_refused(self, ticket: Ticket, refused: ReplicaError) -> Exception:
         """Settle a request the replica refused before running it; the exception to raise.
         A prompt larger than its reservation is not the client's error: its ticket stays
-        open, and ``run`` grows its reservation to the size the replica counted. The
-        place the refused call held in the model's fair-share queue is given back now:
-        the next call takes its own, and the ticket's settlement frees only that one (a
-        place kept would be lost for good, and the queue fills with them)."""
+        open, and ``run`` grows its reservation to the size the replica counted."""
         prompt_tokens = refused.prompt_over_allowance
         if prompt_tokens is not None:
-            if ticket.on_settle is not None:
-                ticket.on_settle()
-                ticket.on_settle = None
             return _PromptOverReservation(prompt_tokens)
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
