@@ -258,65 +258,6 @@ class Gatekeeper:
         for level in ticket.levels():
             await self._release(level, ticket.request_id, ticket.model, "")
 
-    async def grow(self, ticket: Ticket, reserve_tokens: int, reserve_nanos: int) -> Ticket | Refusal | None:
-        """Raise an open ticket's reservation, at every level, to ``reserve_tokens`` and
-        ``reserve_nanos`` (a prompt the replica counted larger than its estimate:
-        serve_app/pipeline/gateway.py). Its request of requests/min and its lease are
-        kept, so a resized request costs one request wherever others were admitted
-        meanwhile; taken back and admitted again, it could cost two (admit.lua).
-        Returns the ticket grown; or the ``Refusal`` of the level that cannot hold the
-        growth, the ticket then taken back as a refused request; or None when it
-        cannot grow in place (admitted without Redis, or Redis failed meanwhile): it
-        is then withdrawn (settled as such), and the caller admits the request again."""
-        if ticket.local:
-            await self.withdraw(ticket)
-            return None
-        levels = ticket.levels()
-        decisions = []
-        try:
-            for level in levels:
-                team_id = ticket.team.id if ticket.team is not None and level is ticket.key else ""
-                decision = await self.admission.admit(
-                    level, ticket.request_id, ticket.model, reserve_tokens, "", reserve_nanos, team_id, grow=True
-                )
-                decisions.append(decision)
-                if not decision.admitted:
-                    break
-        except BaseException as exc:  # nothing ran: its reservation is given back, its request stays counted
-            self.settle(ticket, "withdrawn", Usage())
-            if isinstance(exc, UNREACHABLE + REDIS_FAILED):
-                self.telemetry.redis_failed("admit")
-                return None
-            raise
-        last = decisions[-1]
-        if last.admitted:
-            return ticket
-        if last.kind == "duplicate":  # its lease ran out meanwhile (reaped): nothing left to grow
-            self.settle(ticket, "withdrawn", Usage())
-            return None
-        # Refused: taken back at every level, as a refusal of the level that refused
-        # (it counted itself), its key's as the team's (``team_...``) when a team refused.
-        refused_at = len(decisions) - 1
-        ticket.settled = True
-        if ticket.on_settle is not None:
-            ticket.on_settle()
-        if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
-            self.overlap.ended(ticket.key.id)
-        self._no_overlap(ticket.key)
-        for index, level in enumerate(levels):
-            refused_by = "team_" + last.kind if index < refused_at else ""
-            await self._release(level, ticket.request_id, ticket.model, refused_by)
-        if ticket.team is not None:
-            self.telemetry.team_refused(ticket.team.name, "key" if refused_at == 0 else "team")
-        return Refusal(
-            last.as_applied(levels[refused_at]),
-            last.kind,
-            reserve_tokens,
-            last,
-            level="key" if refused_at == 0 else "team",
-            reserved_nanos=reserve_nanos,
-        )
-
     async def _release(self, level: KeyRecord, request_id: str, model: str, refused_by: str) -> None:
         """Take back a level's admission of a request another level refused or that is
         admitted again. If Redis does not take it now, it is settled as withdrawn later

@@ -202,15 +202,12 @@ class Admission:
         http_request_id: str = "",
         reserve_nanos: int = 0,
         team_id: str = "",
-        grow: bool = False,
     ) -> Decision:
         """One EVALSHA. ``http_request_id`` is stored in the record when indexable
         (``index_http_id`` writes its lookup key, off the request path);
         ``reserve_nanos``: the request's reserved cost, for the money budgets;
         ``team_id``: the team the key's request is charged to (kept in its record: the
-        usage API reports it there, wherever the key moves later). ``grow``: raise the
-        reservation of ``request_id``, admitted and open, to ``reserve_tokens`` and
-        ``reserve_nanos``, its request of requests/min and its lease kept (admit.lua)."""
+        usage API reports it there, wherever the key moves later)."""
         keys = redis_names.admission_keys(key.id, request_id)
         args = [
             request_id,
@@ -231,7 +228,6 @@ class Admission:
             str(int(reserve_nanos)),
             "1" if redis_names.has_stored_limits(key.id) else "0",
             team_id,
-            "1" if grow else "0",
         ]
         reply = await self.pipeline.call(self._admit, keys, args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply[:8]

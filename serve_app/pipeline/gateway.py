@@ -162,48 +162,34 @@ class Gateway:
         ``session`` (the client's session header): the model's request router keeps
         one session's requests on one replica while its load allows."""
         plan = await self._isolate(key, self._plan(key, operation, body, raw_size, record, background, session))
-        ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
-        if once_admitted is not None:
-            try:
-                await once_admitted()
-            except BaseException as exc:  # nothing ran: nothing is charged
-                self.access.settle(ticket, "failed", Usage())
-                if isinstance(exc, OpenAIError):
-                    exc.headers = {**ticket.headers, **exc.headers}
-                raise
         for resizes in range(PROMPT_RESIZES + 1):
+            ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
+            if once_admitted is not None:
+                try:
+                    await once_admitted()
+                except BaseException as exc:  # nothing ran: nothing is charged
+                    self.access.settle(ticket, "failed", Usage())
+                    if isinstance(exc, OpenAIError):
+                        exc.headers = {**ticket.headers, **exc.headers}
+                    raise
+                once_admitted = None
             try:
                 return await self._call(plan, ticket, record, early)
             except _PromptOverReservation as over:
-                # The prompt renders to more tokens than its estimate, and nothing ran.
-                # Its admission grows to what the replica counted (a 429 now if the
-                # key's limits cannot hold it), so that the engine never takes more
-                # than was reserved; its request of requests/min is the one it holds.
+                # The prompt renders to more tokens than its estimate: nothing ran and
+                # its admission was withdrawn. Admit it again for what the replica
+                # counted (a 429 now if the key's limits cannot hold it), so that the
+                # engine never takes more than was reserved.
                 if resizes == PROMPT_RESIZES:
-                    await self.access.withdraw(ticket)
                     raise OpenAIError(
                         503,
                         "The prompt's token count changed between two renderings. Please retry.",
                         code="prompt_resize_failed",
                         headers={**ticket.headers, **RETRY_HEADERS},
                     ) from None
-                plan, early = plan.resized(over.prompt_tokens), None
+                plan = plan.resized(over.prompt_tokens)
                 self.telemetry.prompt_resized(plan.model)
-                ticket = await self._grow(key, plan, record, ticket)
         raise AssertionError("unreachable")
-
-    async def _grow(self, key: KeyRecord, plan: _Plan, record: RequestRecord, ticket: Ticket) -> Ticket:
-        """``ticket``'s reservation grown to ``plan``'s (Gate.grow), or the request admitted
-        again where it cannot grow in place (admitted without Redis, or Redis failed)."""
-        reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)
-        rates = ticket.rates or Rates.of(plan.config.pricing, batch=plan.rank == BACKGROUND_RANK)
-        grown = await self.access.grow(ticket, plan.reservation.tokens, reservation_nanos(rates, *reserved))
-        if isinstance(grown, Refusal):
-            raise render_refusal(grown)
-        if grown is None:
-            return (await self._admit(key, plan, record, may_start_early=False))[0]
-        grown.reserved = reserved
-        return grown
 
     def _plan(
         self,
@@ -366,7 +352,7 @@ class Gateway:
             exc.headers = {**ticket.headers, **exc.headers}
             raise
         except _PromptOverReservation:
-            raise  # still open: run() grows its reservation to its real size
+            raise  # settled where it was answered; run() admits it again at its real size
         except BackPressureError:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
             self.access.settle(ticket, "overloaded", Usage())
@@ -413,7 +399,7 @@ class Gateway:
             raise
         self.catalog.describe_while_up(model)
         if isinstance(answer, ReplicaError):
-            raise self._replica_refused(ticket, answer)
+            raise await self._replica_refused(ticket, answer)
         self._served(model, ticket.key.id, answer.usage)  # before its place goes to the next one
         self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
         record.used(answer.usage)
@@ -482,7 +468,7 @@ class Gateway:
             self.access.settle(ticket, "failed")
             raise OpenAIError(500, "The model returned an empty stream.") from None
         if isinstance(first, ReplicaError):
-            raise self._replica_refused(ticket, first)
+            raise await self._replica_refused(ticket, first)
         record.first_token_at = time.monotonic()
         record.stream = True
         if trace is not None:
@@ -507,12 +493,14 @@ class Gateway:
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
         return Reply(ticket.headers, stream=relay)
 
-    def _replica_refused(self, ticket: Ticket, refused: ReplicaError) -> Exception:
+    async def _replica_refused(self, ticket: Ticket, refused: ReplicaError) -> Exception:
         """Settle a request the replica refused before running it; the exception to raise.
-        A prompt larger than its reservation is not the client's error: its ticket stays
-        open, and ``run`` grows its reservation to the size the replica counted."""
+        A prompt larger than its reservation is not the client's error: its admission is
+        withdrawn (nothing of it counts, its request of requests/min included) and ``run``
+        admits it again at the size the replica counted."""
         prompt_tokens = refused.prompt_over_allowance
         if prompt_tokens is not None:
+            await self.access.withdraw(ticket)
             return _PromptOverReservation(prompt_tokens)
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)

@@ -185,9 +185,8 @@ async def test_a_refund_uses_the_tokens_per_minute_its_request_was_admitted_unde
     await redis.set(redis_names.key_record(cached.id), raised.model_dump_json())
     await adm.settle(raised, rid, "completed", prompt_tokens=50, completion_tokens=50)
     _, second = await admit(adm, cached, tokens=1)
-    # 100 of 600 used: at 6,000/min that is 1 s of the window, and 4,999 remain after this
-    # one (and one more per 10 ms since the first admission: a loaded box takes some).
-    assert second.admitted and 6000 - 100 * 10 - 1 <= second.tokens_remaining <= 6000 - 100 * 10 + 10, second
+    # 100 of 600 used: at 6,000/min that is 1 s of the window, and 5,899 remain.
+    assert second.admitted and second.tokens_remaining == 6000 - 100 * 10 - 1
 
 
 async def test_an_admission_withdrawn_to_be_made_again_leaves_nothing_counted(redis):
@@ -206,53 +205,6 @@ async def test_an_admission_withdrawn_to_be_made_again_leaves_nothing_counted(re
     assert usage[day] == 1 and usage[day.replace("requests", "tokens")] == 900
     assert not any(name.endswith(":refused") for name in usage) and not await redis.hgetall(redis_names.refusals(k.id))
     await adm.settle(k, rid, "completed", prompt_tokens=850, completion_tokens=10)
-
-
-async def test_a_reservation_grown_in_place_keeps_its_one_request(redis):
-    """A prompt the replica counted larger than its estimate grows its admission: only the
-    growth is checked and charged (tokens/min, budgets, money), its request of
-    requests/min is the one it holds, whatever was admitted meanwhile and however long
-    ago (taken back and admitted again, the time since its admission would be lost to
-    the limit: gcra.lua gives back only what is provable)."""
-    adm = admission(redis)
-    k = key(requests_per_minute=2, tokens_per_minute=1000, daily_token_budget=1000, daily_cost_budget_usd=1.0)
-    grown = "req-grown"
-    assert (await adm.admit(k, grown, "m", 300, reserve_nanos=3000)).admitted
-    _, other = await admit(adm, k, tokens=100)
-    assert other.admitted
-    await asyncio.sleep(0.5)
-    again = await adm.admit(k, grown, "m", 800, reserve_nanos=8000, grow=True)
-    assert again.admitted and 100 <= again.tokens_remaining <= 110, again  # 0.5 s refilled 8
-    record = {n.decode(): v.decode() for n, v in (await redis.hgetall(redis_names.request_record(k.id, grown))).items()}
-    assert record["reserved_tokens"] == "800" and record["reserved_nanos"] == "8000"
-    usage = {name.decode(): int(value) for name, value in (await redis.hgetall(redis_names.usage(k.id))).items()}
-    day = next(name for name in usage if name.endswith(":requests") and name.count(":") == 2)
-    assert usage[day] == 2 and usage[day.replace("requests", "tokens")] == 900
-    assert usage[day.replace("requests", "cost_nanos")] == 8000
-    # Two requests admitted 0.5 s ago at 2/min: the next passes 30 s after the first did.
-    _, third = await admit(adm, k, tokens=1)
-    assert not third.admitted and third.kind == "requests" and third.retry_ms <= 29_600, third
-    # Settled, it gives back what it did not use, as any request does.
-    assert (await adm.settle(k, grown, "completed", prompt_tokens=700, completion_tokens=10)).delta == -90
-
-
-async def test_a_growth_the_limits_cannot_hold_is_refused_and_changes_nothing(redis):
-    adm = admission(redis)
-    k = key(tokens_per_minute=1000, daily_token_budget=5000, max_concurrent=2)
-    grown = "req-refused-growth"
-    assert (await adm.admit(k, grown, "m", 300)).admitted
-    assert (await admit(adm, k, tokens=500))[1].admitted  # the concurrency limit is now full
-    refused = await adm.admit(k, grown, "m", 600, grow=True)  # 300 more: 200 are left
-    assert not refused.admitted and refused.kind == "tokens", refused
-    too_large = await adm.admit(k, grown, "m", 1001, grow=True)
-    assert not too_large.admitted and too_large.kind == "tokens_too_large" and too_large.retry_ms == -1
-    record = redis_names.request_record(k.id, grown)
-    assert await redis.hget(record, "reserved_tokens") == b"300"
-    assert (await adm.admit(k, grown, "m", 450, grow=True)).admitted  # within what is left, full concurrency or not
-    await adm.settle(k, grown, "completed", prompt_tokens=400, completion_tokens=10)
-    # No longer open: there is nothing to grow.
-    late = await adm.admit(k, grown, "m", 460, grow=True)
-    assert not late.admitted and late.kind == "duplicate"
 
 
 async def test_monthly_budget(redis):

@@ -122,35 +122,6 @@ async def test_a_team_refusal_gives_the_key_back_everything_it_took(redis_url, r
     await access.redis.aclose()
 
 
-async def test_a_reservation_grows_at_every_level_or_is_taken_back_as_refused(redis_url, redis):
-    """A prompt counted larger than its estimate grows its ticket at the key and at the
-    team, its one request of requests/min kept at both; a growth the team cannot hold is
-    the team's refusal, and the ticket is taken back whole at both levels."""
-    access = gate(redis_url)
-    team, (k,) = await team_with_keys(access, {"tokens_per_minute": 1000, "requests_per_minute": 2}, [{}])
-    ticket = await access.gate.admit(k, "m", 300)
-    assert isinstance(ticket, Ticket)
-    assert await access.gate.grow(ticket, 600, 0) is ticket
-    for account in (k.id, team.id):
-        assert await counter(redis, account, "requests") == 1 and await counter(redis, account, "tokens") == 600
-    other = await access.gate.admit(k, "m", 300)  # the team's second request: 100 tokens/min left
-    assert isinstance(other, Ticket)
-    refused = await access.gate.grow(ticket, 800, 0)
-    assert isinstance(refused, Refusal) and refused.level == "team" and refused.kind == "tokens", refused
-    assert ticket.settled
-    for account in (k.id, team.id):  # as if refused: only the other request counts
-        assert await counter(redis, account, "requests") == 1 and await counter(redis, account, "tokens") == 300
-        assert await redis.zcard(redis_names.concurrency(account)) == 1
-    assert await counter(redis, k.id, "refused") == 1 and await counter(redis, team.id, "refused") == 1
-    access.gate.settle(other, "completed", Usage(prompt_tokens=10, completion_tokens=20))
-    await drain(access)
-    # The team's requests/min lost nothing to the grow and the take-back: one more fits.
-    assert isinstance(last := await access.gate.admit(k, "m", 1), Ticket)
-    access.gate.settle(last, "completed", Usage(prompt_tokens=1, completion_tokens=0))
-    await drain(access)
-    await access.redis.aclose()
-
-
 def _scan_target(redis, account_id: str) -> dict:
     """scan_iter's target: the node of the account's slot on a cluster."""
     if hasattr(redis, "get_node_from_key"):

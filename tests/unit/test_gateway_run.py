@@ -14,7 +14,6 @@ from ray.serve.exceptions import BackPressureError
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
-from serve_app.admission.scripts import Refusal
 from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
@@ -58,10 +57,6 @@ class Access:
 
     async def withdraw(self, ticket):
         self.settle(ticket, "withdrawn")  # its admission taken back: nothing of it counts
-
-    async def grow(self, ticket, tokens, reserve_nanos):
-        assert not ticket.settled, "grown once settled"
-        return ticket
 
 
 class Response:
@@ -508,10 +503,6 @@ class SizingAccess(Access):
         self.reserved.append(tokens)
         return await super().admit(key, model, tokens, http_request_id, request_id, reserve_nanos)
 
-    async def grow(self, ticket, tokens, reserve_nanos):
-        self.reserved.append(tokens)
-        return await super().grow(ticket, tokens, reserve_nanos)
-
 
 def sizing_gateway(replica: CountingReplica):
     access = SizingAccess()
@@ -532,10 +523,9 @@ async def test_a_prompt_over_its_estimate_is_admitted_again_at_its_real_size():
     assert reply.body == b"{}"
     assert replica.allowances == [25, 900]  # the engine never took more than was reserved
     assert access.reserved == [25 + 4, 900 + 4]
-    # One admission, grown to the real size (its request of requests/min counted once),
-    # charged its real usage within its reservation.
-    assert len(access.admitted) == 1
-    assert access.settled == [("completed", Usage(prompt_tokens=900, completion_tokens=4))]
+    # The refused attempt was withdrawn (nothing of it counts, not even its request); the
+    # second is charged its real usage, within its reservation.
+    assert access.settled == [("withdrawn", None), ("completed", Usage(prompt_tokens=900, completion_tokens=4))]
 
 
 async def test_a_prompt_within_its_estimate_is_sent_once():
@@ -551,45 +541,7 @@ async def test_a_prompt_whose_count_changes_again_is_a_503_never_an_overrun():
     with pytest.raises(OpenAIError) as caught:
         await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
     assert caught.value.status == 503 and caught.value.code == "prompt_resize_failed"
-    assert access.reserved == [25 + 4, 900 + 4]
-    assert access.settled == [("withdrawn", None)]  # taken back whole: nothing of it counts
-
-
-class GrowthRefused(SizingAccess):
-    """A gate whose key's limits cannot hold the growth: it takes the ticket back."""
-
-    async def grow(self, ticket, tokens, reserve_nanos):
-        self.reserved.append(tokens)
-        ticket.settled = True
-        return Refusal(ticket.key, "tokens", tokens, retry_s=2.0)
-
-
-class GrowthUnavailable(SizingAccess):
-    """A gate that cannot grow in place (Redis failed meanwhile): withdrawn, admitted again."""
-
-    async def grow(self, ticket, tokens, reserve_nanos):
-        await self.withdraw(ticket)
-        return None
-
-
-async def test_a_growth_the_limits_cannot_hold_is_a_429_and_never_runs():
-    replica = CountingReplica(prompt_tokens=900)
-    gateway, _ = sizing_gateway(replica)
-    gateway.access = access = GrowthRefused()
-    with pytest.raises(OpenAIError) as caught:
-        await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
-    assert caught.value.status == 429 and "retry-after" in caught.value.headers
-    assert replica.allowances == [25] and access.reserved == [29, 904] and access.settled == []
-
-
-async def test_a_ticket_that_cannot_grow_in_place_is_admitted_again():
-    replica = CountingReplica(prompt_tokens=900)
-    gateway, _ = sizing_gateway(replica)
-    gateway.access = access = GrowthUnavailable()
-    reply = await gateway.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
-    assert reply.body == b"{}" and replica.allowances == [25, 900]
-    assert access.reserved == [29, 904] and len(access.admitted) == 2
-    assert access.settled == [("withdrawn", None), ("completed", Usage(prompt_tokens=900, completion_tokens=4))]
+    assert access.settled == [("withdrawn", None), ("withdrawn", None)]
 
 
 async def test_the_tokenizer_routes_send_no_allowance():

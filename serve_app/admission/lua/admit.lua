@@ -12,9 +12,7 @@
 --       in nano-dollars, sent as integer strings), 17 '1' when the account's limits are its
 --       stored record's (KEYS[7]: an API key, a team), '0' when ARGV's are the only ones
 --       (an identity-token user's, from the gateway's configuration), 18 the key's team
---       ('' for none, and at a team's own level), kept in the record for the usage counters,
---       19 '1': grow this request's reservation, admitted and still open, to ARGV 8 tokens
---       and ARGV 16 nano-dollars (below)
+--       ('' for none, and at a team's own level), kept in the record for the usage counters
 -- A stored account is admitted under its record as it is in Redis now, not the limits
 -- the calling replica cached (ARGV 3-7, 14-15 stand in for a record that has none):
 -- a limit lowered or raised applies to the next admission on every replica, and a key
@@ -31,16 +29,6 @@
 -- retry_ms is that wait, so retrying after it passes all of them (if nothing
 -- else used the quota meanwhile). A request that can never fit (more than the
 -- whole tokens/min limit or a whole budget) gets retry_ms -1.
---
--- Growing (ARGV 19): a prompt the replica counted larger than its estimate keeps its
--- admission and reserves the difference (serve_app/pipeline/gateway.py). Only the growth
--- is checked and charged, against tokens/min and the budgets; its request of
--- requests/min, its lease and its tokens/min mark stay as they are (the mark then
--- assumes the growth came after it: a later give-back is only smaller). Taken back and
--- admitted again instead, a resized request could cost up to two requests of
--- requests/min under concurrent admissions (gcra.lua gives back only what is
--- provable). Refused, nothing is changed: the caller takes the admission back
--- (release.lua). A request no longer open is 'duplicate'.
 --
 -- Nothing is stored per refusal beyond counters: the key's per-minute refusal
 -- counts (kept an hour) and the day's refused count in the usage hash. The
@@ -160,12 +148,9 @@ end
 -- again, with the limits' state as it is now (it included). Settled, the call arrives
 -- after its ingress gave up waiting for it (a Redis timeout) and settled the id:
 -- 'duplicate'.
-local growing = ARGV[19] == '1'
 local prior = redis.call('HGET', KEYS[5], 'status')
-local open = (prior == 'admitted' or prior == 'running') and redis.call('ZSCORE', KEYS[3], rid)
-if growing and not open then return {0, 'duplicate', -1, -1, 0, -1, 0, ''} end
-if prior and not growing then
-  if open then
+if prior then
+  if (prior == 'admitted' or prior == 'running') and redis.call('ZSCORE', KEYS[3], rid) then
     local r0, k0 = gcra(KEYS[1], rpm, 0), gcra(KEYS[2], tpm, 0)
     return {1, '', 0, r0.unlimited and -1 or r0.remaining, r0.reset or 0,
             k0.unlimited and -1 or k0.remaining, k0.reset or 0, ''}
@@ -174,19 +159,8 @@ if prior and not growing then
 end
 if revoked then return {0, 'revoked', -1, -1, 0, -1, 0, ''} end
 
--- What the request reserves in all (`total`, `total_cost`) and what this call adds
--- (`estimate`, `cost`): the same, unless it grows.
-local total, total_cost = estimate, cost
-if growing then
-  estimate = math.max(0, total - tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0))
-  cost = math.max(0, total_cost - tonumber(redis.call('HGET', KEYS[5], 'reserved_nanos') or 0))
-  -- Its budgets are those of the day and month it was admitted in.
-  day_field, month_field = redis.call('HGET', KEYS[5], 'day'), redis.call('HGET', KEYS[5], 'month')
-end
-
-local r = gcra(KEYS[1], rpm, growing and 0 or 1)
+local r = gcra(KEYS[1], rpm, 1)
 local k = gcra(KEYS[2], tpm, estimate)
-if not k.unlimited then k.too_large = total > tpm end
 local rr, rs, kr, ks = -1, 0, -1, 0
 if not r.unlimited then rr, rs = r.remaining, r.reset end
 if not k.unlimited then kr, ks = k.remaining, k.reset end
@@ -198,8 +172,8 @@ local function refuses(this_kind, this_wait, this_detail)
   if this_wait == -1 or this_wait > wait then kind, wait, detail = this_kind, this_wait, this_detail end
 end
 
-if k.too_large then refuses('tokens_too_large', -1, tostring(total)) end
-if not r.ok and not growing then refuses('requests', r.retry, tostring(rpm)) end
+if k.too_large then refuses('tokens_too_large', -1, tostring(estimate)) end
+if not r.ok then refuses('requests', r.retry, tostring(rpm)) end
 if not k.ok and not k.too_large then refuses('tokens', k.retry, tostring(estimate)) end
 -- A budget refuses only what would spend from it: work that reserves no tokens (listing,
 -- reading, deleting, cancelling files, batches and responses) is never refused by a
@@ -207,14 +181,14 @@ if not k.ok and not k.too_large then refuses('tokens', k.retry, tostring(estimat
 local day_used, month_used = 0, 0
 if daily > 0 then
   day_used = tonumber(redis.call('HGET', KEYS[4], day_field .. ':tokens') or 0)
-  if total > daily then refuses('daily_budget', -1, tostring(day_used))
+  if estimate > daily then refuses('daily_budget', -1, tostring(day_used))
   elseif estimate > 0 and day_used + estimate > daily then
     refuses('daily_budget', next_day_ms - now, tostring(day_used))
   end
 end
 if monthly > 0 then
   month_used = tonumber(redis.call('HGET', KEYS[4], month_field .. ':tokens') or 0)
-  if total > monthly then refuses('monthly_budget', -1, tostring(month_used))
+  if estimate > monthly then refuses('monthly_budget', -1, tostring(month_used))
   elseif estimate > 0 and month_used + estimate > monthly then
     refuses('monthly_budget', next_month_ms - now, tostring(month_used))
   end
@@ -225,15 +199,15 @@ local function nanos(value) return string.format('%.0f', value) end
 if cost <= 0 then daily_cost, monthly_cost = 0, 0 end  -- spends no money: no money budget refuses it
 if daily_cost > 0 then
   local spent = tonumber(redis.call('HGET', KEYS[4], day_field .. ':cost_nanos') or 0)
-  if total_cost > daily_cost then refuses('daily_cost_budget', -1, nanos(spent))
+  if cost > daily_cost then refuses('daily_cost_budget', -1, nanos(spent))
   elseif spent + cost > daily_cost then refuses('daily_cost_budget', next_day_ms - now, nanos(spent)) end
 end
 if monthly_cost > 0 then
   local spent = tonumber(redis.call('HGET', KEYS[4], month_field .. ':cost_nanos') or 0)
-  if total_cost > monthly_cost then refuses('monthly_cost_budget', -1, nanos(spent))
+  if cost > monthly_cost then refuses('monthly_cost_budget', -1, nanos(spent))
   elseif spent + cost > monthly_cost then refuses('monthly_cost_budget', next_month_ms - now, nanos(spent)) end
 end
-if max_conc > 0 and not growing then  -- a request that grows holds its lease already
+if max_conc > 0 then
   local running = redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')
   -- No clock says when a running request ends: 1 s is a polling hint.
   if running >= max_conc then refuses('concurrency', 1000, tostring(running)) end
@@ -249,20 +223,6 @@ if kind then
   end
   if redis.call('HINCRBY', KEYS[4], day_field .. ':refused', 1) == 1 then prune_usage() end
   return {0, kind, wait, rr, rs, kr, ks, detail, applied}
-end
-
-if growing then
-  day_used = redis.call('HINCRBY', KEYS[4], day_field .. ':tokens', estimate)
-  month_used = redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
-  if cost > 0 then
-    redis.call('HINCRBY', KEYS[4], day_field .. ':cost_nanos', nanos(cost))
-    redis.call('HINCRBY', KEYS[4], month_field .. ':cost_nanos', nanos(cost))
-  end
-  if not k.unlimited then gcra_charge(KEYS[2], k.state, tpm, estimate, now) end  -- its mark stays
-  redis.call('HSET', KEYS[5], 'reserved_tokens', total, 'reserved_nanos', nanos(total_cost))
-  local used = ''
-  if daily > 0 or monthly > 0 then used = day_used .. ',' .. month_used end
-  return {1, '', 0, rr, rs, kr, ks, used, applied}
 end
 
 -- Admitted: commit every limit at once (counters first: nothing below can fail
