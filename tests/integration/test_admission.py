@@ -185,8 +185,9 @@ async def test_a_refund_uses_the_tokens_per_minute_its_request_was_admitted_unde
     await redis.set(redis_names.key_record(cached.id), raised.model_dump_json())
     await adm.settle(raised, rid, "completed", prompt_tokens=50, completion_tokens=50)
     _, second = await admit(adm, cached, tokens=1)
-    # 100 of 600 used: at 6,000/min that is 1 s of the window, and 5,899 remain.
-    assert second.admitted and second.tokens_remaining == 6000 - 100 * 10 - 1
+    # 100 of 600 used: at 6,000/min that is 1 s of the window, and 4,999 remain after this
+    # one (and one more per 10 ms since the first admission: a loaded box takes some).
+    assert second.admitted and 6000 - 100 * 10 - 1 <= second.tokens_remaining <= 6000 - 100 * 10 + 10, second
 
 
 async def test_an_admission_withdrawn_to_be_made_again_leaves_nothing_counted(redis):
