@@ -37,17 +37,17 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 TARGETS = ("asgi", "fastapi")
-MODEL = "bench-model"
-BATCH_INTERVAL_MS = 20  # ModelConfig's default stream_batch_interval_ms
 
 
 def build(kind: str):
     """The ASGI application of ``kind`` (made in the server process)."""
+    from gateway_capacity import INSTANT_ENGINE, MODEL
+
     from contract.model_config import ModelConfig
     from replicas.instant_engine import start_instant
     from replicas.streaming import coalesce
 
-    config = ModelConfig(name=MODEL, engine="replicas.instant_engine:start_instant")
+    config = ModelConfig(name=MODEL, engine=INSTANT_ENGINE)
     binding = asyncio.new_event_loop().run_until_complete(start_instant(config))
     validator, _, handler = binding.endpoints["chat"]
     interval_s = config.stream_batch_interval_ms / 1000
@@ -96,42 +96,9 @@ def serve(kind: str, port: int) -> None:
     uvicorn.run(build(kind), host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning")
 
 
-async def drive(url: str, pid: int, tokens: int, concurrency: int, duration_s: float) -> dict:
-    import httpx
-    import psutil
-
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
-    done, failures = 0, 0
-    stop_at = time.monotonic() + duration_s
-
-    async def client(http: httpx.AsyncClient):
-        nonlocal done, failures
-        while time.monotonic() < stop_at:
-            tail = b""
-            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for data in response.aiter_raw():
-                    tail = (tail + data)[-32:]
-            if response.status_code == 200 and tail.endswith(b"data: [DONE]\n\n"):
-                done += 1
-            else:
-                failures += 1
-
-    server = psutil.Process(pid)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
-        before, started = server.cpu_times(), time.monotonic()
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        elapsed, after = time.monotonic() - started, server.cpu_times()
-    cpu = (after.user + after.system) - (before.user + before.system)
-    return {
-        "requests_s": done / elapsed,
-        "failures": failures,
-        "us_per_request": cpu / max(done, 1) * 1e6,
-        "us_per_token": cpu / max(done * tokens, 1) * 1e6,
-    }
-
-
 def run(kind: str, args) -> dict[int, dict]:
+    import psutil
+    from gateway_capacity import drive
     from serving_overhead import free_port
 
     port = free_port()
@@ -146,8 +113,17 @@ def run(kind: str, args) -> dict[int, dict]:
             except OSError:
                 assert time.monotonic() < deadline and server.poll() is None, f"{kind} did not start"
                 time.sleep(0.3)
-        asyncio.run(drive(url, server.pid, args.tokens, 4, 2.0))  # warm-up
-        return {c: asyncio.run(drive(url, server.pid, args.tokens, c, args.duration)) for c in args.concurrency}
+        process = psutil.Process(server.pid)
+
+        def server_cpu() -> dict[str, float]:
+            times = process.cpu_times()
+            return {"server": times.user + times.system}
+
+        def load(concurrency: int, duration_s: float) -> dict:
+            return asyncio.run(drive(url, "unused", args.tokens, concurrency, duration_s, read_cpu=server_cpu))
+
+        load(4, 2.0)  # warm-up
+        return {c: load(c, args.duration) for c in args.concurrency}
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -175,12 +151,15 @@ def main() -> int:
     for kind, repeats in runs.items():
         for c in args.concurrency:
             figures = [repeat[c] for repeat in repeats]
-            median = {key: statistics.median(f[key] for f in figures) for key in ("requests_s", "us_per_request")}
-            per_token = statistics.median(f["us_per_token"] for f in figures)
-            spread = " / ".join(f"{f['us_per_request']:,.0f}" for f in figures)
+            median = {
+                key: statistics.median(f[key] for f in figures)
+                for key in ("requests_s", "server_us_per_request", "server_us_per_token")
+            }
+            spread = " / ".join(f"{f['server_us_per_request']:,.0f}" for f in figures)
             failed = sum(f["failures"] for f in figures)
             print(
-                f"| {kind} | {c} | {median['requests_s']:.0f} | {median['us_per_request']:,.0f} | {per_token:.1f} "
+                f"| {kind} | {c} | {median['requests_s']:.0f} | {median['server_us_per_request']:,.0f} "
+                f"| {median['server_us_per_token']:.1f} "
                 f"| {spread}{f' ({failed} failed)' if failed else ''} |"
             )
     return 0
