@@ -345,3 +345,21 @@ def test_an_abandoned_charge_passes_only_when_its_settlement_met_a_redis_fault()
     for faults in ([], [Fault("ingress-kill", seen.ended_ms - 1_000, seen.ended_ms + 3_000)]):
         verdict = verdict_of(accounts, records, observations, faults)
         assert {v.check for v in verdict.violations} == {"charge"}, verdict.violations[:3]
+
+
+def test_a_missing_record_passes_only_for_a_local_admission_whose_ingress_was_killed():
+    # Admitted on local limits in a Redis fault, its record lives only in its ingress
+    # until its settlement reaches Redis: an ingress killed before then takes it along
+    # (docs/quotas.md, "When a primary dies"). Either fault alone: a lost record.
+    accounts, records, observations = simulate(4)
+    seen = next(o for o in observations if o.status == 200)
+    records = [r for r in records if r.http_request_id != seen.http_request_id or r.account != seen.key]
+    failover = Fault("redis-primary-kill", seen.started_ms - 2_000, seen.started_ms + 3_000, touches_redis=True)
+    kill = Fault("ingress-kill", seen.ended_ms - 100, seen.ended_ms + 10_000)
+    verdict = verdict_of(accounts, records, observations, [failover, kill])
+    assert not [v for v in verdict.violations if v.check == "one record"], verdict.violations[:3]
+    assert verdict.counts["records lost: admitted on local limits, ingress killed before Redis took them"] == 1
+    late_kill = Fault("ingress-kill", seen.ended_ms + 60_000, seen.ended_ms + 70_000)
+    for faults in ([failover], [kill], [failover, late_kill]):
+        verdict = verdict_of(accounts, records, observations, faults)
+        assert any(v.check == "one record" and seen.http_request_id in v.detail for v in verdict.violations)
