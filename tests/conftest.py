@@ -4,7 +4,14 @@ from pathlib import Path
 # Test helpers (stack.py, openai_spec.py) import as top-level modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import os  # noqa: E402
+
 import waiting_lane  # noqa: E402  (found through the path just set)
+
+# Every process a test stack starts inherits this environment: the OpenTelemetry SDK's
+# batch span processors (the gateway's and vLLM's) export every 0.5 s instead of 5 s,
+# so a test waits half a second, not five, for a trace to arrive or to be sure none will.
+os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")
 
 
 def pytest_configure(config):

@@ -98,7 +98,7 @@ class OtlpReceiver:
             return [span for span in self.spans if span.trace_id == trace_id]
 
     def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 30) -> list[ReceivedSpan]:
-        """The trace's spans once every one of ``names`` came (exporters batch: up to 5 s)."""
+        """The trace's spans once every one of ``names`` came (exporters batch: every 0.5 s here)."""
         deadline = time.monotonic() + timeout_s
         while True:
             spans = self.trace(trace_id)

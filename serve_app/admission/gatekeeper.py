@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from contract.replica_wire import Usage
 from serve_app.accounting.costs import Cost
 from serve_app.accounting.record_shipper import RecordShipper
-from serve_app.accounting.usage import new_request_id
+from serve_app.accounting.usage import key_id_of, new_request_id
 from serve_app.admission.local_limits import LocalLimiter
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.overlap import OverlapGuard
@@ -439,13 +439,18 @@ class Gatekeeper:
             answered = await self.admission.settle_many(batch)
         except REDIS_FAILED:
             return 0  # still unreachable: next tick
-        final = []
+        final, indexed = [], []
         for settlement, (done, settled) in zip(batch, answered):
             if done:
                 self._unsettled.pop(f"{settlement[0].id}/{settlement[1]}", None)
+                level, request_id, *_, origin, _taken_back = settlement  # as _settle_later queued it
+                if origin is not None and origin.http_request_id and key_id_of(request_id)[0] == level.id:
+                    # Admitted without Redis: its x-request-id is indexed now that its record
+                    # exists, as an admission's is (`requests show <x-request-id>` finds it).
+                    indexed.append(self._logged(self.admission.index_http_id(origin.http_request_id, request_id)))
             if settled is not None and settled.record is not None:
                 final.append(settled.record)
-        await self._ship(final)
+        await asyncio.gather(self._ship(final), *indexed)
         return sum(done for done, _ in answered)
 
     async def _ship(self, records: list[dict]) -> None:

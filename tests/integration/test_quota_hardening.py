@@ -305,7 +305,7 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
     await access.gate.admit(k, "m", 1)  # connections are open before the stall
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
-        ticket = await access.gate.admit(k, "m", 500)
+        ticket = await access.gate.admit(k, "m", 500, http_request_id="stalled-7")
         assert ticket.local
         access.gate.settle(ticket, "completed", Usage(prompt_tokens=9, completion_tokens=4))
         assert await access.gate.flush_unsettled() == 0  # still stalled
@@ -318,6 +318,11 @@ async def test_a_stalled_redis_is_settled_once_it_answers(node_access, redis_ser
     assert await redis.zcard(redis_names.concurrency(k.id)) == 1  # the first request's, unsettled
     record = await redis.hgetall(redis_names.request_record(k.id, ticket.request_id))
     assert record[b"status"] == b"completed" and record[b"total_tokens"] == b"13"
+    # Found by its x-request-id, as an admission through Redis is (a dashboards run
+    # looked up such a stream for 60 s in vain: no index was written without Redis).
+    assert record[b"http_request_id"] == b"stalled-7"
+    for index in (redis_names.http_request("stalled-7"), redis_names.http_request("stalled-7", k.id)):
+        assert await redis.get(index) == ticket.request_id.encode()
     today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"14"  # 1 reserved + 13 used
     await redis.delete(redis_names.concurrency(k.id))  # (the first request ends)

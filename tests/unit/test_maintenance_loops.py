@@ -63,10 +63,13 @@ class CountingSink:
 
 async def test_a_backlog_of_settlements_ships_its_records_at_once():
     gate = Gatekeeper.__new__(Gatekeeper)
-    backlog = {f"k/r{n}": (SimpleNamespace(id="k"), f"r{n}") for n in range(500)}
+    # As _settle_later queues them: key, request id, status, usage, replica, model, cost, origin, taken back.
+    backlog = {
+        f"k/r{n}": (SimpleNamespace(id="k"), f"r{n}", "completed", 1, 1, "", "m", None, None, False) for n in range(500)
+    }
 
     async def settle_many(batch):
-        return [(True, SimpleNamespace(record={"id": request_id})) for _, request_id in batch]
+        return [(True, SimpleNamespace(record={"id": request_id})) for _, request_id, *_ in batch]
 
     gate._unsettled = dict(backlog)
     gate.admission = SimpleNamespace(settle_many=settle_many)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 HELLO = [{"role": "user", "content": "hi"}]
 REQUEST_SPAN = "POST /v1/chat/completions"
 ENGINE_SPAN = "llm_request"
-EXPORT_S = 7  # the SDK's batch exporters send every 5 s
+EXPORT_S = 2  # the batch exporters send every 0.5 s here (OTEL_BSP_SCHEDULE_DELAY, tests/conftest.py)
 
 
 def sampled(traceparent: str) -> bool:
