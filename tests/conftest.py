@@ -1,10 +1,9 @@
+import os
 import sys
 from pathlib import Path
 
 # Test helpers (stack.py, openai_spec.py) import as top-level modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import os  # noqa: E402
 
 import waiting_lane  # noqa: E402  (found through the path just set)
 

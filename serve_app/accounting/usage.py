@@ -60,6 +60,12 @@ def key_id_of(request_id: str) -> tuple[str, str]:
     return key_id, request_id
 
 
+def is_own_key(account_id: str, request_id: str) -> bool:
+    """Whether ``account_id`` is the key that made the request (a request is also
+    admitted and settled at its key's team, under the same id)."""
+    return key_id_of(request_id)[0] == account_id
+
+
 async def request_state(redis, request_id: str, key_id: str | None = None, sink=None) -> dict[str, Any] | None:
     """The record of a request, by completion id, request id or x-request-id; an
     x-request-id is looked up among ``key_id``'s requests when given (a client may

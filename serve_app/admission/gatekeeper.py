@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from contract.replica_wire import Usage
 from serve_app.accounting.costs import Cost
 from serve_app.accounting.record_shipper import RecordShipper
-from serve_app.accounting.usage import key_id_of, new_request_id
+from serve_app.accounting.usage import is_own_key, new_request_id
 from serve_app.admission.local_limits import LocalLimiter
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.overlap import OverlapGuard
@@ -444,7 +444,7 @@ class Gatekeeper:
             if done:
                 self._unsettled.pop(f"{settlement[0].id}/{settlement[1]}", None)
                 level, request_id, *_, origin, _taken_back = settlement  # as _settle_later queued it
-                if origin is not None and origin.http_request_id and key_id_of(request_id)[0] == level.id:
+                if origin is not None and origin.http_request_id and is_own_key(level.id, request_id):
                     # Admitted without Redis: its x-request-id is indexed now that its record
                     # exists, as an admission's is (`requests show <x-request-id>` finds it).
                     indexed.append(self._logged(self.admission.index_http_id(origin.http_request_id, request_id)))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.accounting.costs import NANOS_PER_USD, Cost
-from serve_app.accounting.usage import as_state, key_id_of
+from serve_app.accounting.usage import as_state, is_own_key, key_id_of
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import is_team_id
 from serve_app.redis_store import lua_scripts, redis_names
@@ -305,7 +305,7 @@ class Admission:
         taken_back: bool = False,
     ) -> list:
         now = datetime.datetime.now(datetime.UTC)
-        ship = self.settled_s is not None and key_id_of(request_id)[0] == key.id
+        ship = self.settled_s is not None and is_own_key(key.id, request_id)
         return [
             request_id,
             status,
