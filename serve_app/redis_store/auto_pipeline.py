@@ -17,10 +17,12 @@ Scripts are called by SHA; a node that lacks one (a restart, a promoted
 replica) answers NOSCRIPT and those calls alone are sent again after it is loaded.
 A call on a cluster that lost its connection or timed out has the client learn
 the slot map again (once at a time, at most once a second): redis-py does so
-when a lone command fails, or a pipeline fails to connect or send, but not when
-a pipelined call's reply never comes, so a client that only pipelines would send
-to a dead primary's address for as long as something answers there (a proxy, a
-restarted node: 3 minutes in the soak).
+when a lone command fails, but not when a pipelined call's reply never comes,
+nor when a pipeline fails to connect and may not retry (this client tries
+once), so a client that only pipelines would send to a dead primary's address
+for as long as something answers there (a proxy, a restarted node: 3 minutes in
+the soak), or for as long as the address refuses (a failover's queued
+settlements, 20 s and more in a CI run).
 
 With ``replicas_to_acknowledge`` (quota settings), each pipeline ends in
 ``WAIT replicas timeout`` on the connection that sent it (one per node on a
@@ -171,6 +173,11 @@ class AutoPipeline:
                 replies = await pipe.execute(raise_on_error=False)
         except BaseException as exc:
             cleared = clear_error(exc)
+            if cluster and _lost(cleared):
+                # redis-py's pipeline learns the map again after a failed connect only
+                # when it may retry, and this client tries once (redis_client.py): the
+                # queued settlements of a failover kept meeting the dead primary's port.
+                self._relearn_slot_map()
             if cleared is exc:
                 raise
             raise cleared from exc
