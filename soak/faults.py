@@ -76,8 +76,10 @@ async def _kill_redis_node(ctx: Context, role: str, down_s: float) -> bool:
     is promoted meanwhile: node timeout 2 s and an election; it comes back as a
     replica); undone once the cluster is whole again."""
     node = ctx.redis.node_with_role(role)
-    node.proc.kill()
-    node.proc.wait()
+    proc = node.proc
+    assert proc is not None  # node_with_role finds a node among the running ones
+    proc.kill()
+    proc.wait()
     node.proc = None
     await asyncio.sleep(down_s)
     node.start()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,7 +181,7 @@ def max_overlap(spans: Iterable[tuple[int, int]]) -> tuple[int, int]:
     return most, at
 
 
-def _in_faults(start_ms: int, end_ms: int, faults: list[Fault], grace_ms: int, redis_only: bool) -> bool:
+def _in_faults(start_ms: int, end_ms: int, faults: Sequence[Fault], grace_ms: int, redis_only: bool) -> bool:
     return any(
         fault.started_ms <= end_ms and start_ms <= fault.until_ms(grace_ms)
         for fault in faults
@@ -189,7 +189,7 @@ def _in_faults(start_ms: int, end_ms: int, faults: list[Fault], grace_ms: int, r
     )
 
 
-def _local_record_lost_with_its_ingress(seen: Observation, faults: list[Fault], grace_ms: int) -> bool:
+def _local_record_lost_with_its_ingress(seen: Observation, faults: Sequence[Fault], grace_ms: int) -> bool:
     """Whether a request's missing record is the documented loss of fail-open
     (docs/quotas.md, "When a primary dies"): admitted on local limits while Redis
     failed, its record lives only in its ingress until its settlement reaches Redis (the
@@ -301,7 +301,7 @@ def check_records(
     verdict: Verdict,
     key_records: list[Record],
     observations: list[Observation],
-    faults: list[Fault] = (),
+    faults: Sequence[Fault] = (),
     grace_ms: int = 30_000,
 ) -> None:
     """Every request a client saw admitted has exactly one final record, charged what

@@ -1,6 +1,7 @@
-"""Every boundary docs/architecture.md ("Who owns what") draws between the folders,
-checked on the source: each module's imports (at its top and inside functions) against
-what its folder may import. A new import across a line fails here, naming the module."""
+"""Every boundary docs/architecture.md ("Who owns what") draws between the folders, and
+the soak's place above them (soak/), checked on the source: each module's imports (at
+its top and inside functions) against what its folder may import. A new import across a
+line fails here, naming the module."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("serve_app", "contract", "replicas", "autoscale", "cluster")
+PRODUCT = ("serve_app", "contract", "replicas", "autoscale", "cluster")
+OURS = (*PRODUCT, "soak")  # the product and the soak that judges it
 ENGINE = {"torch", "vllm", "transformers"}
 # What the dialects may use of the gateway: the call they translate into and its
 # model questions (calls.ModelRegistry), errors, key records, and the request helpers.
@@ -178,6 +180,31 @@ def test_autoscaling_knows_the_contract_only(module, path):
 @pytest.mark.parametrize("module, path", modules("cluster"))
 def test_cluster_code_stands_apart(module, path):
     assert not top(ours(imports(path))) - {"cluster", "contract"}  # the names it shares: contract/
+
+
+# The soak (soak/) stands above the product and drives it from outside: it runs the
+# gateway, the replicas and the twin as processes (`ray up`, `serve deploy`) and reaches
+# them over HTTP and Redis, using of the code only the gateway's operator surfaces (the
+# admin operations as llmctl runs them, its settings and Redis key names, the app's config
+# builder) and the names the product shares (contract/). No engine: it judges what is
+# served, it loads no model. Its verdict (soak/ledger.py) reads records and observations
+# alone, the standard library only, so no product module it judges takes part in judging.
+# Nothing of the product imports soak/: a harness the product leans on could not judge it.
+SOAK_MAY_IMPORT = {"soak", "serve_app", "contract"}
+
+
+@pytest.mark.parametrize("module, path", modules("soak"))
+def test_the_soak_drives_the_product_from_above(module, path):
+    names = imports(path)
+    assert not top(ours(names)) - SOAK_MAY_IMPORT, f"{module} imports {top(ours(names)) - SOAK_MAY_IMPORT}"
+    assert not top(names) & ENGINE, module
+    if module == "soak.ledger":
+        assert not stdlib_or({"__future__"}, names)
+
+
+@pytest.mark.parametrize("module, path", [m for package in PRODUCT for m in modules(package)])
+def test_the_product_imports_nothing_of_the_soak(module, path):
+    assert "soak" not in top(imports(path)), module
 
 
 def test_every_import_path_a_config_names_resolves():

@@ -1,6 +1,7 @@
 """Mechanical hygiene, run with the suite (``make test``): ruff's lint and format, the type
-checker, and every repository path the code and docs cite. Their settings are in
-pyproject.toml ([tool.ruff], [tool.mypy]: strict on contract/ and serve_app/wire/)."""
+checker, and every repository path the code and docs cite, over the product and the soak
+that judges it (soak/). Their settings are in pyproject.toml ([tool.ruff], [tool.mypy]:
+strict on contract/ and serve_app/wire/)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,21 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTHON_PATHS = ["serve_app", "replicas", "autoscale", "contract", "cluster", "tests", "bench", "scripts", "dashboards"]
+PYTHON_PATHS = [
+    "serve_app",
+    "replicas",
+    "autoscale",
+    "contract",
+    "cluster",
+    "soak",
+    "tests",
+    "bench",
+    "scripts",
+    "dashboards",
+]
 # A path of this repository named in a comment, a docstring or a doc: it must exist.
 CITED = re.compile(
-    r"(?<![\w/.-])((?:serve_app|replicas|autoscale|contract|cluster|tests|bench|scripts|dashboards|docs"
+    r"(?<![\w/.-])((?:serve_app|replicas|autoscale|contract|cluster|soak|tests|bench|scripts|dashboards|docs"
     r"|configs|docker)/[\w./-]*\.(?:py|md|lua|yaml|yml|json|sh|toml))\b"
 )
 
