@@ -2,11 +2,13 @@
 
 - Every rendered file is what the Serve configs render now (``python -m
   cluster.kuberay --check``): a config changed without its manifest fails here.
-- What kustomize builds of each variant (``kubectl kustomize``, the one an operator
-  runs): the RayService against the vendored RayService CRD, turned into a strict JSON
-  Schema by KubeRay's own converter (third_party/kuberay/openapi2jsonschema.py; an
-  unknown field anywhere is an error); the core kinds against Kubernetes' schemas
-  (``kubernetes-validate``, strict); the PodMonitor against what it must select.
+- What kustomize builds of each variant (what ``kubectl kustomize`` gives an operator,
+  built by cluster/kustomize.py so no kubectl is needed; where kubectl is installed the
+  two builds are compared): the RayService against the vendored RayService CRD, turned
+  into a strict JSON Schema by KubeRay's own converter
+  (third_party/kuberay/openapi2jsonschema.py; an unknown field anywhere is an error);
+  the core kinds against Kubernetes' schemas (``kubernetes-validate``, strict); the
+  PodMonitor against what it must select. A kustomize feature the builder lacks fails.
 - The embedded ``serveConfigV2`` against Ray's ``ServeDeploySchema``, and each of its
   applications imported and built with its ``args`` (no engine starts, no GPU).
 - The KubeRay operator's admission rules that apply to a RayService
@@ -32,7 +34,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster import kuberay
+from cluster import kuberay, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 VENDORED = ROOT / "third_party" / "kuberay"
@@ -53,15 +55,39 @@ def rayservice_schema(tmp_path_factory) -> dict:
     return json.loads((where / "rayservice_v1.json").read_text())
 
 
-def built(variant: str) -> list[dict]:
-    """What `kubectl kustomize deploy/kuberay/<variant>` gives an operator."""
+def built(variant: str, deploy: Path = kuberay.DEPLOY) -> list[dict]:
+    """What `kubectl kustomize deploy/kuberay/<variant>` gives an operator, built without
+    kubectl (cluster/kustomize.py; compared with kubectl's build below, where it is)."""
+    return kustomize.build(deploy / variant)
+
+
+def kubectl_kustomize(directory: Path) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not installed: the kustomize build is checked where it is")
-    out = subprocess.run(
-        [kubectl, "kustomize", str(kuberay.DEPLOY / variant)], capture_output=True, text=True, check=True
-    ).stdout
+        pytest.skip("kubectl is not installed: the Python kustomize build is compared with kubectl's where it is")
+    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, check=True).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def validate_built(docs: list[dict], rayservice_schema: dict) -> None:
+    """Raises where a cluster would refuse what was built: the RayService against KubeRay's
+    CRD, the core kinds against Kubernetes' schemas (both strict), the PodMonitor's selection."""
+    for doc in docs:
+        if doc["kind"] == "RayService":
+            jsonschema.validate(doc, rayservice_schema)
+        elif doc["kind"] == "PodMonitor":  # Prometheus Operator's CRD is not vendored: what it must hold
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            assert doc["spec"]["selector"]["matchLabels"] == kuberay.POD_LABELS
+            assert [e["port"] for e in doc["spec"]["podMetricsEndpoints"]] == ["metrics"]
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
 
 
 def rayservice_of(variant: str) -> dict:
@@ -183,17 +209,9 @@ def test_a_changed_config_makes_the_check_fail(tmp_path, monkeypatch):
 @pytest.mark.parametrize("variant", sorted(kuberay.VARIANTS))
 def test_what_kustomize_builds_is_valid_against_kuberays_crd_and_kubernetes_schemas(variant, rayservice_schema):
     docs = built(variant)
-    kinds = sorted(doc["kind"] for doc in docs)
-    assert kinds == ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "RayService"], kinds
-    for doc in docs:
-        if doc["kind"] == "RayService":
-            jsonschema.validate(doc, rayservice_schema)
-        elif doc["kind"] == "PodMonitor":  # Prometheus Operator's CRD is not vendored: what it must hold
-            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
-            assert doc["spec"]["selector"]["matchLabels"] == kuberay.POD_LABELS
-            assert [e["port"] for e in doc["spec"]["podMetricsEndpoints"]] == ["metrics"]
-        else:
-            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    kinds = [doc["kind"] for doc in docs]  # kustomize's legacy order
+    assert kinds == ["ConfigMap", "PersistentVolumeClaim", "PodMonitor", "NetworkPolicy", "RayService"], kinds
+    validate_built(docs, rayservice_schema)
     [claim] = [doc for doc in docs if doc["kind"] == "PersistentVolumeClaim"]
     assert claim["metadata"]["name"] == kuberay.SHARED_CLAIM and claim["spec"]["accessModes"] == ["ReadWriteMany"]
     [dashboards] = [doc for doc in docs if doc["kind"] == "ConfigMap"]
@@ -210,6 +228,221 @@ def test_the_schema_refuses_an_unknown_field(rayservice_schema):
     service["spec"]["serveConfig"] = "applications: []"  # a field of another version
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(service, rayservice_schema)
+
+
+UNKNOWN_FIELDS = {  # a file a variant's build takes in -> a typo made in it
+    "cpu/rayservice.yaml": ("rayStartParms", lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]),
+    "common/networkpolicy.yaml": ("ingres", lambda d: d["spec"]),
+    "common/sharedvolume.yaml": ("accessMode", lambda d: d["spec"]),
+}
+
+
+@pytest.mark.parametrize("file", sorted(UNKNOWN_FIELDS))
+def test_a_built_manifest_with_an_unknown_field_is_refused(file, tmp_path, rayservice_schema):
+    deploy = tmp_path / "kuberay"
+    shutil.copytree(kuberay.DEPLOY, deploy)
+    validate_built(built("cpu", deploy), rayservice_schema)  # the copy as it is passes
+    typo, where = UNKNOWN_FIELDS[file]
+    doc = yaml.safe_load((deploy / file).read_text())
+    where(doc)[typo] = {}
+    (deploy / file).write_text(yaml.safe_dump(doc))
+    with pytest.raises(jsonschema.ValidationError, match=f"'{typo}' was unexpected"):
+        validate_built(built("cpu", deploy), rayservice_schema)
+
+
+# A kustomization with every feature cluster/kustomize.py implements: a base in another
+# directory (kustomization.yml), multi-document files with an empty document, kinds of
+# kustomize's fixed order and others, namespaced and not, two generators.
+FEATURES = {
+    "app/kustomization.yaml": """
+resources:
+  - ../base
+  - web.yaml
+configMapGenerator:
+  - name: app-files
+    files: [files/b.txt, files/a.conf]
+generatorOptions:
+  disableNameSuffixHash: true
+""",
+    "app/files/a.conf": "no newline at the end",
+    "app/files/b.txt": "two\nlines\n",
+    "app/web.yaml": "\n---\n".join(
+        f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: {name}{', namespace: ' + ns if ns else ''}}}"
+        for api, kind, ns, name in [
+            ("apps/v1", "Deployment", "apps", "web"),
+            ("v1", "Service", "apps", "web"),
+            ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration", "", "check"),
+            ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "widgets.example.com"),
+            ("ray.io/v1", "RayService", "", "serve"),
+            ("monitoring.coreos.com/v1", "PodMonitor", "", "serve"),
+            ("v1", "Namespace", "", "apps"),
+        ]
+    )
+    + "\n---\n",
+    "base/kustomization.yml": """
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [things.yaml]
+configMapGenerator:
+  - name: base-config
+    files: [things.yaml]
+    options:
+      labels: {tier: base}
+generatorOptions: {disableNameSuffixHash: true}
+""",
+    "base/things.yaml": "\n---\n".join(
+        f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: {name}{', namespace: ' + ns if ns else ''}}}"
+        for api, kind, ns, name in [
+            ("rbac.authorization.k8s.io/v1", "ClusterRole", "", "reader"),
+            ("rbac.authorization.k8s.io/v1", "Role", "apps", "reader"),
+            ("v1", "ServiceAccount", "apps", "runner"),
+            ("v1", "Secret", "apps", "keys"),
+            ("v1", "ConfigMap", "apps", "zeta"),
+            ("v1", "ConfigMap", "", "alpha"),
+            ("example.com/v2", "Widget", "", "w"),
+            ("example.com/v1", "Widget", "", "w"),
+            ("apps/v1", "Deployment", "a", "web"),
+            ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", "", "mutate"),
+        ]
+    ),
+}
+FEATURES_ORDER = [  # what kubectl kustomize (v1.32, kustomize v5.5) gives, in its order
+    ("Namespace", "", "apps"),
+    ("CustomResourceDefinition", "", "widgets.example.com"),
+    ("ServiceAccount", "apps", "runner"),
+    ("Role", "apps", "reader"),
+    ("ClusterRole", "", "reader"),
+    ("ConfigMap", "apps", "zeta"),
+    ("ConfigMap", "", "alpha"),
+    ("ConfigMap", "", "app-files"),
+    ("ConfigMap", "", "base-config"),
+    ("Secret", "apps", "keys"),
+    ("Service", "apps", "web"),
+    ("Deployment", "apps", "web"),
+    ("Deployment", "a", "web"),
+    ("Widget", "", "w"),  # example.com/v1
+    ("Widget", "", "w"),  # example.com/v2
+    ("PodMonitor", "", "serve"),
+    ("RayService", "", "serve"),
+    ("MutatingWebhookConfiguration", "", "mutate"),
+    ("ValidatingWebhookConfiguration", "", "check"),
+]
+
+
+def test_the_python_build_implements_kustomizes_resources_generators_and_order(tmp_path):
+    docs = kustomize.build(write_tree(tmp_path, FEATURES) / "app")
+    assert [(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]) for d in docs] == FEATURES_ORDER
+    assert [d["apiVersion"] for d in docs if d["kind"] == "Widget"] == ["example.com/v1", "example.com/v2"]
+    configs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    assert configs["app-files"] == {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "app-files"},
+        "data": {"a.conf": "no newline at the end", "b.txt": "two\nlines\n"},
+    }
+    assert configs["base-config"]["metadata"] == {"name": "base-config", "labels": {"tier": "base"}}
+    assert configs["base-config"]["data"] == {"things.yaml": FEATURES["base/things.yaml"]}
+
+
+@pytest.mark.parametrize("tree", [*sorted(kuberay.VARIANTS), "features"])
+def test_the_python_build_is_what_kubectl_kustomize_builds(tree, tmp_path):
+    directory = kuberay.DEPLOY / tree if tree in kuberay.VARIANTS else write_tree(tmp_path, FEATURES) / "app"
+    assert kustomize.build(directory) == kubectl_kustomize(directory)
+
+
+GENERATED = "configMapGenerator: [{name: c, files: [c.txt]}]\n"
+NO_HASH = "generatorOptions: {disableNameSuffixHash: true}\n"
+CONFIG_MAP = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+UNSUPPORTED = {  # a kustomization (files under tmp_path; "k" is its directory) -> what the refusal names
+    "namespace": ({"k/kustomization.yaml": "namespace: apps\n"}, "namespace"),
+    "patches": ({"k/kustomization.yaml": "patches: [{path: p.yaml}]\n"}, "patches"),
+    "images": ({"k/kustomization.yaml": "images: [{name: a, newTag: b}]\n"}, "images"),
+    "labels": ({"k/kustomization.yaml": "labels: [{pairs: {a: b}}]\n"}, "labels"),
+    "a Component": ({"k/kustomization.yaml": "kind: Component\n"}, "Component"),
+    "two kustomization files": ({"k/kustomization.yaml": "", "k/kustomization.yml": ""}, "2 kustomization files"),
+    "no kustomization": ({"k/kustomization.yaml": "resources: [../b]\n", "b/x.yaml": CONFIG_MAP}, "0 kustomization"),
+    "a remote resource": ({"k/kustomization.yaml": "resources: [https://example.com/x.yaml]\n"}, "not a local"),
+    "a missing resource": ({"k/kustomization.yaml": "resources: [x.yaml]\n"}, "neither a file"),
+    "a file outside": ({"k/kustomization.yaml": "resources: [../x.yaml]\n", "x.yaml": CONFIG_MAP}, "outside"),
+    "a cycle": (
+        {"k/kustomization.yaml": "resources: [../b]\n", "b/kustomization.yaml": "resources: [../k]\n"},
+        "cycle",
+    ),
+    "one id twice": (
+        {"k/kustomization.yaml": "resources: [x.yaml, y.yaml]\n", "k/x.yaml": CONFIG_MAP, "k/y.yaml": CONFIG_MAP},
+        "one id",
+    ),
+    "one id in default and none": (
+        {
+            "k/kustomization.yaml": "resources: [x.yaml, y.yaml]\n",
+            "k/x.yaml": CONFIG_MAP,
+            "k/y.yaml": CONFIG_MAP.replace("c}", "c, namespace: default}"),
+        },
+        "one id",
+    ),
+    "a List": (
+        {"k/kustomization.yaml": "resources: [x.yaml]\n", "k/x.yaml": "apiVersion: v1\nkind: List\nitems: []\n"},
+        "List",
+    ),
+    "no name": (
+        {"k/kustomization.yaml": "resources: [x.yaml]\n", "k/x.yaml": "apiVersion: v1\nkind: ConfigMap\n"},
+        "metadata.name",
+    ),
+    "a key twice": (
+        {"k/kustomization.yaml": "resources: [x.yaml]\n", "k/x.yaml": CONFIG_MAP + "data: {a: 1, a: 2}\n"},
+        "twice",
+    ),
+    "kustomize's annotation": (
+        {
+            "k/kustomization.yaml": "resources: [x.yaml]\n",
+            "k/x.yaml": CONFIG_MAP.replace("c}", "c, annotations: {config.kubernetes.io/index: '0'}}"),
+        },
+        "config.kubernetes.io/index",
+    ),
+    "the name hash": ({"k/kustomization.yaml": GENERATED, "k/c.txt": "x"}, "name hash"),
+    "generator literals": (
+        {"k/kustomization.yaml": NO_HASH + "configMapGenerator: [{name: c, literals: [a=b]}]\n"},
+        "literals",
+    ),
+    "generator behavior": (
+        {"k/kustomization.yaml": NO_HASH + GENERATED.replace("name: c", "name: c, behavior: merge"), "k/c.txt": "x"},
+        "behavior",
+    ),
+    "a generator's key=path": (
+        {"k/kustomization.yaml": NO_HASH + GENERATED.replace("[c.txt]", "[k=c.txt]"), "k/c.txt": "x"},
+        "plain path",
+    ),
+    "a generator's annotations": (
+        {
+            "k/kustomization.yaml": NO_HASH + GENERATED.replace("}]", ", options: {annotations: {a: b}}}]"),
+            "k/c.txt": "x",
+        },
+        "options",
+    ),
+    "generatorOptions' labels": (
+        {"k/kustomization.yaml": NO_HASH.replace("}", ", labels: {a: b}}") + GENERATED, "k/c.txt": "x"},
+        "generatorOptions",
+    ),
+    "a generator's file outside": (
+        {"k/kustomization.yaml": NO_HASH + GENERATED.replace("c.txt", "../c.txt"), "c.txt": "x"},
+        "not a file in",
+    ),
+    "binary data": ({"k/kustomization.yaml": NO_HASH + GENERATED, "k/c.txt": ""}, "binaryData"),
+    "a generator's name twice": (
+        {"k/kustomization.yaml": NO_HASH + GENERATED + "resources: [x.yaml]\n", "k/c.txt": "x", "k/x.yaml": CONFIG_MAP},
+        "one id",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(UNSUPPORTED))
+def test_a_kustomize_feature_the_python_build_lacks_is_refused(how, tmp_path):
+    files, named = UNSUPPORTED[how]
+    write_tree(tmp_path, files)
+    if how == "binary data":
+        (tmp_path / "k" / "c.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(kustomize.Unsupported, match=re.escape(named)):
+        kustomize.build(tmp_path / "k")
 
 
 @pytest.mark.parametrize("variant", sorted(kuberay.VARIANTS))
