@@ -5,7 +5,8 @@ from pathlib import Path
 # Test helpers (stack.py, openai_spec.py) import as top-level modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import waiting_lane  # noqa: E402  (found through the path just set)
+import skip_policy  # noqa: E402  (found through the path just set)
+import waiting_lane  # noqa: E402
 
 # Every process a test stack starts inherits this environment: the OpenTelemetry SDK's
 # batch span processors (the gateway's and vLLM's) export every 0.5 s instead of 5 s,
@@ -15,6 +16,7 @@ os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")
 
 def pytest_configure(config):
     config.pluginmanager.register(waiting_lane, "waiting_lane")
+    config.pluginmanager.register(skip_policy, "skip_policy")  # a skip not on its list fails the run
 
 
 # -- where the suite's time goes, per module --------------------------------------------

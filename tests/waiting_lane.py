@@ -6,7 +6,8 @@ them after the end-to-end tests: the lane starts with the first test outside
 tests/e2e, and an end-to-end test waits for a lane that runs). A stack starting
 beside the lane took up to twice as long: the `ray up` twin's start went from 109 to
 208 s in a CI run where the lane overlapped it. The lane's failures fail this
-session, its report printed in this one's summary.
+session, its report printed in this one's summary; so do its skips for a reason not
+allowed (tests/skip_policy.py), and this session's summary lists the lane's skips.
 
 The lane runs its modules on two pytest-xdist workers (``--dist loadfile``: a module
 stays on one worker, the next goes to whichever is free): they wait far more than
@@ -29,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import skip_policy
 
 LANE_ENV = "LLM_TEST_LANE"
 LANE_DIR = "tests/integration/"
@@ -40,6 +42,7 @@ class WaitingLane:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.output: Path | None = None
+        self.skips: Path | None = None
         self.count = 0
 
     def start(self, config: pytest.Config, nodeids: list[str]) -> None:
@@ -47,12 +50,13 @@ class WaitingLane:
         args = folder / "args"
         args.write_text("\n".join(nodeids) + "\n")
         self.output = folder / "output"
+        self.skips = folder / "skips"  # the lane's skips (tests/skip_policy.py), one JSON a line
         self.count = len(nodeids)
         with self.output.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest", f"@{args}", "-q", "-rfE", "-p", "no:cacheprovider", *LANE_WORKERS],
+                [sys.executable, "-m", "pytest", f"@{args}", "-q", "-rfEs", "-p", "no:cacheprovider", *LANE_WORKERS],
                 cwd=config.rootpath,
-                env={**os.environ, LANE_ENV: "lane"},
+                env={**os.environ, LANE_ENV: "lane", skip_policy.FILE_ENV: str(self.skips)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C of this session reaches it through stop()
@@ -112,6 +116,9 @@ def _start_lane(config: pytest.Config) -> None:
 def _await_lane(config: pytest.Config) -> None:
     if _LANE.proc is not None and _RC not in config.stash:
         config.stash[_RC] = _LANE.wait()
+        policy = skip_policy.policy(config)
+        if policy is not None and _LANE.skips is not None:
+            policy.take_file(_LANE.skips)
 
 
 def _is_e2e(item: pytest.Item) -> bool:
