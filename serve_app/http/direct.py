@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import Request
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -71,18 +72,62 @@ class _Stream:
 
     def cancel(self) -> None:
         """End the replica's generator (vLLM aborts the request), as Serve's cancel does."""
-        try:
-            asyncio.ensure_future(self._close())
-        except RuntimeError:  # no running loop: the process is ending
-            pass
+        _close_soon(self._items)
 
-    async def _close(self) -> None:
+
+class _UnaryStream(_Stream):
+    """A unary call on this process' replica (a stream of one item, ``call_streamed``),
+    cancellable while its one pull is in flight, as Serve's is: ``cancel`` (a key revoked
+    while it runs, ``Gateway._call_unary``) ends the pull with ``RequestCancelledError``,
+    the replica's generator ending where it waits (vLLM aborts the request). A pull runs
+    as a task of its own so that it can be cancelled apart from the request's (one task
+    a call: a stream's items, relayed, need none)."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self._pull: asyncio.Future | None = None
+        self._cancelled = False
+
+    async def __anext__(self):
+        if self._cancelled:
+            raise RequestCancelledError()
+        self._pull = asyncio.ensure_future(self._items.__anext__())
         try:
-            await self._items.aclose()
-        except RuntimeError:
-            # A pull of its first item is in flight (a stream started before its
-            # admission): cancelling that pull ends the generator instead.
-            pass
+            return await self._pull
+        except asyncio.CancelledError:
+            if self._cancelled and not _this_task_cancelled():
+                raise RequestCancelledError() from None
+            raise  # the request's own task was cancelled (its client left)
+        finally:
+            self._pull = None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._pull is not None:
+            self._pull.cancel()
+        else:
+            _close_soon(self._items)
+
+
+def _this_task_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _close_soon(items) -> None:
+    try:
+        asyncio.ensure_future(_close(items))
+    except RuntimeError:  # no running loop: the process is ending
+        pass
+
+
+async def _close(items) -> None:
+    try:
+        await items.aclose()
+    except RuntimeError:
+        # A pull of its first item is in flight (a stream started before its
+        # admission): cancelling that pull ends the generator instead.
+        pass
 
 
 class _Method:
@@ -109,7 +154,7 @@ class InProcessReplica:
     @property
     def call_streamed(self) -> _Method:
         return _Method(
-            lambda operation, body, trace=None, prompt_allowance=None: _Stream(
+            lambda operation, body, trace=None, prompt_allowance=None: _UnaryStream(
                 self._replica.call_streamed(
                     operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance
                 )

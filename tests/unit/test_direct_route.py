@@ -7,11 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from ray.serve.exceptions import RequestCancelledError
 
 from contract.replica_wire import ReplicaAnswer, StreamStart
 from serve_app.app import build_app, build_direct_app, direct_apps
 from serve_app.http.direct import DIRECT_ROUTES, InProcessReplica, direct_app
-from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
+from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
 
 SHIPPED = yaml.safe_load(open("configs/local.yaml"))["applications"][0]["args"]
 # The same models without their direct routes: every model behind the ingress.
@@ -92,11 +93,63 @@ def test_a_call_withdrawn_before_it_ran_never_runs():
         response = InProcessReplica(replica).call_streamed.remote("chat", {})
         response.cancel()  # sent, then withdrawn before read: closed, not left pending
         await asyncio.sleep(0)
-        with pytest.raises(StopAsyncIteration):
+        with pytest.raises(RequestCancelledError):  # as Serve's cancelled call answers
             await response.__anext__()
 
     asyncio.run(run())
     assert replica.calls == []
+
+
+class SlowReplica(Replica):
+    """A unary call that takes long (a 2,000-token answer): its one item never comes."""
+
+    async def call_streamed(self, operation, body, adapter=None, trace=None, prompt_allowance=None):
+        self.calls.append((operation, body, adapter))
+        try:
+            await asyncio.Event().wait()
+            yield ReplicaAnswer(b"{}", None, "r1")
+        except asyncio.CancelledError:
+            self.stream_ended = "cancelled"  # where vLLM aborts the request
+            raise
+
+
+def test_a_unary_call_cancelled_while_it_runs_ends_with_serves_cancel_error_and_ends_the_replicas_call():
+    """A key revoked while its unary call runs (Gateway._call_unary's on_revoke): the
+    in-process call ends as a Serve call does, with RequestCancelledError, which the
+    gateway answers 401 charged the prompt; the replica's generator is cancelled where
+    it waits. (Its pull was in flight for the whole call: closing the generator could
+    not reach it, and the call ran on to its end.)"""
+    replica = SlowReplica()
+
+    async def run():
+        response = InProcessReplica(replica).call_streamed.remote("chat", {})
+        reading = asyncio.ensure_future(only_item(response))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not reading.done()
+        response.cancel()
+        with pytest.raises(RequestCancelledError):
+            await asyncio.wait_for(reading, 5)
+
+    asyncio.run(run())
+    assert replica.stream_ended == "cancelled"
+
+
+def test_a_unary_call_whose_request_is_cancelled_is_cancelled_not_refused():
+    """The client left (the request's own task cancelled): a CancelledError, as before."""
+    replica = SlowReplica()
+
+    async def run():
+        response = InProcessReplica(replica).call_streamed.remote("chat", {})
+        reading = asyncio.ensure_future(only_item(response))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+
+    asyncio.run(run())
+    assert replica.stream_ended == "cancelled"
 
 
 def test_model_info_is_the_replicas():
