@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 
 import openai
 
@@ -34,6 +35,9 @@ def estimate(prompt: str) -> int:
     return (len(json.dumps(prompt)) + 200) // 4
 
 
+BURST_TIMEOUT_S = 300  # what a burst's clients get, all together, to be answered
+
+
 def burst(
     base_url: str,
     secrets: list[str],
@@ -44,14 +48,16 @@ def burst(
     clients: int = CLIENTS,
 ) -> list:
     """``clients`` chats sent at once (client i with secrets[i % len] and prompts[i % len]);
-    the usage of each one answered (a 429 is left out)."""
-    answered, lock, go = [], threading.Lock(), threading.Barrier(clients)
+    the usage of each one answered. A 429 (the limit under test refusing) is left out;
+    any other outcome fails the caller: a 5xx, a 4xx that is not a 429, a timeout, a
+    connection error, a stream without usage, or a client still waiting at the bound."""
+    answered, failed, lock, go = [], [], threading.Lock(), threading.Barrier(clients)
 
     def one(i: int) -> None:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=secrets[i % len(secrets)], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
-        go.wait()
         try:
+            go.wait(timeout=60)
             if stream:
                 chunks = client.chat.completions.create(
                     model=model,
@@ -63,14 +69,23 @@ def burst(
                 usage = [chunk.usage for chunk in chunks if chunk.usage][-1]
             else:
                 usage = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens).usage
+            assert usage is not None, "an answer without usage"
         except openai.RateLimitError:
+            return
+        except BaseException as error:  # noqa: BLE001 (each client's failure is reported, not lost with its thread)
+            with lock:
+                failed.append(f"client {i}: {type(error).__name__}: {error}")
             return
         with lock:
             answered.append(usage)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(clients)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + BURST_TIMEOUT_S
     for thread in threads:
-        thread.join(timeout=300)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    waiting = sum(thread.is_alive() for thread in threads)
+    assert not waiting, f"{waiting} of {clients} clients still unanswered after {BURST_TIMEOUT_S} s"
+    assert not failed, f"{len(failed)} of {clients} clients failed other than with a 429: {failed}"
     return answered

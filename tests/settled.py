@@ -40,6 +40,23 @@ def wait_until_settled(redis, key_id: str, timeout_s: float = 15, records_expect
         time.sleep(0.1)
 
 
+def assert_within_reservations(found: list[dict[str, str]]) -> None:
+    """Every finished record of ``found`` was charged at most what its admission reserved
+    (docs/quotas.md, "The reservation bounds every prompt"): its prompt's tokens, and its
+    prompt's and completion's together. A record without usage was charged its reservation."""
+    # A record without a reservation is a request admitted on the ingress' local limits
+    # while Redis did not answer (settle.lua writes it): bounded by those, not by a reservation.
+    finished = [r for r in found if r["status"] not in ("admitted", "running") and "reserved_tokens" in r]
+    assert finished, f"no finished request record with a reservation among {len(found)}"
+    for record in finished:
+        reserved = int(record["reserved_tokens"])
+        if record.get("usage") == "reserved":
+            assert int(record["total_tokens"]) == reserved, record
+            continue
+        assert int(record["prompt_tokens"]) <= reserved, record
+        assert int(record["prompt_tokens"]) + int(record["completion_tokens"]) <= reserved, record
+
+
 def counters(redis, account_id: str) -> dict[str, int]:
     """What a key or team was charged today, from its usage hash (requests, tokens,
     cost_nanos, refused, ...)."""

@@ -1,7 +1,8 @@
 """Start and stop the real stack (Ray + Serve + vLLM CPU engine) for a test module.
 
-Tests use the shipped local config's models (configs/local.yaml), so what is
-tested is what ``make run`` serves. Engines must not outlive the stack: after
+Tests use the shipped local config's models (configs/local.yaml), direct routes
+included, so what is tested is what ``make run`` serves (``LOCAL_SHAPE`` says what
+differs). Engines must not outlive the stack: after
 shutdown the module waits for every vLLM EngineCore process to exit and fails
 if one stays behind.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,20 +57,33 @@ def quick_engines(models: list[dict[str, Any]], one_process: bool = True) -> lis
     return models
 
 
-def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
+# What every test stack changes in configs/local.yaml's application args, and why: the
+# shipped shape otherwise, so what is tested is what `make run` serves (direct routes
+# included). A stack's own changes are declared beside it (its ``SHAPE``);
+# tests/unit/test_stack_shapes.py fails on any other difference.
+LOCAL_SHAPE = {
+    "models.*.engine_kwargs.enforce_eager": "quick_engines: no torch.compile warm-up (speed only)",
+    "models.*.env.VLLM_ENABLE_V1_MULTIPROCESSING": "quick_engines: the executor inside EngineCore (speed only)",
+    "batch": "batch files in a directory of this run; leases, polls and reconciles in seconds",
+    "records": "request records in a directory of this run",
+}
+
+
+def local_app_args(only: list[str] | None = None, *, ingress_path: bool = False) -> dict[str, Any]:
     """The shipped local config's application args, engines quick to start
     (``quick_engines``); ``only``: keep just these models (a module that uses one
-    model starts faster without the others)."""
+    model starts faster without the others). The models keep their ``direct_route``
+    as shipped (``/v1`` chat, completions and embeddings in one hop to the model's
+    replica); ``ingress_path``: without it, for a test about the ingress' own path (it
+    says so), every request through the ingress."""
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     args = deepcopy(config["applications"][0]["args"])
     if only is not None:
         args["models"] = [model for model in args["models"] if model["name"] in only]
     quick_engines(args["models"])
-    for model in args["models"]:
-        # The models' deployments stay in the main application, where these stacks'
-        # tests call them; the shipped shape (each model behind its direct route, /v1
-        # in one hop) runs in tests/e2e/local_stack/ and direct_route_stack/.
-        model.pop("direct_route", None)
+    if ingress_path:
+        for model in args["models"]:
+            model.pop("direct_route", None)
     # Batch files in a directory of this test run, batches resumed fast after a runner dies
     # and the runners' set reconciled within seconds.
     args["batch"] = {
@@ -79,6 +94,11 @@ def local_app_args(only: list[str] | None = None) -> dict[str, Any]:
     }
     args["records"] = {"sink_dir": tempfile.mkdtemp(prefix="llm-records-")}  # this run's request records
     return args
+
+
+def shipped_app_args() -> dict[str, Any]:
+    """configs/local.yaml's application args as shipped (what `make run` serves)."""
+    return yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
 
 
 def demo_token_id(text: str) -> int:
@@ -112,11 +132,13 @@ def replica_engine_processes(model: str | None = None) -> list[psutil.Process]:
     only those of ``model``'s replicas when given."""
     from contract.model_config import deployment_name
 
-    marker = "ServeReplica" + (f":{APP_NAME}:{deployment_name(model)}" if model else "")
+    # A replica's title names its application and deployment: ServeReplica:<app>:<deployment>
+    # (the main application's, or the model's direct route's).
+    marker = re.compile("ServeReplica:" + (f"[^:]+:{re.escape(deployment_name(model))}(?![\\w-])" if model else ""))
 
     def under_replica(proc: psutil.Process) -> bool:
         try:
-            return any(marker in p.name() + " ".join(p.cmdline()) for p in proc.parents())
+            return any(marker.search(p.name() + " ".join(p.cmdline())) for p in proc.parents())
         except psutil.Error:
             return False
 
@@ -451,8 +473,22 @@ def cache_salt(redis_url: str, tenant: str, client_salt: str | None = None) -> s
     return salt_for(asyncio.run(secret()), tenant, client_salt)
 
 
-def call_replica(model_name: str, method: str, *args, app_name: str = APP_NAME):
-    """Call a model replica's method from (synchronous) test code.
+def model_app(model_name: str) -> str:
+    """The Serve application that runs ``model_name``'s deployment: its direct route's
+    (``direct-<model>``) when it has one, else the main application."""
+    from ray import serve
+
+    from contract.model_config import deployment_name
+
+    wanted = deployment_name(model_name)
+    holders = [name for name, app in serve.status().applications.items() if wanted in app.deployments]
+    assert len(holders) == 1, f"deployment {wanted!r} runs in {holders or 'no application'}"
+    return holders[0]
+
+
+def call_replica(model_name: str, method: str, *args, app_name: str | None = None):
+    """Call a model replica's method from (synchronous) test code; ``app_name``:
+    the application that runs it (by default the one found by ``model_app``).
 
     Handles are made and awaited on one long-lived event loop: with Ray
     Serve's throughput mode the router runs on the caller's loop, not on a
@@ -462,8 +498,10 @@ def call_replica(model_name: str, method: str, *args, app_name: str = APP_NAME):
 
     from contract.model_config import deployment_name
 
+    app = app_name or model_app(model_name)
+
     async def call():
-        handle = serve.get_deployment_handle(deployment_name(model_name), app_name=app_name)
+        handle = serve.get_deployment_handle(deployment_name(model_name), app_name=app)
         return await getattr(handle, method).remote(*args)
 
     return asyncio.run_coroutine_threadsafe(call(), _driver_loop()).result(timeout=60)

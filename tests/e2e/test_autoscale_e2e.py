@@ -58,7 +58,10 @@ def _scale_to_zero_model(name: str, queue_timeout_s: float, base: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def base_url(redis_server):
-    args = {**local_app_args(), "redis_url": redis_server.url}
+    # The ingress' path for CHAT and IMPATIENT (this module is about the ingress' handle:
+    # its scale-up under load and its cold-start queue); LAZY scales from zero behind a
+    # direct route, the shipped shape.
+    args = {**local_app_args(ingress_path=True), "redis_url": redis_server.url}
     chat = next(model for model in args["models"] if model["name"] == CHAT)
     chat["deployment"] = {k: v for k, v in chat["deployment"].items() if k != "num_replicas"}
     chat["cpus_per_replica"] = 0.5

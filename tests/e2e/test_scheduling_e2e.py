@@ -74,12 +74,15 @@ def base_url(redis_server):
     # Behind its direct route, as shipped: /v1 takes one hop, the replica chosen at the
     # edge by the model's router (serve_app/http/edge_router.py); the ingress' own
     # routes reach it through a handle and the same router.
-    chat["direct_route"] = True
+    assert chat["direct_route"]
     # Its other names take the same one hop: an alias, and LoRA adapters (the replica
     # that holds one is chosen at the edge).
     chat["aliases"] = [ALIAS]
     chat["lora"] = {"adapters": {ADAPTER: "demo"}, "max_adapters_per_replica": 1, "max_rank": 8}
     tiered.update(name=TIERED, cpus_per_replica=0.25)
+    # TIERED and FAIR take the ingress' path: their tests are about the ingress' queue
+    # shares and fair-share gate, which see the whole model's requests there.
+    tiered.pop("direct_route", None)
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {
         **tiered["deployment"],

@@ -12,10 +12,21 @@ LEASE_S = 1.0  # short: a stream outlives it, so it keeps its place only if its 
 INGRESS_MAX = 4  # the autoscaled ingress' maximum (it runs one replica)
 
 
+# Every way this stack's args differ from the shipped ones (besides stack.LOCAL_SHAPE);
+# tests/unit/test_stack_shapes.py holds it to that.
+SHAPE = {
+    "models.minilm": "the demo chat model alone",
+    "redis_url": "the package's Redis, which the quota tests stall",
+    "quota": "a 1 s concurrency lease, a 1 s Redis timeout, fail_mode open",
+    "ingress.deployment.num_replicas": "an autoscaled ingress in its place",
+    "ingress.deployment.autoscaling_config": "an autoscaled ingress that stays at one replica",
+}
+
+
 def app_args(redis_url: str) -> dict:
     args = local_app_args(only=[MODEL])
     args["redis_url"] = redis_url
-    args["models"][0]["direct_route"] = True
+    assert args["models"][0]["direct_route"], "the shipped demo model has its direct route"
     # redis_timeout_s: short enough for the stalled-Redis tests, long enough that a busy
     # 2-core box does not turn a slow answer into a fail-open admission mid-test.
     args["quota"] = {"concurrency_lease_s": LEASE_S, "redis_timeout_s": 1.0, "fail_mode": "open"}

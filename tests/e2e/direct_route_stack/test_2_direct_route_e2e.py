@@ -23,7 +23,7 @@ import pytest
 from dense_prompts import burst, dense, estimate
 from http_checks import assert_error_envelope
 from ports import free_port
-from settled import counters, wait_until_settled
+from settled import assert_within_reservations, counters, wait_until_settled
 from stack import call_replica, create_key
 
 from contract.model_config import direct_app_name, direct_route_prefix
@@ -341,6 +341,22 @@ def engine_prompt_tokens() -> int:
     return call_replica(MODEL, "engine_load", app_name=direct_app_name(MODEL))["prefix_cache_queries"]
 
 
+def engine_prompt_tokens_after_a_marker(direct_url: str, redis_server) -> int:
+    """The engine's prompt tokens scheduled so far, less a marker's: a stream of another
+    key sent now and waited for in the engine's stats. What the engine took before the
+    marker is counted by then (its stats follow its steps in order), so "it took
+    nothing" is read after a positive signal, never after a fixed sleep."""
+    before = engine_prompt_tokens()
+    _, marker = create_key(redis_server.url, f"direct-marker-{free_port()}")
+    status, usage = stream_chat(direct_url, marker)
+    assert status == 200 and usage is not None
+    deadline = time.monotonic() + 30
+    while (now := engine_prompt_tokens()) < before + usage["prompt_tokens"]:
+        assert time.monotonic() < deadline, "the marker's prompt never reached the engine's stats"
+        time.sleep(0.1)
+    return now - usage["prompt_tokens"]
+
+
 def wait_engine_idle() -> None:
     deadline = time.monotonic() + 30
     while engine_unfinished():
@@ -368,15 +384,13 @@ def test_a_flood_past_a_limit_spent_elsewhere_starts_no_more_than_the_room_redis
         withdrawn = early_starts()["withdrawn"] - before["withdrawn"]
         assert 1 <= withdrawn <= 2, f"{withdrawn} of the flood started ahead of Redis' answer (it reported room for 2)"
         assert early_starts()["admitted"] == before["admitted"]
-        time.sleep(1)  # the engine's stats of the steps that took any of them
-        started = engine_prompt_tokens() - seen
+        started = engine_prompt_tokens_after_a_marker(direct_url, redis_server) - seen
         assert started <= 2 * prompt, f"the engine took {started} prompt tokens of a refused flood"
         # Refused: no stream of this key starts ahead of its admission any more.
         seen, before = engine_prompt_tokens(), early_starts()
         assert [stream_chat(direct_url, secret)[0] for _ in range(4)] == [429] * 4
         assert early_starts() == before
-        time.sleep(1)
-        assert engine_prompt_tokens() == seen
+        assert engine_prompt_tokens_after_a_marker(direct_url, redis_server) == seen
     wait_engine_idle()  # the two it may have started ahead of Redis' answer were aborted
     found = wait_until_settled(redis, key_id, records_expected=4)
     assert sorted(r["status"] for r in found) == ["completed"] * 4  # refused requests leave no record
@@ -490,10 +504,17 @@ def test_dense_prompts_on_v1_never_pass_a_budget_whether_they_start_early_or_not
     the in-process replica and admitted again at their real size, never past the budget."""
     budget = 5_000
     key_id, secret = create_key(redis_server.url, "direct-dense", daily_token_budget=budget)
+    # One small stream first: the replica learns the key's room from its own admissions,
+    # and starts a stream early only where it knows there is room.
+    status, first = stream_chat(base_url, secret)
+    assert status == 200 and first is not None
     prompts = [dense("emoji", 400, seed=1), dense("digits", 1200, seed=2)]
+    before = early_starts()
     answered = burst(base_url, [secret], prompts, max_tokens=100, model=MODEL, stream=True)
-    wait_until_settled(redis, key_id)
+    started_early = sum(early_starts().values()) - sum(before.values())
+    assert 1 <= started_early < 16, f"{started_early} of the burst's 16 streams started early"
+    assert_within_reservations(wait_until_settled(redis, key_id))
     charged = counters(redis, key_id)
     assert answered and all(usage.prompt_tokens > estimate(prompts[0]) for usage in answered)
-    assert charged["tokens"] == sum(usage.total_tokens for usage in answered)
+    assert charged["tokens"] == first["total_tokens"] + sum(usage.total_tokens for usage in answered)
     assert charged["tokens"] <= budget, (charged, len(answered))

@@ -3,9 +3,10 @@ table (``DIRECT_ROUTES``, serve_app/http/direct.py) as the ingress' is in
 tests/e2e/quota_stack/test_1_route_access_e2e.py: each route at the model's prefix
 (``/direct/<model>``, through the edge) with no credential, an API key, a key of a
 disabled team and a bearer token that is no key (this stack trusts no identity provider
-and has no admin token). A ``key`` route answers a key and refuses the others; the
-``probe`` route (the names the edge reads from a replica) is never answered through the
-edge, and never a 401 or a 5xx."""
+and has no admin token). A ``key`` route is sent a valid request: a key gets its answer
+(200; the chat model's refusal of an embedding, naming it), the others their exact 401
+(``team_disabled``, ``invalid_api_key``); the ``probe`` route (the names the edge reads
+from a replica) is never answered through the edge."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ from serve_app.http.direct import DIRECT_ROUTES
 pytestmark = pytest.mark.e2e
 
 CREDENTIALS = ("none", "key", "disabled_team_key", "not_a_key")
+VALID_BODIES = {
+    "/v1/chat/completions": {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/completions": {"model": MODEL, "max_tokens": 1, "prompt": "hi"},
+    "/v1/embeddings": {"model": MODEL, "input": "hi"},
+}
+# The stack's one model is a chat model: an embedding is refused past authentication.
+KEY_ANSWERS = {"/v1/embeddings": 400}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +47,7 @@ def secrets(base_url, redis_server) -> dict[str, str | None]:
 @pytest.mark.parametrize("method, path", sorted(DIRECT_ROUTES))
 def test_each_direct_route_answers_each_credential_as_its_access_declares(base_url, secrets, method, path, credential):
     headers = {"authorization": f"Bearer {secrets[credential]}"} if secrets[credential] else {}
-    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
-    if path.endswith("/embeddings"):
-        body = {"model": MODEL, "input": "hi"}  # the chat model serves none: a 4xx past authentication
+    body = VALID_BODIES.get(path)
     response = httpx.request(
         method,
         base_url + direct_route_prefix(MODEL) + path,
@@ -49,13 +55,14 @@ def test_each_direct_route_answers_each_credential_as_its_access_declares(base_u
         timeout=120,
         json=body if method == "POST" else None,
     )
-    status = response.status_code
-    assert status < 500, f"{credential}: {response.text}"
+    status, where = response.status_code, f"{method} {path} with {credential}: {response.text[:300]}"
     if DIRECT_ROUTES[(method, path)] == "probe":
-        assert status == 404, response.text  # the edge stamps its requests: never answered through it
+        assert status == 404, where  # the edge stamps its requests: never answered through it
     elif credential == "key":
-        assert status != 401, response.text
-    elif credential == "disabled_team_key":
-        assert status >= 400, f"a disabled team's key was answered {status}: {response.text}"
+        assert status == KEY_ANSWERS.get(path, 200), where
+        if path in KEY_ANSWERS:
+            assert "embedding" in response.json()["error"]["message"].lower(), where
     else:
-        assert status == 401, f"{credential} answered {status}: {response.text}"
+        error = response.json()["error"]
+        expected = {"disabled_team_key": "team_disabled", "not_a_key": "invalid_api_key"}.get(credential)
+        assert status == 401 and (expected is None or error["code"] == expected), where

@@ -23,15 +23,16 @@ def ingress_pid(request_id: str) -> int:
 def wait_until_both_ingresses_serve(base_url: str, secret: str, model: str, timeout_s: float = 180) -> None:
     """After an ingress replica was killed: until requests on new connections are
     served by two different live ingress processes again (Serve restarted the
-    replica and HAProxy routes to it), so the next module finds the stack as it was."""
+    replica and HAProxy routes to it), so the next module finds the stack as it was.
+    Asked by a route only the ingress serves (/v1 chat takes its model's direct route)."""
     deadline = time.monotonic() + timeout_s
     seen: set[int] = set()
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    body = {"model": model, "input": "hi", "max_output_tokens": 1, "store": False}
     while len(seen) < 2:
         assert time.monotonic() < deadline, f"only ingress processes {seen} served"
         try:
             response = httpx.post(
-                base_url + "/v1/chat/completions", json=body, timeout=30, headers={"authorization": f"Bearer {secret}"}
+                base_url + "/v1/responses", json=body, timeout=30, headers={"authorization": f"Bearer {secret}"}
             )
         except httpx.HTTPError:
             time.sleep(0.5)

@@ -35,6 +35,22 @@ TRACE_SAMPLE_RATIO = 0.5
 TEAM_CLAIM = "team"  # an identity token's claim naming its user's team
 
 
+# Every way this stack's args differ from the shipped ones (besides stack.LOCAL_SHAPE);
+# tests/unit/test_stack_shapes.py holds it to that. Its models keep their direct route.
+SHAPE = {
+    "models.minilm": "the demo chat model alone (and its narrow copy)",
+    f"models.{NARROW}": "the narrow copy: one request at a time, a queue of one, its own alias, the ingress' path",
+    "ingress.deployment.num_replicas": "two ingress replicas: limits held across replicas",
+    "quota": "a short key cache, fail_mode open, a 1 s Redis timeout",
+    "redis_url": "the package's persistent Redis",
+    "admin_token": "an admin token of this run",
+    "batch": "1 MiB batch files, 4 MiB per key, 3 active batches, files where tests see them",
+    "store": "2 MiB stored per key",
+    "auth": "the test-run OIDC provider; admin failures under a bound never reached",
+    "telemetry": "traces to the package's OTLP receiver at a sample ratio of 0.5",
+}
+
+
 def app_args(redis_url: str, jwks_url: str | None = None, traces_endpoint: str | None = None) -> dict:
     args = local_app_args(only=[MODEL])
     args["ingress"]["deployment"]["num_replicas"] = 2
@@ -72,6 +88,9 @@ def app_args(redis_url: str, jwks_url: str | None = None, traces_endpoint: str |
         }
     narrow = deepcopy(args["models"][0])
     narrow.update(name=NARROW, aliases=[NARROW_ALIAS], cpus_per_replica=0.5)
+    # The ingress' path: the backpressure tests are about the ingress replicas' queue in
+    # front of a full model (each queues one; the rest are 503 model_overloaded).
+    narrow.pop("direct_route")
     narrow["deployment"] = {**narrow["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
     args["models"].append(narrow)
     return args

@@ -23,6 +23,7 @@ import pytest
 from settled import inference, records, wait_until_settled
 from stack import create_key
 
+from cluster.haproxy_edge import ONE_HOP_BODY_BYTES
 from quota_stack.stack_args import ADMIN, MODEL, STORED_BYTES
 from quota_stack.test_1_batches_e2e import chat_line, jsonl, sdk, upload
 from serve_app.redis_store import redis_names
@@ -304,8 +305,14 @@ def test_the_edge_cuts_off_a_client_trickling_its_headers(base_url):
             break
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert time.monotonic() - started < 15
-    too_long = httpx.get(base_url + "/v1/models?x=" + "a" * 20_000, timeout=30)
-    assert too_long.status_code in (400, 414)
+    # A request line past the edge's buffer (256 KiB with a direct route, as shipped: the
+    # one hop reads a model's name from a body that large) is the edge's refusal.
+    # (Sent by hand: httpx refuses a URL past 64 KiB.)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        query = b"a" * (ONE_HOP_BODY_BYTES + 4096)
+        sock.sendall(b"GET /v1/models?x=" + query + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status_line = sock.makefile("rb").readline()
+    assert status_line.split()[1] in (b"400", b"414"), status_line
 
 
 def test_a_unary_call_of_a_key_revoked_while_it_runs_is_cancelled_within_seconds_charged_its_prompt(

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from dense_prompts import burst, dense, estimate
-from settled import counters, wait_until_settled
+from settled import assert_within_reservations, counters, wait_until_settled
 from stack import create_key, local_app_args
 
 from quota_stack.stack_args import MODEL
@@ -44,7 +44,7 @@ def test_a_keys_daily_budget_holds_against_a_burst_of_emoji(base_url, redis_serv
     key_id, secret = create_key(redis_server.url, f"emoji-{time.monotonic_ns()}", daily_token_budget=budget)
     prompt = dense("emoji", 400, seed=1)
     answered = burst(base_url, [secret], [prompt], max_tokens=100, model=MODEL)
-    wait_until_settled(redis, key_id)
+    assert_within_reservations(wait_until_settled(redis, key_id))
     charged = counters(redis, key_id)
     assert answered, "the budget holds at least one such request"
     assert all(usage.prompt_tokens > estimate(prompt) for usage in answered)  # denser than estimated
@@ -64,8 +64,8 @@ def test_a_teams_token_and_money_budgets_hold_against_both_keys_bursting(base_ur
         ]
         prompts = [dense("emoji", 400, seed=2), dense("cjk", 500, seed=3)]
         answered = burst(base_url, [key["secret"] for key in keys], prompts, max_tokens=100, model=MODEL)
-        for key in keys:
-            wait_until_settled(redis, key["id"])
+        # Per request record, both keys' (one key may have had all its requests refused).
+        assert_within_reservations([record for key in keys for record in wait_until_settled(redis, key["id"])])
         wait_until_settled(redis, team["id"])
         charged = counters(redis, team["id"])
         assert answered
@@ -90,7 +90,7 @@ def test_a_keys_tokens_per_minute_holds_against_every_dense_script(base_url, red
     started = time.monotonic()
     answered = burst(base_url, [secret], prompts, max_tokens=50, model=MODEL)
     took = time.monotonic() - started
-    wait_until_settled(redis, key_id)
+    assert_within_reservations(wait_until_settled(redis, key_id))
     charged = counters(redis, key_id)["tokens"]
     assert answered and charged == sum(u.prompt_tokens + u.completion_tokens for u in answered)
     # What the minute's window lets in: the limit, and what refilled while the burst ran.
@@ -119,7 +119,8 @@ def test_every_route_that_runs_a_prompt_answers_one_denser_than_its_estimate(bas
     message_prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)  # Anthropic's split
     assert message_prompt >= floor
     assert all(usage.prompt_tokens >= floor for usage in prompts_used)
-    wait_until_settled(redis, key_id)
+    found = wait_until_settled(redis, key_id)
+    assert_within_reservations(found)
     charged = counters(redis, key_id)
     assert charged["tokens"] == (
         sum(u.prompt_tokens + u.completion_tokens for u in prompts_used)
@@ -129,7 +130,8 @@ def test_every_route_that_runs_a_prompt_answers_one_denser_than_its_estimate(bas
         + message.usage.output_tokens
     )
     # Every request was charged once: the refused first attempts cost nothing.
-    assert charged["requests"] >= 5
+    assert charged["requests"] == 5, charged
+    assert len([r for r in found if r["status"] == "completed"]) == 5, found
 
 
 def test_the_tokenizer_route_counts_a_dense_prompt_without_refusing_it(base_url, redis_server):
@@ -208,7 +210,7 @@ def test_a_batch_of_dense_lines_never_passes_its_keys_budget(base_url, redis_ser
     if client.batches.retrieve(batch.id).status == "in_progress":
         client.batches.cancel(batch.id)
         wait_for(client, batch.id, lambda b: b.status == "cancelled", timeout_s=120)
-    wait_until_settled(redis, key_id)
+    assert_within_reservations(wait_until_settled(redis, key_id))
     charged = counters(redis, key_id)
     ran = client.batches.retrieve(batch.id).request_counts.completed
     assert 1 <= ran < len(lines), ran  # some lines fit, not all: the budget decided
@@ -225,7 +227,7 @@ def test_a_resized_request_counts_once_so_a_key_of_one_request_a_minute_can_send
         model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2
     ).usage
     assert usage.prompt_tokens > estimate(prompt)  # it was resized
-    wait_until_settled(redis, key_id)
+    assert_within_reservations(wait_until_settled(redis, key_id))
     charged = counters(redis, key_id)
     assert charged["requests"] == 1 and charged.get("refused", 0) == 0, charged
     assert charged["tokens"] == usage.total_tokens

@@ -6,17 +6,20 @@ team, an identity token of the stack's OIDC provider, and the admin token (on a
 ``console`` route, the admin's console session). What each access promises:
 
 - ``probe``: answers anyone (never a 401 or a 5xx);
-- ``key``: 401 without a credential and for the admin token (it is no key); a key and an
-  identity token get past authentication (never a 401 or a 5xx); a disabled team's key
-  is answered nothing (never a 2xx);
+- ``key``: 401 without a credential and for the admin token (it is no key), 401
+  ``team_disabled`` for a key of a disabled team; a key gets the route's answer to a
+  valid request (tests/route_requests.py: valid bodies, ids the key owns), an identity
+  token the same (another caller's ids: 404; a batch: 403, it needs an API key). Each
+  is asserted exactly, status and error, so a route that skips one check fails;
 - ``admin``: 401 for every credential but the admin's, which gets past it;
 - ``console``: without the admin's session, no console (the login form, or a redirect to
   it, and no session cookie); with it, the console.
 
 A route added to the table is called here with no change to this module, so a route whose
-check is missing fails it; a handler that skips its check is refused by its guard (a
-500 here, never data). Path parameters name nothing that exists (and bodies are empty), so
-no call changes a thing; each call's status is all that is asserted.
+check is missing fails it (a ``key`` route needs its valid request in
+tests/route_requests.py); a handler that skips its check is refused by its guard (a
+500 here, never data). The other routes' path parameters name nothing that exists and
+their bodies are empty: their refusals come before either is read.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 
 import httpx
 import pytest
+from route_requests import Owned, key_route_requests
 from stack import create_key, create_key_of_disabled_team, wait_until_ready
 
 from quota_stack.stack_args import ADMIN, MODEL
@@ -34,6 +38,23 @@ from serve_app.http.ingress import ROUTE_ACCESS
 pytestmark = pytest.mark.e2e
 
 CREDENTIALS = ("none", "key", "disabled_team_key", "identity_token", "admin")
+# What a key's valid request is answered, where it is not 200: the stack's one model is a
+# chat model, so a pooling route's request is refused past authentication, naming it.
+# Azure AI model inference's routes answer 422 (its code for an unusable parameter).
+KEY_ANSWERS: dict[tuple[str, str], int] = {
+    ("POST", "/embeddings"): 422,
+    ("POST", "/models/embeddings"): 422,
+    ("POST", "/v1/embeddings"): 400,
+    ("POST", "/v3/embeddings"): 400,
+    ("POST", "/serving-endpoints/embeddings"): 400,
+    ("POST", "/score"): 400,
+    ("POST", "/v1/score"): 400,
+    ("POST", "/rerank"): 400,
+    ("POST", "/v1/rerank"): 400,
+    ("POST", "/v2/rerank"): 400,
+}
+# Routes whose path names the caller's own file, batch or stored response.
+OWNED = ("{file_id}", "{batch_id}", "{response_id}")
 _PARAM = re.compile(r"\{(\w+)(?::path)?\}")
 
 
@@ -81,12 +102,14 @@ def call(base_url: str, method: str, path: str, secret: str | None, cookies: dic
 
 def test_every_route_declares_an_access_this_module_knows():
     assert set(ROUTE_ACCESS.values()) <= {"probe", "key", "admin", "console"}
+    key_routes = {route for route, access in ROUTE_ACCESS.items() if access == "key"}
+    assert set(key_route_requests(MODEL, Owned("", "", MODEL))) == key_routes  # each has its valid request
 
 
 @pytest.mark.parametrize("credential", CREDENTIALS)
 @pytest.mark.parametrize("method, path", sorted(ROUTE_ACCESS))
 def test_each_route_answers_each_credential_as_its_access_declares(
-    base_url, secrets, console_session, method, path, credential
+    base_url, redis_server, jwks, secrets, console_session, method, path, credential
 ):
     access = ROUTE_ACCESS[(method, path)]
     if access == "console":
@@ -103,16 +126,46 @@ def test_each_route_answers_each_credential_as_its_access_declares(
             if method == "POST" and path != "/console/login":  # a form acts on nothing: back to the login form
                 assert response.status_code == 303 and response.headers["location"] == "/console"
         return
+    if access == "key":
+        return answers_as_a_key_route(base_url, redis_server, jwks, secrets, method, path, credential)
     response = call(base_url, method, path, secrets[credential])
     status = response.status_code
     # A readiness probe says 503 "starting" while a model has no replica that answered
     # (a replica restarting under the suite's load, at the moment it asks): its answer, not a failure.
     not_ready = access == "probe" and status == 503 and response.json().get("status") == "starting"
     assert status < 500 or not_ready, f"{credential}: {response.text}"
-    allowed = {"probe": set(CREDENTIALS), "key": {"key", "identity_token"}, "admin": {"admin"}}[access]
-    if credential in allowed:
+    if access == "probe" or credential == "admin":
         assert status != 401, f"{credential} refused: {response.text}"
-    elif access == "key" and credential == "disabled_team_key":
-        assert status >= 400, f"a disabled team's key was answered {status}: {response.text}"
     else:
         assert status == 401, f"{credential} answered {status}: {response.text}"
+
+
+def error_of(response: httpx.Response) -> dict:
+    """The error of an answer in any route's envelope (OpenAI's, Anthropic's, a dialect's)."""
+    body = response.json()
+    error = body.get("error", body)
+    return error if isinstance(error, dict) else {"message": str(error)}
+
+
+def answers_as_a_key_route(base_url, redis_server, jwks, secrets, method, path, credential) -> None:
+    """One ``key`` route's valid request with ``credential``, asserted exactly. A key and an
+    identity token are new for the call (each has room under its limits; the key owns the
+    ids its path names); the identity token is sent the key's ids."""
+    tag = f"{time.monotonic_ns()}"
+    owner = create_key(redis_server.url, f"access-owner-{tag}")[1]
+    request = key_route_requests(MODEL, Owned(base_url, owner, MODEL))[(method, path)]()
+    secret = {"key": owner, "identity_token": jwks.token("k1", sub=f"access-{tag}@example.com")}.get(
+        credential, secrets[credential]
+    )
+    response = request.send(base_url, {"authorization": f"Bearer {secret}"} if secret else {})
+    status, where = response.status_code, f"{method} {path} with {credential}: {response.text[:300]}"
+    if credential in ("none", "admin"):
+        assert status == 401, where
+    elif credential == "disabled_team_key":
+        assert status == 401 and "team" in error_of(response)["message"] and "disabled" in response.text, where
+    elif credential == "identity_token" and any(part in path for part in OWNED):
+        assert status == 404, where  # the key's, not the token's user's
+    elif credential == "identity_token" and (method, path) == ("POST", "/v1/batches"):
+        assert status == 403 and error_of(response)["code"] == "batch_needs_api_key", where
+    else:
+        assert status == KEY_ANSWERS.get((method, path), 200), where

@@ -1,7 +1,8 @@
 """One stack for every module of this package (package scope: started once,
 stopped after the package's last test, before any other module starts its
-own): a real Redis Cluster, Ray Serve with configs/local.yaml's models (and the demo
-cross-encoder) and an admin token, an unlimited key, and clients. The modules here only add keys and send
+own): a real Redis Cluster, Ray Serve with configs/local.yaml's models as
+shipped, direct routes on (and the demo cross-encoder: stack_args.py), an admin
+token, an unlimited key, and clients. The modules here only add keys and send
 requests (a fault they cause, they wait out), so they can share it; a module
 that needs another shape belongs in tests/e2e/ with its own fixtures.
 
@@ -18,9 +19,9 @@ import pytest
 from otlp_receiver import running_otlp_receiver
 from ports import free_port
 from redis_server import running_redis_cluster, sync_client
-from stack import create_key, local_app_args, serve_stack, wait_until_ready
+from stack import create_key, serve_stack, wait_until_ready
 
-from shared_stack.stack_models import RERANKER
+from shared_stack.stack_args import app_args
 
 ADMIN_TOKEN = "admin-" + uuid.uuid4().hex
 READY_TIMEOUT_S = 300
@@ -57,16 +58,7 @@ def otlp():
 
 @pytest.fixture(scope="package")
 def stack_args(redis_server, otlp):
-    args = {**local_app_args(), "redis_url": redis_server.url, "admin_token": ADMIN_TOKEN}
-    # Traces on, sampled only where a client asks (its traceparent's sampled flag):
-    # the other modules' requests take the unsampled path, as most would in production.
-    args["telemetry"] = {**args.get("telemetry", {}), "tracing": {"endpoint": otlp.endpoint, "sample_ratio": 0.0}}
-    args["models"].append(RERANKER)
-    # This stack's modules (the fuzz of every route, the security probes) send hundreds of
-    # wrong admin credentials from one client: each is counted, as a real one would be,
-    # under a bound they never reach. The bound itself: tests/integration/test_quota_hardening.py.
-    args["auth"] = {**args.get("auth", {}), "admin_failures_per_minute": 100_000}
-    return args
+    return app_args(redis_server.url, ADMIN_TOKEN, otlp.endpoint)
 
 
 @pytest.fixture(scope="package")
