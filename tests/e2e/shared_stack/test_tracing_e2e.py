@@ -191,6 +191,7 @@ def test_without_a_traceparent_nothing_is_sampled_at_ratio_zero(http, otlp):
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         headers={"traceparent": traceparent},
     )
-    otlp.wait_for(trace_id, {"POST /v1/chat/completions", "replica chat"})
-    time.sleep(1)
+    # The marker: every process on the path exports its spans in the order they ended,
+    # so once the later request's spans are in, the earlier one's would be.
+    otlp.wait_for(trace_id, {"POST /v1/chat/completions", "replica chat", "llm_request"})
     assert not otlp.trace(unsampled.split("-")[1])
