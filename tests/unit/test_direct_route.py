@@ -113,6 +113,16 @@ class SlowReplica(Replica):
             raise
 
 
+async def reading_a_unary_call(replica):
+    """A unary call on ``replica`` and the task reading its one item, once it waits in the replica."""
+    response = InProcessReplica(replica).call_streamed.remote("chat", {})
+    reading = asyncio.ensure_future(only_item(response))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not reading.done()
+    return response, reading
+
+
 def test_a_unary_call_cancelled_while_it_runs_ends_with_serves_cancel_error_and_ends_the_replicas_call():
     """A key revoked while its unary call runs (Gateway._call_unary's on_revoke): the
     in-process call ends as a Serve call does, with RequestCancelledError, which the
@@ -122,11 +132,7 @@ def test_a_unary_call_cancelled_while_it_runs_ends_with_serves_cancel_error_and_
     replica = SlowReplica()
 
     async def run():
-        response = InProcessReplica(replica).call_streamed.remote("chat", {})
-        reading = asyncio.ensure_future(only_item(response))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert not reading.done()
+        response, reading = await reading_a_unary_call(replica)
         response.cancel()
         with pytest.raises(RequestCancelledError):
             await asyncio.wait_for(reading, 5)
@@ -140,10 +146,7 @@ def test_a_unary_call_whose_request_is_cancelled_is_cancelled_not_refused():
     replica = SlowReplica()
 
     async def run():
-        response = InProcessReplica(replica).call_streamed.remote("chat", {})
-        reading = asyncio.ensure_future(only_item(response))
-        for _ in range(3):
-            await asyncio.sleep(0)
+        _, reading = await reading_a_unary_call(replica)
         reading.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reading

@@ -253,6 +253,14 @@ def test_a_built_manifest_with_an_unknown_field_is_refused(file, tmp_path, rayse
 # A kustomization with every feature cluster/kustomize.py implements: a base in another
 # directory (kustomization.yml), multi-document files with an empty document, kinds of
 # kustomize's fixed order and others, namespaced and not, two generators.
+def manifests(rows: list[tuple[str, str, str, str]]) -> str:
+    """A YAML stream of one bare manifest per (apiVersion, kind, namespace or "", name)."""
+    return "\n---\n".join(
+        f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: {name}{', namespace: ' + ns if ns else ''}}}"
+        for api, kind, ns, name in rows
+    )
+
+
 FEATURES = {
     "app/kustomization.yaml": """
 resources:
@@ -266,9 +274,8 @@ generatorOptions:
 """,
     "app/files/a.conf": "no newline at the end",
     "app/files/b.txt": "two\nlines\n",
-    "app/web.yaml": "\n---\n".join(
-        f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: {name}{', namespace: ' + ns if ns else ''}}}"
-        for api, kind, ns, name in [
+    "app/web.yaml": manifests(
+        [
             ("apps/v1", "Deployment", "apps", "web"),
             ("v1", "Service", "apps", "web"),
             ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration", "", "check"),
@@ -290,9 +297,8 @@ configMapGenerator:
       labels: {tier: base}
 generatorOptions: {disableNameSuffixHash: true}
 """,
-    "base/things.yaml": "\n---\n".join(
-        f"apiVersion: {api}\nkind: {kind}\nmetadata: {{name: {name}{', namespace: ' + ns if ns else ''}}}"
-        for api, kind, ns, name in [
+    "base/things.yaml": manifests(
+        [
             ("rbac.authorization.k8s.io/v1", "ClusterRole", "", "reader"),
             ("rbac.authorization.k8s.io/v1", "Role", "apps", "reader"),
             ("v1", "ServiceAccount", "apps", "runner"),
