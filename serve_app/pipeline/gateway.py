@@ -158,12 +158,17 @@ class Gateway:
         (a replica's answer, relayed or whole), which settles what ran.
         ``once_admitted`` completes ``body`` between the last two (a Responses
         follow-up's stored conversation, priced in ``raw_size``): work a refused
-        request never costs. Such a request never starts before its admission.
+        request never costs. Such a request never starts before its admission, nor
+        does one admitted again at its prompt's real size.
         ``session`` (the client's session header): the model's request router keeps
         one session's requests on one replica while its load allows."""
         plan = await self._isolate(key, self._plan(key, operation, body, raw_size, record, background, session))
         for resizes in range(PROMPT_RESIZES + 1):
-            ticket, early = await self._admit(key, plan, record, may_start_early=once_admitted is None)
+            # A resized prompt is known to be denser than its estimate: it waits for its
+            # admission, so the engine never prefills it for a request Redis may refuse
+            # (and a request starts early at most once).
+            may_start_early = once_admitted is None and resizes == 0
+            ticket, early = await self._admit(key, plan, record, may_start_early=may_start_early)
             if once_admitted is not None:
                 try:
                     await once_admitted()

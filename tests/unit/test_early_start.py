@@ -15,7 +15,7 @@ import pytest
 from cache_secret import salts
 
 from contract.model_config import ModelConfig
-from contract.replica_wire import StreamStart
+from contract.replica_wire import ReplicaError, StreamStart
 from serve_app.admission.scripts import Refusal
 from serve_app.admission.ticket import Ticket
 from serve_app.errors import OpenAIError
@@ -69,12 +69,18 @@ class Access:
     def running(self, ticket, replica=""):
         pass
 
+    async def withdraw(self, ticket):
+        ticket.settled = True
+        self.settled.append("withdrawn")
+
 
 class Chunks:
-    """The replica's stream; records when the engine was asked and whether the call was cancelled."""
+    """The replica's stream; records when the engine was asked and whether the call was
+    cancelled. ``over``: the prompt renders past its allowance, refused as the real replica
+    refuses it (nothing ran)."""
 
-    def __init__(self, access, body):
-        self.access, self.body = access, body
+    def __init__(self, access, body, over=False):
+        self.access, self.body, self.over = access, body, over
         self.cancelled = False
         access.events.append("engine started")
 
@@ -82,6 +88,8 @@ class Chunks:
         return None
 
     async def __anext__(self):
+        if self.over:
+            return ReplicaError(409, {"message": "over", "code": "prompt_over_allowance", "prompt_tokens": 900}, "r1")
         return StreamStart("r1", 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n')
 
     def __aiter__(self):
@@ -94,13 +102,14 @@ class Chunks:
         self.cancelled = True
 
 
-def gateway(access, fair_share=False, busy=True, when_idle=False):
+def gateway(access, fair_share=False, busy=True, when_idle=False, dense=False):
     """A gateway in front of the faked replica; ``busy``: another request of the model
-    is in flight; ``when_idle``: streams start early on an idle model too."""
+    is in flight; ``when_idle``: streams start early on an idle model too; ``dense``:
+    the prompt renders to 900 tokens, past any allowance under that."""
     sent = []
 
     def remote(operation, body, trace=None, prompt_allowance=None):
-        sent.append(Chunks(access, body))
+        sent.append(Chunks(access, body, over=dense and prompt_allowance < 900))
         return sent[-1]
 
     handle = SimpleNamespace(options=lambda **_: SimpleNamespace(stream=SimpleNamespace(remote=remote)))
@@ -255,3 +264,20 @@ async def test_a_replica_whose_loop_is_far_behind_refuses_new_requests_before_an
     assert (caught.value.status, caught.value.code) == (503, "gateway_overloaded")
     assert caught.value.headers["retry-after"] == "1"
     assert access.events == [] and not sent and access.settled == []
+
+
+async def test_a_prompt_over_its_estimate_started_early_waits_for_its_admission_at_its_real_size():
+    """Started early at its estimate, refused by the replica for its real size: admitted
+    again, it reaches the engine only once Redis admits it (a request starts early once)."""
+    access = Access()
+    gw, sent = gateway(access, dense=True)
+    access.decision.set_result(None)
+    reply = await gw.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x"))
+    assert "".join([item async for item in reply.stream]).endswith("data: [DONE]\n\n")
+    assert access.events == ["engine started", "admission asked", "admitted"] + [
+        "admission asked",
+        "admitted",
+        "engine started",
+    ]
+    assert access.settled == ["withdrawn", "completed"]
+    assert gw.telemetry.early_counts == {"admitted": 1, "withdrawn": 0}
