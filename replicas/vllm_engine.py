@@ -18,7 +18,7 @@ from contract.model_config import ModelConfig
 from contract.replica_wire import REPLICA_OPERATIONS
 from replicas.kv_events import EventSocket
 from replicas.openai_json import is_error
-from replicas.prompt_allowance import enforce_on, uncounted
+from replicas.prompt_allowance import enforce_on, guard_the_door, uncounted
 from replicas.sources import resolve_source
 
 if TYPE_CHECKING:  # vLLM is imported when an engine starts, not with this module (the gateway imports it)
@@ -146,7 +146,9 @@ async def start_vllm(config: ModelConfig) -> EngineBinding:
     # (replicas/prompt_allowance.py): the gateway's reservation bounds it.
     from vllm.renderers.inputs.preprocess import extract_prompt_len
 
-    enforce_on(engine.renderer, functools.partial(extract_prompt_len, vllm_config.model_config))
+    prompt_length = functools.partial(extract_prompt_len, vllm_config.model_config)
+    enforce_on(engine.renderer, prompt_length)
+    guard_the_door(engine, prompt_length)
     return EngineBinding(
         engine=engine,
         load=load,

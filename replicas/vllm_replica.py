@@ -123,7 +123,9 @@ class VLLMReplica:
         ``span``: the call's (vLLM's engine span joins it). ``prompt_allowance``: the
         prompt tokens the gateway reserved for it (replicas/prompt_allowance.py); a
         request whose prompts come to more never reaches the engine."""
-        with allowing(prompt_allowance) as allowance:
+        # Pooling renders its prompts one by one on parallel threads: they are counted
+        # whole and refused at the engine's door, so the count reported is the request's.
+        with allowing(prompt_allowance, whole=operation in POOLING_OPERATIONS) as allowance:
             result = await self._answer(operation, body, adapter, span)
         if allowance is not None and allowance.exceeded:
             if not isinstance(result, ReplicaError) and not is_error(result):
@@ -438,6 +440,7 @@ class _LoadedAdapter:
         self._loop.call_soon_threadsafe(remove)
 
 
+POOLING_OPERATIONS = frozenset({"embeddings", "score", "rerank"})
 CARD_OPERATIONS = frozenset({"chat", "completions", "responses", "messages", "embeddings", "score", "rerank"})
 
 # What each operation is called in messages to clients.

@@ -107,7 +107,8 @@ class QuotaConfig(BaseModel):
         "admitted with room to spare "
         "starts in the engine while its admission is in Redis (nothing is sent before Redis admits it; a "
         "refusal aborts it): the Redis round trip leaves the time to first token. Bounded per key by the room "
-        "Redis last reported (serve_app/admission/overlap.py). false: every request waits for its admission first.",
+        "Redis last reported (serve_app/admission/overlap.py); a prompt admitted again at its real size (denser "
+        "than its estimate) always waits for its admission. false: every request waits for its admission first.",
     )
     overlap_admission_when_idle: bool = Field(
         True,

@@ -10,6 +10,8 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import openai
 
@@ -38,37 +40,45 @@ def estimate(prompt: str) -> int:
 BURST_TIMEOUT_S = 300  # what a burst's clients get, all together, to be answered
 
 
+def chat(model: str, max_tokens: int, stream: bool = False) -> Callable[[openai.OpenAI, Any], Any]:
+    """A sender for ``burst``: one chat of the prompt, its usage."""
+
+    def send(client: openai.OpenAI, prompt: Any):
+        messages = [{"role": "user", "content": prompt}]
+        if stream:
+            options = {"include_usage": True}
+            chunks = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, stream=True, stream_options=options
+            )
+            return [chunk.usage for chunk in chunks if chunk.usage][-1]
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens).usage
+
+    return send
+
+
 def burst(
     base_url: str,
     secrets: list[str],
-    prompts: list[str],
-    max_tokens: int,
-    model: str,
+    prompts: list,
+    max_tokens: int = 0,
+    model: str = "",
     stream: bool = False,
     clients: int = CLIENTS,
+    send: Callable[[openai.OpenAI, Any], Any] | None = None,
 ) -> list:
-    """``clients`` chats sent at once (client i with secrets[i % len] and prompts[i % len]);
-    the usage of each one answered. A 429 (the limit under test refusing) is left out;
+    """``clients`` requests sent at once (client i with secrets[i % len] and prompts[i % len]):
+    chats of ``model`` by default, else what ``send(client, prompt)`` sends; the usage of
+    each one answered. A 429 (the limit under test refusing) is left out;
     any other outcome fails the caller: a 5xx, a 4xx that is not a 429, a timeout, a
     connection error, a stream without usage, or a client still waiting at the bound."""
     answered, failed, lock, go = [], [], threading.Lock(), threading.Barrier(clients)
+    send = send or chat(model, max_tokens, stream)
 
     def one(i: int) -> None:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key=secrets[i % len(secrets)], max_retries=0, timeout=180)
-        messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
         try:
             go.wait(timeout=60)
-            if stream:
-                chunks = client.chat.completions.create(
-                    model=model,
-                    messages=messages,
-                    max_tokens=max_tokens,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                usage = [chunk.usage for chunk in chunks if chunk.usage][-1]
-            else:
-                usage = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens).usage
+            usage = send(client, prompts[i % len(prompts)])
             assert usage is not None, "an answer without usage"
         except openai.RateLimitError:
             return
