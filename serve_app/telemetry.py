@@ -258,6 +258,7 @@ class Telemetry:
             )
         )
         self.early_counts: dict[str, int] = {"admitted": 0, "withdrawn": 0}  # the same, this process
+        self.resize_count = 0  # prompts the replica rendered past their reservation, this process
         self.prompt_resizes = Counter(
             "llm_gateway_prompt_resizes",
             "Requests admitted again because their prompt rendered to more tokens "
@@ -461,6 +462,7 @@ class Telemetry:
     def prompt_resized(self, model: str) -> None:
         """A request of ``model`` is admitted again at its prompt's real size."""
         self.prompt_resizes.inc(tags={"model": model})
+        self.resize_count += 1
 
     def in_flight_count(self, model: str) -> int:
         """Requests of ``model`` admitted here and not finished."""

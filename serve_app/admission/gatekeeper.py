@@ -135,12 +135,15 @@ class Gatekeeper:
         http_request_id: str = "",
         request_id: str | None = None,
         reserve_nanos: int = 0,
+        request_paid: bool = False,
     ) -> Ticket | Refusal:
         """A ``Ticket`` to run, or the ``Refusal`` of a limit of the key or of its team
         (rendered by the caller). A quota store that cannot decide raises its 503.
         ``request_id``: the id the request was already sent to the engine under (an
         overlapped admission); a new one otherwise. ``reserve_nanos``: the cost of
-        the reservation, held against the money budgets."""
+        the reservation, held against the money budgets. ``request_paid``: admitted
+        again at its prompt's real size, its requests/min charged by its first
+        admission at every level (``withdraw(keep_request=True)``)."""
         if self.records is not None and self.records.backlogged:
             raise records_backlog()  # back-pressure: the sink is down, Redis holds its bound of records
         # Sent to the engine already (an overlapped admission): it may have run.
@@ -169,6 +172,7 @@ class Gatekeeper:
                         http_request_id if level is key else "",
                         reserve_nanos,
                         team.id if team is not None and level is key else "",
+                        request_paid,
                     )
                 )
                 if not decisions[-1].admitted:
@@ -238,11 +242,13 @@ class Gatekeeper:
             self._spawn(self.token_users.seen(key, team.id if team else None, self.admission.pipeline.command))
         return ticket
 
-    async def withdraw(self, ticket: Ticket) -> None:
+    async def withdraw(self, ticket: Ticket, keep_request: bool = False) -> None:
         """Take a ticket's admission back as if it never happened, at every level: its
         request ran nothing and is admitted again (a prompt the replica counted larger
-        than its reservation: serve_app/pipeline/gateway.py), so neither its request of
-        requests/min nor its reservation may count twice. Not a refusal either. A ticket
+        than its reservation: serve_app/pipeline/gateway.py), so its reservation does
+        not count twice. Not a refusal either. ``keep_request``: its request of
+        requests/min stays charged, once (the replica rendered it: a render is a
+        request, whether or not it is admitted again). A ticket
         admitted without Redis is settled as withdrawn instead (its local share; its
         record a tombstone that is never shipped: settle.lua)."""
         if ticket.settled:
@@ -256,14 +262,16 @@ class Gatekeeper:
         if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
             self.overlap.ended(ticket.key.id)
         for level in ticket.levels():
-            await self._release(level, ticket.request_id, ticket.model, "")
+            await self._release(level, ticket.request_id, ticket.model, "", keep_request)
 
-    async def _release(self, level: KeyRecord, request_id: str, model: str, refused_by: str) -> None:
+    async def _release(
+        self, level: KeyRecord, request_id: str, model: str, refused_by: str, keep_request: bool = False
+    ) -> None:
         """Take back a level's admission of a request another level refused or that is
         admitted again. If Redis does not take it now, it is settled as withdrawn later
         (its reservation given back; its request stays counted; a tombstone record)."""
         try:
-            await self.admission.release(level, request_id, refused_by)
+            await self.admission.release(level, request_id, refused_by, keep_request)
         except REDIS_FAILED:
             self.telemetry.redis_failed("admit")
             self._settle_later(level, request_id, model, "withdrawn", 0, 0)

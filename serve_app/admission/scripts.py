@@ -202,12 +202,14 @@ class Admission:
         http_request_id: str = "",
         reserve_nanos: int = 0,
         team_id: str = "",
+        request_paid: bool = False,
     ) -> Decision:
         """One EVALSHA. ``http_request_id`` is stored in the record when indexable
         (``index_http_id`` writes its lookup key, off the request path);
         ``reserve_nanos``: the request's reserved cost, for the money budgets;
         ``team_id``: the team the key's request is charged to (kept in its record: the
-        usage API reports it there, wherever the key moves later)."""
+        usage API reports it there, wherever the key moves later); ``request_paid``:
+        admitted again once rendered, its requests/min already charged (``release``)."""
         keys = redis_names.admission_keys(key.id, request_id)
         args = [
             request_id,
@@ -228,6 +230,7 @@ class Admission:
             str(int(reserve_nanos)),
             "1" if redis_names.has_stored_limits(key.id) else "0",
             team_id,
+            "1" if request_paid else "0",
         ]
         reply = await self.pipeline.call(self._admit, keys, args)
         admitted, kind, retry, rr, rs, kr, ks, detail = reply[:8]
@@ -236,13 +239,14 @@ class Admission:
             bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail), applied
         )
 
-    async def release(self, key: KeyRecord, request_id: str, refused_by: str) -> bool:
+    async def release(self, key: KeyRecord, request_id: str, refused_by: str, keep_request: bool = False) -> bool:
         """Undo ``request_id``'s admission at ``key``'s level (another level refused
-        it: ``refused_by`` names that level's limit, e.g. ``team_requests``)."""
+        it: ``refused_by`` names that level's limit, e.g. ``team_requests``).
+        ``keep_request``: its requests/min stays charged (its prompt was rendered)."""
         reply = await self.pipeline.call(
             self._release,
             redis_names.admission_keys(key.id, request_id),
-            [request_id, key.requests_per_minute, key.tokens_per_minute, refused_by],
+            [request_id, key.requests_per_minute, key.tokens_per_minute, refused_by, "1" if keep_request else ""],
         )
         return bool(reply)
 

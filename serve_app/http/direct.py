@@ -230,6 +230,11 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[n
         returned, by outcome (also the ``llm_gateway_early_starts`` metric)."""
         return dict(self.telemetry.early_counts)
 
+    def prompts_resized(self) -> int:
+        """Prompts the replica rendered past their reservation for this replica's gateway
+        (each admitted again at its real size: also ``llm_gateway_prompt_resizes_total``)."""
+        return self.telemetry.resize_count
+
     def answered(self) -> dict[str, int]:
         """The requests this replica's gateway answered over HTTP (from /direct/<model>, or
         from /v1 through the edge's one hop), by route, since it started."""

@@ -303,6 +303,7 @@ class Gateway:
                 record.request_id,
                 request_id=early.request_id if early else None,
                 reserve_nanos=reservation_nanos(rates, *reserved),
+                request_paid=plan.rendered,
             )
         except BaseException:
             if early is not None:
@@ -501,11 +502,12 @@ class Gateway:
     async def _replica_refused(self, ticket: Ticket, refused: ReplicaError) -> Exception:
         """Settle a request the replica refused before running it; the exception to raise.
         A prompt larger than its reservation is not the client's error: its admission is
-        withdrawn (nothing of it counts, its request of requests/min included) and ``run``
-        admits it again at the size the replica counted."""
+        withdrawn (its reservation and record; its request of requests/min stays charged,
+        since the replica rendered it) and ``run`` admits it again at the size the replica
+        counted, not charging requests/min again."""
         prompt_tokens = refused.prompt_over_allowance
         if prompt_tokens is not None:
-            await self.access.withdraw(ticket)
+            await self.access.withdraw(ticket, keep_request=True)  # a render is a request
             return _PromptOverReservation(prompt_tokens)
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
@@ -641,10 +643,12 @@ class _Plan:
     client_salt: str | None = None  # the client's own cache_salt (it divides its tenant's cache)
     cache_key: str | None = None  # OpenAI's prompt_cache_key: a routing hint within the tenant
     session: str | None = None  # the client's session header
+    rendered: bool = False  # the replica rendered it once: its request of requests/min is paid
 
     def resized(self, prompt_tokens: int) -> _Plan:
-        """The same request, its prompt reserved as the replica counted it."""
-        return dataclasses.replace(self, reservation=self.reservation.resized(prompt_tokens))
+        """The same request, its prompt reserved as the replica counted it; its
+        requests/min paid by the admission under which the replica rendered it."""
+        return dataclasses.replace(self, reservation=self.reservation.resized(prompt_tokens), rendered=True)
 
 
 class _EarlyStart:

@@ -190,22 +190,58 @@ async def test_a_refund_uses_the_tokens_per_minute_its_request_was_admitted_unde
     assert second.admitted and 6000 - 100 * 10 - 1 <= second.tokens_remaining <= 6000 - 100 * 10 + 10, second
 
 
-async def test_an_admission_withdrawn_to_be_made_again_leaves_nothing_counted(redis):
+def day_usage(usage: dict[str, int], field: str) -> int:
+    return next((value for name, value in usage.items() if name.endswith(f":{field}") and name.count(":") == 2), 0)
+
+
+async def test_an_admission_withdrawn_to_be_made_again_counts_its_request_once(redis):
     """A request whose prompt the replica counted larger than reserved is admitted again:
-    its first admission is taken back whole, and not counted as a refusal either, so a
-    key with one request a minute can still send it."""
+    its first admission's reservation is taken back, and not counted as a refusal
+    either; its request of requests/min stays (the replica rendered it) and is not
+    charged again, so a key with one request a minute can still send it."""
     adm = admission(redis)
     k = key(requests_per_minute=1, tokens_per_minute=1000, daily_token_budget=1000)
     rid, first = await admit(adm, k, tokens=300)
     assert first.admitted
-    assert await adm.release(k, rid, "")
-    rid, again = await admit(adm, k, tokens=900)
+    assert await adm.release(k, rid, "", keep_request=True)
+    rid = f"req-{next(_ids)}"
+    again = await adm.admit(k, rid, "m", 900, request_paid=True)
     assert again.admitted, again
     usage = {name.decode(): int(value) for name, value in (await redis.hgetall(redis_names.usage(k.id))).items()}
-    day = next(name for name in usage if name.endswith(":requests") and name.count(":") == 2)
-    assert usage[day] == 1 and usage[day.replace("requests", "tokens")] == 900
+    assert day_usage(usage, "requests") == 1 and day_usage(usage, "tokens") == 900
     assert not any(name.endswith(":refused") for name in usage) and not await redis.hgetall(redis_names.refusals(k.id))
     await adm.settle(k, rid, "completed", prompt_tokens=850, completion_tokens=10)
+    assert (await admit(adm, k))[1].kind == "requests"  # the minute's one request was the rendered one
+
+
+async def test_a_render_is_a_request_even_when_its_second_admission_is_refused(redis):
+    """Admitted at its estimate, rendered by the replica, then refused at its real size
+    (here: past the day's budget): its request of requests/min stays charged and it
+    counts as a refusal, not a request. So a key of 3 requests/min makes the replica
+    render at most 3 prompts a minute, however its second admissions end."""
+    adm = admission(redis)
+    k = key(requests_per_minute=3, daily_token_budget=500)
+    renders = 0
+    for _ in range(10):
+        rid, first = await admit(adm, k, tokens=100)
+        if not first.admitted:
+            assert first.kind == "requests"
+            continue
+        renders += 1  # the replica renders it: 900 tokens
+        assert await adm.release(k, rid, "", keep_request=True)
+        again = await adm.admit(k, f"req-{next(_ids)}", "m", 900, request_paid=True)
+        assert not again.admitted and again.kind == "daily_budget" and again.retry_ms == -1
+    assert renders == 3
+    usage = {name.decode(): int(value) for name, value in (await redis.hgetall(redis_names.usage(k.id))).items()}
+    assert day_usage(usage, "requests") == 0 and day_usage(usage, "tokens") == 0
+    assert day_usage(usage, "refused") == 3 + 7  # three at their real size, seven by requests/min
+
+
+async def test_a_withdrawal_that_keeps_no_request_gives_requests_per_minute_back(redis):
+    adm, k = admission(redis), key(requests_per_minute=1)
+    rid, first = await admit(adm, k)
+    assert first.admitted and await adm.release(k, rid, "")
+    assert (await admit(adm, k))[1].admitted
 
 
 async def test_monthly_budget(redis):

@@ -51,7 +51,7 @@ class Access:
     def may_start_before_admission(self, key, tokens):
         return self.may_start_early
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0):
+    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
         self.events.append("admission asked")
         refused = await self.decision  # a limit's kind, or None
         if refused is not None:
@@ -69,7 +69,7 @@ class Access:
     def running(self, ticket, replica=""):
         pass
 
-    async def withdraw(self, ticket):
+    async def withdraw(self, ticket, keep_request=False):
         ticket.settled = True
         self.settled.append("withdrawn")
 

@@ -43,7 +43,7 @@ class Access:
     def overloaded(self):
         return False
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0):
+    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
         ticket = Ticket(key, request_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
         self.admitted.append(ticket)
         return ticket
@@ -55,7 +55,7 @@ class Access:
             ticket.on_settle()
         self.settled.append((status, usage))
 
-    async def withdraw(self, ticket):
+    async def withdraw(self, ticket, keep_request=False):
         self.settle(ticket, "withdrawn")  # its admission taken back: nothing of it counts
 
 
@@ -499,9 +499,9 @@ class SizingAccess(Access):
         super().__init__()
         self.reserved = []
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0):
+    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
         self.reserved.append(tokens)
-        return await super().admit(key, model, tokens, http_request_id, request_id, reserve_nanos)
+        return await super().admit(key, model, tokens, http_request_id, request_id, reserve_nanos, request_paid)
 
 
 def sizing_gateway(replica: CountingReplica):

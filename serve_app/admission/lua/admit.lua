@@ -12,7 +12,10 @@
 --       in nano-dollars, sent as integer strings), 17 '1' when the account's limits are its
 --       stored record's (KEYS[7]: an API key, a team), '0' when ARGV's are the only ones
 --       (an identity-token user's, from the gateway's configuration), 18 the key's team
---       ('' for none, and at a team's own level), kept in the record for the usage counters
+--       ('' for none, and at a team's own level), kept in the record for the usage counters,
+--       19 '1' when the request's requests/min is already paid: admitted again at its prompt's
+--       real size after the replica rendered it (release.lua kept its first admission's
+--       cost), so it is neither checked nor charged again, and it is never given back
 -- A stored account is admitted under its record as it is in Redis now, not the limits
 -- the calling replica cached (ARGV 3-7, 14-15 stand in for a record that has none):
 -- a limit lowered or raised applies to the next admission on every replica, and a key
@@ -159,7 +162,9 @@ if prior then
 end
 if revoked then return {0, 'revoked', -1, -1, 0, -1, 0, ''} end
 
-local r = gcra(KEYS[1], rpm, 1)
+-- A render is a request: one admitted again once rendered paid its requests/min then.
+local request_paid = ARGV[19] == '1'
+local r = gcra(KEYS[1], rpm, request_paid and 0 or 1)
 local k = gcra(KEYS[2], tpm, estimate)
 local rr, rs, kr, ks = -1, 0, -1, 0
 if not r.unlimited then rr, rs = r.remaining, r.reset end
@@ -238,7 +243,7 @@ end
 -- Each rate limit's mark goes in the record: what a give-back of this request may
 -- assume (gcra.lua).
 local rpm_mark, tpm_mark = '', ''
-if not r.unlimited then rpm_mark = gcra_charge(KEYS[1], r.state, rpm, 1, now) end
+if not r.unlimited and not request_paid then rpm_mark = gcra_charge(KEYS[1], r.state, rpm, 1, now) end
 if not k.unlimited then tpm_mark = gcra_charge(KEYS[2], k.state, tpm, estimate, now) end
 redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
   'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,

@@ -12,7 +12,9 @@
 -- ARGV: 1 request id, 2 requests/min, 3 tokens/min (the limits it was admitted
 --       under), 4 the refusal kind, as the other level's ('team_requests', ...), or ''
 --       when it is no refusal (an admission withdrawn to be made again at another size:
---       nothing counts it), 5 record retention s
+--       nothing counts it), 5 '1' to keep its requests/min charged: the replica rendered
+--       its prompt, found it larger than reserved, and it is admitted again at its real
+--       size (admit.lua's ARGV 19), so a render always costs a request of requests/min
 -- Returns 1 if it undid an admission, 0 if there was none to undo.
 
 --#include gcra
@@ -26,7 +28,9 @@ local reserved = tonumber(redis.call('HGET', KEYS[5], 'reserved_tokens') or 0)
 -- Under the limits it was admitted with (kept in the record), where the record has them;
 -- no further back than is provable (gcra.lua).
 local function limit(field, default) return tonumber(redis.call('HGET', KEYS[5], field) or default) end
-gcra_give_back(KEYS[1], limit('rpm', ARGV[2]), 1, redis.call('HGET', KEYS[5], 'rpm_mark'), now)
+if ARGV[5] ~= '1' then
+  gcra_give_back(KEYS[1], limit('rpm', ARGV[2]), 1, redis.call('HGET', KEYS[5], 'rpm_mark'), now)
+end
 gcra_give_back(KEYS[2], limit('tpm', ARGV[3]), reserved, redis.call('HGET', KEYS[5], 'tpm_mark'), now)
 
 local reserved_nanos = redis.call('HGET', KEYS[5], 'reserved_nanos') or '0'

@@ -19,7 +19,7 @@ import openai
 import pytest
 from dense_prompts import burst, dense, estimate
 from settled import assert_within_reservations, counters, wait_until_settled
-from stack import create_key, local_app_args
+from stack import call_replica, create_key, local_app_args
 
 from quota_stack.stack_args import MODEL
 from quota_stack.test_1_batches_e2e import chat_line, jsonl, wait_for
@@ -233,3 +233,30 @@ def test_a_resized_request_counts_once_so_a_key_of_one_request_a_minute_can_send
     assert charged["tokens"] == usage.total_tokens
     with pytest.raises(openai.RateLimitError):  # and the minute's one request is spent
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_a_render_is_a_request_so_refusals_at_the_real_size_never_pass_requests_per_minute(
+    base_url, redis_server, redis
+):
+    """A key of 5 requests/min whose budget holds the estimate of a dense prompt but
+    not its real count: each one admitted is rendered by the replica, then refused at
+    its real size. Its request of requests/min stays charged, so of 20 such requests
+    the replica renders 5 and the other 15 are refused before anything is rendered."""
+    key_id, secret = create_key(
+        redis_server.url, f"rpm5-renders-{time.monotonic_ns()}", requests_per_minute=5, daily_token_budget=400
+    )
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
+    prompt = dense("digits", 600, seed=6)
+    assert estimate(prompt) + 2 < 400  # admitted at its estimate; its real count (~600) is not
+    before = call_replica(MODEL, "prompts_resized")
+    refusals = []
+    for _ in range(20):
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2)
+        refusals.append(refused.value.code)
+    assert call_replica(MODEL, "prompts_resized") - before == 5  # rendered: at most the key's requests/min
+    assert len(set(refusals[:5])) == 1 and refusals[5:] == ["rate_limit_exceeded"] * 15, refusals
+    assert refusals[0] != "rate_limit_exceeded"  # the five: refused by the budget at their real size
+    wait_until_settled(redis, key_id)
+    charged = counters(redis, key_id)
+    assert charged.get("requests", 0) == 0 and charged.get("tokens", 0) == 0 and charged["refused"] == 20, charged
