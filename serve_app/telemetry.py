@@ -265,6 +265,13 @@ class Telemetry:
             "than the gateway's estimate reserved (the replica refused it before the engine ran it).",
             ("model",),
         )
+        self.refused_before_body = Counter(
+            "llm_gateway_refused_before_body",
+            "Requests refused by their key's requests/min or concurrency before their body was read "
+            "(a body past ingress.room_check_bytes, or of no declared length).",
+            ("limit",),
+        )
+        self.refused_before_body_count = 0  # the same, this process
         self.answered_counts: collections.Counter[str] = collections.Counter()  # requests by route, this process
         # Final request records on their way to the record sink (accounting/record_shipper.py).
         self.record_backlog = Gauge(
@@ -458,6 +465,11 @@ class Telemetry:
         """A stream sent before its admission was ``admitted`` or ``withdrawn``."""
         self.early_starts.inc(tags={"model": model, "outcome": outcome})
         self.early_counts[outcome] += 1
+
+    def refused_unread(self, limit: str) -> None:
+        """A request refused by ``limit`` before its body was read."""
+        self.refused_before_body.inc(tags={"limit": limit})
+        self.refused_before_body_count += 1
 
     def prompt_resized(self, model: str) -> None:
         """A request of ``model`` is admitted again at its prompt's real size."""

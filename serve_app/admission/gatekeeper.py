@@ -49,6 +49,7 @@ from serve_app.identity.jwt_auth import is_jwt_identity
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import TeamRecord
 from serve_app.identity.token_users import TokenUsers
+from serve_app.redis_store import redis_names
 from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
@@ -241,6 +242,21 @@ class Gatekeeper:
         if is_jwt_identity(key.id):  # listed where keys are (usage, costs, console)
             self._spawn(self.token_users.seen(key, team.id if team else None, self.admission.pipeline.command))
         return ticket
+
+    async def refusal_before_body(self, key: KeyRecord) -> Refusal | None:
+        """The refusal of a request of ``key`` by its requests/min or concurrency as they
+        stand now (no charge: ``Admission.room``), asked before a large body is read;
+        None when it has room, or when Redis cannot say (its admission decides then)."""
+        if key.requests_per_minute <= 0 and key.max_concurrent <= 0 and not redis_names.has_stored_limits(key.id):
+            return None
+        try:
+            decision = await self.admission.room(key)
+        except (*UNREACHABLE, *REDIS_FAILED):
+            return None
+        if decision.admitted:
+            return None
+        self._no_overlap(key)
+        return Refusal(key, decision.kind, 0, decision)
 
     async def withdraw(self, ticket: Ticket, keep_request: bool = False) -> None:
         """Take a ticket's admission back as if it never happened, at every level: its

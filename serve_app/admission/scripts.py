@@ -192,6 +192,7 @@ class Admission:
         self._release = lua_scripts.register(redis, __package__, "release")
         self._reap = lua_scripts.register(redis, __package__, "reap")
         self._due = lua_scripts.register(redis, __package__, "due")
+        self._room = lua_scripts.register(redis, __package__, "room")
 
     async def admit(
         self,
@@ -238,6 +239,17 @@ class Admission:
         return Decision(
             bool(admitted), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail), applied
         )
+
+    async def room(self, key: KeyRecord) -> Decision:
+        """Whether one more request of ``key`` passes its requests/min and concurrency
+        now, charging nothing (room.lua; a refusal is counted). ``admitted``: it does."""
+        reply = await self.pipeline.call(
+            self._room,
+            redis_names.admission_keys(key.id, ""),
+            [key.requests_per_minute, key.max_concurrent, "1" if redis_names.has_stored_limits(key.id) else "0"],
+        )
+        room, kind, retry, rr, rs, detail = reply[:6]
+        return Decision(bool(room), _text(kind), int(retry), int(rr), int(rs), -1, 0, _text(detail))
 
     async def release(self, key: KeyRecord, request_id: str, refused_by: str, keep_request: bool = False) -> bool:
         """Undo ``request_id``'s admission at ``key``'s level (another level refused

@@ -195,6 +195,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[n
     async def __init__(self, config: ModelConfig, settings: AppSettings):  # type: ignore[misc]  # Serve awaits it
         await VLLMReplica.func_or_class.__init__(self, config)  # type: ignore[attr-defined]
         self.max_body_bytes = settings.ingress.max_body_bytes
+        self.room_check_bytes = settings.ingress.room_check_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
         self.telemetry = Telemetry(
             settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys
@@ -229,6 +230,11 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[n
         """Streams this replica's gateway sent to the engine before their admission
         returned, by outcome (also the ``llm_gateway_early_starts`` metric)."""
         return dict(self.telemetry.early_counts)
+
+    def refused_before_body(self) -> int:
+        """Requests this replica's gateway refused before reading their body (also
+        ``llm_gateway_refused_before_body_total``)."""
+        return self.telemetry.refused_before_body_count
 
     def prompts_resized(self) -> int:
         """Prompts the replica rendered past their reservation for this replica's gateway

@@ -48,6 +48,7 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
     def __init__(self, settings: AppSettings, models: dict[str, DeploymentHandle]):
         self.settings = settings
         self.max_body_bytes = settings.ingress.max_body_bytes
+        self.room_check_bytes = settings.ingress.room_check_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
         self.telemetry = Telemetry(
             settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys

@@ -81,12 +81,14 @@ def _span_name(request: Request) -> str:
 
 class HandlesRequests:
     """Reading and answering inference requests; the class using it sets
-    ``authenticator``, ``gateway``, ``telemetry``, ``max_body_bytes`` and ``body_timeout_s``."""
+    ``authenticator``, ``gateway``, ``telemetry``, ``max_body_bytes``,
+    ``room_check_bytes`` and ``body_timeout_s``."""
 
     authenticator: Authenticator
     gateway: Gateway
     telemetry: Telemetry
     max_body_bytes: int
+    room_check_bytes: int
     body_timeout_s: float
 
     async def _read_body(self, request: Request) -> bytes:
@@ -115,7 +117,9 @@ class HandlesRequests:
         return OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
 
     async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
-        """The caller's key (checked first: no key, no parsing) and the JSON body."""
+        """The caller's key (checked first: no key, no parsing) and the JSON body. A body
+        past ``room_check_bytes`` (or of no declared length) is read only once the key's
+        requests/min and concurrency have room for it (``Gateway.refuse_before_body``)."""
         started = now_ns()
         seen: dict[str, str] = {}
         key = await self.authenticator.authenticate(request.headers, seen)
@@ -123,6 +127,9 @@ class HandlesRequests:
         if record.trace is not None:
             record.trace.stage("authenticate", started, **{"llm.auth.source": seen.get("source")})
             started = now_ns()
+        declared = request.headers.get("content-length", "")
+        if not declared.isdigit() or int(declared) > self.room_check_bytes:
+            await self.gateway.refuse_before_body(key)
         raw = await self._read_body(request)
         body = parse_json_object(raw)
         if record.trace is not None:

@@ -196,6 +196,14 @@ class Gateway:
                 self.telemetry.prompt_resized(plan.model)
         raise AssertionError("unreachable")
 
+    async def refuse_before_body(self, key: KeyRecord) -> None:
+        """Raise ``key``'s 429 when its requests/min or concurrency is full now, before its
+        request's body is read: a key at those limits costs no more than the 429."""
+        refused = await self.access.refusal_before_body(key)
+        if refused is not None:
+            self.telemetry.refused_unread(refused.kind)
+            raise render_refusal(refused)
+
     def _plan(
         self,
         key: KeyRecord,

@@ -363,3 +363,29 @@ async def test_an_x_request_id_reused_by_another_key_never_takes_over_the_first_
     assert (await request_state(redis, "shared-id", "kfirst"))["id"] == first
     assert await request_state(redis, "shared-id", "knobody") is None
     assert await request_state(redis, first, "kother") is None  # another key's request id, named with a key
+
+
+async def test_room_before_the_body_charges_nothing_and_refuses_as_admission_would(redis):
+    """room.lua, asked before a large body is read: while the key has room it charges
+    nothing (its two requests a minute are both still admitted); once at its
+    requests/min it refuses with admission's own retry, counted as a refusal."""
+    adm, k = admission(redis), key(requests_per_minute=2)
+    for _ in range(3):
+        assert (await adm.room(k)).admitted
+    assert [(await admit(adm, k))[1].admitted for _ in range(2)] == [True, True]
+    refused, by_admission = await adm.room(k), (await admit(adm, k))[1]
+    assert not refused.admitted and refused.kind == by_admission.kind == "requests"
+    assert abs(refused.retry_ms - by_admission.retry_ms) <= 5 and refused.retry_ms > 0
+    assert refused.headers(k)["retry-after"] == by_admission.headers(k)["retry-after"]
+    usage = {name.decode(): int(value) for name, value in (await redis.hgetall(redis_names.usage(k.id))).items()}
+    assert day_usage(usage, "requests") == 2 and day_usage(usage, "refused") == 2
+
+
+async def test_room_before_the_body_refuses_a_key_whose_concurrency_is_full(redis):
+    adm, k = admission(redis), key(max_concurrent=1)
+    rid, first = await admit(adm, k)
+    assert first.admitted
+    refused = await adm.room(k)
+    assert not refused.admitted and refused.kind == "concurrency" and refused.retry_ms == 1000
+    await adm.settle(k, rid, "completed", prompt_tokens=1, completion_tokens=1)
+    assert (await adm.room(k)).admitted

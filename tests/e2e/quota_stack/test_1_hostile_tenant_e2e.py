@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ import httpx
 import openai
 import pytest
 from settled import inference, records, wait_until_settled
-from stack import create_key
+from stack import call_replica, create_key
 
 from cluster.haproxy_edge import ONE_HOP_BODY_BYTES
 from quota_stack.stack_args import ADMIN, MODEL, STORED_BYTES
@@ -379,3 +380,40 @@ def test_a_stream_of_a_key_revoked_while_it_runs_stops_within_seconds_charged_wh
     [record] = inference(wait_until_settled(redis, key_id))
     # Charged what it delivered (the prompt, one token per content event at most), not its 2,000 reserved.
     assert record["status"] == "failed" and int(record["completion_tokens"]) <= content_events < 2000
+
+
+def test_a_key_at_its_requests_per_minute_is_refused_before_its_8_mib_bodies_are_read(base_url, redis_server, redis):
+    """A key that spent its minute's one request sends 7.5 MiB chat bodies from 4
+    threads to /v1 (one hop to the model's replica, as shipped) while another key
+    chats: every one is its 429 (requests/min), given before its body was read (the
+    replica's count of refusals before the body), and the other key is answered
+    throughout. (Its latency meanwhile: bench/large_bodies.py.)"""
+    _, secret = create_key(redis_server.url, f"hostile-big-{time.monotonic_ns()}", requests_per_minute=1)
+    _, other = create_key(redis_server.url, f"hostile-big-other-{time.monotonic_ns()}")
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert (
+        httpx.post(base_url + "/v1/chat/completions", json=small, headers=bearer(secret), timeout=60).status_code == 200
+    )
+    big = {**small, "messages": [{"role": "user", "content": "!? " * (15 * 1024 * 1024 // 6)}]}
+    raw = json.dumps(big).encode()
+    assert 7 * 1024 * 1024 < len(raw) < 8 * 1024 * 1024  # under the body limit: only the key's limit refuses it
+    before = call_replica(MODEL, "refused_before_body")
+
+    def flood() -> list[str]:
+        outcomes = []
+        with httpx.Client(base_url=base_url, headers=bearer(secret), timeout=120) as http:
+            for _ in range(3):
+                response = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+                outcomes.append(f"{response.status_code} {response.json()['error'].get('type')}")
+        return outcomes
+
+    with ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(flood) for _ in range(4)]
+        answered = [
+            httpx.post(base_url + "/v1/chat/completions", json=small, headers=bearer(other), timeout=60).status_code
+            for _ in range(8)
+        ]
+        outcomes = [outcome for done in floods for outcome in done.result()]
+    assert outcomes == ["429 requests"] * 12, outcomes
+    assert answered == [200] * 8
+    assert call_replica(MODEL, "refused_before_body") - before == 12  # none of them read, none parsed

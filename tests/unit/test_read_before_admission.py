@@ -1,0 +1,96 @@
+"""What an inference request costs before its admission (serve_app/http/request_handling.py):
+the key is authenticated from the headers first; a body declared past
+``room_check_bytes``, or declaring no length, is read only once the key has room
+(``Gateway.refuse_before_body``); a smaller one is read with no extra round trip. The
+authenticator and gateway faked; Redis' side is room.lua (tests/integration/test_admission.py)
+and the real stack's is tests/e2e/quota_stack/test_1_hostile_tenant_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.requests import Request
+
+from serve_app.errors import OpenAIError
+from serve_app.http.request_handling import HandlesRequests
+from serve_app.identity.keys import KeyRecord
+from serve_app.telemetry import RequestRecord
+
+KEY = KeyRecord(id="k1", name="n", created_at=0)
+
+
+class Authenticator:
+    async def authenticate(self, headers, seen=None):
+        if headers.get("authorization") != "Bearer sk":
+            raise OpenAIError(401, "no key")
+        return KEY
+
+
+class Gateway:
+    def __init__(self, full: bool):
+        self.full, self.asked = full, 0
+
+    async def refuse_before_body(self, key):
+        self.asked += 1
+        if self.full:
+            raise OpenAIError(429, "at its limit", code="rate_limit_exceeded")
+
+
+class Front(HandlesRequests):
+    def __init__(self, gateway: Gateway):
+        self.authenticator, self.gateway = Authenticator(), gateway  # type: ignore[assignment]
+        self.max_body_bytes, self.room_check_bytes, self.body_timeout_s = 1 << 20, 1024, 5.0
+
+
+def request(body: bytes, declared: bool = True, credential: str = "Bearer sk") -> tuple[Request, list[int]]:
+    """A POST whose body the test can see being read: ``read`` holds the bytes handed out."""
+    read: list[int] = []
+    chunks = [body[i : i + 256] for i in range(0, len(body), 256)] or [b""]
+
+    async def receive():
+        chunk = chunks.pop(0) if chunks else b""
+        read.append(len(chunk))
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    headers = [(b"authorization", credential.encode())]
+    if declared:
+        headers.append((b"content-length", str(len(body)).encode()))
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    return Request(scope, receive), read
+
+
+def body_of(size: int) -> bytes:
+    return json.dumps({"model": "m", "prompt": "x" * max(size - 30, 0)}).encode()
+
+
+@pytest.mark.parametrize("size, declared", [(4096, True), (200, False)])
+def test_a_key_at_its_limits_is_refused_before_a_large_or_undeclared_body_is_read(size, declared):
+    gateway = Gateway(full=True)
+    http, read = request(body_of(size), declared)
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(Front(gateway)._read(http, RequestRecord("openai", "x")))
+    assert refused.value.status == 429 and gateway.asked == 1 and read == []  # not a byte read
+
+
+def test_a_large_body_of_a_key_with_room_is_read_and_parsed():
+    gateway = Gateway(full=False)
+    http, read = request(body_of(4096))
+    key, body, size = asyncio.run(Front(gateway)._read(http, RequestRecord("openai", "x")))
+    assert key is KEY and body["model"] == "m" and size == sum(read) and gateway.asked == 1
+
+
+def test_a_small_declared_body_costs_no_extra_round_trip():
+    gateway = Gateway(full=True)  # its admission refuses it, after a parse of under room_check_bytes
+    http, _ = request(body_of(512))
+    _, body, _ = asyncio.run(Front(gateway)._read(http, RequestRecord("openai", "x")))
+    assert body["model"] == "m" and gateway.asked == 0
+
+
+def test_no_credential_no_check_and_no_body_read():
+    gateway = Gateway(full=False)
+    http, read = request(body_of(4096), credential="Bearer wrong")
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(Front(gateway)._read(http, RequestRecord("openai", "x")))
+    assert refused.value.status == 401 and gateway.asked == 0 and read == []
