@@ -33,7 +33,9 @@ ALLOWED: dict[str, str] = {
         "privilege: a container or user without CAP_SYS_NICE cannot use the real-time class, "
         "and scripts/ensure_redis.sh then starts Redis without it"
     ),
-    r"mounting a tmpfs needs root": "privilege: the full-disk test mounts a 64 KiB tmpfs, which needs root",
+    r"mounting a tmpfs needs root": (
+        "privilege: the full-disk tests mount a small tmpfs (tests/small_disk.py), which needs root"
+    ),
     r"kubectl is not installed: the Python kustomize build is compared with kubectl's where it is": (
         "a tool the suite does not need: the manifests are built (cluster/kustomize.py) and validated "
         "without it; only the comparison of that build with `kubectl kustomize` needs kubectl"

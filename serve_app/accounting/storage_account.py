@@ -69,6 +69,12 @@ class StorageAccount:
         if not done:
             raise self._refusal(total, count, size)
 
+    async def grow(self, key_id: str, object_id: str, size: int, expires_s: float, now_s: float | None = None) -> bool:
+        """``size`` bytes more for ``object_id`` (made if new) until ``expires_s``, if the
+        key's bounds hold them; False (nothing changed) if not."""
+        done, _, _ = await self._call("grow", key_id, object_id, size, expires_s, now_s)
+        return done
+
     async def record(
         self, key_id: str, object_id: str, size: int, expires_s: float, now_s: float | None = None
     ) -> None:

@@ -234,6 +234,12 @@ def key_of_active_batches(name: str) -> str:
     return name.split(":{k:", 1)[1].rsplit("}", 1)[0]
 
 
+def batch_unstored(key_id: str, batch_id: str) -> str:
+    """Hash of a batch's requests that ran and whose answers were not kept (custom_id ->
+    why: its key's storage bound, or a write that failed): never run again."""
+    return f"{PREFIX}:batchunstored:{tag(key_id)}:{batch_id}"
+
+
 def batch_lease(key_id: str, batch_id: str) -> str:
     """Which ingress replica runs the batch now (expires unless renewed)."""
     return f"{PREFIX}:batchlease:{tag(key_id)}:{batch_id}"

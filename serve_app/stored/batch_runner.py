@@ -28,6 +28,14 @@ the rest. A request that was running when its runner died is run again (and
 charged again: its first run's answer was never written). A busy model (503) is
 retried until the batch's window ends; any other error is the request's line in
 the error file, with the status and body a client would have got.
+
+Results are storage: each line's bytes are counted against its key's files
+(``batch.max_bytes_per_key``) before it is written, so a batch's results never
+take its key past the bound. A line that does not fit is not kept: the batch
+stops there, its requests not run count as failed, and its ``errors`` name the
+bound. A line that cannot be written (the files' disk full) is not kept either,
+and the batch parks until the disk may have room. Either request ran and was
+charged once: it is remembered (``batch_unstored``) and never run again.
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ MAX_RETRY_WAIT_S = 30.0
 # tomorrow still gets one admission a minute, not a runner's place all day).
 MAX_PARK_S = 60.0
 SWEEP_EVERY_S = 600.0
+# A claim sends nothing while the files' disk has less free than this: an answer
+# it could not write would have run, and been charged, for nothing.
+MIN_FREE_BYTES = 64 * 1024
 # Input lines read ahead of the requests sent (each at most the body limit).
 _READ_AHEAD = 8
 
@@ -227,6 +238,8 @@ class BatchJob:
         self.park_s: float | None = None  # set by a refusal of the key: how long the batch waits, parked
         self.key_gone = False  # the key was revoked or disabled: the batch stops
         self.input_lost: Exception | None = None  # its input file was deleted or changed while it ran
+        self.unstored: dict[str, str] = {}  # custom_id -> why its answer, which ran, was not kept
+        self.at_bound = False  # a line did not fit its key's storage bound: the batch stops
 
     async def run(self) -> None:
         fields = await self.store.fields(self.key_id, self.batch_id)
@@ -235,10 +248,16 @@ class BatchJob:
             return
         fixed = json.loads(fields["fixed"])
         self.expires_at = fixed["expires_at"]
+        self.unstored = await self.store.unstored(self.key_id, self.batch_id)
+        self.at_bound = STORAGE_BOUND in self.unstored.values()
         if fields["status"] == "validating":
             await self.store.transition(self.key_id, self.batch_id, "in_progress", ("validating",))
         if fields["status"] != "finalizing":
             file_id = fixed["input_file_id"]
+            if not await asyncio.to_thread(self._disk_has_room):
+                logger.error("batch %s: the files' disk is full; the batch parks", self.batch_id)
+                self.park_s = MAX_PARK_S
+                return
             done = await asyncio.to_thread(self._answered)
             await self.store.update(self.key_id, self.batch_id, **self.counts)
             # The input file is read as the requests are sent, a few lines ahead:
@@ -256,6 +275,8 @@ class BatchJob:
             self.park_s = None
             if status == "cancelling":
                 code = "api_key_revoked" if self.key_gone else "batch_cancelled"
+            elif self.at_bound:
+                code = STORAGE_BOUND
             elif time.time() >= self.expires_at:
                 code = "batch_expired"
             else:
@@ -269,6 +290,8 @@ class BatchJob:
                 return
             if not_run and code == "batch_expired":
                 self.ends = "expired"
+            if code == STORAGE_BOUND:  # no error lines for them (no room): the count is kept for the record
+                await self.store.update(self.key_id, self.batch_id, not_run_at_bound=not_run)
         await self._finalize()
 
     async def _unanswered(self, file_id: str, done: set[str]) -> AsyncGenerator[dict[str, Any], None]:
@@ -300,7 +323,7 @@ class BatchJob:
             if request["custom_id"] in answered:
                 continue
             count += 1
-            if code is not None:
+            if code in _NOT_RUN:  # at the storage bound, no line more is written: the batch's errors say so
                 self._write(self.err, self._error_line(request, code, _NOT_RUN[code]))
         if code is not None:
             self.counts["failed"] += count
@@ -325,11 +348,17 @@ class BatchJob:
         """The batch's key as it is now; None once revoked or disabled."""
         return await self.runner.keys.active(self.key_id)
 
+    def _disk_has_room(self) -> bool:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        stats = os.statvfs(self.out.parent)
+        return stats.f_bavail * stats.f_frsize >= MIN_FREE_BYTES
+
     def _answered(self) -> set[str]:
-        """custom_ids already answered (in either partial file), with the counts and
-        usage they add up to. A line cut short by a crash is removed."""
-        done: set[str] = set()
+        """custom_ids already answered (in either partial file, or run and not kept),
+        with the counts and usage they add up to. A line cut short by a crash is removed."""
+        done: set[str] = set(self.unstored)
         self.counts = dict.fromkeys(self.counts, 0)
+        self.counts["failed"] = len(done)
         for path, counter in ((self.out, "completed"), (self.err, "failed")):
             if not path.exists():
                 continue
@@ -362,7 +391,7 @@ class BatchJob:
         stops sending: its lease lost, its window over, cancelled (the status is
         read before every request: a cancel stops it within the requests in
         flight), parked, or its key revoked or disabled."""
-        if self.lost or self.park_s is not None or time.time() >= self.expires_at:
+        if self.lost or self.park_s is not None or self.at_bound or time.time() >= self.expires_at:
             return None
         if await self.store.status(self.key_id, self.batch_id) != "in_progress":
             return None
@@ -403,7 +432,7 @@ class BatchJob:
         line_id = "batch_req_" + uuid.uuid4().hex
         if request["body"].get("stream"):
             error = OpenAIError(400, "Streaming is not supported in a batch.", param="stream", code="invalid_value")
-            return self._answer(request, self._failed_line(request, line_id, error))
+            return await self._answer(request, self._failed_line(request, line_id, error))
         while True:
             body = json.loads(json.dumps(request["body"]))  # the gateway edits what it is given
             # A batch line traces as a request does, its own trace (no client context).
@@ -429,13 +458,13 @@ class BatchJob:
                     continue
                 if wait is not None:
                     return  # stopping: the request stays unanswered (cancelled, expired or parked)
-                return self._answer(request, self._failed_line(request, line_id, exc))
+                return await self._answer(request, self._failed_line(request, line_id, exc))
             except Exception:
                 logger.exception("batch %s: request %s failed", self.batch_id, request["custom_id"])
                 record.status = 500
                 self.runner.telemetry.finish(record)
                 error = OpenAIError(500, "The server had an error processing this request.")
-                return self._answer(request, self._failed_line(request, line_id, error))
+                return await self._answer(request, self._failed_line(request, line_id, error))
             record.status = 200
             self.runner.telemetry.finish(record)
             answer = reply.json()
@@ -445,14 +474,35 @@ class BatchJob:
                 "response": {"status_code": 200, "request_id": line_id, "body": answer},
                 "error": None,
             }
-            return self._answer(request, line, ok=True)
+            return await self._answer(request, line, ok=True)
 
-    def _answer(self, request: dict[str, Any], line: dict[str, Any], ok: bool = False) -> None:
+    async def _answer(self, request: dict[str, Any], line: dict[str, Any], ok: bool = False) -> None:
+        """Keep ``line``, the answer of ``request``: counted against its key's files, then
+        written; or, if its key's bound cannot hold it or the disk will not take it,
+        remembered as run and not kept (the batch stops, or parks)."""
         if self.lost:  # another runner has the batch now: it runs this request again
             return
-        self._write(self.out if ok else self.err, line)
+        text = json.dumps(line, separators=(",", ":")) + "\n"
+        kind = "output" if ok else "errors"
+        if not await self.files.grow_result(self.key_id, result_file_id(self.batch_id, kind), len(text.encode())):
+            self.at_bound = True
+            return await self._not_kept(request, STORAGE_BOUND)
+        try:
+            self._append(self.out if ok else self.err, text)
+        except OSError as exc:
+            logger.error("batch %s: an answer could not be written (%s); the batch parks", self.batch_id, exc)
+            self.park_s = MAX_PARK_S
+            return await self._not_kept(request, "result_not_stored")
         self.counts["completed" if ok else "failed"] += 1
         self._add_usage(line)
+        asyncio.ensure_future(self._save_counts())
+
+    async def _not_kept(self, request: dict[str, Any], why: str) -> None:
+        """``request`` ran (and was charged) but its answer is not kept: remembered, so
+        that no claim runs it again, and counted as failed."""
+        self.unstored[request["custom_id"]] = why
+        await self.store.not_kept(self.key_id, self.batch_id, request["custom_id"], why)
+        self.counts["failed"] += 1
         asyncio.ensure_future(self._save_counts())
 
     async def _save_counts(self) -> None:
@@ -481,9 +531,13 @@ class BatchJob:
 
     @staticmethod
     def _write(path: Path, line: dict[str, Any]) -> None:
+        BatchJob._append(path, json.dumps(line, separators=(",", ":")) + "\n")
+
+    @staticmethod
+    def _append(path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as out:
-            out.write(json.dumps(line, separators=(",", ":")) + "\n")
+            out.write(text)
 
     async def _finalize(self) -> None:
         """The partial files become the batch's output and error files, then the
@@ -492,15 +546,45 @@ class BatchJob:
         was = await self.store.transition(self.key_id, self.batch_id, "finalizing", ("in_progress",))
         ends = {"cancelling": "cancelled"}.get(was or "", self.ends)
         await asyncio.to_thread(self._answered)  # the counts as written
+        fields = await self.store.fields(self.key_id, self.batch_id) or {}
+        self.counts["failed"] += int(fields.get("not_run_at_bound", 0))  # not run: the storage bound was reached
         files = {}
         for path, kind, field in ((self.out, "output", "output_file_id"), (self.err, "errors", "error_file_id")):
             file_id = result_file_id(self.batch_id, kind)
             if path.exists() or self.files.path(self.key_id, file_id).exists():
                 await self.files.adopt(self.key_id, path, f"{self.batch_id}_{kind}.jsonl", "batch_output", file_id)
                 files[field] = file_id
-        await self.store.update(self.key_id, self.batch_id, **files, **self.counts)
+        errors = self._unstored_errors()
+        await self.store.update(self.key_id, self.batch_id, **files, **self.counts, **errors)
         await self.store.transition(self.key_id, self.batch_id, ends, ("finalizing", "cancelling", "in_progress"))
         await self.store.ended(self.key_id, self.batch_id)
+
+    def _unstored_errors(self) -> dict[str, str]:
+        """The batch's ``errors`` naming why answers that ran were not kept (none: {})."""
+        errors = []
+        if self.at_bound:
+            errors.append(
+                {
+                    "code": STORAGE_BOUND,
+                    "message": f"The batch stopped at its key's file storage bound ({self.files.space.max_bytes} "
+                    "bytes): the answer that did not fit was not kept and no request after it ran. Delete files "
+                    "to make room.",
+                    "param": None,
+                    "line": None,
+                }
+            )
+        lost = sum(why == "result_not_stored" for why in self.unstored.values())
+        if lost:
+            errors.append(
+                {
+                    "code": "result_not_stored",
+                    "message": f"{lost} answers could not be written (the server's file storage was full); "
+                    "they ran and were charged once, and were not run again.",
+                    "param": None,
+                    "line": None,
+                }
+            )
+        return {"errors": json.dumps(errors)} if errors else {}
 
 
 def _retry_after_s(exc: OpenAIError) -> float | None:
@@ -513,6 +597,7 @@ def _retry_after_s(exc: OpenAIError) -> float | None:
     return None
 
 
+STORAGE_BOUND = "storage_limit_exceeded"  # a batch's results reached its key's file storage bound
 # The error-file line of a request a batch never ran, by why.
 _NOT_RUN = {
     "batch_cancelled": "The batch was cancelled before this request ran.",

@@ -331,6 +331,19 @@ class BatchStore:
         )
         return as_text(was) if was else None
 
+    async def unstored(self, key_id: str, batch_id: str) -> dict[str, str]:
+        """The batch's requests that ran and whose answers were not kept: custom_id -> why."""
+        found = await self.redis.hgetall(redis_names.batch_unstored(key_id, batch_id))
+        return {as_text(k): as_text(v) for k, v in found.items()}
+
+    async def not_kept(self, key_id: str, batch_id: str, custom_id: str, why: str) -> None:
+        """Remember that ``custom_id`` ran and its answer was not kept (never run again)."""
+        name = redis_names.batch_unstored(key_id, batch_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(name, custom_id, why)
+            pipe.expire(name, _RECORD_KEPT_S)  # as long as the batch's record
+            await pipe.execute()
+
     async def update(self, key_id: str, batch_id: str, **fields: Any) -> None:
         await self.redis.hset(redis_names.batch_record(key_id, batch_id), mapping=fields)
 

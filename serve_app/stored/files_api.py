@@ -39,6 +39,7 @@ from serve_app.stored.listings import index_page
 from serve_app.wire.api_requests import parse_json_object
 
 RETENTION_S = 30 * 24 * 3600
+_RESULT_WINDOW_S = 48 * 3600  # a batch's results are written within its window; then they are its file
 PURPOSES = ("batch",)  # what can be uploaded; batch outputs are "batch_output"
 BATCH_METHODS = ("POST",)
 _PARTIAL_SUFFIX = ".partial"
@@ -132,6 +133,12 @@ class FileStore:
         except BaseException:
             target.unlink(missing_ok=True)
             raise
+
+    async def grow_result(self, key_id: str, file_id: str, size: int) -> bool:
+        """Room for ``size`` bytes more of the result file ``file_id`` (a batch's output
+        or errors, counted against its key's files as each line is written), if the
+        key's bound holds them; False if not (nothing counted)."""
+        return await self.space.grow(key_id, file_id, size, time.time() + RETENTION_S + _RESULT_WINDOW_S)
 
     async def adopt(self, key_id: str, written: Path, filename: str, purpose: str, file_id: str) -> dict[str, Any]:
         """Make ``file_id`` of content already written in this store (a batch's

@@ -109,3 +109,18 @@ async def test_a_batchs_results_count_but_are_never_refused(tmp_path, redis):
         await upload(files, b"u")
     await files.delete(KEY, output["id"])
     await upload(files, b"u", declared=200)  # 800 + 200
+
+
+async def test_a_batchs_results_grow_line_by_line_and_never_past_the_keys_bytes(tmp_path, redis):
+    """``grow_result``: each line's bytes are counted before it is written; many lines at
+    once (a batch's requests in flight, two batches) never take the key past its bound,
+    and the result file's record at the end replaces what was grown, not added to it."""
+    files = store(tmp_path, redis, key_bytes=3000)
+    await upload(files, b"x" * 800)  # 800 held by an upload
+    grown = await asyncio.gather(*(files.grow_result(KEY, f"file-{i % 2:032d}", 100) for i in range(40)))
+    assert sum(grown) == 22 and await files.space.used(KEY) == (3000, 3)  # 800 + 22 x 100, two result files
+    assert not await files.grow_result(KEY, "file-" + "2" * 32, 1)  # a third result: no room
+    first = f"file-{0:032d}"
+    grown_first = int(await redis.hget(redis_names.file_space(KEY), first))
+    await files.space.record(KEY, first, grown_first - 100, time.time() + 3600)  # as written: a line short
+    assert await files.space.used(KEY) == (2900, 3)

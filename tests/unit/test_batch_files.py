@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import time
 from types import SimpleNamespace
 
 import openai_spec
 import pytest
+from small_disk import small_disk
 
 from serve_app.errors import OpenAIError
 from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
@@ -142,15 +142,8 @@ async def test_an_upload_past_the_bound_leaves_no_file_behind(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 64 KiB file system: a disk that fills up."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if (
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode
-        != 0
-    ):
-        pytest.skip("mounting a tmpfs needs root")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    with small_disk(tmp_path / "disk", "64k") as mount:
+        yield mount
 
 
 async def test_an_upload_to_a_full_disk_is_a_507_and_leaves_nothing_behind(tiny_disk):
@@ -280,6 +273,7 @@ class MemoryBatches:
         self.fields_ = fields
         self.files = files
         self.ended_calls = 0
+        self.unstored_: dict[str, str] = {}
 
     async def fields(self, key_id, batch_id):
         return dict(self.fields_)
@@ -299,6 +293,12 @@ class MemoryBatches:
     async def ended(self, key_id, batch_id):
         self.ended_calls += 1
 
+    async def unstored(self, key_id, batch_id):
+        return dict(self.unstored_)
+
+    async def not_kept(self, key_id, batch_id, custom_id, why):
+        self.unstored_[custom_id] = why
+
     def lines(self, key_id, file_id):
         return batch_lines(self.files.path(key_id, file_id), 50_000, 1 << 20)
 
@@ -309,6 +309,13 @@ class LocalFiles(FileStore):
     def __init__(self, directory):
         super().__init__(None, str(directory), max_bytes=1 << 20)
         self.adopted: dict[str, str] = {}
+        self.room = 1 << 62  # the key's file storage left: each result line takes its bytes from it
+
+    async def grow_result(self, key_id, file_id, size):
+        if size > self.room:
+            return False
+        self.room -= size
+        return True
 
     async def adopt(self, key_id, written, filename, purpose, file_id):
         target = self.path(key_id, file_id)
@@ -425,19 +432,48 @@ async def test_a_batch_cancelled_before_it_ran_ends_cancelled_having_sent_nothin
     assert {item["error"]["code"] for item in result_lines(files, "errors")} == {"batch_cancelled"}
 
 
-async def test_a_batch_whose_answers_cannot_be_written_stays_in_progress_for_the_next_claim(tmp_path, monkeypatch):
+async def test_an_answer_the_disk_will_not_take_is_never_run_again_and_the_batch_parks(tmp_path, monkeypatch):
+    """The files' disk is full: the answers that ran are not kept, remembered as such (so
+    a claim never runs and charges them again), and the batch parks; once the disk takes
+    writes, the next claim runs only the rest and names the lost answers in its errors."""
     import errno
 
     gateway = AnsweringGateway()
     job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway)
 
-    def disk_full(path, line):
+    def disk_full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(BatchJob, "_write", staticmethod(disk_full))
+    monkeypatch.setattr(BatchJob, "_append", staticmethod(disk_full))
     await job.run()
-    assert store.fields_["status"] == "in_progress" and store.ended_calls == 0  # not finalized: resumed later
-    assert files.adopted == {}
+    assert store.fields_["status"] == "in_progress" and store.ended_calls == 0 and job.park_s is not None
+    lost = sorted(store.unstored_)
+    assert lost and lost == sorted(gateway.sent) and set(store.unstored_.values()) == {"result_not_stored"}
+    monkeypatch.undo()  # the disk has room again
+    await BatchJob(job.runner, "k1", "batch_1").run()
+    assert sorted(gateway.sent) == ["r0", "r1", "r2"]  # each request ran once
+    assert store.fields_["status"] == "completed" and store.fields_["failed"] == str(len(lost))
+    assert sorted(item["custom_id"] for item in result_lines(files, "output")) == sorted({"r0", "r1", "r2"} - set(lost))
+    assert [error["code"] for error in json.loads(store.fields_["errors"])] == ["result_not_stored"]
+
+
+async def test_a_batchs_results_stop_at_its_keys_storage_bound(tmp_path):
+    """Each result line is counted against the key's files before it is written: the
+    output never passes the room the key has; the line that does not fit is not kept,
+    nothing after it runs, and the batch's errors name the bound."""
+    gateway = AnsweringGateway()
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=10)
+    files.room = room = 500  # about two lines
+    await job.run()
+    output = files.adopted.get(result_file_id("batch_1", "output"), "")
+    kept = output.splitlines()
+    assert 1 <= len(kept) <= 2 and len(output.encode()) <= room
+    assert len(gateway.sent) == len(kept) + len(store.unstored_) <= len(kept) + 2  # what was in flight at most
+    assert set(store.unstored_.values()) == {"storage_limit_exceeded"}
+    assert store.fields_["status"] == "completed"
+    assert store.fields_["completed"] == str(len(kept)) and store.fields_["failed"] == str(10 - len(kept))
+    [error] = json.loads(store.fields_["errors"])
+    assert error["code"] == "storage_limit_exceeded" and "storage bound" in error["message"]
 
 
 async def test_a_refusal_that_cannot_pass_is_the_requests_error_line(tmp_path):

@@ -5,8 +5,11 @@
 -- on the next), then
 --   reserve: room for a new object of ARGV[3] bytes, if the key stays within
 --            ARGV[6] bytes and ARGV[7] objects; else nothing changes;
+--   grow:    ARGV[3] bytes more for an object (made if new: a batch's results, as
+--            each line is written), if the key stays within ARGV[6] bytes and
+--            ARGV[7] objects; else nothing changes;
 --   record:  an object's bytes and expiry, unchecked (an upload's real size after
---            its reservation; a batch's results, which are never refused);
+--            its reservation; a batch's results once whole, already grown);
 --   release: the object no longer counts (deleted, or never made);
 --   read:    nothing changes (the key's use).
 -- KEYS: space hash, expiry zset.
@@ -42,6 +45,10 @@ end
 local held = redis.call('HGET', space, id)
 if op == 'reserve' and (held or files >= max_files or total + bytes > max_bytes) then
   return {0, total, files}
+end
+if op == 'grow' then
+  if (not held and files >= max_files) or total + bytes > max_bytes then return {0, total, files} end
+  bytes = bytes + tonumber(held or '0')
 end
 if not held then
   files = files + 1

@@ -19,6 +19,7 @@ import openai
 import openai_spec
 import pytest
 from settled import inference, records, wait_until_settled
+from small_disk import fill, small_disk
 from stack import create_key
 
 from quota_stack.ingresses import wait_until_both_ingresses_serve
@@ -32,6 +33,7 @@ from quota_stack.stack_args import (
     NARROW_ALIAS,
 )
 from serve_app.redis_store import redis_names
+from serve_app.settings import BatchConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -395,3 +397,63 @@ def test_a_key_with_its_bound_of_batches_not_ended_gets_a_429_until_one_ends(bas
     for batch in made:
         assert wait_for(client, batch.id, ended, timeout_s=120).status == "cancelled"
     assert redis.zcard(redis_names.active_batches_of(key_id)) == 0
+
+
+BATCH_CONCURRENCY = BatchConfig().concurrency  # a batch's requests in flight at once
+
+
+def completion_line(custom_id: str, prompt: str, **extra) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def test_a_batch_whose_answers_outgrow_its_keys_storage_stops_at_the_bound(base_url, redis_server, redis):
+    """Results are storage: completions with echo and 20 logprobs answer ~1,000 times
+    their input (here ~1 MB each from 2 KB). Each result line is counted against the
+    key's files (KEY_FILE_BYTES) before it is written: the batch stops at the bound, its
+    output never takes the key past it, its errors name the bound, and the requests that
+    did not run are failed, not charged."""
+    key_id, secret = create_key(redis_server.url, f"batch-outgrows-{time.monotonic_ns()}")
+    client = sdk(base_url, secret)
+    prompt = " ".join(f"w{i}" for i in range(400))
+    lines = [completion_line(f"big-{i}", prompt, echo=True, logprobs=20) for i in range(12)]
+    file = upload(client, lines)
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+    done = wait_for(client, batch.id, ended, timeout_s=600)
+    assert done.status == "completed", done
+    assert [error.code for error in done.errors.data] == ["storage_limit_exceeded"], done.errors
+    counts = done.request_counts
+    assert counts.total == 12 and 1 <= counts.completed < 12 and counts.completed + counts.failed == 12
+    output = client.files.content(done.output_file_id).content
+    assert len(output.splitlines()) == counts.completed
+    used = int(redis.hget(redis_names.file_space(key_id), "total"))
+    assert used <= KEY_FILE_BYTES and len(output) + file.bytes <= KEY_FILE_BYTES
+    # Charged: what ran (kept, and at most what was in flight at the bound), nothing for the rest.
+    ran = [record for record in inference(wait_until_settled(redis, key_id)) if record["status"] == "completed"]
+    assert counts.completed <= len(ran) <= counts.completed + BATCH_CONCURRENCY, (len(ran), counts)
+
+
+def test_a_batch_on_a_full_disk_runs_and_charges_each_request_at_most_once(base_url, redis_server, redis):
+    """The key's files on a disk that fills (a tmpfs at its folder of files_dir): the
+    answers that ran and could not be written are not kept and never run again; the
+    batch parks until the disk has room, then runs only the rest. Each of its 8
+    requests is charged once, whatever was lost."""
+    key_id, secret = create_key(redis_server.url, f"batch-full-disk-{time.monotonic_ns()}")
+    client = sdk(base_url, secret)
+    prompt = " ".join(f"w{i}" for i in range(60))  # an answer of ~100 KB: echo and 20 logprobs a token
+    lines = [completion_line(f"disk-{i}", prompt, echo=True, logprobs=20) for i in range(8)]
+    with small_disk(Path(FILES_DIR) / key_id, "16m") as disk:
+        file = upload(client, lines)
+        filler = fill(disk, leave_bytes=96 * 1024)  # room for a claim to start, none for an answer
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+        lost = wait_for(client, batch.id, lambda b: b.request_counts.failed > 0, timeout_s=120).request_counts.failed
+        filler.unlink()  # the disk has room again: the batch's next claim runs the rest
+        done = wait_for(client, batch.id, ended, timeout_s=300)
+        output = client.files.content(done.output_file_id).content.splitlines()
+    assert done.status == "completed", done
+    assert done.request_counts.completed == 8 - lost and done.request_counts.failed == lost >= 1
+    assert [error.code for error in done.errors.data] == ["result_not_stored"]
+    custom_ids = [json.loads(line)["custom_id"] for line in output]
+    assert len(custom_ids) == len(set(custom_ids)) == 8 - lost
+    ran = [record for record in inference(wait_until_settled(redis, key_id)) if record["status"] == "completed"]
+    assert len(ran) == 8  # each request charged once: the lost ones were not run again
