@@ -49,7 +49,9 @@ class RecordSink:
 
     def append(self, writer: str, records: list[dict[str, Any]]) -> int:
         """Append ``records`` to ``writer``'s files, flushed to disk before it
-        returns (the caller then forgets them). Returns the bytes written."""
+        returns (the caller then forgets them). Returns the bytes written. A write the
+        disk refuses (full) is undone before it raises: a file never keeps a part of
+        a batch that will be written again whole."""
         by_file: dict[Path, list[str]] = {}
         for record in records:
             when = int(record.get("received_ms") or record.get("finished_ms") or 0)
@@ -60,9 +62,14 @@ class RecordSink:
             path.parent.mkdir(parents=True, exist_ok=True)
             data = "".join(lines).encode()
             with open(path, "ab") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+                start = out.tell()
+                try:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                except OSError:
+                    out.truncate(start)  # what part of it reached the file: the retry writes it whole
+                    raise
             written += len(data)
         return written
 

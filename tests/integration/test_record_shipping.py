@@ -13,6 +13,7 @@ import time
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from small_disk import fill, small_disk
 
 from contract.replica_wire import Usage
 from serve_app.accounting import record_shipper
@@ -226,3 +227,29 @@ async def test_a_request_whose_settlement_waits_for_redis_keeps_its_lease_and_it
     assert await redis.hget(record, "total_tokens") == b"10"
     await ingress.redis.aclose()
     await reaper.redis.aclose()
+
+
+async def test_a_sink_on_a_full_disk_refuses_new_work_with_a_503_and_writes_each_record_once(
+    redis, redis_url, tmp_path
+):
+    """The record sink's disk fills (a 64 KiB tmpfs, as a sink sharing a full disk): what
+    could not be written stays in the outbox, no part of a batch is left in a file, new
+    requests get 503 records_backlog at the bound, and once the disk has room every
+    record is written exactly once (charges live in Redis' counters: none twice)."""
+    with small_disk(tmp_path / "sink", "64k") as sink:
+        filler = fill(sink, leave_bytes=4096)  # room for a few records, not for the batch
+        access = access_for(redis_url, sink, max_backlog=40)
+        key, _ = await KeyStore(redis).create("sink-full-disk")
+        ids = await settled_requests(access, key, 40)
+        with pytest.raises(OSError):
+            await access.stores.records.ship_once()
+        assert sink_lines(sink) == []  # the part that fit was taken back
+        access.stores.records.backlog = await redis.xlen(redis_names.RECORD_OUTBOX)
+        with pytest.raises(OpenAIError) as refused:
+            await access.gate.admit(key, "chat", 20)
+        assert refused.value.status == 503 and refused.value.code == "records_backlog"
+        filler.unlink()
+        await drain(access.stores.records)
+        assert sorted(line["id"] for line in sink_lines(sink)) == sorted(ids)  # each once
+        assert all(path.read_bytes().endswith(b"\n") for path in sink.rglob("*.jsonl"))
+        await access.redis.aclose()
