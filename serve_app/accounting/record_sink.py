@@ -16,7 +16,6 @@ import datetime
 import functools
 import json
 import mmap
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.accounting.usage import id_time
+from serve_app.appends import append_whole
 
 _DAY = re.compile(r"^\d{8}$")
 _HOUR_MS = 3600 * 1000
@@ -61,15 +61,7 @@ class RecordSink:
         for path, lines in by_file.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             data = "".join(lines).encode()
-            with open(path, "ab") as out:
-                start = out.tell()
-                try:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                except OSError:
-                    out.truncate(start)  # what part of it reached the file: the retry writes it whole
-                    raise
+            append_whole(path, data, sync=True)  # a write the disk refused part-way leaves nothing
             written += len(data)
         return written
 

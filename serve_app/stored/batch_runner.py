@@ -36,6 +36,12 @@ stops there, its requests not run count as failed, and its ``errors`` name the
 bound. A line that cannot be written (the files' disk full) is not kept either,
 and the batch parks until the disk may have room. Either request ran and was
 charged once: it is remembered (``batch_unstored``) and never run again.
+
+A parked batch resumes where it stopped: each claim saves where the input's lines
+answered in order end (``resume_at``), and the next reads from there, never
+parsing them again. A request refused before its admission (an unknown model, a
+bad parameter) still counts as one of its key's requests (admitted with no
+tokens), so a batch of them is never free: a key without room parks it.
 """
 
 from __future__ import annotations
@@ -55,9 +61,13 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from contract.replica_wire import Usage
+from serve_app.admission.scripts import Refusal
+from serve_app.appends import append_whole
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord, KeyStore
 from serve_app.pipeline.gateway import Gateway
+from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.redis_store import redis_names
 from serve_app.redis_store.redis_client import as_text
 from serve_app.settings import BatchConfig
@@ -240,6 +250,12 @@ class BatchJob:
         self.input_lost: Exception | None = None  # its input file was deleted or changed while it ran
         self.unstored: dict[str, str] = {}  # custom_id -> why its answer, which ran, was not kept
         self.at_bound = False  # a line did not fit its key's storage bound: the batch stops
+        # Where this claim reads the input from: every line before it is answered (a
+        # parked batch's next claim never parses them again); the lines read since, and
+        # the custom_ids answered by this claim, for the next claim's start.
+        self.start: tuple[int, int] = (0, 0)
+        self._read: list[tuple[str, int, int]] = []
+        self._answered_now: set[str] = set()
 
     async def run(self) -> None:
         fields = await self.store.fields(self.key_id, self.batch_id)
@@ -249,6 +265,9 @@ class BatchJob:
         fixed = json.loads(fields["fixed"])
         self.expires_at = fixed["expires_at"]
         self.unstored = await self.store.unstored(self.key_id, self.batch_id)
+        if fields.get("resume_at"):
+            offset, line = fields["resume_at"].split(",")
+            self.start = (int(offset), int(line))
         self.at_bound = STORAGE_BOUND in self.unstored.values()
         if fields["status"] == "validating":
             await self.store.transition(self.key_id, self.batch_id, "in_progress", ("validating",))
@@ -263,6 +282,7 @@ class BatchJob:
             # The input file is read as the requests are sent, a few lines ahead:
             # a runner holds its batches' requests in flight, never their files.
             await self._send_all(ENDPOINTS[fixed["endpoint"]], self._unanswered(file_id, done))
+            await self._save_start(done)
             if self.input_lost is not None:
                 return await self._input_lost(self.input_lost)
             if self.lost:
@@ -298,10 +318,14 @@ class BatchJob:
         """The requests of the input file not in ``done``, read off the event loop
         ``_READ_AHEAD`` at a time. A file gone or changed meanwhile ends them and
         sets ``input_lost``."""
-        lines = self.store.lines(self.key_id, file_id)
+        lines = self.store.lines(self.key_id, file_id, self.start)
+
+        def read(request: dict[str, Any]) -> bool:
+            self._read.append((request["custom_id"], request["end"], request["line"]))
+            return request["custom_id"] not in done
 
         def ahead() -> list[dict[str, Any]]:
-            return list(itertools.islice((r for r in lines if r["custom_id"] not in done), _READ_AHEAD))
+            return list(itertools.islice(filter(read, lines), _READ_AHEAD))
 
         try:
             while chunk := await asyncio.to_thread(ahead):
@@ -313,13 +337,25 @@ class BatchJob:
             with contextlib.suppress(ValueError):  # cancelled while a thread reads it: closed when collected
                 lines.close()
 
+    async def _save_start(self, done: set[str]) -> None:
+        """Where the next claim reads from: past the lines read in order that are all
+        answered (before this claim or by it)."""
+        start = self.start
+        for custom_id, end, line in self._read:
+            if custom_id not in done and custom_id not in self._answered_now:
+                break
+            start = (end, line)
+        if start != self.start and not self.lost:
+            self.start = start
+            await self.store.update(self.key_id, self.batch_id, resume_at=f"{start[0]},{start[1]}")
+
     def _not_run(self, file_id: str, code: str | None) -> int:
         """How many of the input file's requests are unanswered; with ``code``
         (cancelled, expired, the key revoked), each is written as a line of the
         error file saying why it never ran."""
         answered = self._answered()
         count = 0
-        for request in self.store.lines(self.key_id, file_id):
+        for request in self.store.lines(self.key_id, file_id, self.start):  # every line before it is answered
             if request["custom_id"] in answered:
                 continue
             count += 1
@@ -367,7 +403,11 @@ class BatchJob:
                 for raw in lines:
                     if not raw.endswith(b"\n"):
                         break
-                    line = json.loads(raw)
+                    try:
+                        line = json.loads(raw)
+                    except ValueError:  # not a line this runner wrote whole: cut there, as a crash's
+                        logger.error("batch %s: a result line is not JSON; cut there", self.batch_id)
+                        break
                     if line["custom_id"] not in done:
                         done.add(line["custom_id"])
                         self.counts[counter] += 1
@@ -432,7 +472,9 @@ class BatchJob:
         line_id = "batch_req_" + uuid.uuid4().hex
         if request["body"].get("stream"):
             error = OpenAIError(400, "Streaming is not supported in a batch.", param="stream", code="invalid_value")
-            return await self._answer(request, self._failed_line(request, line_id, error))
+            if await self._counted(key, line_id):
+                await self._answer(request, self._failed_line(request, line_id, error))
+            return
         while True:
             body = json.loads(json.dumps(request["body"]))  # the gateway edits what it is given
             # A batch line traces as a request does, its own trace (no client context).
@@ -458,7 +500,9 @@ class BatchJob:
                     continue
                 if wait is not None:
                     return  # stopping: the request stays unanswered (cancelled, expired or parked)
-                return await self._answer(request, self._failed_line(request, line_id, exc))
+                if record.admitted_at is not None or await self._counted(key, line_id):
+                    await self._answer(request, self._failed_line(request, line_id, exc))
+                return
             except Exception:
                 logger.exception("batch %s: request %s failed", self.batch_id, request["custom_id"])
                 record.status = 500
@@ -494,13 +538,33 @@ class BatchJob:
             self.park_s = MAX_PARK_S
             return await self._not_kept(request, "result_not_stored")
         self.counts["completed" if ok else "failed"] += 1
+        self._answered_now.add(request["custom_id"])
         self._add_usage(line)
         asyncio.ensure_future(self._save_counts())
+
+    async def _counted(self, key: KeyRecord, line_id: str) -> bool:
+        """A request that failed before its admission (an unknown model, a bad
+        parameter) still counts as one of its key's requests (admitted with no tokens,
+        as the Files routes are), so a batch of them is never free work: True; False
+        when the key has no room now (the batch parks, the line waits for a later claim)."""
+        gate = self.runner.gateway.access
+        try:
+            ticket = await gate.admit(key, "", 0, line_id)
+        except OpenAIError:  # Redis cannot say now: a later claim
+            self.park_s = max(self.park_s or 0.0, 1.0)
+            return False
+        if isinstance(ticket, Refusal):
+            wait = _retry_after_s(render_refusal(ticket))
+            self.park_s = max(self.park_s or 0.0, min(wait if wait is not None else MAX_PARK_S, MAX_PARK_S))
+            return False
+        gate.settle(ticket, "failed", Usage())
+        return True
 
     async def _not_kept(self, request: dict[str, Any], why: str) -> None:
         """``request`` ran (and was charged) but its answer is not kept: remembered, so
         that no claim runs it again, and counted as failed."""
         self.unstored[request["custom_id"]] = why
+        self._answered_now.add(request["custom_id"])
         await self.store.not_kept(self.key_id, self.batch_id, request["custom_id"], why)
         self.counts["failed"] += 1
         asyncio.ensure_future(self._save_counts())
@@ -535,9 +599,10 @@ class BatchJob:
 
     @staticmethod
     def _append(path: Path, text: str) -> None:
+        """Append ``text`` whole or not at all: a write the disk refused part-way is
+        taken back, so a later line never lands after a cut one."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as out:
-            out.write(text)
+        append_whole(path, text.encode())
 
     async def _finalize(self) -> None:
         """The partial files become the batch's output and error files, then the

@@ -292,10 +292,12 @@ class BatchStore:
 
     # -- what runners use ---------------------------------------------------------
 
-    def lines(self, key_id: str, file_id: str) -> Generator[dict[str, Any], None, None]:
-        """The requests of ``file_id`` one at a time (``batch_lines``): blocking reads,
-        for a thread; the file is opened at the first."""
-        return batch_lines(self._files().path(key_id, file_id), self.max_requests, self.max_line_bytes)
+    def lines(
+        self, key_id: str, file_id: str, start: tuple[int, int] = (0, 0)
+    ) -> Generator[dict[str, Any], None, None]:
+        """The requests of ``file_id`` one at a time (``batch_lines``, from ``start``):
+        blocking reads, for a thread; the file is opened at the first."""
+        return batch_lines(self._files().path(key_id, file_id), self.max_requests, self.max_line_bytes, start)
 
     def _scan(self, key_id: str, file_id: str, endpoint: str) -> tuple[int, list[dict[str, Any]]]:
         """(how many requests ``file_id`` has, the first 100 whose url is not

@@ -283,20 +283,27 @@ def _copy_bounded(source: BinaryIO, target: Path, max_bytes: int) -> int:
     return size
 
 
-def batch_lines(path: Path, max_requests: int, max_line_bytes: int) -> Generator[dict[str, Any], None, None]:
+def batch_lines(
+    path: Path, max_requests: int, max_line_bytes: int, start: tuple[int, int] = (0, 0)
+) -> Generator[dict[str, Any], None, None]:
     """The requests of a batch input file (OpenAI's JSONL: one object per line with
     ``custom_id``, ``method``, ``url`` and ``body``), one at a time, or a 400 naming
     the first line that is not one. Each line passes the checks a request body does
     (``parse_json_object``: depth, NaN and Infinity, lone surrogates) and is at
     most ``max_line_bytes`` (the request body limit: a line is a request).
     ``custom_id``s must be unique: results are matched by them. One line is held
-    at a time (a file may be 200 MB): what a reader keeps is its own choice."""
+    at a time (a file may be 200 MB): what a reader keeps is its own choice.
+    ``start``: (byte offset, line number) to read from (a batch resumed past the
+    lines it answered: checked whole when the batch was made); each request says
+    where the line after it starts (``end``)."""
     seen: set[str] = set()
+    offset, number = start
     with open(path, "rb") as lines:
-        number = 0
+        lines.seek(offset)
         # readline(n): a line longer than the bound is never read whole.
         while raw := lines.readline(max_line_bytes + 1):
             number += 1
+            offset += len(raw)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 raise _bad_line(number, f"is longer than {max_line_bytes} bytes, the request body limit")
             if not raw.strip():
@@ -322,8 +329,8 @@ def batch_lines(path: Path, max_requests: int, max_line_bytes: int) -> Generator
                     400, f"The file has more than {max_requests} requests.", param="file", code="too_many_requests"
                 )
             seen.add(custom_id)
-            yield {"line": number, "custom_id": custom_id, "url": line["url"], "body": line["body"]}
-    if not seen:
+            yield {"line": number, "custom_id": custom_id, "url": line["url"], "body": line["body"], "end": offset}
+    if not seen and start == (0, 0):
         raise OpenAIError(400, "The file has no requests.", param="file", code="invalid_file")
 
 

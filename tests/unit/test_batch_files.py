@@ -14,6 +14,7 @@ import openai_spec
 import pytest
 from small_disk import small_disk
 
+from serve_app.admission.scripts import Decision, Refusal
 from serve_app.errors import OpenAIError
 from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
 from serve_app.stored.batches import as_batch
@@ -274,6 +275,7 @@ class MemoryBatches:
         self.files = files
         self.ended_calls = 0
         self.unstored_: dict[str, str] = {}
+        self.starts: list[tuple[int, int]] = []  # where each read of the input began
 
     async def fields(self, key_id, batch_id):
         return dict(self.fields_)
@@ -299,8 +301,9 @@ class MemoryBatches:
     async def not_kept(self, key_id, batch_id, custom_id, why):
         self.unstored_[custom_id] = why
 
-    def lines(self, key_id, file_id):
-        return batch_lines(self.files.path(key_id, file_id), 50_000, 1 << 20)
+    def lines(self, key_id, file_id, start=(0, 0)):
+        self.starts.append(start)
+        return batch_lines(self.files.path(key_id, file_id), 50_000, 1 << 20, start)
 
 
 class LocalFiles(FileStore):
@@ -324,12 +327,31 @@ class LocalFiles(FileStore):
         self.adopted[file_id] = target.read_text()
 
 
-class AnsweringGateway:
-    """Answers every request at once (or refuses it with ``refusal``)."""
+class CountingGate:
+    """The gatekeeper as a batch line failed before its admission sees it: ``room``
+    requests admitted (and settled), then refusals of requests/min."""
 
-    def __init__(self, refusal: OpenAIError | None = None):
+    def __init__(self, room: int = 1 << 30):
+        self.room, self.counted = room, []
+
+    async def admit(self, key, model, tokens, http_request_id):
+        if len(self.counted) >= self.room:
+            decision = Decision(False, "requests", 20_000, 0, 20_000, -1, 0, "1")
+            return Refusal(key, "requests", 0, decision)
+        self.counted.append(http_request_id)
+        return SimpleNamespace(request_id=http_request_id)
+
+    def settle(self, ticket, status, usage=None):
+        assert status == "failed"
+
+
+class AnsweringGateway:
+    """Answers every request at once (or refuses it with ``refusal``, before its admission)."""
+
+    def __init__(self, refusal: OpenAIError | None = None, room: int = 1 << 30):
         self.sent, self.refusal = [], refusal
         self.catalog = SimpleNamespace(resolve=lambda model: model)
+        self.access = CountingGate(room)
 
     def waiting(self, model):
         return 0
@@ -476,6 +498,38 @@ async def test_a_batchs_results_stop_at_its_keys_storage_bound(tmp_path):
     assert error["code"] == "storage_limit_exceeded" and "storage bound" in error["message"]
 
 
+class RefusingAfter(AnsweringGateway):
+    """Answers ``answers`` requests, then refuses every one as a key out of room (a 429 to wait out)."""
+
+    def __init__(self, answers: int):
+        super().__init__()
+        self.answers = answers
+
+    async def run(self, key, operation, body, size, record, background=False):
+        if len(self.sent) >= self.answers:
+            self.sent.append(body["messages"][0]["content"])
+            raise OpenAIError(429, "Rate limit reached.", headers={"retry-after-ms": "30000"})
+        return await super().run(key, operation, body, size, record, background)
+
+
+async def test_a_parked_batch_resumes_after_the_lines_it_answered_never_reading_them_again(tmp_path):
+    gateway = RefusingAfter(answers=4)
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway, requests=10)
+    job.runner.config.concurrency = 1  # in order: the lines answered are the first four
+    await job.run()
+    assert job.park_s is not None and store.fields_["status"] == "in_progress"
+    offset, line = map(int, store.fields_["resume_at"].split(","))
+    raw = files.path("k1", "file-" + "1" * 32).read_bytes()
+    assert line == 4 and offset == len(b"".join(raw.splitlines(keepends=True)[:4]))
+    gateway.answers = 100  # the key has room again
+    again = BatchJob(job.runner, "k1", "batch_1")
+    await again.run()
+    # Its input read from there; once all is answered, what is left to count starts at the end.
+    assert store.starts[-2:] == [(offset, 4), (len(raw), 10)]
+    assert sorted(gateway.sent) == sorted([f"r{i}" for i in range(10)] + ["r4"])  # r4 refused once, then run
+    assert store.fields_["status"] == "completed" and store.fields_["completed"] == "10"
+
+
 async def test_a_refusal_that_cannot_pass_is_the_requests_error_line(tmp_path):
     refusal = OpenAIError(403, "This API key may not use model 'm'.", code="model_not_allowed")
     job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, AnsweringGateway(refusal))
@@ -484,6 +538,23 @@ async def test_a_refusal_that_cannot_pass_is_the_requests_error_line(tmp_path):
     errors = result_lines(files, "errors")
     assert {item["response"]["status_code"] for item in errors} == {403}
     assert errors[0]["response"]["body"]["error"]["code"] == "model_not_allowed" and errors[0]["error"] is None
+
+
+async def test_lines_that_fail_before_admission_count_as_requests_and_park_a_key_without_room(tmp_path):
+    """A request the gateway refuses before admitting it (an unknown model) is still one
+    of its key's requests: a key with room for two gets two error lines, then the batch
+    parks with the third line unanswered, for when the key has room."""
+    refusal = OpenAIError(404, "The model 'm' does not exist.", code="model_not_found")
+    gateway = AnsweringGateway(refusal, room=2)
+    job, store, files = batch_job(tmp_path, "in_progress", time.time() + 3600, gateway)
+    job.runner.config.concurrency = 1
+    await job.run()
+    assert len(gateway.access.counted) == 2 and job.park_s == 20.0
+    assert store.fields_["status"] == "in_progress" and store.fields_["failed"] == "2"
+    gateway.access.room = 3
+    await BatchJob(job.runner, "k1", "batch_1").run()
+    assert len(gateway.access.counted) == 3 and store.fields_["status"] == "completed"
+    assert {item["response"]["status_code"] for item in result_lines(files, "errors")} == {404}
 
 
 async def test_a_batch_whose_input_file_is_gone_fails_and_leaves_no_partial_results(tmp_path):
