@@ -16,6 +16,7 @@ import datetime
 import functools
 import json
 import mmap
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -57,12 +58,19 @@ class RecordSink:
             when = int(record.get("received_ms") or record.get("finished_ms") or 0)
             path = _hour_dir(self.root, when) / f"{writer}.jsonl"
             by_file.setdefault(path, []).append(json.dumps(record, separators=(",", ":")) + "\n")
-        written = 0
-        for path, lines in by_file.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = "".join(lines).encode()
-            append_whole(path, data, sync=True)  # a write the disk refused part-way leaves nothing
-            written += len(data)
+        written, done = 0, []
+        try:
+            for path, lines in by_file.items():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                data = "".join(lines).encode()
+                size = path.stat().st_size if path.exists() else 0
+                append_whole(path, data, sync=True)  # a write the disk refused part-way leaves nothing
+                done.append((path, size))
+                written += len(data)
+        except OSError:
+            for path, size in done:  # the batch's other hours: taken back too, it is written again whole
+                os.truncate(path, size)
+            raise
         return written
 
     def find(

@@ -256,7 +256,7 @@ class Gatekeeper:
         if decision.admitted:
             return None
         self._no_overlap(key)
-        return Refusal(key, decision.kind, 0, decision)
+        return Refusal(decision.as_applied(key), decision.kind, 0, decision)
 
     async def withdraw(self, ticket: Ticket, keep_request: bool = False) -> None:
         """Take a ticket's admission back as if it never happened, at every level: its

@@ -246,10 +246,17 @@ class Admission:
         reply = await self.pipeline.call(
             self._room,
             redis_names.admission_keys(key.id, ""),
-            [key.requests_per_minute, key.max_concurrent, "1" if redis_names.has_stored_limits(key.id) else "0"],
+            [
+                key.requests_per_minute,
+                key.max_concurrent,
+                "1" if redis_names.has_stored_limits(key.id) else "0",
+                key.tokens_per_minute,
+            ],
         )
-        room, kind, retry, rr, rs, detail = reply[:6]
-        return Decision(bool(room), _text(kind), int(retry), int(rr), int(rs), -1, 0, _text(detail))
+        room, kind, retry, rr, rs, kr, ks, detail, applied = reply[:9]
+        return Decision(
+            bool(room), _text(kind), int(retry), int(rr), int(rs), int(kr), int(ks), _text(detail), _text(applied)
+        )
 
     async def release(self, key: KeyRecord, request_id: str, refused_by: str, keep_request: bool = False) -> bool:
         """Undo ``request_id``'s admission at ``key``'s level (another level refused

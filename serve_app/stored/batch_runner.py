@@ -340,6 +340,7 @@ class BatchJob:
     async def _save_start(self, done: set[str]) -> None:
         """Where the next claim reads from: past the lines read in order that are all
         answered (before this claim or by it)."""
+        await asyncio.to_thread(self._sync_partials)  # what the resume point passes is on the disk
         start = self.start
         for custom_id, end, line in self._read:
             if custom_id not in done and custom_id not in self._answered_now:
@@ -348,6 +349,15 @@ class BatchJob:
         if start != self.start and not self.lost:
             self.start = start
             await self.store.update(self.key_id, self.batch_id, resume_at=f"{start[0]},{start[1]}")
+
+    def _sync_partials(self) -> None:
+        for path in (self.out, self.err):
+            if path.exists():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def _not_run(self, file_id: str, code: str | None) -> int:
         """How many of the input file's requests are unanswered; with ``code``
@@ -377,8 +387,10 @@ class BatchJob:
         )
         await self.store.transition(self.key_id, self.batch_id, "failed", ("validating", "in_progress", "cancelling"))
         await self.store.ended(self.key_id, self.batch_id)
-        for partial in (self.out, self.err):  # results of a batch that failed: never a file
+        # Results of a batch that failed: never a file, and the room they took is given back.
+        for partial, kind in ((self.out, "output"), (self.err, "errors")):
             partial.unlink(missing_ok=True)
+            await self.files.release_result(self.key_id, result_file_id(self.batch_id, kind))
 
     async def _key(self) -> KeyRecord | None:
         """The batch's key as it is now; None once revoked or disabled."""
@@ -451,7 +463,7 @@ class BatchJob:
                 if key is None:
                     slots.release()
                     break
-                task = asyncio.ensure_future(self._one(key, operation, request))
+                task = asyncio.ensure_future(self._guarded(key, operation, request))
                 running.add(task)
                 task.add_done_callback(functools.partial(_ended, running, slots))
         finally:
@@ -467,6 +479,18 @@ class BatchJob:
             return  # the request's own error says so
         while name is not None and self.runner.gateway.waiting(name) > 0 and not self.lost:
             await asyncio.sleep(0.05)
+
+    async def _guarded(self, key: KeyRecord, operation: str, request: dict[str, Any]) -> None:
+        """``_one``, whose failure to keep an answer (Redis or the disk refusing what
+        records it) parks the batch rather than passing unseen: the request is not
+        counted as answered, so the resume point never passes it."""
+        try:
+            await self._one(key, operation, request)
+        except Exception:
+            logger.exception(
+                "batch %s: request %s: its answer was not kept; the batch parks", self.batch_id, request["custom_id"]
+            )
+            self.park_s = max(self.park_s or 0.0, MAX_RETRY_WAIT_S)
 
     async def _one(self, key: KeyRecord, operation: str, request: dict[str, Any]) -> None:
         line_id = "batch_req_" + uuid.uuid4().hex
@@ -500,7 +524,8 @@ class BatchJob:
                     continue
                 if wait is not None:
                     return  # stopping: the request stays unanswered (cancelled, expired or parked)
-                if record.admitted_at is not None or await self._counted(key, line_id):
+                # Counted already: admitted, or refused by admission itself (a request too large).
+                if record.admitted_at is not None or exc.status == 429 or await self._counted(key, line_id):
                     await self._answer(request, self._failed_line(request, line_id, exc))
                 return
             except Exception:
@@ -526,16 +551,19 @@ class BatchJob:
         remembered as run and not kept (the batch stops, or parks)."""
         if self.lost:  # another runner has the batch now: it runs this request again
             return
-        text = json.dumps(line, separators=(",", ":")) + "\n"
-        kind = "output" if ok else "errors"
-        if not await self.files.grow_result(self.key_id, result_file_id(self.batch_id, kind), len(text.encode())):
+        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        result = result_file_id(self.batch_id, "output" if ok else "errors")
+        if not await self.files.grow_result(self.key_id, result, len(data)):
             self.at_bound = True
             return await self._not_kept(request, STORAGE_BOUND)
+        if self.lost:  # lost while Redis counted it: the runner that has the batch now runs it
+            return await self.files.grow_result(self.key_id, result, -len(data))
         try:
-            self._append(self.out if ok else self.err, text)
+            self._append(self.out if ok else self.err, data)
         except OSError as exc:
             logger.error("batch %s: an answer could not be written (%s); the batch parks", self.batch_id, exc)
             self.park_s = MAX_PARK_S
+            await self.files.grow_result(self.key_id, result, -len(data))  # not on the disk: not counted
             return await self._not_kept(request, "result_not_stored")
         self.counts["completed" if ok else "failed"] += 1
         self._answered_now.add(request["custom_id"])
@@ -563,9 +591,9 @@ class BatchJob:
     async def _not_kept(self, request: dict[str, Any], why: str) -> None:
         """``request`` ran (and was charged) but its answer is not kept: remembered, so
         that no claim runs it again, and counted as failed."""
+        await self.store.not_kept(self.key_id, self.batch_id, request["custom_id"], why)  # first: then it is past
         self.unstored[request["custom_id"]] = why
         self._answered_now.add(request["custom_id"])
-        await self.store.not_kept(self.key_id, self.batch_id, request["custom_id"], why)
         self.counts["failed"] += 1
         asyncio.ensure_future(self._save_counts())
 
@@ -595,14 +623,14 @@ class BatchJob:
 
     @staticmethod
     def _write(path: Path, line: dict[str, Any]) -> None:
-        BatchJob._append(path, json.dumps(line, separators=(",", ":")) + "\n")
+        BatchJob._append(path, (json.dumps(line, separators=(",", ":")) + "\n").encode())
 
     @staticmethod
-    def _append(path: Path, text: str) -> None:
-        """Append ``text`` whole or not at all: a write the disk refused part-way is
+    def _append(path: Path, data: bytes) -> None:
+        """Append ``data`` whole or not at all: a write the disk refused part-way is
         taken back, so a later line never lands after a cut one."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        append_whole(path, text.encode())
+        append_whole(path, data)
 
     async def _finalize(self) -> None:
         """The partial files become the batch's output and error files, then the
@@ -619,6 +647,8 @@ class BatchJob:
             if path.exists() or self.files.path(self.key_id, file_id).exists():
                 await self.files.adopt(self.key_id, path, f"{self.batch_id}_{kind}.jsonl", "batch_output", file_id)
                 files[field] = file_id
+            else:  # no such result: what its lines' room counted is given back
+                await self.files.release_result(self.key_id, file_id)
         errors = self._unstored_errors()
         await self.store.update(self.key_id, self.batch_id, **files, **self.counts, **errors)
         await self.store.transition(self.key_id, self.batch_id, ends, ("finalizing", "cancelling", "in_progress"))

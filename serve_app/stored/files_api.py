@@ -140,6 +140,10 @@ class FileStore:
         key's bound holds them; False if not (nothing counted)."""
         return await self.space.grow(key_id, file_id, size, time.time() + RETENTION_S + _RESULT_WINDOW_S)
 
+    async def release_result(self, key_id: str, file_id: str) -> None:
+        """A batch result file that will not be made: the room its lines took is given back."""
+        await self.space.release(key_id, file_id)
+
     async def adopt(self, key_id: str, written: Path, filename: str, purpose: str, file_id: str) -> dict[str, Any]:
         """Make ``file_id`` of content already written in this store (a batch's
         results). Idempotent: a second call (a finalization resumed after a crash)

@@ -369,14 +369,22 @@ async def test_room_before_the_body_charges_nothing_and_refuses_as_admission_wou
     """room.lua, asked before a large body is read: while the key has room it charges
     nothing (its two requests a minute are both still admitted); once at its
     requests/min it refuses with admission's own retry, counted as a refusal."""
-    adm, k = admission(redis), key(requests_per_minute=2)
+    adm, k = admission(redis), key(requests_per_minute=2, tokens_per_minute=1000)
     for _ in range(3):
         assert (await adm.room(k)).admitted
     assert [(await admit(adm, k))[1].admitted for _ in range(2)] == [True, True]
     refused, by_admission = await adm.room(k), (await admit(adm, k))[1]
     assert not refused.admitted and refused.kind == by_admission.kind == "requests"
     assert abs(refused.retry_ms - by_admission.retry_ms) <= 5 and refused.retry_ms > 0
-    assert refused.headers(k)["retry-after"] == by_admission.headers(k)["retry-after"]
+    headers, by_admission_headers = refused.headers(k), by_admission.headers(k)
+    assert headers.keys() == by_admission_headers.keys()  # the same 429, its token limit's state included
+    for name in ("retry-after", "x-ratelimit-remaining-requests", "x-ratelimit-limit-tokens"):
+        assert headers[name] == by_admission_headers[name], name
+    # Admission's state includes the refused request's own token (1): the room check's does not.
+    assert int(headers["x-ratelimit-remaining-tokens"]) - int(by_admission_headers["x-ratelimit-remaining-tokens"]) in (
+        0,
+        1,
+    )
     usage = {name.decode(): int(value) for name, value in (await redis.hgetall(redis_names.usage(k.id))).items()}
     assert day_usage(usage, "requests") == 2 and day_usage(usage, "refused") == 2
 

@@ -493,15 +493,21 @@ class CountingReplica:
 
 
 class SizingAccess(Access):
-    """Records the tokens each admission reserved."""
+    """Records the tokens each admission reserved, whether its request was already
+    paid (``request_paid``), and whether each withdrawal kept its request."""
 
     def __init__(self):
         super().__init__()
-        self.reserved = []
+        self.reserved, self.paid, self.kept = [], [], []
 
     async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
         self.reserved.append(tokens)
+        self.paid.append(request_paid)
         return await super().admit(key, model, tokens, http_request_id, request_id, reserve_nanos, request_paid)
+
+    async def withdraw(self, ticket, keep_request=False):
+        self.kept.append(keep_request)
+        await super().withdraw(ticket, keep_request)
 
 
 def sizing_gateway(replica: CountingReplica):
@@ -523,8 +529,11 @@ async def test_a_prompt_over_its_estimate_is_admitted_again_at_its_real_size():
     assert reply.body == b"{}"
     assert replica.allowances == [25, 900]  # the engine never took more than was reserved
     assert access.reserved == [25 + 4, 900 + 4]
-    # The refused attempt was withdrawn (nothing of it counts, not even its request); the
-    # second is charged its real usage, within its reservation.
+    # A render is a request: the withdrawal keeps its request of requests/min, and the
+    # second admission does not charge one again.
+    assert access.kept == [True] and access.paid == [False, True]
+    # The refused attempt was withdrawn (its reservation and record); the second is
+    # charged its real usage, within its reservation.
     assert access.settled == [("withdrawn", None), ("completed", Usage(prompt_tokens=900, completion_tokens=4))]
 
 

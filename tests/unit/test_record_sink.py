@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+from small_disk import small_disk
+
 from serve_app.accounting.record_sink import RecordSink
 from serve_app.accounting.usage import _OUR_ID, id_time, new_request_id
 
@@ -95,3 +98,24 @@ def test_days_past_the_retention_are_removed_whole(tmp_path):
     assert sink.sweep(now_ms / 1000) == 2
     assert sorted(path.name for path in tmp_path.iterdir()) == ["20260919", "20260920", "20260921", "notes"]
     assert RecordSink(str(tmp_path / "none"), 60).sweep(time.time()) == 0
+
+
+def test_a_batch_the_full_disk_refuses_in_its_second_hour_leaves_no_hour_written(tmp_path):
+    """A batch of records spanning two hours, the second past what the disk holds: the
+    first hour's file is taken back too, so the retry writes the batch once, whole."""
+    with small_disk(tmp_path / "sink", "64k") as disk:
+        sink = RecordSink(str(disk), retention_s=86400)
+        at = 1_790_000_000_000
+        sink.append("w1", [record("ka-0", at)])
+        kept = {path: path.read_bytes() for path in disk.rglob("*.jsonl")}
+        batch = [record("ka-1", at), record("ka-2", at + HOUR_MS, pad="x" * (200 << 10))]
+        with pytest.raises(OSError):
+            sink.append("w1", batch)
+        assert {path: path.read_bytes() for path in disk.rglob("*.jsonl")} == {
+            **kept,
+            **{path: b"" for path in disk.rglob("*.jsonl") if path not in kept},
+        }
+        sink.append("w1", batch[:1])
+        assert [
+            json.loads(line)["id"] for path in sorted(disk.rglob("*.jsonl")) for line in path.read_text().splitlines()
+        ] == ["ka-0", "ka-1"]
