@@ -91,7 +91,8 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 
 # serve_app/ by role, each folder importing only the folders below it (docs/architecture.md,
 # "Who owns what"). At the bottom what keeps state in Redis stands on (its client, key
-# names and scripts) and the limits an account carries; then the shared modules (errors,
+# names and scripts), the limits an account carries and appending to a file whole (appends);
+# then the shared modules (errors,
 # settings, telemetry, tracing); the wire types; then the rooms of the quota service, each
 # on the one below: who is calling (identity), what was used and cost (accounting), whether
 # a request runs now (admission). Above them the request path and the dialects; stored
@@ -101,6 +102,7 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 LAYERS = {
     "redis_store": 0,
     "limits": 0,
+    "appends": 0,
     "errors": 1,
     "settings": 1,
     "telemetry": 1,
