@@ -446,12 +446,13 @@ def test_a_batch_on_a_full_disk_runs_and_charges_each_request_at_most_once(base_
         file = upload(client, lines)
         filler = fill(disk, leave_bytes=96 * 1024)  # room for a claim to start, none for an answer
         batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
-        lost = wait_for(client, batch.id, lambda b: b.request_counts.failed > 0, timeout_s=120).request_counts.failed
+        wait_for(client, batch.id, lambda b: b.request_counts.failed > 0, timeout_s=120)  # answers lost: it parks
         filler.unlink()  # the disk has room again: the batch's next claim runs the rest
         done = wait_for(client, batch.id, ended, timeout_s=300)
         output = client.files.content(done.output_file_id).content.splitlines()
     assert done.status == "completed", done
-    assert done.request_counts.completed == 8 - lost and done.request_counts.failed == lost >= 1
+    lost = done.request_counts.failed  # what was in flight when the disk refused: at most a round of them
+    assert done.request_counts.completed == 8 - lost and 1 <= lost <= BATCH_CONCURRENCY
     assert [error.code for error in done.errors.data] == ["result_not_stored"]
     custom_ids = [json.loads(line)["custom_id"] for line in output]
     assert len(custom_ids) == len(set(custom_ids)) == 8 - lost
