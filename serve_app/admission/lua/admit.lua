@@ -45,6 +45,7 @@
 --          when read from the record ('' otherwise).
 
 --#include gcra
+--#include refusals
 local WINDOW = 60000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -187,13 +188,7 @@ if max_conc > 0 then
 end
 
 if kind then
-  local minute = math.floor(now / 60000)
-  if redis.call('HINCRBY', KEYS[6], minute .. ':' .. kind, 1) == 1 then
-    for _, name in ipairs(redis.call('HKEYS', KEYS[6])) do
-      if tonumber(string.match(name, '^(%d+):')) < minute - 60 then redis.call('HDEL', KEYS[6], name) end
-    end
-    redis.call('EXPIRE', KEYS[6], 3660)
-  end
+  count_refusal(KEYS[6], kind, now)
   if redis.call('HINCRBY', KEYS[4], day_field .. ':refused', 1) == 1 then prune_usage() end
   return {0, kind, wait, rr, rs, kr, ks, detail, applied}
 end

@@ -15,6 +15,7 @@
 --          from the record, '' otherwise).
 
 --#include gcra
+--#include refusals
 local WINDOW = 60000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -56,12 +57,6 @@ if max_conc > 0 then
 end
 if not kind then return {1, '', 0, rr, rs, kr, ks, '', applied} end
 
-local minute = math.floor(now / 60000)
-if redis.call('HINCRBY', KEYS[6], minute .. ':' .. kind, 1) == 1 then
-  for _, name in ipairs(redis.call('HKEYS', KEYS[6])) do
-    if tonumber(string.match(name, '^(%d+):')) < minute - 60 then redis.call('HDEL', KEYS[6], name) end
-  end
-  redis.call('EXPIRE', KEYS[6], 3660)
-end
+count_refusal(KEYS[6], kind, now)
 redis.call('HINCRBY', KEYS[4], day_field .. ':refused', 1)
 return {0, kind, wait, rr, rs, kr, ks, detail, applied}
