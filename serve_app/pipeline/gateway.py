@@ -42,7 +42,7 @@ from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_repl
 from serve_app.routing.places import replica_places
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.tracing import RequestTrace, now_ns, replica_context
-from serve_app.wire.api_requests import OPERATIONS, Operation, validate_request
+from serve_app.wire.api_requests import OPERATIONS, Operation, check_message_count, validate_request
 from serve_app.wire.calls import Reply
 from serve_app.wire.media import check_media
 from serve_app.wire.parameters import apply_parameter_policy
@@ -232,6 +232,12 @@ class Gateway:
             handle = handle.options(multiplexed_model_id=adapter)
         authorize(key, model)
         config = self.catalog.config(model)
+        context_length = self.catalog.context_length(model)
+        if context_length:
+            if op.name == "responses":
+                check_message_count(body.get("input"), context_length, param="input")
+            else:
+                check_message_count(body.get("messages"), context_length)
         # Chat, Anthropic messages, embeddings of chat-shaped input (vLLM's multimodal
         # embeddings), and the Responses API's input items (messages with content parts).
         check_media(body.get("input") if op.name == "responses" else body.get("messages"), config.media)
@@ -240,7 +246,7 @@ class Gateway:
             body,
             raw_size,
             default_max_tokens=self.access.default_max_tokens,
-            context_length=self.catalog.context_length(model),
+            context_length=context_length,
         )
         rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
         if config.priority_scheduling and op.name in PRIORITIZED:

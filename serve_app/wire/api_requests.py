@@ -9,14 +9,24 @@ replicas and gives precise errors.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, Protocol, cast
+from typing import Annotated, Any, Literal, NoReturn, Protocol, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from contract.replica_wire import ReplicaOperation
 from serve_app.errors import OpenAIError, invalid_request, shown
@@ -27,19 +37,35 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class ChatMessage(BaseModel):
-    """Only the role is checked here; content shapes are vLLM's business."""
+def _roles(*allowed: str) -> AfterValidator:
+    """A list of messages whose every item is an object with one of ``allowed`` as its
+    role; content shapes are vLLM's business. A loop, not a model per message: it runs
+    on the event loop, and a model (or TypedDict) per message took 5x longer on a body
+    of many small ones (bench/body_parse.py)."""
+    roles = frozenset(allowed)
 
-    model_config = ConfigDict(extra="allow")
-    # OpenAI's roles; vLLM alone would accept any string as a role.
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    def check(messages: list[Any]) -> list[Any]:
+        for index, message in enumerate(messages):
+            role = message.get("role") if type(message) is dict else None
+            if type(role) is not str or role not in roles:
+                got = shown(message.get("role")) if type(message) is dict else f"a {type(message).__name__}"
+                raise ValueError(f"item {index} must be an object whose role is one of {sorted(roles)}, got {got}")
+        return messages
+
+    return AfterValidator(check)
+
+
+# OpenAI's roles; vLLM alone would accept any string as a role.
+ChatMessages = Annotated[list[Any], _roles("system", "developer", "user", "assistant", "tool", "function")]
+# Anthropic's: the system prompt is a field of its own.
+AnthropicMessages = Annotated[list[Any], _roles("user", "assistant")]
 
 
 class ChatEnvelope(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ChatMessages = Field(min_length=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -50,8 +76,25 @@ MAX_DETOKENIZE_TOKENS = 1_000_000
 # OpenAI's (and vLLM's) max_tokens when a completions request names none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
+
+def _prompt_shape(value: Any) -> Any:
+    """Exact types in a loop (bool is not an int here, as in strict mode): pydantic's
+    union of the four list types took 115 ms on the loop for 500,000 token ids."""
+    if type(value) is str:
+        return value
+    if type(value) is list and (
+        all(type(item) is str for item in value)
+        or all(type(item) is int for item in value)
+        or all(type(item) is list and all(type(token) is int for token in item) for item in value)
+    ):
+        return value
+    raise ValueError("expected a string, an array of strings, an array of token ids or an array of such arrays")
+
+
 # A prompt as OpenAI accepts it: text, texts, token ids, or lists of token ids.
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = Annotated[
+    Any, PlainValidator(_prompt_shape, json_schema_input_type=str | list[str] | list[int] | list[list[int]])
+]
 
 
 class CompletionEnvelope(BaseModel):
@@ -84,18 +127,13 @@ class EmbeddingEnvelope(BaseModel):
         return value
 
 
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]  # the system prompt is a field of its own
-
-
 class MessagesEnvelope(BaseModel):
     """Anthropic's Messages request: ``max_tokens`` is required there."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: AnthropicMessages = Field(min_length=1)
     max_tokens: int
     stream: bool | None = False
 
@@ -116,7 +154,7 @@ class CountTokensEnvelope(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: AnthropicMessages = Field(min_length=1)
     stream: Literal[False] | None = None
 
 
@@ -127,7 +165,7 @@ class TokenizeEnvelope(BaseModel):
 
     model: str = Field(min_length=1)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: ChatMessages | None = Field(default=None, min_length=1)
     stream: Literal[False] | None = None
 
     @model_validator(mode="after")
@@ -215,6 +253,34 @@ def validate_request(operation: Operation, body: dict[str, Any]) -> Envelope:
         raise invalid_request(exc) from None
 
 
+# More JSON values than any request a model can take holds (2,048 embedding inputs
+# of 256 token ids; a prompt of as many token ids is past every context): a body that
+# may hold more is refused before it is parsed. Parsing, validating and handing a
+# request to vLLM cost per value, not per byte, all on the event loop that relays
+# everyone's streams (a thread would not help: json's and pydantic's C code hold the
+# GIL). Before this bound 8 MiB of ``[]`` took 3.2 s to parse, 8 MiB of one-letter
+# messages 2.5 s to parse and validate (bench/body_parse.py). Counted from the bytes
+# in one pass (6 ms for 8 MiB): every value but the body itself is its container's
+# first (after its ``{`` or ``[``) or follows a ``,``; those inside strings count too,
+# so the count bounds the values from above.
+MAX_JSON_VALUES = 524_288
+
+
+def check_message_count(messages: Any, context_length: int, param: str = "messages") -> None:
+    """A 400 for more messages (or Responses input items) than the model's context has
+    tokens: every chat template renders a message to one token at least, so such a
+    request cannot run, and vLLM's validation of it costs ~3 µs a message on the
+    event loop of the replica that relays everyone's streams before it says so."""
+    if isinstance(messages, list) and len(messages) > context_length:
+        raise OpenAIError(
+            400,
+            f"Invalid '{param}': array too long. Expected an array with maximum length {context_length} "
+            f"(the model's context length), but got an array with length {len(messages)} instead.",
+            param=param,
+            code="array_above_max_length",
+        )
+
+
 # Deeper JSON than any request shape needs (a JSON schema in response_format or a
 # tool is the deepest); beyond it, the parser, validation and pickling to a replica
 # would all recurse on the client's say-so.
@@ -223,17 +289,34 @@ MAX_JSON_DEPTH = 100
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    marks = raw.translate(None, _ALL_BUT_VALUE_MARKS)  # its ',', '{' and '[' bytes: one pass in C
+    if len(marks) > MAX_JSON_VALUES:
+        raise OpenAIError(
+            400,
+            f"The JSON body of your request may hold more than {MAX_JSON_VALUES:,} values: it has "
+            f"{len(marks):,} ',', '{{' and '[' characters (strings included), and at most "
+            f"{MAX_JSON_VALUES:,} are taken.",
+            code="json_too_large",
+        )
+    collecting = gc.isenabled()
     try:
+        # No cycle collection while the parser allocates: what it makes has no cycles,
+        # and passes triggered by its many new containers tripled the cost of a body
+        # of small ones.
+        gc.disable()
         # NaN, Infinity and numbers beyond a float are not JSON (Python's parser takes them).
         body = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+    finally:
+        if collecting:
+            gc.enable()
     if not isinstance(body, dict):
         raise OpenAIError(400, "The request body must be a JSON object.")
     # Only a body with that many brackets can be that deep: most skip the walk.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+    if len(marks) - marks.count(b",") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
         raise _too_deep()
     # A \uD800-\uDFFF escape not in a pair decodes to text no tokenizer takes;
     # only bodies with such escapes (emoji from ensure_ascii clients) are walked.
@@ -245,6 +328,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         )
     return body
 
+
+_ALL_BUT_VALUE_MARKS = bytes(c for c in range(256) if c not in b",{[")
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -278,14 +363,18 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
+    """Level by level, exact types (what json.loads makes): 2.6x faster than a stack of
+    (node, depth) pairs on a body of many small objects."""
+    level, depth = [value], 1
+    while level:
         if depth > limit:
             return True
-        for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+        below = []
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
+        level, depth = below, depth + 1
     return False
 
 

@@ -3,9 +3,20 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from serve_app.errors import OpenAIError, from_engine_error
-from serve_app.wire.api_requests import OPERATIONS, check_metadata, list_params, parse_json_object, validate_request
+from serve_app.wire import api_requests
+from serve_app.wire.api_requests import (
+    MAX_JSON_VALUES,
+    OPERATIONS,
+    check_message_count,
+    check_metadata,
+    list_params,
+    parse_json_object,
+    validate_request,
+)
 
 
 def parse(body, operation="chat"):
@@ -234,3 +245,120 @@ def test_metadata_beyond_openais_bounds_is_a_400(metadata):
 def test_metadata_within_openais_bounds_passes():
     check_metadata(None)
     check_metadata({str(i): "v" * 512 for i in range(16)})
+
+
+# What the loop may be made to parse and validate (MAX_JSON_VALUES, check_message_count):
+# bounded by counts, checked before the work they bound.
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=',{["]}a\\ ', max_size=6),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=3), children, max_size=5),
+    max_leaves=40,
+)
+
+
+def values_in(value) -> int:
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return 1 + sum(values_in(child) for child in inner)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES)
+def test_the_value_count_read_from_the_bytes_is_never_below_the_values(document):
+    # Strings of commas and brackets, escaped or not, only add to the count.
+    for raw in (json.dumps(document).encode(), json.dumps(document, separators=(",", ":")).encode()):
+        marks = sum(raw.count(mark) for mark in (b",", b"{", b"["))
+        assert values_in(document) <= marks + 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "prompt": [' + b"7," * MAX_JSON_VALUES + b"7]}",  # token ids
+        b'{"model": "m", "x": [' + b"[]," * MAX_JSON_VALUES + b"[]]}",  # empty arrays
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * (MAX_JSON_VALUES // 2)}).encode(),
+        json.dumps({"model": "m", "prompt": "a, b" * MAX_JSON_VALUES}).encode(),  # commas in a text count too
+    ],
+    ids=["token-ids", "empty-arrays", "one-letter-messages", "commas-in-text"],
+)
+def test_a_body_that_may_hold_more_values_than_the_bound_is_refused_before_it_is_parsed(raw, monkeypatch):
+    parsed = []
+    monkeypatch.setattr(api_requests.json, "loads", lambda *args, **kwargs: parsed.append(1))
+    with pytest.raises(OpenAIError) as caught:
+        parse_json_object(raw)
+    assert caught.value.status == 400 and caught.value.code == "json_too_large"
+    assert f"{MAX_JSON_VALUES:,}" in caught.value.message
+    assert parsed == []  # refused from its bytes alone
+
+
+def test_a_body_at_the_bound_is_parsed():
+    prompt = [7] * (MAX_JSON_VALUES - 8)
+    raw = json.dumps({"model": "m", "prompt": prompt}, separators=(",", ":")).encode()
+    assert sum(raw.count(mark) for mark in (b",", b"{", b"[")) <= MAX_JSON_VALUES
+    assert parse_json_object(raw)["prompt"] == prompt
+
+
+def test_more_messages_than_the_context_has_tokens_is_a_400_naming_the_parameter():
+    check_message_count([{"role": "user"}] * 2048, 2048)
+    check_message_count("not a list: the envelope's business", 1)
+    with pytest.raises(OpenAIError) as caught:
+        check_message_count([{"role": "user"}] * 2049, 2048)
+    error = caught.value
+    assert (error.status, error.param, error.code) == (400, "messages", "array_above_max_length")
+    assert "maximum length 2048" in error.message and "length 2049" in error.message
+    with pytest.raises(OpenAIError) as caught:
+        check_message_count(["x"] * 3, 2, param="input")
+    assert caught.value.param == "input"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": ["user"]}],  # unhashable: a 400, not a TypeError
+        [{"role": {"a": 1}}],
+        [{"role": None}],
+        [{"content": "no role"}],
+        ["user"],
+        [["role", "user"]],
+        [{"role": "user"}, 7],
+        [{"role": "robot"}],
+    ],
+)
+def test_every_message_must_be_an_object_with_a_known_role(messages):
+    for operation, body in (
+        ("chat", {"model": "m", "messages": messages}),
+        ("messages", {"model": "m", "max_tokens": 1, "messages": messages}),
+        ("tokenize", {"model": "m", "messages": messages}),
+    ):
+        with pytest.raises(OpenAIError) as caught:
+            validate_request(OPERATIONS[operation], body)
+        assert caught.value.status == 400 and caught.value.param == "messages", operation
+
+
+@pytest.mark.parametrize(
+    "prompt, ok",
+    [
+        ("text", True),
+        ([], True),
+        (["a", "b"], True),
+        ([1, 2], True),
+        ([[1, 2], [3]], True),
+        ([True], False),  # bool is not a token id
+        ([[1, False]], False),
+        ([1, "2"], False),
+        (["a", [1]], False),
+        ([[[1]]], False),
+        ([1.0], False),
+        ({"a": 1}, False),
+        (None, False),
+    ],
+)
+def test_a_prompt_is_text_texts_token_ids_or_lists_of_token_ids(prompt, ok):
+    for operation, name in (("completions", "prompt"), ("embeddings", "input")):
+        body = {"model": "m", name: prompt}
+        if ok:
+            validate_request(OPERATIONS[operation], body)
+        else:
+            with pytest.raises(OpenAIError) as caught:
+                validate_request(OPERATIONS[operation], body)
+            assert caught.value.status == 400 and caught.value.param == name
