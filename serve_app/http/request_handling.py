@@ -28,6 +28,9 @@ from serve_app.tracing import RequestTrace, now_ns
 from serve_app.wire.api_requests import parse_json_object
 from serve_app.wire.calls import Call
 
+# What a client's own body can be refused for before its admission (a 429 is a quota's).
+CLIENT_MISTAKES = frozenset((400, 403, 404, 408, 413, 415, 422))
+
 # The header naming a request's session (Ray's RAY_SERVE_SESSION_ID_HEADER_KEY, else x-session-id).
 SESSION_HEADER = session_header()
 logger = logging.getLogger("ray.serve")
@@ -128,10 +131,16 @@ class HandlesRequests:
             record.trace.stage("authenticate", started, **{"llm.auth.source": seen.get("source")})
             started = now_ns()
         declared = request.headers.get("content-length", "")
-        if not declared.isdigit() or int(declared) > self.room_check_bytes:
+        large = not declared.isdigit() or int(declared) > self.room_check_bytes
+        if large:
             await self.gateway.refuse_before_body(key)
-        raw = await self._read_body(request)
-        body = parse_json_object(raw)
+        try:
+            raw = await self._read_body(request)
+            body = parse_json_object(raw)
+        except OpenAIError:
+            if large:  # read (or read at) before it was refused: a request of its key
+                await asyncio.shield(self.gateway.count_refused_read(key))
+            raise
         if record.trace is not None:
             record.trace.stage("read body", started, **{"http.request.body.size": len(raw)})
         return key, body, len(raw)
@@ -146,7 +155,11 @@ class HandlesRequests:
         )
         try:
             key, body, size = await self._read(request, record)
-            call = await translate(body, key)
+            try:
+                call = await translate(body, key)
+            except OpenAIError as exc:
+                await self._count_refused(key, size, record, exc)
+                raise
             try:
                 reply = await self.gateway.run(
                     key,
@@ -157,6 +170,11 @@ class HandlesRequests:
                     once_admitted=call.once_admitted,
                     session=request.headers.get(SESSION_HEADER),
                 )
+            except OpenAIError as exc:
+                if call.abandon is not None:
+                    await asyncio.shield(call.abandon())
+                await self._count_refused(key, size, record, exc)
+                raise
             except BaseException:
                 if call.abandon is not None:
                     await asyncio.shield(call.abandon())
@@ -177,6 +195,13 @@ class HandlesRequests:
             record.status = response.status_code
             self.telemetry.finish(record)
         return response
+
+    async def _count_refused(self, key: KeyRecord, size: int, record: RequestRecord, exc: OpenAIError) -> None:
+        """A body past the room check refused for the client's own mistake before its
+        admission counts as a request (``Gateway.count_refused_read``); an admitted one
+        was counted by its admission, a quota's 429 as a refusal, and a 5xx is ours."""
+        if size > self.room_check_bytes and record.admitted_at is None and exc.status in CLIENT_MISTAKES:
+            await asyncio.shield(self.gateway.count_refused_read(key))
 
     async def _openai(self, operation: str, request: Request) -> Response:
         return await self._handle("openai", request, as_call(operation))

@@ -204,6 +204,21 @@ class Gateway:
             self.telemetry.refused_unread(refused.kind)
             raise render_refusal(refused)
 
+    async def count_refused_read(self, key: KeyRecord) -> None:
+        """A large body that was read (past the room check) and then refused before its
+        admission (a 400, 403, 404, 408 or 413) still counts as one of its key's requests:
+        admitted with no tokens and settled failed, as a batch line refused before its
+        admission is. So reading and parsing such bodies is never free work: a key
+        sending them meets its requests/min, and then the room check refuses the next
+        before it is read. A key without room now, or Redis that cannot say, changes
+        nothing: the client's own error stands."""
+        try:
+            ticket = await self.access.admit(key, "", 0)
+        except OpenAIError:
+            return
+        if not isinstance(ticket, Refusal):
+            self.access.settle(ticket, "failed", Usage())
+
     def _plan(
         self,
         key: KeyRecord,

@@ -94,3 +94,79 @@ def test_no_credential_no_check_and_no_body_read():
     with pytest.raises(OpenAIError) as refused:
         asyncio.run(Front(gateway)._read(http, RequestRecord("openai", "x")))
     assert refused.value.status == 401 and gateway.asked == 0 and read == []
+
+
+# A large body read and then refused for the client's own mistake counts as a request
+# of its key (Gateway.count_refused_read), so reading such bodies is never free work.
+
+
+class Telemetry:
+    def finish(self, record):
+        pass
+
+
+class Counting(Gateway):
+    def __init__(self, refusal: OpenAIError | None, admitted: bool = False):
+        super().__init__(full=False)
+        self.refusal, self.admitted, self.counted = refusal, admitted, 0
+
+    async def count_refused_read(self, key):
+        assert key is KEY
+        self.counted += 1
+
+    async def run(self, key, operation, body, size, record, **kwargs):
+        if self.admitted:
+            record.admitted_at = 1.0  # what Telemetry.admitted marks
+        if self.refusal is not None:
+            raise self.refusal
+        return "answer"
+
+
+class Call:
+    operation, bytes_once_admitted, once_admitted, abandon = "chat", 0, None, None
+
+    def __init__(self, body):
+        self.body = body
+
+    def respond(self, reply):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"reply": reply})
+
+
+async def as_call(body, key):
+    if body.get("bad"):
+        raise OpenAIError(400, "a bad field", param="bad")
+    return Call(body)
+
+
+def counted(gateway: Counting, raw: bytes, declared: bool = True) -> tuple[int, int]:
+    front = Front(gateway)
+    front.telemetry = Telemetry()  # type: ignore[assignment]
+    http, _ = request(raw, declared)
+    response = asyncio.run(front._handle("openai", http, as_call))
+    return response.status_code, gateway.counted
+
+
+@pytest.mark.parametrize(
+    "raw, refusal, admitted, expected",
+    [
+        (body_of(4096), OpenAIError(400, "bad role", param="messages"), False, (400, 1)),  # the gateway's 400
+        (body_of(4096), OpenAIError(404, "no such model", param="model"), False, (404, 1)),
+        (body_of(4096)[:-1], None, False, (400, 1)),  # not JSON
+        (json.dumps({"model": "m", "bad": "x" * 4096}).encode(), None, False, (400, 1)),  # the dialect's 400
+        (body_of(2 << 20), None, False, (413, 1)),  # past the body limit
+        (body_of(512), OpenAIError(400, "bad role", param="messages"), False, (400, 0)),  # small: no extra trip
+        (body_of(4096), OpenAIError(429, "tokens", code="rate_limit_exceeded"), False, (429, 0)),  # a refusal
+        (body_of(4096), OpenAIError(400, "vLLM's 400 after admission"), True, (400, 0)),  # its admission counted it
+        (body_of(4096), OpenAIError(503, "ours", code="gateway_overloaded"), False, (503, 0)),  # not the client's
+        (body_of(4096), None, False, (200, 0)),  # admitted and answered: counted by its admission
+    ],
+    ids=["400", "404", "not-json", "dialect-400", "413", "small", "429", "admitted", "503", "answered"],
+)
+def test_a_large_body_refused_for_the_clients_mistake_counts_as_a_request(raw, refusal, admitted, expected):
+    assert counted(Counting(refusal, admitted), raw) == expected
+
+
+def test_an_undeclared_body_refused_counts_as_a_request():
+    assert counted(Counting(None), b"{not json", declared=False) == (400, 1)

@@ -417,3 +417,38 @@ def test_a_key_at_its_requests_per_minute_is_refused_before_its_8_mib_bodies_are
     assert outcomes == ["429 requests"] * 12, outcomes
     assert answered == [200] * 8
     assert call_replica(MODEL, "refused_before_body") - before == 12  # none of them read, none parsed
+
+
+@pytest.mark.parametrize(
+    "path, mistake",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "narrator", "content": "x"}]}),  # the gateway's 400
+        ("/v1/chat/completions", {"messages": "not a list"}),
+        ("/v1/completions", {"prompt": "x", "model": "no-such-model"}),  # 404
+        ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}),  # Anthropic's 400
+    ],
+    ids=["bad-role", "bad-shape", "unknown-model", "anthropic"],
+)
+def test_large_bodies_refused_for_the_clients_mistake_count_against_requests_per_minute(
+    base_url, redis_server, path, mistake
+):
+    """Bodies past ``ingress.room_check_bytes`` that the gateway reads and refuses for the
+    client's mistake (a 4xx before admission) each take one of the key's requests: a
+    key of 3 requests/min sending 6 such 400 KiB bodies gets 3 of its 4xx, then its
+    429 before the next is read (the replica's count of refusals before the body) —
+    reading and parsing them is never free. (Before: 6 of 6 were read, parsed and
+    refused, and the key's minute stayed untouched.)"""
+    _, secret = create_key(redis_server.url, f"hostile-mistakes-{time.monotonic_ns()}", requests_per_minute=3)
+    body = {"model": MODEL, "padding": "x" * (400 * 1024), **mistake}
+    raw = json.dumps(body).encode()
+    before = call_replica(MODEL, "refused_before_body")
+    statuses = [
+        httpx.post(
+            base_url + path, content=raw, headers={**bearer(secret), "content-type": "application/json"}, timeout=60
+        ).status_code
+        for _ in range(6)
+    ]
+    expected = 404 if mistake.get("model") else 400
+    assert statuses == [expected] * 3 + [429] * 3, statuses
+    if path.startswith("/v1/c") and "model" not in mistake:  # one hop to the model's replica: its count
+        assert call_replica(MODEL, "refused_before_body") - before == 3
