@@ -67,11 +67,14 @@ def test_a_body_past_4_mib_reaches_the_replica_and_is_charged_what_it_used(base_
     assert got["completion_tokens"] <= 2 or path == "/v1/embeddings"
 
 
-def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413_charged_nothing(base_url, redis_server, redis):
+def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413_charged_no_token(base_url, redis_server, redis):
+    """One byte past the body limit is a 413; as a large body refused for the client's
+    mistake it counts as a request of its key (docs/quotas.md, "Work before admission")
+    and is charged no token."""
     key_id, headers = new_key(redis_server, "transport-limit")
     base = {"model": CHAT, "messages": HI, "max_tokens": 2, "user": ""}
     room = BODY_LIMIT - len(json.dumps(base, separators=(",", ":")))
-    statuses = []
+    statuses, answers = [], []
     for extra in (0, 1):
         raw = json.dumps({**base, "user": "x" * (room + extra)}, separators=(",", ":")).encode()
         assert len(raw) == BODY_LIMIT + extra
@@ -82,8 +85,10 @@ def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413_charged_nothin
             headers={**headers, "content-type": "application/json"},
         )
         statuses.append(response.status_code)
+        answers.append(response.json())
     assert statuses == [200, 413]
-    assert charged(redis, key_id, 1)["requests"] == 1  # the 413 was never admitted
+    counted = charged(redis, key_id, 2)
+    assert counted["requests"] == 2 and counted["tokens"] == answers[0]["usage"]["total_tokens"]
 
 
 def test_an_answer_far_past_4_mib_comes_back_and_one_input_too_many_is_a_400(base_url, redis_server, redis):
