@@ -84,8 +84,15 @@ _LLAMACPP_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "samplers": (_ALWAYS, "the sampler order is fixed by the engine"),
 }
 
+# vLLM's beam search runs outside its scheduler's request path: it drops the priority the
+# gateway sets from the key's tier, so a low tier's (or a batch line's) beams would run
+# ahead of every interactive tier on a priority-scheduled model, and it takes width × n
+# sequences the reservation does not price.
+_BEAM_SEARCH = {"use_beam_search": ((False,), "beam search is not available; sample with n instead")}
+
 UNSUPPORTED: dict[str, dict[str, tuple[Any, str]]] = {
     "chat": {
+        **_BEAM_SEARCH,
         "functions": (_ALWAYS, "the deprecated functions API is not supported; send 'tools'"),
         "function_call": (_ALWAYS, "the deprecated functions API is not supported; send 'tool_choice'"),
         "audio": (_ALWAYS, "audio output is not supported"),
@@ -98,6 +105,7 @@ UNSUPPORTED: dict[str, dict[str, tuple[Any, str]]] = {
     },
     "completions": {
         "best_of": ((1,), "best_of is not supported by the engine; use n"),
+        **_BEAM_SEARCH,
         **_LLAMACPP_UNSUPPORTED,
     },
     "embeddings": {"stream": ((False,), "embeddings do not stream")},

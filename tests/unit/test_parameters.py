@@ -19,6 +19,8 @@ def test_ignored_parameters_are_dropped_and_the_rest_kept():
         ("chat", {"modalities": ["text"]}),
         ("chat", {"typical_p": None}),
         ("completions", {"best_of": 1}),
+        ("completions", {"use_beam_search": False}),
+        ("chat", {"use_beam_search": False}),
         ("embeddings", {"stream": False}),
     ],
 )
@@ -36,6 +38,9 @@ def test_off_values_pass_and_are_removed(operation, params):
         ("chat", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"functions": []}, "functions"),
         ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"use_beam_search": True}, "use_beam_search"),
+        ("chat", {"use_beam_search": True}, "use_beam_search"),
+        ("chat", {"use_beam_search": 1}, "use_beam_search"),
         ("chat", {"top_logprobs": 21}, "top_logprobs"),
         ("chat", {"top_logprobs": -1}, "top_logprobs"),
         ("chat", {"top_logprobs": True}, "top_logprobs"),

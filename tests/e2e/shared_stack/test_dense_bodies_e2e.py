@@ -127,3 +127,51 @@ def test_more_messages_than_the_context_has_tokens_is_refused_before_vllm_valida
     assert fits.status_code in (200, 400), fits.text[:300]
     if fits.status_code == 400:
         assert "array_above_max_length" not in fits.text
+
+
+# An answer is not stored, but it is built, serialised and sent: its size is bounded by
+# its tokens, each of which carries at most vLLM's ``max_logprobs`` (20) alternatives.
+MAX_LOGPROBS = 20
+# A token's entry in a completions answer with logprobs, alternatives included, as JSON:
+# its text (16 characters at most in this vocabulary, each escaped to 6 at most), a float
+# and the separators, once and in each of its 20 alternatives.
+ENTRY_BYTES = (16 * 6 + 32) * (1 + MAX_LOGPROBS)
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/v1/completions", {"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": MAX_LOGPROBS + 1}),
+        ("/v1/chat/completions", {"messages": [ONE_LETTER], "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}),
+        ("/v1/chat/completions", {"messages": [ONE_LETTER], "prompt_logprobs": MAX_LOGPROBS + 1}),
+        ("/v1/completions", {"prompt": "hi", "logprobs": -1}),  # vLLM's "the whole vocabulary"
+    ],
+)
+def test_more_logprobs_than_the_engine_bound_is_a_400(http, path, fields):
+    response = http.post(path, json={"model": CHAT_MODEL, "max_tokens": 1, **fields})
+    assert response.status_code == 400, response.text[:300]
+
+
+def test_an_answer_with_every_logprob_is_bounded_by_its_tokens(http):
+    """A dense prompt echoed with 20 logprobs a token, prompt and completion: the answer
+    is at most ``ENTRY_BYTES`` a token (what the key is charged for)."""
+    dense = '!?\\"\u00e9' * 120  # punctuation, escapes and a non-ASCII letter: long JSON per token
+    response = http.post(
+        "/v1/completions",
+        json={
+            "model": CHAT_MODEL,
+            "prompt": dense,
+            "echo": True,
+            "logprobs": MAX_LOGPROBS,
+            "prompt_logprobs": MAX_LOGPROBS,
+            "max_tokens": 16,
+        },
+    )
+    assert response.status_code == 200, response.text[:300]
+    usage = response.json()["usage"]
+    tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+    per_token = len(response.content) / tokens
+    print(f"answer: {len(response.content):,} bytes for {tokens} tokens ({per_token:.0f} bytes a token)")
+    assert usage["prompt_tokens"] > 300
+    assert len(response.content) <= tokens * ENTRY_BYTES * 2  # echoed: the prompt's tokens come twice
