@@ -63,6 +63,18 @@ class OpenAIError(Exception):
         return error_response(self.status, self.body(), self.headers)
 
 
+def unknown_model(model: str) -> OpenAIError:
+    """The one answer for a model that does not exist and for one the caller may not use
+    (its key's or its team's list): OpenAI's wording covers both, so a restricted key
+    cannot learn which models exist from a difference."""
+    return OpenAIError(
+        404,
+        f"The model '{model}' does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def invalid_request(exc: ValidationError) -> OpenAIError:
     """The one 400 for a pydantic validation failure of a client's input: its
     first error, naming the top-level parameter (OpenAI's wording)."""

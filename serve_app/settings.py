@@ -6,6 +6,7 @@ One object, read from the Serve config's ``args`` (``build_app``) and from
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -15,6 +16,9 @@ from contract.model_config import ModelConfig
 from contract.tracing import TRACES_SAMPLE_RATIO_ENV
 from serve_app.limits import KeyLimits
 from serve_app.redis_store import redis_client
+
+# The bootstrap admin token's shortest length (32 hex characters: 128 bits).
+MIN_ADMIN_TOKEN_CHARS = 32
 
 
 class IngressConfig(BaseModel):
@@ -329,13 +333,19 @@ class JwtConfig(BaseModel):
     )
     team_claim: str | None = Field(
         None,
-        description="A claim naming the user's team, or listing its groups "
-        "(the first that `teams` maps): the user is admitted and "
-        "charged as a key of that team.",
+        description="A claim naming the user's group, or listing its groups: the first that `teams` maps "
+        "makes the user a member of that team (admitted and charged as a key of it). Needs `teams`.",
     )
     teams: dict[str, str] = Field(
         default_factory=dict,
-        description="`team_claim` values → team names; empty: the claim's value is the team's name.",
+        description="`team_claim` values (the provider's groups) → team names. Only these map: a group "
+        "value is never read as a team's name or id itself (anyone who may create a group in the provider "
+        "would pick a team).",
+    )
+    unmapped_team: Literal["none", "refuse"] = Field(
+        "none",
+        description="A token none of whose `team_claim` values `teams` maps: `none` admits its user on its "
+        "own limits, of no team; `refuse` answers 401.",
     )
     limits: KeyLimits = Field(default_factory=KeyLimits, description="Every user's limits, as a key's.")
     leeway_s: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on `exp` and `nbf`.")
@@ -360,6 +370,12 @@ class JwtConfig(BaseModel):
             raise ValueError("jwks_url must be an http(s) URL")
         return url
 
+    @model_validator(mode="after")
+    def _groups_map_explicitly(self):
+        if self.team_claim is not None and not self.teams:
+            raise ValueError("team_claim needs `teams`: the provider's group values mapped to team names")
+        return self
+
 
 class AuthConfig(BaseModel):
     """Who may send requests besides API keys."""
@@ -371,8 +387,21 @@ class AuthConfig(BaseModel):
         20,
         ge=0,
         description="Failed admin credentials (admin API, console login) one client may send in a "
-        "clock minute; past it that client's are refused unchecked (429) until the minute ends. 0 = no limit.",
+        "clock minute; past it that client's failures are a 429 (retry-after) instead of a 401 until the minute "
+        "ends. A correct credential always passes; guessing is bounded by the credentials' entropy. 0 = no limit.",
     )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Networks (CIDR) of the load balancers in front of the edge: the client's address is the "
+        "X-Forwarded-For entry the first proxy not listed added (the edge's own peer when empty).",
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, networks: list[str]) -> list[str]:
+        for network in networks:
+            ipaddress.ip_network(network)  # ValueError names it
+        return networks
 
 
 class AppSettings(BaseSettings):
@@ -399,6 +428,17 @@ class AppSettings(BaseSettings):
         description="The /admin API's shared bootstrap token (LLM_CLUSTER_ADMIN_TOKEN); unset = only named "
         "admin credentials (`llmctl admins create`) are accepted.",
     )
+
+    @field_validator("admin_token")
+    @classmethod
+    def _long_admin_token(cls, token: SecretStr | None) -> SecretStr | None:
+        # Its length is what bounds guessing it: a correct credential is never throttled
+        # (serve_app/identity/credential_guard.py).
+        if token is not None and len(token.get_secret_value()) < MIN_ADMIN_TOKEN_CHARS:
+            raise ValueError(
+                f"admin_token must be at least {MIN_ADMIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)"
+            )
+        return token
 
     @field_validator("redis_url")
     @classmethod

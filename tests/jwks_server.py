@@ -22,11 +22,13 @@ class Jwks:
         self.keys: dict[str, object] = {}  # kid -> private key
         self.fetches = 0
         self.down = False
+        self.hang_s = 0.0  # how long each fetch waits before it answers (a provider that does not answer)
         jwks = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 jwks.fetches += 1
+                time.sleep(jwks.hang_s)
                 if jwks.down:
                     self.send_error(503)
                     return

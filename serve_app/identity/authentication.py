@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar, Token
 
-from serve_app.errors import OpenAIError, gateway_overloaded, quota_store_error, quota_store_unavailable
+from serve_app.errors import OpenAIError, gateway_overloaded, quota_store_error, quota_store_unavailable, unknown_model
 from serve_app.identity.admins import ADMIN_TOKEN_ACTOR, AdminStore
 from serve_app.identity.admins import SECRET_PREFIX as ADMIN_SECRET_PREFIX
 from serve_app.identity.credential_guard import CredentialGuard
 from serve_app.identity.jwt_auth import JwtAuthenticator, looks_like_jwt
 from serve_app.identity.key_cache import KeyCache
+from serve_app.identity.keys import SECRET_PREFIX as KEY_SECRET_PREFIX
 from serve_app.identity.keys import KeyRecord, KeyStore, digest
 from serve_app.identity.teams import TeamNotFound, TeamRecord, TeamStore
 from serve_app.redis_store.redis_client import REDIS_FAILED, UNREACHABLE
@@ -51,10 +52,12 @@ def reset_credential_checked(token: Token) -> None:
     _CHECKED.reset(token)
 
 
-def authorize(key: KeyRecord, model: str) -> None:
-    """A 403 unless ``key`` may use ``model`` (its team's models are admission's check)."""
+def authorize(key: KeyRecord, model: str, asked: str | None = None) -> None:
+    """The 404 of a model that does not exist unless ``key`` may use ``model`` (a configured
+    name; ``asked``: the name the client sent, which the answer names); its team's models
+    are ``Gateway.run``'s check."""
     if not key.allows_model(model):
-        raise OpenAIError(403, f"This API key may not use model '{model}'.", param="model", code="model_not_allowed")
+        raise unknown_model(asked or model)
 
 
 def secret_from(headers: Mapping[str, str]) -> str | None:
@@ -88,7 +91,7 @@ class Authenticator:
         self.keys, self.teams, self.admins = keys, teams, admins
         self.telemetry = telemetry
         self.fail_open = quota.fail_mode == "open"
-        self.credential_guard = CredentialGuard(keys.redis, auth.admin_failures_per_minute)
+        self.credential_guard = CredentialGuard(keys.redis, auth.admin_failures_per_minute, auth.trusted_proxies)
         # Tokens of the company's identity provider, besides API keys (jwt_auth.py).
         self.jwt = JwtAuthenticator(auth.jwt) if auth.jwt is not None else None
         self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
@@ -178,8 +181,16 @@ class Authenticator:
         """Who is calling the admin API (the audit trail's actor: ``admin-token`` for
         the shared bootstrap token, ``admin:<name>`` for a named credential), or 401."""
         secret = secret_from(headers)
-        if secret:  # a client past its failed credentials of the minute is not even checked
-            await self.credential_guard.check(headers)
+        if secret and (secret.startswith(KEY_SECRET_PREFIX) or looks_like_jwt(secret)):
+            # A tenant's credential on an admin route: no admin credential's guess, so not
+            # counted as one (else a tenant's keys sent here would throttle its admins).
+            raise OpenAIError(
+                401, "Admin API: an API key or identity token is not an admin credential.", code="invalid_api_key"
+            )
+        # A correct admin credential is always checked and always passes, whatever others
+        # sent from the same address (one address for every client behind a load balancer
+        # or NAT): guessing is bounded by the secrets' entropy (credential_guard.py), and
+        # the throttle only answers a client's failures.
         # As bytes: compare_digest refuses str with non-ASCII characters (a header may carry any).
         if (
             self.admin_token is not None
@@ -201,7 +212,7 @@ class Authenticator:
                 raise quota_store_error() from None
         if admin is None:
             if secret:
-                await self.credential_guard.failed(headers)
+                await self.credential_guard.failed(headers)  # a 429 once this client failed too often
             raise OpenAIError(401, "Admin API: invalid or missing admin credential.", code="invalid_api_key")
         _CHECKED.set("admin")
         return f"admin:{admin.name}"

@@ -60,6 +60,7 @@ class JwtAuthenticator:
         self._fetched_at: float | None = None  # the last fetch that answered
         self._tried_at: float | None = None  # the last fetch, answered or not
         self._fetching: asyncio.Future | None = None
+        self._revalidating: asyncio.Future | None = None  # a fetch beside the requests (kept: not collected)
 
     async def authenticate(self, token: str) -> KeyRecord:
         if len(token) > MAX_TOKEN_CHARS:
@@ -122,27 +123,36 @@ class JwtAuthenticator:
         return KeyRecord(id=key_id, name=f"jwt:{user}", created_at=0, team=self._team(claims), **limits)
 
     def _team(self, claims: dict[str, Any]) -> str | None:
-        """The team's name the claims map to (Authenticator.team_of finds the team by it), or None."""
+        """The team's name the first of the claim's values that ``teams`` maps names
+        (Authenticator.team_of finds the team by it); None (or a 401, ``unmapped_team``)
+        when none is mapped. A value is never a team's name or id by itself: who may make
+        a group in the provider would pick any team's budget and cache."""
         if self.config.team_claim is None:
             return None
         value = claims.get(self.config.team_claim)
-        values = value if isinstance(value, list) else [value]
-        for candidate in values:
-            if not isinstance(candidate, str) or not candidate or len(candidate) > MAX_USER_CHARS:
-                continue
-            if not self.config.teams:
-                return candidate
-            if candidate in self.config.teams:
+        for candidate in value if isinstance(value, list) else [value]:
+            if isinstance(candidate, str) and candidate in self.config.teams:
                 return self.config.teams[candidate]
+        if self.config.unmapped_team == "refuse":
+            raise _refused(f"no '{self.config.team_claim}' value it carries is a team's group")
         return None
 
     async def _key(self, kid: str) -> jwt.PyJWK | None:
+        """The signing key ``kid`` names. A cached one answers at once: once the cache is
+        older than ``jwks_cache_s`` it is fetched again beside the request, never on its
+        path (stale while revalidating), so while the provider is down the cached keys
+        keep verifying without every request waiting ``jwks_timeout_s`` for a fetch that
+        fails; a key the provider removed is refused once that fetch answers (within
+        ``jwks_cache_s`` and one fetch). An unknown kid (a rotation, or made up) waits for
+        a fetch, at most one every ``jwks_refresh_min_s``."""
         now = self.clock()
-        fresh = self._fetched_at is not None and now - self._fetched_at < self.config.jwks_cache_s
-        if kid in self._keys and fresh:
+        may_fetch = self._tried_at is None or now - self._tried_at >= self.config.jwks_refresh_min_s
+        if kid in self._keys:
+            stale = self._fetched_at is None or now - self._fetched_at >= self.config.jwks_cache_s
+            if stale and self._fetching is None and (may_fetch or self._fetched_at == self._tried_at):
+                self._revalidating = asyncio.ensure_future(self._refresh())
             return self._keys[kid]
-        may_fetch = self._tried_at is None or now - self._tried_at >= self.config.jwks_refresh_min_s or not fresh
-        if may_fetch:
+        if may_fetch or self._fetching is not None:
             await self._refresh()
         return self._keys.get(kid)
 

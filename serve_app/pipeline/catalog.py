@@ -12,7 +12,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from contract.model_config import ModelConfig
-from serve_app.errors import OpenAIError
+from serve_app.errors import OpenAIError, unknown_model
 from serve_app.identity.authentication import authorize
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.replica_calls import QueueTimeout, reach_replica
@@ -48,9 +48,10 @@ class ModelCatalog:
         return self.target(model)[0]
 
     def authorized(self, key: KeyRecord, model: str) -> str:
-        """The configured name behind ``model`` when ``key`` may use it; else a 404 or 403."""
+        """The configured name behind ``model`` when ``key`` may use it; else the 404 of a
+        model that does not exist (the same answer either way: ``unknown_model``)."""
         name = self.resolve(model)
-        authorize(key, name)
+        authorize(key, name, asked=model)
         return name
 
     def target(self, model: str) -> tuple[str, str | None]:
@@ -62,12 +63,7 @@ class ModelCatalog:
             return name, None
         base = self._adapters.get(model) or model.partition(":")[0]
         if base not in self._configs or self._configs[base].adapter_named(model) is None:
-            raise OpenAIError(
-                404,
-                f"The model '{model}' does not exist or you do not have access to it.",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(model)
         return base, model
 
     async def model_card(self, model: str) -> dict[str, Any]:
@@ -151,7 +147,7 @@ class ModelCatalog:
         """The model for a request that names none (platforms such as SageMaker
         or Azure serve one model per endpoint): the only one serving
         ``operation`` (any operation when None) of those ``key`` may use, else a 400
-        asking for it that names only those (a 403 when it may use none of them)."""
+        asking for it that names only those (none, when it may use none of them)."""
         if operation is not None:  # what each serves: every model described side by side
             await asyncio.gather(
                 *(
@@ -171,10 +167,8 @@ class ModelCatalog:
         names = [name for name in served if key is None or key.allows_model(name)]
         if len(names) == 1:
             return names[0]
-        if served and not names:  # named to no one: which models exist is not this key's to learn
-            raise OpenAIError(
-                403, "This API key may not use any model this endpoint serves.", param="model", code="model_not_allowed"
-            )
+        # With none of them the key's, the answer is an endpoint serving nothing for it:
+        # which models exist is not this key's to learn.
         raise OpenAIError(
             400,
             f"Missing required parameter: 'model'. This endpoint serves "

@@ -30,7 +30,7 @@ from serve_app.accounting.costs import Rates, reservation_nanos
 from serve_app.accounting.usage import new_request_id
 from serve_app.admission.scripts import Refusal
 from serve_app.admission.ticket import Gate, Ticket
-from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded
+from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded, unknown_model
 from serve_app.identity.authentication import authorize
 from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, prompt_cache_key_of, put_salt
 from serve_app.identity.keys import KeyRecord
@@ -162,7 +162,14 @@ class Gateway:
         does one admitted again at its prompt's real size.
         ``session`` (the client's session header): the model's request router keeps
         one session's requests on one replica while its load allows."""
-        plan = await self._isolate(key, self._plan(key, operation, body, raw_size, record, background, session))
+        plan = self._plan(key, operation, body, raw_size, record, background, session)
+        try:  # the team's right to the model (cached for admission), answered as the key's is
+            await self.access.team_of(key, plan.model)
+        except OpenAIError as exc:
+            if exc.code == "model_not_allowed":
+                raise unknown_model(plan.request.model) from None
+            raise
+        plan = await self._isolate(key, plan)
         for resizes in range(PROMPT_RESIZES + 1):
             # A resized prompt is known to be denser than its estimate: it waits for its
             # admission, so the engine never prefills it for a request Redis may refuse
@@ -245,7 +252,7 @@ class Gateway:
         handle = self.models[model]
         if adapter is not None:  # Serve model multiplexing: prefer replicas that already hold the adapter
             handle = handle.options(multiplexed_model_id=adapter)
-        authorize(key, model)
+        authorize(key, model, asked=request.model)
         config = self.catalog.config(model)
         context_length = self.catalog.context_length(model)
         if context_length:

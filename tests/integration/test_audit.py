@@ -53,10 +53,10 @@ def test_llmctl_key_changes_are_recorded_with_who_what_before_and_after(capsys, 
 
 async def test_admin_operations_name_the_admin_token_and_refused_changes_record_nothing(redis_url, redis):
     access = build_quota_services(
-        AppSettings(redis_url=redis_url, admin_token="audit-admin-token"), Telemetry(False, False)
+        AppSettings(redis_url=redis_url, admin_token="audit-admin-token-of-32-characters"), Telemetry(False, False)
     )
     try:
-        actor = await access.authenticator.admin_actor({"authorization": "Bearer audit-admin-token"})
+        actor = await access.authenticator.admin_actor({"authorization": "Bearer audit-admin-token-of-32-characters"})
         assert actor == ADMIN_TOKEN_ACTOR
         created = await admin.create_key(access.stores, {"name": "audit-api", "daily_token_budget": 1000}, actor)
         for refused in ({"daily_token_budget": "lots"}, {"secret": "x"}, {"requests_per_minute": -1}):
@@ -166,7 +166,10 @@ async def test_a_named_admin_is_its_own_actor_apart_from_api_keys_and_stops_at_r
 async def test_with_redis_down_a_named_admin_is_a_503_and_the_bootstrap_token_still_works():
     with running_redis(persistent=True) as server:  # its own: this test stops it
         access = build_quota_services(
-            AppSettings(redis_url=server.url, admin_token="boot", quota={"redis_timeout_s": 1}), Telemetry(False, False)
+            AppSettings(
+                redis_url=server.url, admin_token="boot-admin-token-of-32-characters", quota={"redis_timeout_s": 1}
+            ),
+            Telemetry(False, False),
         )
         try:
             made = await admin.create_admin(access.stores, {"name": "ops"}, "llmctl:root@host")
@@ -175,7 +178,12 @@ async def test_with_redis_down_a_named_admin_is_a_503_and_the_bootstrap_token_st
                 with pytest.raises(OpenAIError) as caught:
                     await access.authenticator.admin_actor({"authorization": f"Bearer {made['secret']}"})
                 assert (caught.value.status, caught.value.code) == (503, "quota_backend_unavailable")
-                assert await access.authenticator.admin_actor({"authorization": "Bearer boot"}) == ADMIN_TOKEN_ACTOR
+                assert (
+                    await access.authenticator.admin_actor(
+                        {"authorization": "Bearer boot-admin-token-of-32-characters"}
+                    )
+                    == ADMIN_TOKEN_ACTOR
+                )
             finally:
                 server.start()
             await access.redis.connection_pool.disconnect()

@@ -30,7 +30,7 @@ from serve_app.identity.keys import KeyRecord
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
-ADMIN_TOKEN = "console-test-admin-token"
+ADMIN_TOKEN = "console-test-admin-token-of-32-chars"
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ would forge. Then a token's user admitted exactly as a key (its own limit in Red
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -133,7 +134,10 @@ async def test_rotation_is_picked_up_and_made_up_kids_cost_one_fetch_per_interva
     await auth.authenticate(jwks.token("new"))  # an unknown kid past the interval: fetched, accepted
     assert jwks.fetches == 2
     retired = jwks.keys.pop("old")
-    clock.now += 301  # past jwks_cache_s (5 min by default): the keys are fetched again, the retired one is gone
+    clock.now += 301  # past jwks_cache_s (5 min by default): the keys are fetched again, beside the request
+    await auth.authenticate(jwks.token("old", key=retired))  # the cache answers while it is fetched again
+    await auth._revalidating  # one fetch: from then on the retired key is gone
+    assert jwks.fetches == 3
     assert "unknown key" in await refused(auth, jwks.token("old", key=retired))
     await auth.authenticate(jwks.token("new", sub="carol"))
 
@@ -150,6 +154,30 @@ async def test_an_unreachable_jwks_keeps_cached_keys_and_admits_nothing_else(jwk
     clock.now += 3601  # the cache is stale and the JWKS still down: the cached keys still verify their tokens
     await auth.authenticate(jwks.token("k1", sub="erin"))
     jwks.down = False
+
+
+async def test_a_stale_cache_is_fetched_again_beside_the_requests_never_on_their_path(jwks):
+    """Past ``jwks_cache_s`` with the provider not answering, every wave of token requests
+    waited ``jwks_timeout_s`` for a fetch that failed, although the cached keys still
+    verified: now the cache answers at once and one fetch runs beside them, at most one
+    every ``jwks_refresh_min_s`` while they fail."""
+    jwks.add("k1")
+    clock = Clock()
+    auth = JwtAuthenticator(config(jwks, jwks_timeout_s=2, jwks_refresh_min_s=30), clock=clock)
+    await auth.authenticate(jwks.token("k1"))
+    jwks.hang_s, jwks.down = 3.0, True  # past the fetch's timeout, then an error
+    clock.now += 301
+    for n in range(20):
+        await asyncio.wait_for(auth.authenticate(jwks.token("k1", sub=f"u{n}")), timeout=0.5)  # never waits for it
+    await auth._revalidating  # it failed: the cached keys stay
+    assert jwks.fetches == 2  # one fetch for the twenty
+    await auth.authenticate(jwks.token("k1", sub="after"))
+    assert jwks.fetches == 2  # within jwks_refresh_min_s of the failed fetch: none again
+    clock.now += 31
+    jwks.hang_s, jwks.down = 0.0, False
+    await auth.authenticate(jwks.token("k1", sub="later"))
+    await auth._revalidating
+    assert jwks.fetches == 3 and auth._fetched_at == clock.now
 
 
 async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, redis_url):
@@ -208,3 +236,40 @@ async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_
         assert loner.team is None and isinstance(await access.gate.admit(loner, "tiny-llama", 10), Ticket)
     finally:
         await access.redis.aclose()
+
+
+async def test_a_group_naming_another_teams_name_or_id_is_no_team_unless_mapped(jwks, redis_url):
+    """Groups map to teams only through ``teams``: a user who may create a group in the
+    identity provider, named as another team's name or id, is not of that team (before:
+    it was, and spent that team's budget and shared its cache); with ``unmapped_team:
+    refuse`` such a token is a 401. And ``team_claim`` without ``teams`` does not start."""
+    from pydantic import ValidationError
+
+    from serve_app.admin import operations as admin
+
+    jwks.add("k1")
+    victim_name = f"victim-{time.monotonic_ns()}"
+    for unmapped in ("none", "refuse"):
+        settings = AppSettings(
+            redis_url=redis_url,
+            auth={
+                "jwt": config(jwks, team_claim="groups", teams={"grp-ml": "ml"}, unmapped_team=unmapped).model_dump()
+            },
+        )
+        access = build_quota_services(settings, Telemetry(False, False))
+        try:
+            if unmapped == "none":
+                victim = await admin.create_team(access.stores, {"name": victim_name}, "admin:test")
+            for group in (victim_name, victim["id"], ["grp-x", victim_name]):
+                token = jwks.token("k1", sub=f"mallory-{time.monotonic_ns()}", groups=group)
+                if unmapped == "none":
+                    user = await access.authenticator.authenticate({"authorization": f"Bearer {token}"})
+                    assert user.team is None, group
+                else:
+                    with pytest.raises(OpenAIError) as refused:
+                        await access.authenticator.authenticate({"authorization": f"Bearer {token}"})
+                    assert refused.value.status == 401 and "team's group" in refused.value.message
+        finally:
+            await access.redis.aclose()
+    with pytest.raises(ValidationError, match="team_claim needs `teams`"):
+        config(jwks, team_claim="groups")

@@ -560,9 +560,12 @@ def test_the_gateway_reads_the_secret_and_the_shared_volume_from_the_pods_enviro
     [main] = [a for a in yaml.safe_load(service["spec"]["serveConfigV2"])["applications"] if a["name"] == "llm"]
     for name, value in {**kuberay.SHARED_ENV, "REDIS_URL": "redis://redis.example:6379/0"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("LLM_CLUSTER_ADMIN_TOKEN", "from-the-secret")
+    monkeypatch.setenv("LLM_CLUSTER_ADMIN_TOKEN", "from-the-secret-of-32-characters-or-more")
     settings = AppSettings(**main["args"])
     assert settings.batch.files_dir == kuberay.SHARED_ENV["LLM_CLUSTER_BATCH__FILES_DIR"]
     assert settings.records.sink_dir == kuberay.SHARED_ENV["LLM_CLUSTER_RECORDS__SINK_DIR"]
     assert settings.redis_url == "redis://redis.example:6379/0"
-    assert settings.admin_token is not None and settings.admin_token.get_secret_value() == "from-the-secret"
+    assert (
+        settings.admin_token is not None
+        and settings.admin_token.get_secret_value() == "from-the-secret-of-32-characters-or-more"
+    )

@@ -37,7 +37,7 @@ class Keys:
 
 
 def owner() -> SimpleNamespace:
-    settings = AppSettings(admin_token="admin-secret")
+    settings = AppSettings(admin_token="admin-secret-of-32-characters-long")
     telemetry = SimpleNamespace(redis_failed=lambda what: None, fell_back=lambda what: None)
     authenticator = Authenticator(Keys(), None, None, settings, telemetry)
 
@@ -87,13 +87,13 @@ async def test_an_admin_check_does_not_count_as_a_key_check():
         return JSONResponse({})
 
     with pytest.raises(OpenAIError) as refused:
-        await confused(self=owner(), request=request("admin-secret"))
+        await confused(self=owner(), request=request("admin-secret-of-32-characters-long"))
     assert refused.value.status == 500
 
 
 async def test_an_admin_route_runs_its_handler_only_for_an_admin():
     _, _, _, admin = handlers()
-    answered = await admin(self=owner(), request=request("admin-secret"))
+    answered = await admin(self=owner(), request=request("admin-secret-of-32-characters-long"))
     assert answered.body == b'{"actor":"admin-token"}'
     for token in (None, "sk-good", "admin-secre"):
         with pytest.raises(OpenAIError) as refused:

@@ -76,8 +76,9 @@ def test_a_key_limited_to_the_base_model_may_use_its_adapters_only(base_url, red
     _, secret = create_key(redis_server.url, "small-only", models=[SMALL])
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=secret, max_retries=0, timeout=120)
     assert greedy(client, PIRATE)[0] == PIRATE
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.NotFoundError) as caught:  # answered as a model that does not exist
         greedy(client, TINY)
+    assert caught.value.body["code"] == "model_not_found"
     assert [card.id for card in client.models.list().data] == [SMALL, PIRATE]
 
 

@@ -198,8 +198,8 @@ def test_no_key_a_wrong_key_or_a_model_not_allowed_never_reach_the_engine(direct
     assert_error_envelope(httpx.post(direct_url + "/v1/chat/completions", json=request, timeout=60), 401)
     assert_error_envelope(post(direct_url, "sk-not-a-key", "/v1/chat/completions", request), 401)
     key_id, secret = create_key(redis_server.url, "direct-not-allowed", models=["minilm"])
-    error = assert_error_envelope(post(direct_url, secret, "/v1/chat/completions", request), 403)
-    assert error["code"] == "model_not_allowed"
+    error = assert_error_envelope(post(direct_url, secret, "/v1/chat/completions", request), 404)
+    assert error["code"] == "model_not_found"  # the answer for a model that does not exist
     # Another model by name on this model's route: not served here, whatever the key.
     _, unlimited = create_key(redis_server.url, "direct-wrong-model")
     error = assert_error_envelope(

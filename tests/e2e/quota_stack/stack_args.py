@@ -16,7 +16,7 @@ from stack import local_app_args
 
 MODEL = "tiny-llama"
 NARROW, NARROW_ALIAS = "tiny-llama-narrow", "chat-narrow"
-ADMIN = "test-admin-token"
+ADMIN = "test-admin-token-of-32-characters"
 CACHE_TTL_S = 1.0
 MAX_FILE_BYTES = 1 << 20  # a batch file larger is refused (413): small, so the test's upload is quick
 KEY_FILE_BYTES = 4 * MAX_FILE_BYTES  # what one key's files may hold
@@ -32,7 +32,10 @@ JWKS_CACHE_S = 4.0
 # Traces to the package's OTLP receiver, half of the requests without a client's
 # traceparent sampled: the gateway's decision must hold for the engine's spans too.
 TRACE_SAMPLE_RATIO = 0.5
-TEAM_CLAIM = "team"  # an identity token's claim naming its user's team
+TEAM_CLAIM = "team"  # an identity token's claim naming its user's group
+# The provider's groups -> teams (only these map: a group is never a team's name by itself).
+IDP_TEAM, USAGE_TEAM = "idp-team", "token-only-team"
+TEAM_GROUPS = {"grp-idp": IDP_TEAM, "grp-usage": USAGE_TEAM, "grp-gone": "a-team-never-made"}
 
 
 # Every way this stack's args differ from the shipped ones (besides stack.LOCAL_SHAPE);
@@ -78,6 +81,7 @@ def app_args(redis_url: str, jwks_url: str | None = None, traces_endpoint: str |
             "audience": AUDIENCE,
             "jwks_url": jwks_url,
             "team_claim": TEAM_CLAIM,
+            "teams": TEAM_GROUPS,
             "limits": {"requests_per_minute": JWT_REQUESTS_PER_MINUTE},
             "jwks_cache_s": JWKS_CACHE_S,
         }

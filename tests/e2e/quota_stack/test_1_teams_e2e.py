@@ -19,7 +19,7 @@ import pytest
 from settled import counters, inference, wait_until_settled
 from stack import local_app_args
 
-from quota_stack.stack_args import ADMIN, CACHE_TTL_S, JWT_REQUESTS_PER_MINUTE, MODEL, TEAM_CLAIM
+from quota_stack.stack_args import ADMIN, CACHE_TTL_S, IDP_TEAM, JWT_REQUESTS_PER_MINUTE, MODEL, TEAM_CLAIM
 from quota_stack.test_1_batches_e2e import chat_line, sdk, start, wait_for
 from serve_app.redis_store import redis_names
 
@@ -262,9 +262,9 @@ def test_revoking_a_team_stops_its_keys_requests_and_batches_within_seconds(base
 
 def test_an_identity_token_of_a_team_admits_as_a_key_of_it_and_is_charged_to_it(base_url, jwks, redis):
     tag = f"{time.monotonic_ns()}"
-    team = admin("POST", base_url, "/admin/teams", name=f"idp-{tag}", requests_per_minute=2)
+    team = admin("POST", base_url, "/admin/teams", name=IDP_TEAM, requests_per_minute=2)
     assert JWT_REQUESTS_PER_MINUTE > 2  # the team's limit is the tighter one here
-    token = jwks.token("k1", sub=f"ines-{tag}@example.com", **{TEAM_CLAIM: team["name"]})
+    token = jwks.token("k1", sub=f"ines-{tag}@example.com", **{TEAM_CLAIM: ["grp-other", "grp-idp"]})
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=token, max_retries=0, timeout=120)
     answers = [client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3) for _ in range(2)]
     with pytest.raises(openai.RateLimitError) as refused:
@@ -274,12 +274,25 @@ def test_an_identity_token_of_a_team_admits_as_a_key_of_it_and_is_charged_to_it(
     charged = counters(redis, team["id"])
     assert charged["requests"] == 2
     assert charged["tokens"] == sum(a.usage.total_tokens for a in answers)
-    # A token naming a team that does not exist is refused, never admitted on the user's limits alone.
+    # A group naming the team by its name or id is not mapped: its user is of no team, on
+    # its own limits, and the team is charged nothing more (before: a user who could make
+    # such a group in the provider spent any team's budget and shared its cache).
+    for group in (team["name"], team["id"]):
+        mallory = openai.OpenAI(
+            base_url=base_url + "/v1",
+            max_retries=0,
+            timeout=120,
+            api_key=jwks.token("k1", sub=f"mallory-{tag}", **{TEAM_CLAIM: group}),
+        )
+        mallory.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    wait_until_settled(redis, team["id"])
+    assert counters(redis, team["id"])["requests"] == 2
+    # A group mapped to a team that does not exist is refused, never admitted on the user's limits alone.
     stray = openai.OpenAI(
         base_url=base_url + "/v1",
         max_retries=0,
         timeout=120,
-        api_key=jwks.token("k1", sub=f"stray-{tag}", **{TEAM_CLAIM: f"no-team-{tag}"}),
+        api_key=jwks.token("k1", sub=f"stray-{tag}", **{TEAM_CLAIM: "grp-gone"}),
     )
     with pytest.raises(openai.AuthenticationError) as unknown:
         stray.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)

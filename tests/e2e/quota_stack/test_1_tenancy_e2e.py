@@ -29,16 +29,16 @@ def test_a_teams_model_restriction_applies_to_every_listing_card_and_info(base_u
         assert listed == {NARROW, NARROW_ALIAS}, listed
         assert http.get(f"/v1/models/{NARROW}").status_code == 200
         hidden = http.get(f"/v1/models/{MODEL}")
-        assert hidden.status_code == 403 and hidden.json()["error"]["code"] == "model_not_allowed"
+        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
         # Azure's /info with no deployment named: the one model this key may use, no other named.
         info = http.get("/info")
         assert info.status_code == 200 and info.json()["model_name"] == NARROW, info.text
-        assert http.get("/info", headers={"azureml-model-deployment": MODEL}).status_code == 403
+        assert http.get("/info", headers={"azureml-model-deployment": MODEL}).status_code == 404
         refused = http.post(
             "/v1/chat/completions",
             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         )
-        assert refused.status_code == 403
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_key_of_a_disabled_team_is_a_401_on_every_route_that_names_models(base_url):

@@ -20,7 +20,7 @@ from jwks_server import AUDIENCE, ISSUER
 from settled import inference, wait_until_settled
 from stack import BIN, local_app_args
 
-from quota_stack.stack_args import ADMIN, MODEL, TEAM_CLAIM
+from quota_stack.stack_args import ADMIN, MODEL, TEAM_CLAIM, USAGE_TEAM
 from serve_app.identity.jwt_auth import JwtAuthenticator
 from serve_app.settings import JwtConfig
 
@@ -58,13 +58,13 @@ def results(page: dict) -> list[dict]:
 
 def test_a_token_users_usage_is_found_wherever_a_keys_is(base_url, jwks, redis, redis_server):
     tag = time.monotonic_ns()
-    team = admin("POST", base_url, "/admin/teams", json={"name": f"token-only-{tag}"})
+    team = admin("POST", base_url, "/admin/teams", json={"name": USAGE_TEAM})
     sub = f"fay-{tag}@example.com"
     name = f"jwt:{sub}"
     user = JwtAuthenticator(JwtConfig(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url))._record({"sub": sub})
     client = openai.OpenAI(
         base_url=base_url + "/v1",
-        api_key=jwks.token("k1", sub=sub, **{TEAM_CLAIM: team["name"]}),
+        api_key=jwks.token("k1", sub=sub, **{TEAM_CLAIM: "grp-usage"}),
         max_retries=0,
         timeout=120,
     )

@@ -67,12 +67,26 @@ def test_azure_style_api_key_header_authenticates(base_url, redis_server):
     assert post_chat(base_url, secret, chat_body(), header="api-key").status_code == 200
 
 
-def test_model_not_allowed_is_403_and_hidden_from_models(base_url, redis_server):
+def test_a_model_not_allowed_is_answered_as_one_that_does_not_exist_and_hidden_from_models(base_url, redis_server):
+    """A restricted key cannot tell a model it may not use from one that does not exist:
+    the same 404, byte for byte but the name it sent, on inference and on the model's card."""
     _, secret = create_key(redis_server.url, "other-models-only", models=["some-other-model"])
     client = sdk(base_url, secret)
-    with pytest.raises(openai.PermissionDeniedError) as caught:
+    with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(**chat_body())
-    assert caught.value.code == "model_not_allowed"
+    assert caught.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(**{**chat_body(), "model": "no-such-model"})
+    assert caught.value.body == {
+        **missing.value.body,
+        "message": missing.value.body["message"].replace("no-such-model", MODEL),
+    }
+    headers = {"authorization": f"Bearer {secret}"}
+    cards = [
+        httpx.get(f"{base_url}/v1/models/{name}", headers=headers, timeout=30) for name in (MODEL, "no-such-model")
+    ]
+    assert [card.status_code for card in cards] == [404, 404]
+    assert cards[0].text == cards[1].text.replace("no-such-model", MODEL)
     assert client.models.list().data == []
 
 
