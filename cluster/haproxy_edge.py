@@ -109,6 +109,9 @@ RouteNames = dict[str, tuple[list[str], list[str]]]
 
 # The statuses HAProxy itself answers (those its `errorfile` takes), what each
 # tells an OpenAI client, and OpenAI's error type and code for it.
+# Ray's own listing of its applications' routes (its HAProxy answers it by itself).
+RAY_ROUTES_PATH = "/-/routes"
+
 EDGE_ERRORS = {
     400: (
         "The request could not be read (a malformed request, or a request line or headers too long).",
@@ -116,6 +119,7 @@ EDGE_ERRORS = {
         "bad_request",
     ),
     403: ("The request was refused.", "permission_error", "forbidden"),
+    404: ("Unknown request URL.", "invalid_request_error", "unknown_url"),
     405: ("Method not allowed.", "invalid_request_error", "method_not_allowed"),
     408: (
         f"The request was not sent in time (its headers, and the start of a model request's body, within "
@@ -215,6 +219,9 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
         lines.append(f"    errorfile {status} {path}")
     own = "\n".join(lines) + "\n"
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
+    # Ray's HAProxy lists every application's route (each direct-route model's name) on
+    # ``/-/routes`` to anyone: not through the edge, where no credential is asked.
+    stamp += f"    http-request deny deny_status 404 if {{ path -i {RAY_ROUTES_PATH} }}\n"
     sections = re.split(r"(?m)^(?=\S)", config)  # each section starts at an unindented line
     # Each declared backend's replicas (its servers but Ray's fallback proxy).
     replicas = {

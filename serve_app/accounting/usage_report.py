@@ -64,6 +64,11 @@ class UsageQuery:
     page: int | None = None  # the first bucket's start (a next_page cursor)
 
 
+# The last second a day bucket can name: a day's Redis field is written from its date, and
+# Python's dates end with the year 9999 (later times were a 500).
+LAST_TIME = int(datetime.datetime(9999, 12, 30, tzinfo=datetime.UTC).timestamp())
+
+
 def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQuery:
     """The query of OpenAI's usage (or, with ``COST_GROUPS``, costs) endpoint; a 400
     names the parameter it cannot take."""
@@ -82,14 +87,15 @@ def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQ
         value = one(name)
         if value is None:
             return None
-        if not value.isdigit() or not low <= int(value) <= high:
+        # ASCII digits only (str.isdigit takes '²', which int() refuses), and few of them.
+        if not (value.isascii() and value.isdigit() and len(value) <= 15) or not low <= int(value) <= high:
             raise OpenAIError(400, f"'{name}' must be an integer from {low} to {high}.", param=name)
         return int(value)
 
-    start_time = integer("start_time", 0, 2**40)
+    start_time = integer("start_time", 0, LAST_TIME)
     if start_time is None:
         raise OpenAIError(400, "'start_time' (Unix seconds) is required.", param="start_time")
-    end_time = integer("end_time", start_time + 1, 2**40)
+    end_time = integer("end_time", start_time + 1, LAST_TIME)
     if end_time is not None and end_time - start_time > MAX_RANGE_DAYS * DAY_S:
         raise OpenAIError(
             400,
@@ -107,7 +113,7 @@ def parse_query(params: QueryParams, groups: tuple[str, ...] = GROUPS) -> UsageQ
     if unknown:
         raise OpenAIError(400, f"group_by {unknown} is not served here; group by {list(groups)}.", param="group_by")
     limit = integer("limit", 1, MAX_BUCKETS) or DEFAULT_BUCKETS
-    page = integer("page", 0, 2**40)
+    page = integer("page", 0, LAST_TIME)
     keys, models, projects = many("api_key_ids"), many("models"), many("project_ids")
     return UsageQuery(
         start_time,

@@ -30,11 +30,9 @@ from serve_app.admin.operations import AdminStores
 from serve_app.errors import OpenAIError
 from serve_app.identity.admins import SESSION_S
 from serve_app.identity.authentication import Authenticator
-from serve_app.identity.credential_guard import client_of
 
 COOKIE = "llm_console"
 DAYS = 14
-MAX_FORM_BYTES = 16 * 1024
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f")
 # Form fields → the admin operations' limits, and how each is read.
 LIMIT_FIELDS = {
@@ -66,7 +64,10 @@ class Console:
         credential = form.get("credential", "")
         try:  # counted against this client's failed admin credentials (credential_guard.py)
             actor = await self.authenticator.admin_actor(
-                {"authorization": f"Bearer {credential}", "x-forwarded-for": client_of(request.headers)}
+                {
+                    "authorization": f"Bearer {credential}",
+                    "x-forwarded-for": self.authenticator.credential_guard.client(request.headers),
+                }
             )
         except OpenAIError as exc:
             if exc.status == 429:
@@ -157,9 +158,7 @@ class Console:
 
 
 async def _form(request: Request) -> dict[str, str]:
-    raw = await request.body()
-    if len(raw) > MAX_FORM_BYTES:
-        raise OpenAIError(413, "The form is too large.")
+    raw = await request.body()  # bounded by the route's declaration (body="form": http/body_bounds.py)
     return {name: values[0].strip() for name, values in parse_qs(raw.decode("utf-8", "replace")).items()}
 
 

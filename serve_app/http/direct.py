@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER
 from contract.model_config import ModelConfig, deployment_name
 from replicas.vllm_replica import VLLMReplica
+from serve_app.http.body_bounds import body_bounds_of
 from serve_app.http.request_handling import HandlesRequests, openai_app
 from serve_app.http.route_access import Routes
 from serve_app.http.services import build_gateway
@@ -140,7 +141,7 @@ class InProcessReplica:
     ``call_streamed``/``stream``/``model_info`` ``.remote``), calling the replica object of
     this process: no Serve item, no serialisation, no hop."""
 
-    def __init__(self, replica, adapter: str | None = None):
+    def __init__(self, replica, adapter: str = ""):
         self._replica = replica
         self._adapter = adapter
         self.deployment_name = deployment_name(replica.config.name)
@@ -148,8 +149,10 @@ class InProcessReplica:
     def options(
         self, *, stream: bool | None = None, multiplexed_model_id: str | None = None, session_id: str | None = None
     ) -> InProcessReplica:
-        # A session needs no placing here: the edge placed it on this replica.
-        return InProcessReplica(self._replica, multiplexed_model_id or self._adapter)
+        # A session needs no placing here: the edge placed it on this replica. No adapter
+        # is "" (the base model), never None: the replica reads None as "ask Serve's
+        # request context", which a client's header would have set.
+        return InProcessReplica(self._replica, multiplexed_model_id or self._adapter or "")
 
     @property
     def call_streamed(self) -> _Method:
@@ -197,6 +200,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[n
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.room_check_bytes = settings.ingress.room_check_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
+        direct_app.state.body_bounds = body_bounds_of(settings)  # every route's, by its declaration
         self.telemetry = Telemetry(
             settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys
         )

@@ -44,12 +44,15 @@ from contract.edge import MAX_SESSION_ID_CHARS, session_header
 from contract.model_config import ModelConfig
 from contract.prompt_blocks import prompt_text
 from serve_app.errors import OpenAIError
+from serve_app.http.body_bounds import bounded_route
 from serve_app.http.services import build_edge_tenancy
 from serve_app.identity.cache_isolation import put_salt
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
-router_app = FastAPI()
+router_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+# HAProxy's asks (a body it read whole, at most its buffer): bounded as every route's is.
+router_app.router.route_class = bounded_route("json")
 
 # What the model's request router reads as the call's operation (args[0]); the body is
 # args[1], as on the ingress' handle calls (replica_calls.py).

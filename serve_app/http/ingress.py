@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from contract.model_config import deployment_name, direct_app_name
+from serve_app.http.body_bounds import body_bounds_of
 from serve_app.http.console import Console
 from serve_app.http.readiness import Readiness
 from serve_app.http.routes.admin import AdminRoutes
@@ -50,6 +51,7 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
         self.max_body_bytes = settings.ingress.max_body_bytes
         self.room_check_bytes = settings.ingress.room_check_bytes
         self.body_timeout_s = settings.ingress.body_timeout_s
+        app.state.body_bounds = body_bounds_of(settings)  # every route's, by its declaration
         self.telemetry = Telemetry(
             settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys
         )

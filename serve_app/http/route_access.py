@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from serve_app.errors import OpenAIError
+from serve_app.http.body_bounds import BodyKind, bounded_route
 from serve_app.identity.authentication import credential_checked, reset_credential_checked, start_credential_check
 
 logger = logging.getLogger("ray.serve")
@@ -63,7 +64,9 @@ class Routes:
         self.app = app
         self.access: dict[tuple[str, str], RouteAccess] = {}
 
-    def __call__(self, method: str, path: str, access: RouteAccess) -> Callable:
+    def __call__(self, method: str, path: str, access: RouteAccess, body: BodyKind | None = None) -> Callable:
+        """``body``: the kind of body the route reads (body_bounds.py; None: its method's
+        default), which bounds its size and the time it may take to arrive."""
         if access not in KINDS:
             raise ValueError(f"{method} {path}: unknown access {access!r}")
 
@@ -74,7 +77,7 @@ class Routes:
             guarded = handler if declared is not None else GUARDS[access](handler)
             setattr(guarded, "route_access", access)  # noqa: B010 (a function's attribute)
             self.access[(method, path)] = access
-            getattr(self.app, method.lower())(path)(guarded)
+            self.app.router.add_api_route(path, guarded, methods=[method], route_class_override=bounded_route(body))
             return guarded
 
         return register

@@ -15,7 +15,7 @@ from starlette.datastructures import QueryParams
 from contract.model_config import Pricing
 from contract.replica_wire import Usage
 from serve_app.accounting.costs import Cost, Rates
-from serve_app.accounting.usage_report import COST_GROUPS, completions_usage, costs, parse_query
+from serve_app.accounting.usage_report import COST_GROUPS, LAST_TIME, completions_usage, costs, parse_query
 from serve_app.admission.scripts import Admission
 from serve_app.errors import OpenAIError
 from serve_app.http.services import build_quota_services
@@ -194,6 +194,11 @@ async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_buck
         ({"start_time": "100", "page": "next"}, "page"),
         ({"start_time": "0", "end_time": str(2**40)}, "end_time"),  # 12.7 million days
         ({"start_time": "0", "end_time": str(401 * 86400)}, "end_time"),
+        ({"start_time": "1099511000000", "end_time": "1099511600000"}, "start_time"),  # past the year 9999: was a 500
+        ({"start_time": str(LAST_TIME + 1)}, "start_time"),
+        ({"start_time": "100", "page": str(LAST_TIME + 1)}, "page"),
+        ({"start_time": "²"}, "start_time"),  # a digit to str.isdigit, not to int()
+        ({"start_time": "１００"}, "start_time"),  # full-width digits
     ],
 )
 def test_a_query_it_cannot_serve_is_a_400_naming_the_parameter(params, param):

@@ -42,6 +42,7 @@ def test_each_defaults_section_gets_the_timeouts_and_json_errors_in_place_of_ray
     assert config.startswith("global\n    maxconn 4096\n")
     assert (
         "frontend http_frontend\n    http-request set-header x-llm-edge-us %[date(0,us)]\n"
+        "    http-request deny deny_status 404 if { path -i /-/routes }\n"
         "    bind 127.0.0.1:8000\n    errorfile 503 /tmp/keep-mine.http\n"
     ) in config
     assert config.endswith("backend llm\n    timeout server 30s\n")
@@ -121,7 +122,8 @@ def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_t
     frontend = config.split("frontend http_frontend\n")[1].split("\nbackend")[0]
     rules = [line.strip() for line in frontend.splitlines() if line.strip().startswith("http-request")]
     assert rules[0].startswith("http-request set-header x-llm-edge-us")  # still first
-    assert rules[1].startswith("http-request wait-for-body time 10s if METH_POST { path /v1/chat/completions ")
+    assert rules[1] == "http-request deny deny_status 404 if { path -i /-/routes }"  # Ray's listing: not to anyone
+    assert rules[2].startswith("http-request wait-for-body time 10s if METH_POST { path /v1/chat/completions ")
     # Each route's rule holds only while one of its replicas is up: else the ingress wakes and waits for one.
     assert rules[-2:] == [
         "http-request set-path /direct/org--big%[path] if { var(txn.llm_one_hop) -m str org--big } "

@@ -18,26 +18,26 @@ class ConsoleRoutes(IngressRoutes):
     async def console_page(self, request: Request) -> Response:
         return await self.console.page(request, session_admin_of(request))
 
-    @route("POST", "/console/login", "console")
+    @route("POST", "/console/login", "console", body="form")
     async def console_login(self, request: Request) -> Response:
         return await self.console.login(request)
 
-    @route("POST", "/console/logout", "console")
+    @route("POST", "/console/logout", "console", body="form")
     async def console_logout(self, request: Request) -> Response:
         return await self.console.logout(request)
 
-    @route("POST", "/console/teams", "console")
+    @route("POST", "/console/teams", "console", body="form")
     async def console_create_team(self, request: Request) -> Response:
         return await self.console.act(request, session_admin_of(request), "team")
 
-    @route("POST", "/console/keys", "console")
+    @route("POST", "/console/keys", "console", body="form")
     async def console_create_key(self, request: Request) -> Response:
         return await self.console.act(request, session_admin_of(request), "key")
 
-    @route("POST", "/console/keys/{key}/revoke", "console")
+    @route("POST", "/console/keys/{key}/revoke", "console", body="form")
     async def console_revoke_key(self, key: str, request: Request) -> Response:
         return await self.console.act(request, session_admin_of(request), "revoke", key)
 
-    @route("POST", "/console/keys/{key}/limits", "console")
+    @route("POST", "/console/keys/{key}/limits", "console", body="form")
     async def console_key_limits(self, key: str, request: Request) -> Response:
         return await self.console.act(request, session_admin_of(request), "limits", key)

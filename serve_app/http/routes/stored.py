@@ -87,7 +87,7 @@ class StoredRoutes(IngressRoutes):
         response.headers.update(ticket.headers)
         return response
 
-    @route("POST", "/v1/files", "key")
+    @route("POST", "/v1/files", "key", body="upload")
     async def create_file(self, request: Request) -> Response:
         async def upload(key: KeyRecord) -> dict[str, Any]:
             declared = request.headers.get("content-length", "")

@@ -154,3 +154,18 @@ def test_prompt_tokens_vllm_had_cached_are_counted_apart_and_pay_the_cached_pric
     expected = (prompt_tokens - sum(cached)) * 0.10e-6 + sum(cached) * 0.025e-6
     assert amounts["tiny-llama, input"] == pytest.approx(expected, abs=1e-9)
     assert amounts["tiny-llama, input"] < prompt_tokens * 0.10e-6 * 0.8  # the cache made it cheaper
+
+
+@pytest.mark.parametrize("path", ["/v1/organization/costs", "/v1/organization/usage/completions"])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"start_time": "1099511000000", "end_time": "1099511600000"}, "start_time"),  # the year 36,812: was a 500
+        ({"start_time": "²"}, "start_time"),  # a digit to str.isdigit, not to int(): was a 500
+        ({"start_time": "0", "page": "9" * 14}, "page"),
+    ],
+)
+def test_every_time_the_usage_apis_cannot_serve_is_a_400_naming_it(base_url, admin_token, path, params, param):
+    answer = httpx.get(base_url + path, timeout=30, headers={"authorization": f"Bearer {admin_token}"}, params=params)
+    assert answer.status_code == 400, answer.text[:300]
+    assert answer.json()["error"]["param"] == param
