@@ -30,7 +30,7 @@ from soak.tenants import Tenant, as_body, provision
 from soak.topology import PRICES, ProxiedRedisCluster, Twin, free_port, run_dir, serve_config
 from soak.traffic import Load, now_ms
 
-ADMIN_TOKEN = "soak-admin-token"
+ADMIN_TOKEN = "soak-admin-token-of-32-characters"
 # The Redis path counts as slow past this: half the shipped quota.redis_timeout_s. The
 # gateway sheds rather than admits on local limits while its loop runs a quarter late,
 # and a call waits on the loop at least twice: a call that failed below that spent at

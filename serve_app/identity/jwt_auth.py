@@ -60,7 +60,6 @@ class JwtAuthenticator:
         self._fetched_at: float | None = None  # the last fetch that answered
         self._tried_at: float | None = None  # the last fetch, answered or not
         self._fetching: asyncio.Future | None = None
-        self._revalidating: asyncio.Future | None = None  # a fetch beside the requests (kept: not collected)
 
     async def authenticate(self, token: str) -> KeyRecord:
         if len(token) > MAX_TOKEN_CHARS:
@@ -138,21 +137,12 @@ class JwtAuthenticator:
         return None
 
     async def _key(self, kid: str) -> jwt.PyJWK | None:
-        """The signing key ``kid`` names. A cached one answers at once: once the cache is
-        older than ``jwks_cache_s`` it is fetched again beside the request, never on its
-        path (stale while revalidating), so while the provider is down the cached keys
-        keep verifying without every request waiting ``jwks_timeout_s`` for a fetch that
-        fails; a key the provider removed is refused once that fetch answers (within
-        ``jwks_cache_s`` and one fetch). An unknown kid (a rotation, or made up) waits for
-        a fetch, at most one every ``jwks_refresh_min_s``."""
         now = self.clock()
-        may_fetch = self._tried_at is None or now - self._tried_at >= self.config.jwks_refresh_min_s
-        if kid in self._keys:
-            stale = self._fetched_at is None or now - self._fetched_at >= self.config.jwks_cache_s
-            if stale and self._fetching is None and (may_fetch or self._fetched_at == self._tried_at):
-                self._revalidating = asyncio.ensure_future(self._refresh())
+        fresh = self._fetched_at is not None and now - self._fetched_at < self.config.jwks_cache_s
+        if kid in self._keys and fresh:
             return self._keys[kid]
-        if may_fetch or self._fetching is not None:
+        may_fetch = self._tried_at is None or now - self._tried_at >= self.config.jwks_refresh_min_s or not fresh
+        if may_fetch:
             await self._refresh()
         return self._keys.get(kid)
 

@@ -5,7 +5,6 @@ would forge. Then a token's user admitted exactly as a key (its own limit in Red
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
@@ -135,9 +134,6 @@ async def test_rotation_is_picked_up_and_made_up_kids_cost_one_fetch_per_interva
     assert jwks.fetches == 2
     retired = jwks.keys.pop("old")
     clock.now += 301  # past jwks_cache_s (5 min by default): the keys are fetched again, beside the request
-    await auth.authenticate(jwks.token("old", key=retired))  # the cache answers while it is fetched again
-    await auth._revalidating  # one fetch: from then on the retired key is gone
-    assert jwks.fetches == 3
     assert "unknown key" in await refused(auth, jwks.token("old", key=retired))
     await auth.authenticate(jwks.token("new", sub="carol"))
 
@@ -154,30 +150,6 @@ async def test_an_unreachable_jwks_keeps_cached_keys_and_admits_nothing_else(jwk
     clock.now += 3601  # the cache is stale and the JWKS still down: the cached keys still verify their tokens
     await auth.authenticate(jwks.token("k1", sub="erin"))
     jwks.down = False
-
-
-async def test_a_stale_cache_is_fetched_again_beside_the_requests_never_on_their_path(jwks):
-    """Past ``jwks_cache_s`` with the provider not answering, every wave of token requests
-    waited ``jwks_timeout_s`` for a fetch that failed, although the cached keys still
-    verified: now the cache answers at once and one fetch runs beside them, at most one
-    every ``jwks_refresh_min_s`` while they fail."""
-    jwks.add("k1")
-    clock = Clock()
-    auth = JwtAuthenticator(config(jwks, jwks_timeout_s=2, jwks_refresh_min_s=30), clock=clock)
-    await auth.authenticate(jwks.token("k1"))
-    jwks.hang_s, jwks.down = 3.0, True  # past the fetch's timeout, then an error
-    clock.now += 301
-    for n in range(20):
-        await asyncio.wait_for(auth.authenticate(jwks.token("k1", sub=f"u{n}")), timeout=0.5)  # never waits for it
-    await auth._revalidating  # it failed: the cached keys stay
-    assert jwks.fetches == 2  # one fetch for the twenty
-    await auth.authenticate(jwks.token("k1", sub="after"))
-    assert jwks.fetches == 2  # within jwks_refresh_min_s of the failed fetch: none again
-    clock.now += 31
-    jwks.hang_s, jwks.down = 0.0, False
-    await auth.authenticate(jwks.token("k1", sub="later"))
-    await auth._revalidating
-    assert jwks.fetches == 3 and auth._fetched_at == clock.now
 
 
 async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, redis_url):
