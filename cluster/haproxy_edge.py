@@ -41,8 +41,9 @@ through ``edge_config`` first:
 - Session affinity on a direct route: a request carrying the session header
   (``contract.edge.session_header()``, ``x-session-id`` unless Ray's
   ``RAY_SERVE_SESSION_ID_HEADER_KEY`` names another) goes to a copy of the direct
-  application's backend that picks the replica by a consistent hash of that header,
-  bounded by ``SESSION_BALANCE_FACTOR`` (HAProxy's ``hash-balance-factor``: no replica
+  application's backend that picks the replica by a consistent hash of that header
+  and the credential's (``session_hash``: another tenant's equal session id is another
+  session), bounded by ``SESSION_BALANCE_FACTOR`` (HAProxy's ``hash-balance-factor``: no replica
   takes more than that share of the mean load; past it a session moves, and its
   history is cached again there). The copy's servers track the originals' health.
   Requests without the header keep Ray's balancing (least connections). A direct
@@ -262,6 +263,23 @@ def _backend_name(section: str) -> str | None:
     return head[1] if len(head) == 2 and head[0] == "backend" else None
 
 
+# What a session's replica is hashed from: its credential's headers and the session
+# header, so that a session is its tenant's: another tenant sending the same session id
+# (known or guessed) is placed independently of it, never on its replica by design.
+# (The gateway and the edge router hash sessions with the tenant's cache salt,
+# serve_app/identity/cache_isolation.py; HAProxy has only the credential, which a
+# rotation or a new identity token moves to another replica once.) A fetch of a header
+# that is absent ends a sample chain, so the chain starts from a constant.
+def _session_parts() -> list[tuple[str, str]]:
+    """Each header a session is hashed from, with the variable HAProxy holds it in."""
+    return [(f"llm_session_{i}", header) for i, header in enumerate((*CREDENTIAL_HEADERS, session_header()))]
+
+
+def session_hash() -> str:
+    """HAProxy's expression a session backend hashes (its variables set by its rules)."""
+    return "str(llm)" + "".join(f",concat(|,txn.{var},)" for var, _ in _session_parts())
+
+
 def session_backend(backend: str) -> str:
     """A copy of a direct application's ``backend`` section that places each session
     by a consistent hash of its header, bounded by the replicas' load; its servers
@@ -269,7 +287,8 @@ def session_backend(backend: str) -> str:
     name = _backend_name(backend)
     lines = [
         f"backend {name}{SESSION_BACKEND_SUFFIX}",
-        f"    balance hdr({session_header()})",
+        *(f"    http-request set-var(txn.{var}) req.hdr({header})" for var, header in _session_parts()),
+        f"    balance hash {session_hash()}",
         "    hash-type consistent",
         f"    hash-balance-factor {SESSION_BALANCE_FACTOR}",
     ]

@@ -22,10 +22,12 @@ and no autoscaling has nothing to choose and keeps HAProxy's own balancing.
 The prompt is placed as the replica's gateway will run it: salted with its tenant's
 cache salt (serve_app/identity/cache_isolation.py), from the credential HAProxy forwards
 with the body (cluster/haproxy_edge.py ``edge_router_lua``), so a tenant's request goes
-where its own cache is and never where another tenant's is; a ``prompt_cache_key`` is
-its tenant's session. A credential that does not authenticate here (the replica will
-refuse it) is routed unsalted. A body the router cannot read (not JSON, past HAProxy's
-buffer) has no prompt: the router then balances by load, as for a request without one. Anything that fails here
+where its own cache is and never where another tenant's is; a session header or a
+``prompt_cache_key`` is a session of its tenant's (hashed with the salt, as the gateway
+hashes it). A credential that does not authenticate here (the replica will refuse it)
+is routed unsalted and without a session. A body the router cannot read (not JSON,
+past HAProxy's buffer) has no prompt: the router then balances by load, as for a
+request without one. Anything that fails here
 is HAProxy's 503 "Ingress request router failed" (the client retries), never a request
 sent nowhere.
 """
@@ -84,8 +86,8 @@ class EdgeRouter:
     async def route(self, request: Request) -> dict[str, Any]:
         body = routing_body(await request.body())
         routing: dict[str, Any] = {}
-        cache_session = await self._salt(body, request) if prompt_text(body, 1) else None
-        if session := request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS] or cache_session:
+        header = request.headers.get(self._session_header, "")[:MAX_SESSION_ID_CHARS] or None
+        if (header or prompt_text(body, 1)) and (session := await self._isolate(body, request, header)):
             routing["session_id"] = session
         if isinstance(body.get("model"), str) and (adapter := self._config.adapter_named(body["model"])):
             routing["multiplexed_model_id"] = adapter  # as the gateway names it (pipeline/gateway.py)
@@ -101,13 +103,14 @@ class EdgeRouter:
         except DeploymentUnavailableError as exc:
             raise HTTPException(503, str(exc)) from None
 
-    async def _salt(self, body: dict[str, Any], request: Request) -> str | None:
-        """Salts ``body`` as the replica's gateway will (its tenant's cache); the session
-        its ``prompt_cache_key`` names, or None. Unsalted when the caller is not known here."""
+    async def _isolate(self, body: dict[str, Any], request: Request, header: str | None) -> str | None:
+        """Salts ``body`` as the replica's gateway will (its tenant's cache); the routing
+        session its session ``header`` or ``prompt_cache_key`` names within its tenant, or
+        None. Unsalted and without a session when the caller is not known here."""
         try:
             key = await self._tenancy.authenticator.authenticate(request.headers)
             team = await self._tenancy.authenticator.team_of(key, self._config.name)
-            return await self._tenancy.salts.isolate(body, key, team, self._config)
+            return await self._tenancy.salts.isolate(body, key, team, self._config, header)
         except OpenAIError:  # refused, or Redis away: the replica answers it
             put_salt(body, None)
             return None

@@ -17,9 +17,12 @@ else the model's (contract/model_config.py).
 
 The same salt names the request's blocks to the routers (contract/prompt_blocks.py
 puts it before the prompt's text): one tenant's cached blocks never attract another
-tenant's requests. OpenAI's ``prompt_cache_key`` is a routing hint within a tenant:
-requests of one tenant with one key go to one replica while its load allows (a
-session id scoped by the salt, so two tenants' equal keys are two sessions).
+tenant's requests. A routing session (the client's session header, or OpenAI's
+``prompt_cache_key``, a routing hint within a tenant: requests of one tenant naming
+one session go to one replica while its load allows) is likewise a hash of the
+session and the salt, or, for a request sharing everyone's cache, of a salt of its
+team (else its key): two tenants' equal session ids are two sessions, so no tenant
+can place its load on the replica of another's session it knows or guesses.
 
 The secret lives in Redis (made once by the first process that needs it), so every
 ingress and replica, and the edge router, salts alike. A process that cannot read it
@@ -51,8 +54,10 @@ SALT_CHARS = 43
 # A client's own salt is only hashed: any string up to this is taken, as vLLM's field takes it.
 MAX_CLIENT_SALT_CHARS = 1024
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
-# Where a prompt_cache_key's session lives beside clients' session ids (never the same id).
+# A routing session's kind, before its hash: a prompt_cache_key and a session header
+# of one value are two sessions.
 PROMPT_CACHE_SESSION = "prompt_cache_key\x00"
+HEADER_SESSION = "session_header\x00"
 
 
 def isolation_level(key: KeyRecord, team: TeamRecord | None, config: ModelConfig) -> CacheIsolation:
@@ -151,22 +156,46 @@ class CacheSalts:
         return salt_for(await self.secret(), tenant, client_salt)
 
     @staticmethod
-    def session(salt: str | None, cache_key: str) -> str:
-        """The routing session of a ``prompt_cache_key`` within the tenant ``salt`` names."""
-        digest = hashlib.blake2b(
-            (salt or "").encode() + b"\x00" + cache_key.encode("utf-8", "surrogatepass"), digest_size=16
-        )
-        return PROMPT_CACHE_SESSION + digest.hexdigest()
+    def session(salt: str, value: str, kind: str = PROMPT_CACHE_SESSION) -> str:
+        """The routing session ``value`` (of ``kind``) names within the tenant ``salt`` names."""
+        digest = hashlib.blake2b(salt.encode() + b"\x00" + value.encode("utf-8", "surrogatepass"), digest_size=16)
+        return kind + digest.hexdigest()
+
+    async def routing_session(
+        self,
+        key: KeyRecord,
+        team: TeamRecord | None,
+        config: ModelConfig,
+        salt: str | None,
+        header: str | None,
+        cache_key: str | None,
+    ) -> str | None:
+        """The routing session of a request of ``key`` to ``config``: its session
+        ``header``'s, else its ``prompt_cache_key``'s, within its tenant (its cache
+        ``salt`` where it has one; else the salt of its tenant, its team's or key's where
+        it shares everyone's cache); None when it names none."""
+        if not (header or cache_key):
+            return None
+        if salt is None:  # unsalted (everyone's cache, or an operation without one): never anyone's session
+            tenant = tenant_of(isolation_level(key, team, config), key, team) or tenant_of("team", key, team)
+            salt = salt_for(await self.secret(), tenant, None) or ""
+        return self.session(salt, header, HEADER_SESSION) if header else self.session(salt, cache_key or "")
 
     async def isolate(
-        self, body: dict[str, Any], key: KeyRecord, team: TeamRecord | None, config: ModelConfig
+        self,
+        body: dict[str, Any],
+        key: KeyRecord,
+        team: TeamRecord | None,
+        config: ModelConfig,
+        header: str | None = None,
     ) -> str | None:
         """What the gateway does to a request's body, for a router that sees the client's
         body (the edge's): sets ``body["cache_salt"]`` (removes it where the request shares
-        everyone's cache), takes ``prompt_cache_key`` out; returns that key's routing
-        session, or None. Raises the client's 400 for either field."""
+        everyone's cache), takes ``prompt_cache_key`` out; returns the request's routing
+        session (its session ``header``'s, else that key's), or None. Raises the client's
+        400 for either field."""
         client_salt = client_salt_of(body)
         cache_key = prompt_cache_key_of(body)
         salt = await self.salt(key, team, config, client_salt)
         put_salt(body, salt)
-        return None if cache_key is None else self.session(salt, cache_key)
+        return await self.routing_session(key, team, config, salt, header, cache_key)

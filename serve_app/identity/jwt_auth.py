@@ -8,10 +8,12 @@ What is checked, each a 401 naming it: the signature (only the configured
 asymmetric algorithms, the key chosen by the token's ``kid`` and of the type its
 ``alg`` needs: no ``none``, no HMAC with a public key), ``iss``, ``aud``, ``exp``
 (required) and ``nbf``, with ``leeway_s``; the user claim present and a plain
-string. Keys are cached ``jwks_cache_s``; a ``kid`` not among them fetches the JWKS
+string. Keys are cached ``jwks_cache_s`` and fetched again before then beside the
+requests (no request waits for a renewal); a ``kid`` not among them fetches the JWKS
 again at most every ``jwks_refresh_min_s`` (rotation is picked up, a flood of made-up
 kids costs one fetch); while the JWKS cannot be fetched, tokens signed by a cached
-key still verify and any other token is refused: nothing unverified is admitted."""
+key still verify, without waiting for the fetches tried meanwhile, and any other token
+is refused: nothing unverified is admitted."""
 
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ logger = logging.getLogger("ray.serve")
 MAX_TOKEN_CHARS = 16_384  # an IdP's tokens are a few KB; past this it is not one
 MAX_JWKS_BYTES = 1 << 20
 MAX_USER_CHARS = 256
+# The share of ``jwks_cache_s`` after a fetch that the next is made beside the requests:
+# early enough that it has answered before the copy is stale.
+RENEW_AT = 0.8
+MIN_RETRY_S = 1.0  # a failed fetch is tried again no sooner (jwks_refresh_min_s may be 0)
 
 
 def is_jwt_identity(key_id: str) -> bool:
@@ -60,6 +66,8 @@ class JwtAuthenticator:
         self._fetched_at: float | None = None  # the last fetch that answered
         self._tried_at: float | None = None  # the last fetch, answered or not
         self._fetching: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the next fetch beside the requests
+        self._background: asyncio.Future | None = None  # a fetch beside the requests (kept: not collected)
 
     async def authenticate(self, token: str) -> KeyRecord:
         if len(token) > MAX_TOKEN_CHARS:
@@ -137,31 +145,71 @@ class JwtAuthenticator:
         return None
 
     async def _key(self, kid: str) -> jwt.PyJWK | None:
+        """The signing key ``kid`` names. A cached one answers at once while its copy is
+        younger than ``jwks_cache_s``; a timer fetches the JWKS again before then (at
+        ``RENEW_AT`` of it, beside the requests), so a key the provider removed is refused
+        within ``jwks_cache_s`` plus one fetch, by a process with no token to verify too.
+        While the provider does not answer (the last fetch failed, or one is under way)
+        the cached keys keep verifying and no request waits: one fetch at a time is tried
+        beside them, at most every ``jwks_refresh_min_s``. A stale copy the timer did not
+        renew (a loop stalled past it) is fetched on the request's path, as is an unknown
+        kid (a rotation, or made up), at most once every ``jwks_refresh_min_s``."""
         now = self.clock()
         fresh = self._fetched_at is not None and now - self._fetched_at < self.config.jwks_cache_s
+        if kid in self._keys and not fresh and (self._fetching is not None or self._provider_failing()):
+            if self._fetching is None and self._tried_at is not None:
+                if now - self._tried_at >= self.config.jwks_refresh_min_s:
+                    self._beside_requests()
+            return self._keys[kid]
         if kid in self._keys and fresh:
             return self._keys[kid]
-        may_fetch = self._tried_at is None or now - self._tried_at >= self.config.jwks_refresh_min_s or not fresh
+        since_tried = None if self._tried_at is None else now - self._tried_at
+        may_fetch = (
+            since_tried is None
+            or since_tried >= self.config.jwks_refresh_min_s
+            or not (fresh or self._provider_failing())  # a copy the timer did not renew
+        )
         if may_fetch:
             await self._refresh()
         return self._keys.get(kid)
 
+    def _provider_failing(self) -> bool:
+        """Whether the last fetch tried failed (the keys are those of one before it)."""
+        return self._tried_at is not None and (self._fetched_at is None or self._tried_at > self._fetched_at)
+
+    def _beside_requests(self) -> None:
+        """A fetch as a task of its own (kept referenced: the loop holds tasks weakly)."""
+        if self._fetching is None:
+            self._background = asyncio.ensure_future(self._refresh())
+
+    def _renew_later(self, delay: float) -> None:
+        """The next fetch beside the requests, ``delay`` seconds from now (the last
+        timer replaced: one per authenticator, on the loop that verifies its tokens)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._beside_requests)
+
     async def _refresh(self) -> None:
-        """One fetch at a time; requests arriving meanwhile wait for it."""
+        """One fetch at a time; requests arriving meanwhile wait for it. Each arms the
+        timer for the next: ``RENEW_AT`` of ``jwks_cache_s`` after one that answered,
+        ``jwks_refresh_min_s`` (a second at least) after one that failed."""
         if self._fetching is not None:
             await asyncio.shield(self._fetching)
             return
         self._fetching = asyncio.get_running_loop().create_future()
         self._tried_at = self.clock()
+        renew_in = max(self.config.jwks_refresh_min_s, MIN_RETRY_S)
         try:
             keys = await asyncio.to_thread(self._fetch)
         except Exception as exc:  # unreachable, not JSON, no keys: the cached keys stay, nothing else verifies
             logger.warning("JWKS %s could not be fetched: %s", self.config.jwks_url, exc)
         else:
             self._keys, self._fetched_at = keys, self.clock()
+            renew_in = self.config.jwks_cache_s * RENEW_AT
         finally:
             self._fetching.set_result(None)
             self._fetching = None
+            self._renew_later(renew_in)
 
     def _fetch(self) -> dict[str, jwt.PyJWK]:
         with urllib.request.urlopen(self.config.jwks_url, timeout=self.config.jwks_timeout_s) as answer:

@@ -294,15 +294,17 @@ class Gateway:
         """The request's engine ``cache_salt`` set from its tenant (its key's, its team's,
         or none: identity/cache_isolation.py), so that no tenant's prompt is served from
         another's cache, on every way work gets in (each takes ``run``); and its routing
-        session: the client's session header, else its ``prompt_cache_key`` within its
-        tenant. The model's router reads both (the salt is part of its prompt text)."""
-        session = plan.session
+        session: the client's session header, else its ``prompt_cache_key``, hashed
+        within its tenant (never another tenant's session). The model's router reads
+        both (the salt is part of its prompt text)."""
+        if not (plan.op.cache_salted or plan.session):
+            return plan
+        team = await self.access.team_of(key, plan.model)
+        salt = None
         if plan.op.cache_salted:
-            team = await self.access.team_of(key, plan.model)
             salt = await self.salts.salt(key, team, plan.config, plan.client_salt)
             put_salt(plan.body, salt)
-            if session is None and plan.cache_key is not None:
-                session = self.salts.session(salt, plan.cache_key)
+        session = await self.salts.routing_session(key, team, plan.config, salt, plan.session, plan.cache_key)
         if session:  # the model's router keeps a session on one replica
             plan = dataclasses.replace(plan, handle=plan.handle.options(session_id=session))
         return plan

@@ -210,10 +210,10 @@ def replicas_that_ran(redis_server, key, request_ids: list[str]) -> list[str]:
     return [by_id[request_id]["replica"] for request_id in request_ids]
 
 
-def send(client, messages, max_tokens: int = 2, model: str = MODEL, **extra) -> str:
-    """One chat request; its x-request-id."""
+def send(client, messages, max_tokens: int = 2, model: str = MODEL, headers: dict | None = None, **extra) -> str:
+    """One chat request (with ``headers``); its x-request-id."""
     raw = client.chat.completions.with_raw_response.create(
-        model=model, messages=messages, max_tokens=max_tokens, extra_body=extra or None
+        model=model, messages=messages, max_tokens=max_tokens, extra_body=extra or None, extra_headers=headers
     )
     raw.parse()
     return raw.headers["x-request-id"]
@@ -275,33 +275,47 @@ def test_a_flood_on_one_prefix_overflows_to_the_other_replica(base_url, client, 
     assert on_preferred > streams - on_preferred, ran  # still the prefix's replica first
 
 
-def test_with_a_session_header_each_conversation_keeps_its_own_replica(client, replica_ids, redis_server, key, salt):
+def test_with_a_session_header_each_conversation_keeps_its_own_replica(
+    base_url, client, replica_ids, redis_server, key, salt
+):
+    """Each turn of a session runs on the replica its session ranks first; the session
+    is its tenant's (hashed with its salt, serve_app/identity/cache_isolation.py), so
+    another tenant sending the same ids runs where its own salt ranks them: on the other
+    replica for every id here, never with the first tenant's conversation."""
     from contract.edge import DEFAULT_SESSION_HEADER
+    from serve_app.identity.cache_isolation import HEADER_SESSION, CacheSalts
     from serve_app.routing.policies import SESSION_KEY
+
+    other_key = create_key(redis_server.url, "session-other", requests_per_minute=100_000, max_concurrent=100)
+    other_salt = cache_salt(redis_server.url, "key:" + other_key[0])
+    other = openai.OpenAI(base_url=base_url + "/v1", api_key=other_key[1], max_retries=0, timeout=300)
+
+    def first(session: str, tenant_salt: str) -> str:
+        session_id = CacheSalts.session(tenant_salt, session, HEADER_SESSION)
+        return rendezvous_order(SESSION_KEY + session_id, replica_ids)[0]
 
     # One application: every conversation starts with its system prompt, which ranks
     # one replica first. By prefix they all run there; by session each runs on the
     # replica its session id ranks first, every turn.
     [system] = system_prompts_preferring(replica_ids[0], replica_ids, 1, salt)
 
-    # Four sessions ranking each replica first, chosen from the replica ids of this run
-    # (eight names taken blindly all ranked one replica first in a CI run: 1 in 128).
+    # Three sessions ranking each replica first for this key and the other for the other
+    # key, chosen from the replica ids of this run (a quarter of the names qualify).
     def ranking_first(replica: str):
         names = (f"conversation-{i}" for i in itertools.count())
-        return itertools.islice((n for n in names if rendezvous_order(SESSION_KEY + n, replica_ids)[0] == replica), 4)
+        return itertools.islice((n for n in names if first(n, salt) == replica != first(n, other_salt)), 3)
 
     sessions = sorted(session for replica in replica_ids for session in ranking_first(replica))
-    expected, sent = [], []
+    expected, sent, theirs, expected_theirs = [], [], [], []
     for turn in range(2):
         for session in sessions:
             messages = conversation(system, f"{session}: turn {turn}")
-            raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=messages, max_tokens=2, extra_headers={DEFAULT_SESSION_HEADER: session}
-            )
-            raw.parse()
-            sent.append(raw.headers["x-request-id"])
-            expected.append(rendezvous_order(SESSION_KEY + session, replica_ids)[0])
+            sent.append(send(client, messages, headers={DEFAULT_SESSION_HEADER: session}))
+            expected.append(first(session, salt))
+            theirs.append(send(other, messages, headers={DEFAULT_SESSION_HEADER: session}))
+            expected_theirs.append(first(session, other_salt))
     assert replicas_that_ran(redis_server, key, sent) == expected
+    assert replicas_that_ran(redis_server, other_key, theirs) == expected_theirs
 
 
 def one_hop_counts(replica_ids: list[str]) -> dict[str, int]:

@@ -509,8 +509,9 @@ def test_on_a_direct_route_a_session_stays_on_one_replica_and_sessions_spread(tm
     starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
     body = {"model": "tiny-llama", "prompt": "hi"}
 
-    def where(session: str | None) -> str:
+    def where(session: str | None, credential: dict[str, str] | None = None) -> str:
         headers = {session_header(): session} if session is not None else {}
+        headers.update(credential if credential is not None else {"authorization": "Bearer sk-llm-victim"})
         before = (len(first.seen), len(second.seen))
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=10)
         assert answer.status_code == 200, answer.text
@@ -524,6 +525,15 @@ def test_on_a_direct_route_a_session_stays_on_one_replica_and_sessions_spread(tm
         for _ in range(2):  # and each turn of a session goes where its first did
             assert {session: where(session) for session in placed} == placed
         assert {where(None) for _ in range(6)} == {"first", "second"}  # no session: Ray's balancing
+        # A session is its tenant's: another credential sending the same ids (Anthropic's
+        # header, Azure's, or no credential) is placed independently of the victim's
+        # sessions, each of its own still on one replica. Hashing the header alone put
+        # all 24 where the victim's were; independently, 21 or more would be a 1.4e-4 chance.
+        others = ({"authorization": "Bearer sk-llm-other"}, {"x-api-key": "sk-llm-other"}, {"api-key": "k"}, {})
+        for credential in others:
+            theirs = {session: where(session, credential) for session in placed}
+            assert {session: where(session, credential) for session in placed} == theirs
+            assert sum(theirs[session] == placed[session] for session in placed) <= 20, (credential, theirs)
         assert ingress.seen == []
     finally:
         starter.kill()

@@ -5,6 +5,7 @@ would forge. Then a token's user admitted exactly as a key (its own limit in Red
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -150,6 +151,48 @@ async def test_an_unreachable_jwks_keeps_cached_keys_and_admits_nothing_else(jwk
     clock.now += 3601  # the cache is stale and the JWKS still down: the cached keys still verify their tokens
     await auth.authenticate(jwks.token("k1", sub="erin"))
     jwks.down = False
+
+
+async def test_while_the_provider_does_not_answer_the_cached_keys_verify_and_no_request_waits(jwks):
+    """Past ``jwks_cache_s`` with the provider not answering, every wave of token requests
+    waited ``jwks_timeout_s`` for a fetch that failed, although the cached keys still
+    verified: now the fetch is made beside them (the timer's, before the copy is stale),
+    and while it hangs or fails the cache answers at once; a failed fetch is tried again
+    at most every ``jwks_refresh_min_s``."""
+    jwks.add("k1")
+    auth = JwtAuthenticator(config(jwks, jwks_cache_s=1.0, jwks_timeout_s=2, jwks_refresh_min_s=30))
+    await auth.authenticate(jwks.token("k1"))
+    jwks.hang_s, jwks.down = 3.0, True  # past the fetch's timeout, then an error
+    await asyncio.sleep(1.2)  # the copy is stale; the timer's fetch (at 0.8 s) hangs
+    assert jwks.fetches == 2 and auth._background is not None and not auth._background.done()
+    for n in range(20):
+        await asyncio.wait_for(auth.authenticate(jwks.token("k1", sub=f"u{n}")), timeout=0.5)  # never waits for it
+    await auth._background  # it failed: the cached keys stay
+    assert jwks.fetches == 2  # one fetch for the twenty
+    await asyncio.wait_for(auth.authenticate(jwks.token("k1", sub="after")), timeout=0.5)
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    assert "unknown key" in await refused(auth, jwks.token("k2", key=stranger))  # nothing else verifies
+    assert jwks.fetches == 2  # within jwks_refresh_min_s of the failed fetch: none again
+    auth._timer.cancel()
+
+
+async def test_a_key_the_provider_removes_is_refused_within_the_cache_bound_with_no_token_meanwhile(jwks):
+    """A process with no token to verify renews its copy all the same (its timer), so
+    the first token signed by a removed key after ``jwks_cache_s`` is refused, without
+    a fetch on its path; a key the provider adds meanwhile verifies."""
+    jwks.add("staying")
+    jwks.add("leaving")
+    auth = JwtAuthenticator(config(jwks, jwks_cache_s=1.0, jwks_refresh_min_s=30))
+    await auth.authenticate(jwks.token("leaving"))
+    retired = jwks.keys.pop("leaving")
+    jwks.add("new")
+    await asyncio.sleep(1.1)  # nothing asked meanwhile
+    assert jwks.fetches == 2  # the timer's
+    assert "unknown key" in await refused(auth, jwks.token("leaving", key=retired))
+    await auth.authenticate(jwks.token("new", sub="bob"))
+    await auth.authenticate(jwks.token("staying", sub="carol"))
+    assert jwks.fetches == 2  # none on a request's path
+    auth._timer.cancel()
 
 
 async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, redis_url):

@@ -26,6 +26,7 @@ from contract.replica_wire import ReplicaAnswer
 from serve_app.errors import OpenAIError
 from serve_app.identity.authentication import secret_from
 from serve_app.identity.cache_isolation import (
+    HEADER_SESSION,
     PROMPT_CACHE_SESSION,
     SALT_CHARS,
     client_salt_of,
@@ -162,8 +163,16 @@ class RecordingHandle:
         return Response(result=ReplicaAnswer(b"{}", USAGE, "r1"))
 
 
-async def _sent(key: KeyRecord, body: dict, team: TeamRecord | None = TEAM, operation: str = "chat", **config):
-    """(the body the replica got, the handle's options) for ``body`` sent by ``key``."""
+async def _sent(
+    key: KeyRecord,
+    body: dict,
+    team: TeamRecord | None = TEAM,
+    operation: str = "chat",
+    session: str | None = None,
+    **config,
+):
+    """(the body the replica got, the handle's options) for ``body`` sent by ``key``
+    (with the session header ``session``)."""
 
     class TeamAccess(Access):
         async def team_of(self, key, model):
@@ -173,7 +182,7 @@ async def _sent(key: KeyRecord, body: dict, team: TeamRecord | None = TEAM, oper
     gateway = Gateway(
         TeamAccess(), {"m": RecordingHandle(calls)}, [ModelConfig(name="m", **config)], Telemetry(False, False), SALTS
     )
-    await gateway.run(key, operation, json.loads(json.dumps(body)), 100, RequestRecord("openai", "x"))
+    await gateway.run(key, operation, json.loads(json.dumps(body)), 100, RequestRecord("openai", "x"), session=session)
     return calls[-1]
 
 
@@ -206,6 +215,37 @@ async def test_a_prompt_cache_key_is_a_session_of_its_tenant_and_never_reaches_t
     assert "prompt_cache_key" not in body
     assert handle["session_id"].startswith(PROMPT_CACHE_SESSION)
     assert handle["session_id"] == mate["session_id"] != stranger["session_id"]
+
+
+@pytest.mark.parametrize("isolation", ["team", "key", "shared"])
+@pytest.mark.parametrize("operation", ["chat", "tokenize"])
+async def test_a_session_header_is_a_session_of_its_tenant_at_every_isolation_level(isolation, operation):
+    """A tenant sending a victim's session id is not placed with the victim's session:
+    the id is hashed with the tenant's salt (sharing everyone's cache, its team's), on
+    operations that carry no salt too; one tenant's turns keep one session."""
+    body = CHAT if operation == "chat" else {"model": "m", "prompt": "hi"}
+
+    async def session_of(key, team=TEAM, session="conversation-1", **extra):
+        _, options = await _sent(key, {**body, **extra}, team, operation, session, cache_isolation=isolation)
+        return options["session_id"]
+
+    mine = await session_of(IN_TEAM)
+    assert mine == await session_of(IN_TEAM) != "conversation-1"
+    assert mine.startswith(HEADER_SESSION) and len(mine) <= 256
+    assert mine != await session_of(ALONE, team=None)  # another tenant, the same id
+    assert mine != await session_of(IN_TEAM, session="conversation-2")
+    mate = await session_of(ALSO_IN_TEAM)
+    assert (mate == mine) is (isolation != "key")  # one team shares its cache, so its sessions
+    if operation == "chat":  # the header names the session, not the prompt_cache_key beside it
+        assert await session_of(IN_TEAM, prompt_cache_key="other") == mine
+
+
+async def test_sharing_everyones_cache_a_prompt_cache_key_is_still_its_teams_session():
+    _, mine = await _sent(IN_TEAM, {**CHAT, "prompt_cache_key": "agent"}, cache_isolation="shared")
+    _, mate = await _sent(ALSO_IN_TEAM, {**CHAT, "prompt_cache_key": "agent"}, cache_isolation="shared")
+    _, other = await _sent(ALONE, {**CHAT, "prompt_cache_key": "agent"}, team=None, cache_isolation="shared")
+    assert mine["session_id"] == mate["session_id"] != other["session_id"]
+    assert mine["session_id"].startswith(PROMPT_CACHE_SESSION)
 
 
 @pytest.mark.parametrize("header", CREDENTIAL_HEADERS)

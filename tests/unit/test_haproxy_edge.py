@@ -180,7 +180,13 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
     assert config.endswith(
         RAY_DIRECT_BACKEND
         + """backend direct-tiny-session
-    balance hdr(x-session-id)
+    http-request set-var(txn.llm_session_0) req.hdr(authorization)
+    http-request set-var(txn.llm_session_1) req.hdr(api-key)
+    http-request set-var(txn.llm_session_2) req.hdr(x-api-key)
+    http-request set-var(txn.llm_session_3) req.hdr(x-session-id)
+    balance hash str(llm)"""
+        + "".join(f",concat(|,txn.llm_session_{i},)" for i in range(4))
+        + """
     hash-type consistent
     hash-balance-factor 150
     log global
@@ -192,7 +198,8 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
     # Ray's setting for its session header names ours too.
     monkeypatch.setenv("RAY_SERVE_SESSION_ID_HEADER_KEY", "X-Conversation")
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_DIRECT_BACKEND, Path("/tmp/unused-errors"))
-    assert "balance hdr(x-conversation)" in config and "{ req.hdr(x-conversation) -m found }" in config
+    assert "set-var(txn.llm_session_3) req.hdr(x-conversation)" in config
+    assert "{ req.hdr(x-conversation) -m found }" in config
 
 
 RAY_ROUTED_DIRECT_BACKEND = (
@@ -209,7 +216,7 @@ def test_a_direct_application_with_an_edge_router_keeps_the_one_hop_but_gets_no_
     """Its ingress request router (serve_app/http/edge_router.py) picks the replica,
     sessions included: a session rule before Ray's would bypass it."""
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_ROUTED_DIRECT_BACKEND, Path("/tmp/unused-errors"))
-    assert "-session" not in config and "balance hdr(" not in config
+    assert "-session" not in config and "balance hash" not in config
     assert "set-path /direct/tiny%[path] if { var(txn.llm_one_hop) -m str tiny } llm_replica_up_tiny" in config
 
 

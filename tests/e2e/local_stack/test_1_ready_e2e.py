@@ -153,3 +153,47 @@ def network_addresses() -> list[str]:
         for address in addresses
         if address.family == socket.AF_INET and not address.address.startswith("127.")
     ]
+
+
+def test_no_one_sharing_the_admins_address_keeps_them_out(stack, redis_server):
+    """As shipped (auth.admin_failures_per_minute 20), through the edge, which every client
+    here reaches from one address (as behind a NAT, or a load balancer not listed in
+    auth.trusted_proxies): a tenant's keys and tokens sent to the admin API count for
+    nothing, wrong admin credentials are 401s and then 429s past the minute's bound,
+    and the right credential still answers 200, on the admin API and the console's login."""
+    import asyncio
+    import time
+
+    from serve_app.identity.admins import AdminStore
+    from serve_app.identity.credential_guard import WINDOW_S
+    from serve_app.redis_store.redis_client import connect
+
+    async def named_admin() -> str:
+        client = connect(redis_server.url)
+        try:
+            return (await AdminStore(client).create("lockout-ops", "test"))[1]
+        finally:
+            await client.aclose()
+
+    stack.wait_ready()
+    admin = asyncio.run(named_admin())
+    _, tenant = create_key(redis_server.url, "admin-route-prober")
+
+    def keys_listed(secret: str) -> httpx.Response:
+        return httpx.get(stack.base_url + "/admin/keys", headers={"authorization": f"Bearer {secret}"}, timeout=30)
+
+    def login(credential: str) -> httpx.Response:
+        return httpx.post(stack.base_url + "/console/login", data={"credential": credential}, timeout=30)
+
+    # The bound is per clock minute: near a minute's end, wait for the next one, so that
+    # the guesses and the checks below (well under a second each) share one.
+    if WINDOW_S - time.time() % WINDOW_S < 20:
+        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.1)
+    tokenish = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln"
+    assert {keys_listed(secret).status_code for secret in [tenant, tokenish] * 15} == {401}  # 30, none counted
+    guesses = [keys_listed("sk-admin-" + "x" * 43).status_code for _ in range(22)]
+    assert guesses == [401] * 20 + [429] * 2, guesses
+    assert login("sk-admin-wrong").status_code == 429  # the console's login counts with the API
+    assert keys_listed(admin).status_code == 200  # the right credential, from the same address
+    answer = login(admin)
+    assert answer.status_code == 303 and answer.cookies.get("llm_console"), answer.text[:300]
