@@ -4,6 +4,8 @@ Ray writes HAProxy's config from its template and starts ``haproxy -f <file>`` (
 on every reload) through ``llm-haproxy`` (``haproxy_guard.py``), which passes it
 through ``edge_config`` first:
 
+- ``timeout client`` (``CLIENT_SILENCE_S``, in place of Ray's hour): how long a client
+  may leave HAProxy waiting for its body's next bytes or for it to read its answer.
 - ``timeout http-request`` (Ray leaves it unset): a client has this long to send a
   request's headers, so connections trickling a header line every few seconds (a
   slowloris; HAProxy's ``maxconn`` is 4,096) are closed with a 408 instead of locking
@@ -89,6 +91,23 @@ from contract.edge import (
 
 REQUEST_HEADERS_TIMEOUT_S = 10
 KEEP_ALIVE_TIMEOUT_S = 60
+# How long a client may leave HAProxy waiting on it (``timeout client``, Ray's 3,600 s):
+# for the next bytes of its request's body, or to read what HAProxy has for it. It does
+# not run while the client waits on an answer (a long unary call, a stream between
+# tokens: tried, a 2 s timeout let both run 6 s). The routes bound a body's whole time
+# (``ingress.body_timeout_s``, 60 s; an upload by its rate: serve_app/http/body_bounds.py),
+# so no body they take pauses this long; a client that stops reading its stream is cut
+# after it, and its request ends as one whose client left (settled for what it got),
+# instead of holding its slot and the engine's sequence for an hour. ``LLM_EDGE_CLIENT_SILENCE_S``
+# sets another (clients that pause reading their streams longer).
+CLIENT_SILENCE_S = 60
+
+
+def client_silence_s() -> int:
+    """HAProxy's ``timeout client``, in seconds (``LLM_EDGE_CLIENT_SILENCE_S``, else ``CLIENT_SILENCE_S``)."""
+    return int(os.environ.get("LLM_EDGE_CLIENT_SILENCE_S") or CLIENT_SILENCE_S)
+
+
 # The largest body the edge reads a model from (HAProxy's request buffer; about 60k
 # tokens of text): larger ones take the ingress' two hops. Each request being read
 # holds one such buffer, taken from a pool as needed, not one per connection.
@@ -180,7 +199,8 @@ def _private(section: str) -> str:
 
 
 _OWN_SETTINGS = re.compile(
-    r"^\s*(timeout http-request|timeout http-keep-alive|errorfile|option forwardfor)\b.*\n", re.MULTILINE
+    r"^\s*(timeout http-request|timeout http-keep-alive|timeout client|errorfile|option forwardfor)\b.*\n",
+    re.MULTILINE,
 )
 
 
@@ -210,6 +230,7 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
     lines = [
         f"    timeout http-request {REQUEST_HEADERS_TIMEOUT_S}s",
         f"    timeout http-keep-alive {KEEP_ALIVE_TIMEOUT_S}s",
+        f"    timeout client {client_silence_s()}s",
         # The client's address, after any X-Forwarded-For it sent: the gateway throttles
         # failed admin credentials per client (serve_app/identity/credential_guard.py).
         "    option forwardfor",

@@ -257,7 +257,7 @@ class _Recorder:
     """An HTTP server that answers 200 and records each request's path and body; given
     ``names``, it answers the edge's question for them as a direct route's replica does."""
 
-    def __init__(self, names: dict[str, list[str]] | None = None):
+    def __init__(self, names: dict[str, list[str]] | None = None, delay_s: float = 0.0):
         import http.server
         import json
         import threading
@@ -281,6 +281,7 @@ class _Recorder:
                         self.rfile.readline()
                     self.rfile.readline()
                 answer, status = b"", 200
+                time.sleep(delay_s)  # a replica still working on its answer
                 if self.path.endswith(EDGE_NAMES_PATH):  # the edge's question, when it writes its config
                     recorder.asked += 1
                     answer, status = (json.dumps(names).encode(), 200) if names is not None else (b"", 404)
@@ -540,3 +541,36 @@ def test_on_a_direct_route_a_session_stays_on_one_replica_and_sessions_spread(tm
         starter.wait()
         for recorder in (ingress, first, second):
             recorder.server.shutdown()
+
+
+def test_a_client_silent_on_its_body_is_cut_but_one_waiting_on_its_answer_is_not(tmp_path):
+    """HAProxy's ``timeout client`` (``CLIENT_SILENCE_S``, 2 s here in place of 60 s)
+    bounds how long a client leaves the edge waiting on it, not how long it waits on an
+    answer: a body stopped halfway is cut at it, a call answered after twice as long is
+    answered whole (Ray's 3,600 s let a stalled body or an unread stream hold on an hour)."""
+    import socket
+
+    import httpx
+
+    slow = _Recorder(delay_s=4.0)  # past the client's 2 s, within the test backend's 5 s
+    port = free_port()
+    config = ray_shaped_config(tmp_path, port, slow.port, {})
+    env = {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER), "LLM_EDGE_CLIENT_SILENCE_S": "2"}
+    starter = start_actor_like(str(WRAPPER), config, env)
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        started = time.monotonic()
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/files", content=b"x", timeout=30)
+        assert answer.status_code == 200 and time.monotonic() - started >= 4.0
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(b"POST /v1/files HTTP/1.1\r\nHost: edge\r\nContent-Length: 100\r\n\r\nabc")
+            started = time.monotonic()
+            head = client.recv(200)
+            cut_after = time.monotonic() - started
+        assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.1 408")) or head == b"", head
+        assert 1.5 <= cut_after < 5, cut_after  # at the client timeout, before http-request's 10 s
+        assert [body for _, body in slow.seen] == [b"x"]  # the stopped body never reached a replica whole
+    finally:
+        starter.kill()
+        starter.wait()
+        slow.server.shutdown()
