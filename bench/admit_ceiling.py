@@ -66,7 +66,6 @@ def script() -> str:
         3600,
         KEY_ID,
         "",
-        redis_names.request_record_prefix(KEY_ID),
         0,
         0,
         0,

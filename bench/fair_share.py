@@ -73,7 +73,7 @@ def stack_config(fair_share: dict, ongoing: int) -> dict:
         "max_queued_requests": 256,
     }
     chat["fair_share"] = fair_share
-    chat.pop("direct_route", None)  # the ingress' fair-share gate is what is measured
+    chat.pop("direct_route", None)  # the ingress' fair-share queue is what is measured
     app["models"] = [chat]
     return serve_config
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_server import running_redis  # noqa: E402
 
 from serve_app.accounting.usage import new_request_id  # noqa: E402
-from serve_app.admission.scripts import Admission  # noqa: E402
+from serve_app.admission.scripts import AdmissionScripts  # noqa: E402
 from serve_app.identity.keys import KeyRecord  # noqa: E402
 from serve_app.stored.batches import BatchStore  # noqa: E402
 from serve_app.stored.files_api import FileStore  # noqa: E402
@@ -46,7 +46,7 @@ async def used(client) -> int:
 
 async def measure(url: str, count: int) -> list[tuple[str, float, float]]:
     client = aioredis.Redis.from_url(url)
-    admission = Admission(client, lease_s=600, retention_s=7 * 86400)
+    admission = AdmissionScripts(client, lease_s=600, retention_s=7 * 86400)
     rows = []
 
     # Admitted and settled, each with a 36-character x-request-id (Serve's uuid).

@@ -26,7 +26,13 @@ from typing import Any
 from ray.autoscaler.command_runner import CommandRunnerInterface
 from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
-from cluster.ray_private import FakeMultiNodeProvider, ProcessRunnerError, with_environment_variables
+from cluster.ray_private import (
+    FakeMultiNodeProvider,
+    ProcessRunnerError,
+    head_node_id,
+    node_table,
+    with_environment_variables,
+)
 
 
 class LocalCommandRunner(CommandRunnerInterface):
@@ -84,7 +90,7 @@ class LocalFakeClusterProvider(FakeMultiNodeProvider):
     def create_node(self, node_config, tags, count):
         # `ray up` "launches" a head: the head is this machine, adopt it.
         with self.lock:
-            self._nodes[self._head_node_id] = {"tags": dict(tags)}
+            node_table(self)[head_node_id(self)] = {"tags": dict(tags)}
 
     def create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
         if tags.get(TAG_RAY_NODE_KIND) == NODE_KIND_HEAD:
@@ -92,10 +98,10 @@ class LocalFakeClusterProvider(FakeMultiNodeProvider):
         return super().create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
 
     def terminate_node(self, node_id):
-        if node_id == self._head_node_id:
+        if node_id == head_node_id(self):
             # The machine stays; `ray down` stops its Ray processes with `ray stop`.
             with self.lock:
-                self._nodes.pop(node_id, None)
+                node_table(self).pop(node_id, None)
             return
         super().terminate_node(node_id)
 
@@ -106,4 +112,4 @@ class LocalFakeClusterProvider(FakeMultiNodeProvider):
 
     def set_node_tags(self, node_id, tags) -> None:
         with self.lock:
-            self._nodes[node_id]["tags"].update(tags)
+            node_table(self)[node_id]["tags"].update(tags)

@@ -10,4 +10,15 @@ from ray.autoscaler._private.command_runner import _with_environment_variables a
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
 from ray.autoscaler._private.subprocess_output_util import ProcessRunnerError
 
-__all__ = ["FakeMultiNodeProvider", "ProcessRunnerError", "with_environment_variables"]
+__all__ = ["FakeMultiNodeProvider", "ProcessRunnerError", "head_node_id", "node_table", "with_environment_variables"]
+
+
+def node_table(provider: FakeMultiNodeProvider) -> dict:
+    """The fake provider's nodes by id, each ``{"tags": ...}`` (``provider._nodes``;
+    hold ``provider.lock`` to change it). Read against Ray 2.60.0."""
+    return provider._nodes
+
+
+def head_node_id(provider: FakeMultiNodeProvider) -> str:
+    """The id the fake provider gave the head (``provider._head_node_id``)."""
+    return provider._head_node_id

@@ -384,7 +384,7 @@ def per_model() -> Dashboard:
                 "Where the time to first token goes",
                 "Medians: the whole at the ingress; the engine's part (vLLM's "
                 "own time to first token, its queue and its prefill); the rest is the gateway and the hops (auth, "
-                "admission, the fair-share gate, Serve's queue, the relay). One request's split: its trace "
+                "admission, the fair-share queue, Serve's queue, the relay). One request's split: its trace "
                 '(telemetry.tracing, docs/operating.md "Traces").',
                 "s",
                 target(quantile(0.5, "ray_llm_gateway_time_to_first_token_seconds", MODEL), "at the ingress"),

@@ -13,6 +13,7 @@ from ray.serve import Application
 from contract.model_config import POWER_OF_TWO_ROUTER, ModelConfig, direct_app_name, direct_route_prefix
 from replicas.vllm_replica import VLLMReplica
 from serve_app.http.ingress import Ingress
+from serve_app.ray_private import with_ingress_request_router
 from serve_app.settings import AppSettings
 
 # Any config change redeploys the ingress (it holds the settings): let the old
@@ -83,7 +84,7 @@ def build_direct_app(args: dict[str, Any]) -> Application:
     from serve_app.http.edge_router import edge_router
 
     app = DirectModel.options(**options).bind(model, settings)
-    return app._with_ingress_request_router(edge_router(app, model, settings))
+    return with_ingress_request_router(app, edge_router(app, model, settings))
 
 
 def routes_at_the_edge(model: ModelConfig, options: dict[str, Any]) -> bool:
@@ -93,7 +94,7 @@ def routes_at_the_edge(model: ModelConfig, options: dict[str, Any]) -> bool:
     HAProxy (Ray's ingress request routers need it), and its policy asks for affinity
     or it serves LoRA adapters (a replica that holds the adapter is preferred: Serve's
     multiplexing, in every router)."""
-    from serve_app.routing.serve_private import haproxy_enabled
+    from serve_app.ray_private import haproxy_enabled
 
     router = (options.get("request_router_config") or {}).get("request_router_class")
     autoscaling = options.get("autoscaling_config") or {}

@@ -28,6 +28,7 @@ from typing import Any
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from contract.replica_wire import Usage
+from serve_app.ray_private import metrics_report_interval_s, record_counter
 
 ACCESS_LOGGER = "llm_cluster.access"
 
@@ -109,7 +110,7 @@ def zero(counter: Counter | BatchedCounter, tags: dict[str, str]) -> None:
     """Export ``counter``'s series for ``tags`` at 0. Ray's ``Counter.inc`` refuses 0;
     its recording path (what ``inc`` calls) takes it, and the exporters then send the
     series with value 0 (pinned by tests/unit/test_telemetry.py)."""
-    counter._record(0, tags=tags)
+    record_counter(counter, 0, tags)
 
 
 # How often the per-request counters' sums are recorded (BatchedCounter): well within
@@ -132,7 +133,7 @@ class BatchedCounter:
         self._pending[series] = self._pending.get(series, 0.0) + value
 
     def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self.counter._record(value, tags=tags)  # zero(): at once
+        record_counter(self.counter, value, tags)  # zero(): at once
 
     def flush(self) -> None:
         pending, self._pending = self._pending, {}
@@ -487,9 +488,7 @@ class Telemetry:
 def _gauge_refresh_s() -> float:
     """Half of Ray's metrics export interval (its gauge TTL is two intervals)."""
     try:
-        import ray
-
-        return max(ray._config.metrics_report_interval_ms() / 2000, 0.5)
+        return max(metrics_report_interval_s() / 2, 0.5)
     except Exception:  # noqa: BLE001 - not in a Ray worker: Ray's default interval is 10 s
         return 5.0
 

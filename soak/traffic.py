@@ -71,11 +71,11 @@ class Load:
                 # retried a refused connection at once would flood a restarting edge.
                 await asyncio.sleep(rng.uniform(0.2, 1.0))
 
-    def _request_id(self) -> str:
+    def next_request_id(self) -> str:
         return f"soak-{self.seed}-{next(self._ids)}"
 
     async def _post(self, http, tenant: Tenant, path: str, body: dict, streaming: bool) -> Observation:
-        request_id, started = self._request_id(), now_ms()
+        request_id, started = self.next_request_id(), now_ms()
         headers = {"authorization": f"Bearer {tenant.secret}", "x-request-id": request_id}
         try:
             async with http.post(path, json=body, headers=headers) as response:
@@ -88,7 +88,7 @@ class Load:
 
     async def _upload(self, http, tenant: Tenant, content: bytes) -> tuple[Observation, str]:
         """A batch input file, uploaded as the openai SDK does (multipart); its id if stored."""
-        request_id, started = self._request_id(), now_ms()
+        request_id, started = self.next_request_id(), now_ms()
         headers = {"authorization": f"Bearer {tenant.secret}", "x-request-id": request_id}
         form = aiohttp.FormData()
         form.add_field("purpose", "batch")
@@ -253,7 +253,7 @@ async def batch(load: Load, http, rng, tenant) -> Observation:
         return seen
     load.observations.append(seen)
     body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-    request_id, started = load._request_id(), now_ms()
+    request_id, started = load.next_request_id(), now_ms()
     headers = {"authorization": f"Bearer {tenant.secret}", "x-request-id": request_id}
     try:
         async with http.post("/v1/batches", json=body, headers=headers) as response:
@@ -276,7 +276,7 @@ async def responses_continuation(load: Load, http, rng, tenant) -> Observation:
     """A stored response, then one continuing it: the second is the observation
     (the first is one too, kept by the caller's next turn)."""
     first = {"model": VLLM_MODEL, "input": "remember this", "max_output_tokens": 8, "store": True}
-    request_id, started = load._request_id(), now_ms()
+    request_id, started = load.next_request_id(), now_ms()
     headers = {"authorization": f"Bearer {tenant.secret}", "x-request-id": request_id}
     try:
         async with http.post("/v1/responses", json=first, headers=headers) as response:

@@ -36,8 +36,8 @@ from serve_app.accounting.usage import is_own_key, new_request_id
 from serve_app.admission.local_limits import LocalLimiter
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.overlap import OverlapGuard
-from serve_app.admission.scripts import Admission, Decision, LocalOrigin, Refusal
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.scripts import AdmissionScripts
+from serve_app.admission.seam import Decision, LocalOrigin, Refusal, Ticket
 from serve_app.errors import (
     OpenAIError,
     gateway_overloaded,
@@ -82,7 +82,7 @@ class Gatekeeper:
         quota = settings.quota
         self.records = records
         self._team_of = team_of
-        self.admission = Admission(
+        self.admission = AdmissionScripts(
             redis,
             lease_s=quota.concurrency_lease_s,
             retention_s=quota.request_retention_s,
@@ -184,26 +184,21 @@ class Gatekeeper:
             # lease it took or makes a later admit of it change nothing. Unless its
             # stream started beside its admission (a request's record: cancelled),
             # nothing ran: withdrawn, a tombstone never shipped.
-            status = "cancelled" if may_have_run else "withdrawn"
-            for level in levels:
-                self._settle_later(level, request_id, model, status, 0, 0, taken_back=True)
+            self._take_back(levels, request_id, model, "cancelled" if may_have_run else "withdrawn", taken_back=True)
             raise
         except UNREACHABLE as exc:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)  # no guesses while Redis cannot answer
             if self._overloaded(exc, called_at):
-                for level in levels:  # in case the call ran: taken back, a tombstone (settle.lua)
-                    self._settle_later(level, request_id, model, "withdrawn", 0, 0)
+                self._take_back(levels, request_id, model)
                 raise gateway_overloaded() from None
             try:
                 admitted = self._admit_locally(key, request_id, model, reserve_tokens, exc, http_request_id)
             except OpenAIError:
-                for level in levels:  # in case the call ran: taken back, a tombstone (settle.lua)
-                    self._settle_later(level, request_id, model, "withdrawn", 0, 0)
+                self._take_back(levels, request_id, model)
                 raise
             if isinstance(admitted, Refusal):
-                for level in levels:
-                    self._settle_later(level, request_id, model, "withdrawn", 0, 0)
+                self._take_back(levels, request_id, model)
             else:
                 admitted.team = team  # the team's share is not kept locally: settled through Redis later
             return admitted
@@ -211,8 +206,7 @@ class Gatekeeper:
             self.telemetry.redis_failed("admit")
             self._no_overlap(key)
             logger.error("Redis refused the admission script: %s", exc)
-            for level in levels:
-                self._settle_later(level, request_id, model, "withdrawn", 0, 0)  # undo what a failed script wrote
+            self._take_back(levels, request_id, model)  # undo what a failed script wrote
             raise quota_store_error() from None
         self.telemetry.admission_took(time.perf_counter() - started)
         decision, last = decisions[0], decisions[-1]
@@ -245,7 +239,7 @@ class Gatekeeper:
 
     async def refusal_before_body(self, key: KeyRecord) -> Refusal | None:
         """The refusal of a request of ``key`` by its requests/min or concurrency as they
-        stand now (no charge: ``Admission.room``), asked before a large body is read;
+        stand now (no charge: ``AdmissionScripts.room``), asked before a large body is read;
         None when it has room, or when Redis cannot say (its admission decides then)."""
         if key.requests_per_minute <= 0 and key.max_concurrent <= 0 and not redis_names.has_stored_limits(key.id):
             return None
@@ -257,6 +251,15 @@ class Gatekeeper:
             return None
         self._no_overlap(key)
         return Refusal(decision.as_applied(key), decision.kind, 0, decision)
+
+    def _take_back(
+        self, levels: list[KeyRecord], request_id: str, model: str, status: str = "withdrawn", taken_back: bool = False
+    ) -> None:
+        """An admission whose answer was not had taken back at every level, in case its
+        call ran in Redis: settled later as ``status`` with no usage (a withdrawn one is
+        a tombstone, never shipped: settle.lua)."""
+        for level in levels:
+            self._settle_later(level, request_id, model, status, 0, 0, taken_back=taken_back)
 
     async def withdraw(self, ticket: Ticket, keep_request: bool = False) -> None:
         """Take a ticket's admission back as if it never happened, at every level: its

@@ -11,7 +11,7 @@ import time
 
 from serve_app.accounting.record_shipper import RecordShipper
 from serve_app.admission.gatekeeper import Gatekeeper
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Ticket
 from serve_app.identity.jwt_auth import is_jwt_identity
 from serve_app.identity.keys import KeyStore
 from serve_app.identity.teams import TeamNotFound, TeamStore, is_team_id

@@ -30,7 +30,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from serve_app.admission.scripts import Decision
+from serve_app.admission.seam import Decision
 from serve_app.identity.keys import KeyRecord
 
 # Keys whose room one process remembers (least recently admitted go first).

@@ -24,131 +24,22 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from serve_app.accounting.costs import NANOS_PER_USD, Cost
 from serve_app.accounting.usage import as_state, is_own_key, key_id_of
+from serve_app.admission.seam import Decision, LocalOrigin
 from serve_app.identity.keys import KeyRecord
 from serve_app.identity.teams import is_team_id
 from serve_app.redis_store import lua_scripts, redis_names
 from serve_app.redis_store.auto_pipeline import AutoPipeline
 
-# What 429 bodies say, by refusal kind: (OpenAI `type`, `code`).
-REFUSALS = {
-    "requests": ("requests", "rate_limit_exceeded"),
-    "tokens": ("tokens", "rate_limit_exceeded"),
-    "tokens_too_large": ("tokens", "rate_limit_exceeded"),
-    "concurrency": ("concurrency", "rate_limit_exceeded"),
-    "daily_budget": ("daily_token_budget", "insufficient_quota"),
-    "monthly_budget": ("monthly_token_budget", "insufficient_quota"),
-    "daily_cost_budget": ("daily_cost_budget", "insufficient_quota"),
-    "monthly_cost_budget": ("monthly_cost_budget", "insufficient_quota"),
-    # Not a limit: the key or team is disabled or gone in Redis (admit.lua reads its
-    # record), though the replica's cached record said otherwise. Answered as a 401.
-    "revoked": ("authentication_error", "invalid_api_key"),
-}
-
-
-@dataclass(frozen=True)
-class Decision:
-    admitted: bool
-    kind: str  # refusal kind; '' when admitted
-    retry_ms: int  # -1: retrying cannot help (request larger than the limit)
-    requests_remaining: int  # -1: unlimited
-    requests_reset_ms: int
-    tokens_remaining: int
-    tokens_reset_ms: int
-    detail: str
-    # The limits Redis applied, read from the account's stored record in the same
-    # script: "rpm,tpm,concurrent,daily,monthly,daily nanos,monthly nanos"; "" when
-    # the caller's were applied (an identity-token user).
-    applied: str = ""
-
-    def as_applied(self, key: KeyRecord) -> KeyRecord:
-        """``key`` with the limits this decision applied (what its 429 and headers name:
-        a replica's cached record may predate a change)."""
-        if not self.applied:
-            return key
-        rpm, tpm, concurrent, daily, monthly, daily_nanos, monthly_nanos = map(int, self.applied.split(","))
-        return key.model_copy(
-            update={
-                "requests_per_minute": rpm,
-                "tokens_per_minute": tpm,
-                "max_concurrent": concurrent,
-                "daily_token_budget": daily,
-                "monthly_token_budget": monthly,
-                "daily_cost_budget_usd": daily_nanos / NANOS_PER_USD,
-                "monthly_cost_budget_usd": monthly_nanos / NANOS_PER_USD,
-            }
-        )
-
-    def budget_used(self) -> dict[str, int]:
-        """Tokens counted against each budget period, this request included
-        (admitted requests of keys with a budget); ``{}`` otherwise."""
-        if not self.admitted or not self.detail:
-            return {}
-        day, month = self.detail.split(",")
-        return {"daily": int(day), "monthly": int(month)}
-
-    def headers(self, key: KeyRecord) -> dict[str, str]:
-        """OpenAI's rate-limit headers (plus retry-after on refusals)."""
-        headers: dict[str, str] = {}
-        rpm, tpm = key.requests_per_minute, key.tokens_per_minute
-        if self.applied:  # as Redis applied them (no copy of the record on the hot path)
-            rpm, tpm = map(int, self.applied.split(",", 2)[:2])
-        if rpm:
-            headers["x-ratelimit-limit-requests"] = str(rpm)
-            headers["x-ratelimit-remaining-requests"] = str(max(self.requests_remaining, 0))
-            headers["x-ratelimit-reset-requests"] = duration(self.requests_reset_ms)
-        if tpm:
-            headers["x-ratelimit-limit-tokens"] = str(tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(self.tokens_remaining, 0))
-            headers["x-ratelimit-reset-tokens"] = duration(self.tokens_reset_ms)
-        if not self.admitted and self.retry_ms >= 0:
-            headers["retry-after"] = str(math.ceil(self.retry_ms / 1000))
-            headers["retry-after-ms"] = str(self.retry_ms)
-        return headers
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Admission said no: which limit (a ``REFUSALS`` kind) of which level refused, as
-    a value the caller renders (serve_app/pipeline/refusals.py). ``key`` is the
-    level that refused: the API key, or its team (``level`` "team", a TeamRecord).
-    ``decision`` is Redis' (the headers are its own); None when the local limits of
-    an outage decided, which know only when to retry (``retry_s``)."""
-
-    key: KeyRecord
-    kind: str
-    reserved: int  # the tokens the request asked to reserve
-    decision: Decision | None = None
-    retry_s: float = 0.0
-    level: str = "key"  # key | team
-    reserved_nanos: int = 0  # its reserved cost (money budgets)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        headers = self.decision.headers(self.key) if self.decision is not None else {}
-        return {**headers, "x-ratelimit-scope": self.level}
-
 
 def usd_nanos(usd: float) -> str:
     """A budget in USD as the integer string of nano-dollars the scripts compare."""
     return str(round(usd * NANOS_PER_USD))
-
-
-def duration(ms: int) -> str:
-    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
-    if ms < 1000:
-        return f"{max(ms, 0)}ms"
-    seconds = ms / 1000
-    if seconds < 60:
-        return f"{seconds:.3g}s"
-    minutes, rest = divmod(seconds, 60)
-    return f"{int(minutes)}m{rest:.0f}s"
 
 
 # Client-chosen x-request-ids are indexed only when short and plain (Ray Serve
@@ -162,7 +53,7 @@ def indexable_http_id(http_request_id: str) -> str:
     return http_request_id if _INDEXABLE_HTTP_ID.fullmatch(http_request_id or "") else ""
 
 
-class Admission:
+class AdmissionScripts:
     def __init__(
         self,
         redis,
@@ -225,7 +116,6 @@ class Admission:
             self.retention_s,
             key.id,
             indexable_http_id(http_request_id),
-            "",  # unused (admit.lua no longer finalises expired leases: reap.lua does)
             usd_nanos(key.daily_cost_budget_usd),
             usd_nanos(key.monthly_cost_budget_usd),
             str(int(reserve_nanos)),
@@ -439,15 +329,6 @@ class Admission:
         for start in range(0, len(calls), self.pipeline.max_pipeline):
             replies += await self.pipeline.run(calls[start : start + self.pipeline.max_pipeline])
         return replies
-
-
-@dataclass(frozen=True)
-class LocalOrigin:
-    """What the record of a request admitted without Redis keeps of its admission:
-    Redis never saw it, so its settlement writes them (settle.lua)."""
-
-    http_request_id: str
-    admitted_ms: int
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ handle for every other route (dialects, Responses, batches, scoring).
 Which replica takes a request: the model's request router, asked at the edge
 (edge_router.py), when the model is routed with affinity on several replicas;
 HAProxy's balancing otherwise (cluster/haproxy_edge.py). What the direct route does not
-do: the fair-share gate and the priority tiers' queue shares see only this replica's
+do: the fair-share queue and the priority tiers' queue shares see only this replica's
 requests.
 """
 

@@ -49,6 +49,7 @@ from serve_app.errors import OpenAIError
 from serve_app.http.body_bounds import bounded_route
 from serve_app.http.services import build_edge_tenancy
 from serve_app.identity.cache_isolation import put_salt
+from serve_app.ray_private import choose_replica_unreserved, chosen_replica, init_handle
 from serve_app.settings import AppSettings
 from serve_app.telemetry import Telemetry
 
@@ -78,7 +79,7 @@ class EdgeRouter:
     def __init__(self, model: DeploymentHandle, config: ModelConfig, settings: AppSettings):
         self._model = model
         self._config = config
-        self._model._init()  # the handle's router starts now, not on the first request
+        init_handle(self._model)  # the handle's router starts now, not on the first request
         self._session_header = session_header()
         self._tenancy = build_edge_tenancy(settings, Telemetry(False, False))
 
@@ -93,8 +94,8 @@ class EdgeRouter:
             routing["multiplexed_model_id"] = adapter  # as the gateway names it (pipeline/gateway.py)
         handle = self._model.options(**routing) if routing else self._model
         try:
-            async with handle.choose_replica(ROUTE_OPERATION, body, _reserve=False) as selection:
-                replica = selection._replica
+            async with choose_replica_unreserved(handle, ROUTE_OPERATION, body) as selection:
+                replica = chosen_replica(selection)
                 endpoint = replica.backend_http_endpoint
                 if endpoint is None:
                     raise HTTPException(503, f"replica {selection.replica_id} has no HTTP endpoint")

@@ -19,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 
 from contract.edge import session_header
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
-from serve_app.http.edge import RefuseServeControlHeaders
+from serve_app.http.serve_headers import RefuseServeControlHeaders
 from serve_app.identity.authentication import Authenticator
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.gateway import Gateway

@@ -1,7 +1,7 @@
 """The one place the quota services and the gateway are built and wired together, for
 the ingress and for a model's direct route alike. Nothing else constructs the concrete
 services (tests/unit/test_boundaries.py): the request path sees admission through
-``admission.ticket.Gate``, the routes see the ``Authenticator``, the admin operations
+``admission.seam.Admitter``, the routes see the ``Authenticator``, the admin operations
 their ``AdminStores``.
 """
 

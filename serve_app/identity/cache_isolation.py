@@ -101,7 +101,7 @@ def client_salt_of(body: dict[str, Any]) -> str | None:
     return salt
 
 
-def prompt_cache_key_of(body: dict[str, Any]) -> str | None:
+def take_prompt_cache_key(body: dict[str, Any]) -> str | None:
     """OpenAI's ``prompt_cache_key`` (a routing hint; the engine never sees it); a 400 when not a string."""
     value = body.pop("prompt_cache_key", None)
     if value is None:
@@ -195,7 +195,7 @@ class CacheSalts:
         session (its session ``header``'s, else that key's), or None. Raises the client's
         400 for either field."""
         client_salt = client_salt_of(body)
-        cache_key = prompt_cache_key_of(body)
+        cache_key = take_prompt_cache_key(body)
         salt = await self.salt(key, team, config, client_salt)
         put_salt(body, salt)
         return await self.routing_session(key, team, config, salt, header, cache_key)

@@ -109,8 +109,8 @@ class Place:
 
     __slots__ = ("_gate", "_key")
 
-    def __init__(self, gate: FairGate, key: str):
-        self._gate: FairGate | None = gate
+    def __init__(self, gate: FairShareQueue, key: str):
+        self._gate: FairShareQueue | None = gate
         self._key = key
 
     def leave(self) -> None:
@@ -119,7 +119,7 @@ class Place:
             gate._left(self._key)
 
 
-class FairGate:
+class FairShareQueue:
     """One model's requests in flight from this ingress, and those waiting for a place."""
 
     def __init__(self, places: Callable[[], int | None], counter: VirtualTokenCounter, light_key_places: int = 0):

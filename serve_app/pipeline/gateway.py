@@ -28,14 +28,13 @@ from contract.model_config import VLLM_PRIORITY, ModelConfig, PriorityTier, depl
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
 from serve_app.accounting.costs import Rates, reservation_nanos
 from serve_app.accounting.usage import new_request_id
-from serve_app.admission.scripts import Refusal
-from serve_app.admission.ticket import Gate, Ticket
+from serve_app.admission.seam import Admitter, Refusal, Ticket
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded, unknown_model
 from serve_app.identity.authentication import authorize
-from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, prompt_cache_key_of, put_salt
+from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, put_salt, take_prompt_cache_key
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.catalog import ModelCatalog
-from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
+from serve_app.pipeline.fair_share import FairShareQueue, TokenWeights, VirtualTokenCounter
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
@@ -84,21 +83,21 @@ CACHE_KEYED = frozenset({"chat", "completions", "responses"})
 # Operations whose engine requests carry the key's tier as vLLM's `priority`.
 PRIORITIZED = frozenset({"chat", "completions", "responses"})
 # The rank of batch requests (``run(background=True)``): after every key's tier, in
-# the engine (vLLM's priority), the fair-share gate and the model's queue.
+# the engine (vLLM's priority), the fair-share queue and the model's queue.
 BACKGROUND_RANK = len(VLLM_PRIORITY)
 
 
-def _fair_gate(config: ModelConfig) -> FairGate:
+def _fair_gate(config: ModelConfig) -> FairShareQueue:
     share = config.fair_share
     weights = TokenWeights(prompt=share.prompt_weight, completion=share.completion_weight)
     deployment = deployment_name(config.name)
-    return FairGate(lambda: replica_places(deployment), VirtualTokenCounter(weights), share.light_key_places)
+    return FairShareQueue(lambda: replica_places(deployment), VirtualTokenCounter(weights), share.light_key_places)
 
 
 class Gateway:
     def __init__(
         self,
-        access: Gate,
+        access: Admitter,
         models: dict[str, DeploymentHandle],
         configs: list[ModelConfig],
         telemetry: Telemetry,
@@ -113,7 +112,7 @@ class Gateway:
         # Whether a stream may start before its admission (``_start_early``): a model's
         # direct route only, whose replica is in-process. Through the ingress an early
         # call would sit in Serve's queue uncounted by the tiers' queue shares and the
-        # fair-share gate while its admission runs (tests/e2e/test_scheduling_e2e.py).
+        # fair-share queue while its admission runs (tests/e2e/test_scheduling_e2e.py).
         self.start_early = start_early
         # And on an idle model too (``quota.overlap_admission_when_idle``), not only while it is busy.
         self.start_early_when_idle = start_early_when_idle
@@ -244,7 +243,7 @@ class Gateway:
         # The client's cache salt and prompt_cache_key, read before the parameter policy
         # drops what vLLM does not know: _isolate turns them into the tenant's.
         client_salt = client_salt_of(body) if op.cache_salted else None
-        cache_key = prompt_cache_key_of(body) if op.name in CACHE_KEYED else None
+        cache_key = take_prompt_cache_key(body) if op.name in CACHE_KEYED else None
         apply_parameter_policy(op.name, body)
         model, adapter = self.catalog.target(request.model)
         record.model = model
@@ -561,7 +560,7 @@ class Gateway:
         trace: RequestTrace | None,
     ) -> _EarlyStart | None:
         """Send a stream to ``model``'s replicas before its admission, if its key may
-        (``Gatekeeper.may_start_before_admission``), the fair-share gate has a place at
+        (``Gatekeeper.may_start_before_admission``), the fair-share queue has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
         request takes the ordinary path.
 
@@ -613,7 +612,7 @@ class Gateway:
         place=None,
         trace: RequestTrace | None = None,
     ):
-        """``send()`` the request to ``model``'s replicas once the fair-share gate gives
+        """``send()`` the request to ``model``'s replicas once the fair-share queue gives
         it a place (at once while the model has room) and wait until a replica takes
         it. The model's queue timeout bounds both waits: past it the call is withdrawn
         and ``QueueTimeout`` raised. Meanwhile the request counts as waiting. Its
@@ -635,7 +634,7 @@ class Gateway:
             response = await reach_replica(send, timeout_s, take_a_place if gate is not None else None)
         finally:
             self._waiting[model] -= 1
-        if trace is not None:  # the fair-share gate's wait and Serve's, until a replica took it
+        if trace is not None:  # the fair-share queue's wait and Serve's, until a replica took it
             trace.stage("queue", started, **{"llm.fair_share": gate is not None})
         return response
 
@@ -675,7 +674,7 @@ class _Plan:
     handle: DeploymentHandle  # the model's (with its adapter, if one is named)
     config: ModelConfig
     reservation: Reservation
-    rank: int  # its place in the engine's priority and the fair-share gate's order
+    rank: int  # its place in the engine's priority and the fair-share queue's order
     tier: PriorityTier  # whose share of the model's queue it may take
     streaming: bool
     client_salt: str | None = None  # the client's own cache_salt (it divides its tenant's cache)

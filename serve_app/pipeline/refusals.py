@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from serve_app.accounting.costs import NANOS_PER_USD
-from serve_app.admission.scripts import REFUSALS, Decision, Refusal
+from serve_app.admission.seam import REFUSALS, Decision, Refusal
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
 
@@ -41,15 +41,17 @@ def _usd(nanos: float) -> str:
 
 
 def refusal(
-    key: KeyRecord,
+    account: KeyRecord,
     decision: Decision,
     reserved: int,
     headers: dict[str, str],
     level: str = "key",
     reserved_nanos: int = 0,
 ) -> OpenAIError:
+    """Redis' refusal ``decision`` of ``account``: the API key, or at ``level`` "team" its
+    team (a team's record carries a key's limits: identity/teams.py)."""
     kind_type, code = REFUSALS[decision.kind]
-    who = f"team '{key.name}'" if level == "team" else f"API key '{key.name}'"
+    who = f"team '{account.name}'" if level == "team" else f"API key '{account.name}'"
     if decision.kind == "revoked":  # disabled in Redis since this replica cached it
         if level == "team":
             return OpenAIError(
@@ -57,7 +59,9 @@ def refusal(
             )
         return OpenAIError(401, f"The {who} is disabled or does not exist.", type=kind_type, code=code)
     if decision.kind.endswith("_cost_budget"):
-        budget = key.daily_cost_budget_usd if decision.kind == "daily_cost_budget" else key.monthly_cost_budget_usd
+        budget = (
+            account.daily_cost_budget_usd if decision.kind == "daily_cost_budget" else account.monthly_cost_budget_usd
+        )
         budget_usd = _usd(budget * NANOS_PER_USD)  # every significant digit: $0.0005, not $0.00
         period = decision.kind.split("_")[0]
         if decision.retry_ms < 0:
@@ -73,12 +77,12 @@ def refusal(
             )
         return OpenAIError(429, message, type=kind_type, code=code, headers=headers)
     limit = {
-        "requests": f"{key.requests_per_minute} requests per minute",
-        "tokens": f"{key.tokens_per_minute} tokens per minute",
-        "tokens_too_large": f"{key.tokens_per_minute} tokens per minute",
-        "concurrency": f"{key.max_concurrent} concurrent requests",
-        "daily_budget": f"a daily budget of {key.daily_token_budget} tokens",
-        "monthly_budget": f"a monthly budget of {key.monthly_token_budget} tokens",
+        "requests": f"{account.requests_per_minute} requests per minute",
+        "tokens": f"{account.tokens_per_minute} tokens per minute",
+        "tokens_too_large": f"{account.tokens_per_minute} tokens per minute",
+        "concurrency": f"{account.max_concurrent} concurrent requests",
+        "daily_budget": f"a daily budget of {account.daily_token_budget} tokens",
+        "monthly_budget": f"a monthly budget of {account.monthly_token_budget} tokens",
     }[decision.kind]
     if decision.kind == "tokens_too_large":
         message = (
@@ -102,9 +106,9 @@ def refusal(
         )
     else:
         quota, remaining, requested = (
-            (key.requests_per_minute, decision.requests_remaining, 1)
+            (account.requests_per_minute, decision.requests_remaining, 1)
             if decision.kind == "requests"
-            else (key.tokens_per_minute, decision.tokens_remaining, reserved)
+            else (account.tokens_per_minute, decision.tokens_remaining, reserved)
         )
         message = (
             f"Rate limit reached for {kind_type} on {who}: limit {limit}, "

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from contract.replica_wire import StreamStart, Usage
-from serve_app.admission.ticket import Gate, Ticket
+from serve_app.admission.seam import Admitter, Ticket
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.wire.reservation import Reservation
 from serve_app.wire.sse import StreamShape
@@ -39,7 +39,7 @@ async def relay(
     chat: bool,
     shape: StreamShape,
     *,
-    access: Gate,
+    access: Admitter,
     telemetry: Telemetry,
     served: Callable[[str, str, Usage | None], None],
 ):
@@ -53,7 +53,7 @@ async def relay(
     reservation: the prompt estimate plus one token per content event relayed
     (an event carries at least one token, up to ``stream_batch_tokens`` beside
     other streams, so this errs in the client's favour; chat's first event per
-    choice is the role alone). ``served`` tells the model's fair-share gate what the
+    choice is the role alone). ``served`` tells the model's fair-share queue what the
     key used, before its place goes to the next request."""
     status, usage, drained = "cancelled", None, False
     replica, first = start.replica, start.text

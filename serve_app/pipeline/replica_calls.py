@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from serve_app.ray_private import unary_assigned
+
 
 class QueueTimeout(Exception):
     """No replica took the request within the model's ``queue_timeout_s``."""
@@ -15,7 +17,7 @@ async def reach_replica(send, timeout_s: float, before=None):
     """``send()`` a call (unary or streaming) and wait until Serve has handed it to
     a replica: immediate when one has room, longer while all are busy or the model
     is scaling up from zero. ``before()``, when given, is awaited first within the
-    same bound (the fair-share gate). Past ``timeout_s`` the call is withdrawn and
+    same bound (the fair-share queue). Past ``timeout_s`` the call is withdrawn and
     ``QueueTimeout`` raised; else the call is returned. Serve has no public hook for
     "assigned"; its responses await this private coroutine first (pinned by the
     scale-to-zero end-to-end test)."""
@@ -25,7 +27,7 @@ async def reach_replica(send, timeout_s: float, before=None):
             if before is not None:
                 await before()
             response = send()
-            await response._fetch_future_result_async()
+            await unary_assigned(response)
     except TimeoutError:
         if response is not None:
             response.cancel()

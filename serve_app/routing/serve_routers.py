@@ -45,12 +45,18 @@ from typing import TYPE_CHECKING
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from contract.prompt_blocks import CACHED_BLOCKS, MAX_HASHED_CHARS, block_hashes, prompt_text
+from serve_app.ray_private import (
+    PowerOfTwoChoicesRequestRouter,
+    cached_queue_len,
+    probe_queue_lens,
+    replicas_holding,
+    router_deployment_name,
+)
 
 # By reference (Serve pickles this module by value, not the modules it imports).
 from serve_app.routing import places
 from serve_app.routing.block_index import BlockIndex
 from serve_app.routing.policies import SESSION_KEY, ChosenNotSent, affine_choice, cached_choice, rendezvous_order
-from serve_app.routing.serve_private import PowerOfTwoChoicesRequestRouter
 
 # What the mixin below extends, for the type checker only: at run time it is a plain mixin,
 # placed before Serve's router classes in each router's bases.
@@ -65,7 +71,7 @@ class PublishesPlaces(_Router):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        places.publish_places(self._deployment_id.name, sum(r.max_ongoing_requests for r in replicas))
+        places.publish_places(router_deployment_name(self), sum(r.max_ongoing_requests for r in replicas))
 
 
 class PowerOfTwoRouter(PublishesPlaces, PowerOfTwoChoicesRequestRouter):
@@ -152,7 +158,7 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         adapter = pending_request.metadata.multiplexed_model_id
         if not adapter:
             return list(by_id)
-        held = {rid.unique_id for rid in self._multiplexed_model_id_to_replica_ids.get(adapter, ())}
+        held = replicas_holding(self, adapter)
         return [rid for rid in by_id if rid in held]
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
@@ -179,14 +185,13 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
         lens: dict[str, int | None] = {}
         unknown = []
         for replica in replicas:
-            use_cache = self._use_replica_queue_len_cache and replica.replica_id.unique_id not in ask
-            cached = self._replica_queue_len_cache.get(replica.replica_id) if use_cache else None
+            cached = cached_queue_len(self, replica) if replica.replica_id.unique_id not in ask else None
             if cached is None:
                 unknown.append(replica)
             lens[replica.replica_id.unique_id] = cached
         if unknown:
             asked = self._chosen_not_sent.now()
-            for replica, queue_len in await self._probe_queue_lens(unknown, 0):
+            for replica, queue_len in await probe_queue_lens(self, unknown):
                 lens[replica.replica_id.unique_id] = queue_len
                 if queue_len is not None:
                     self._probed_at[replica.replica_id.unique_id] = asked

@@ -9,7 +9,7 @@ like any client's, as the key is *now*: its record is read again before every
 request, so a key revoked or disabled, a model taken away or a limit lowered
 applies to the batch's next request. Batch requests are background requests:
 ranked after every key's tier (vLLM's priority where the model schedules by
-priority, the fair-share gate, the model's queue), at most ``concurrency`` at a
+priority, the fair-share queue, the model's queue), at most ``concurrency`` at a
 time per batch, and each sent only while no interactive request of its model
 waits at this ingress.
 
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Refusal
+from serve_app.admission.seam import Refusal
 from serve_app.appends import append_whole
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord, KeyStore

@@ -81,7 +81,7 @@ def base_url(redis_server):
     chat["lora"] = {"adapters": {ADAPTER: "demo"}, "max_adapters_per_replica": 1, "max_rank": 8}
     tiered.update(name=TIERED, cpus_per_replica=0.25)
     # TIERED and FAIR take the ingress' path: their tests are about the ingress' queue
-    # shares and fair-share gate, which see the whole model's requests there.
+    # shares and fair-share queue, which see the whole model's requests there.
     tiered.pop("direct_route", None)
     tiered["engine_kwargs"] = {**tiered["engine_kwargs"], "max_num_seqs": 1, "scheduling_policy": "priority"}
     tiered["deployment"] = {

@@ -7,7 +7,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis_server import every_node
 
 from serve_app.accounting.costs import Cost
-from serve_app.admission.scripts import Admission
+from serve_app.admission.scripts import AdmissionScripts
 from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store import redis_names
 
@@ -19,7 +19,7 @@ def key(**limits) -> KeyRecord:
 
 
 def admission(redis, lease_s=600):
-    return Admission(redis, lease_s=lease_s, retention_s=3600)
+    return AdmissionScripts(redis, lease_s=lease_s, retention_s=3600)
 
 
 async def admit(adm, k, tokens=1, model="m"):

@@ -13,7 +13,7 @@ from redis_server import every_node
 from test_admission import commandstats
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Admission
+from serve_app.admission.scripts import AdmissionScripts
 from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store import redis_client, redis_names
@@ -27,12 +27,12 @@ def keys(count: int, prefix: str = "kpipe", **limits) -> list[KeyRecord]:
     return [KeyRecord(id=f"{prefix}{n}", name=f"{prefix}{n}", created_at=0, **limits) for n in range(count)]
 
 
-def admit(adm: Admission, key: KeyRecord):
+def admit(adm: AdmissionScripts, key: KeyRecord):
     return adm.admit(key, f"{key.id}-{next(_ids):012x}", "m", 1)
 
 
 async def test_calls_of_one_turn_share_one_pipeline_and_each_keeps_its_own_reply(redis):
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     tenants = keys(50, requests_per_minute=3)
     await admit(adm, keys(1, prefix="kwarm")[0])  # connections open, scripts loaded
     await redis.config_resetstat(**every_node(redis))
@@ -49,7 +49,7 @@ async def test_calls_of_one_turn_share_one_pipeline_and_each_keeps_its_own_reply
 
 
 async def test_a_call_redis_fails_fails_alone(redis):
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     broken, *healthy = keys(6)
     await redis.set(redis_names.concurrency(broken.id), "not a sorted set")  # the script's ZRANGEBYSCORE fails
     replies = await asyncio.gather(*(admit(adm, key) for key in [broken, *healthy]), return_exceptions=True)
@@ -58,7 +58,7 @@ async def test_a_call_redis_fails_fails_alone(redis):
 
 
 async def test_scripts_flushed_from_redis_are_loaded_again(redis):
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     tenants = keys(20, max_concurrent=5)
     await admit(adm, tenants[0])
     await redis.script_flush()  # as after a restart or a failover (a cluster: every primary)
@@ -77,14 +77,14 @@ async def test_scripts_flushed_from_redis_are_loaded_again(redis):
 async def test_an_unreachable_redis_fails_every_call_of_the_pipeline(redis_server):
     nowhere = redis_server.url.rsplit(":", 1)[0] + ":1/0"  # nothing listens on port 1
     client = redis_client.connect(nowhere, timeout_s=0.5)
-    adm = Admission(client, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(client, lease_s=600, retention_s=3600)
     replies = await asyncio.gather(*(admit(adm, key) for key in keys(8)), return_exceptions=True)
     assert all(isinstance(reply, RedisConnectionError) for reply in replies), replies
     await client.aclose()
 
 
 async def test_a_pipeline_has_at_most_max_pipeline_calls(redis):
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     adm.pipeline.max_pipeline = 16
     await admit(adm, keys(1)[0])
     sent = adm.pipeline.pipelines
@@ -131,7 +131,7 @@ async def test_a_settlement_that_takes_back_an_admission_on_the_wire_marks_no_ad
     back, a missing record is written admission 'none'; the admit arriving after it
     changes nothing. A settlement of a request admitted without Redis still writes
     'local'."""
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     key = keys(1, max_concurrent=1)[0]
     await adm.settle(key, f"{key.id}-taken-back", "cancelled", 0, 0, "", "m", taken_back=True)
     record = redis_names.request_record(key.id, f"{key.id}-taken-back")

@@ -16,7 +16,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_app.admission.scripts import Admission
+from serve_app.admission.scripts import AdmissionScripts
 from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store import redis_client, redis_names
 from soak.ledger import worst_window
@@ -49,7 +49,7 @@ def _excess(records: list[dict], limit: int, weight) -> float:
     return worst_window([int(r["received_ms"]) for r in records], [weight(r) for r in records], limit)[0]
 
 
-async def _burst_then_one_more(adm: Admission, key: KeyRecord, request_ids: list[str]) -> None:
+async def _burst_then_one_more(adm: AdmissionScripts, key: KeyRecord, request_ids: list[str]) -> None:
     """Requests of one request/min each up to the limit, then one more as soon as the
     limit lets it in (it lands early by whatever was given back beyond history)."""
     refused = False
@@ -65,7 +65,7 @@ async def _burst_then_one_more(adm: Admission, key: KeyRecord, request_ids: list
 
 async def test_taking_back_the_first_of_a_burst_gives_no_idle_time_back(redis):
     key = _key(requests_per_minute=120)  # 500 ms a request
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     first = f"{key.id}-first"
     assert (await adm.admit(key, first, "m", 1)).admitted  # the state was empty: its clock starts here
     await asyncio.sleep(0.2)
@@ -85,7 +85,7 @@ async def test_a_limit_lowered_between_a_request_and_its_take_back_gives_no_more
     # counted in time, at its own limit's interval, not at the taken-back request's.
     fast = _key(requests_per_minute=120)
     slow = fast.model_copy(update={"requests_per_minute": 60})
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     first = f"{fast.id}-first"
     assert (await adm.admit(fast, first, "m", 1)).admitted
     await asyncio.sleep(0.6)  # the state is in the past
@@ -145,7 +145,7 @@ async def _history(url: str, limit: str, history) -> None:
     value, weight = LIMITS[limit]
     key = _key(**{limit: value})
     lowered = key.model_copy(update={limit: value // 2})
-    adm = Admission(redis, lease_s=600, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=600, retention_s=3600)
     admitted: list[str] = []
     pending: list[tuple[int, str, int, tuple]] = []  # (due after this many admissions, id, reserved, fate)
 

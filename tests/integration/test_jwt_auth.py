@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from jwks_server import AUDIENCE, ISSUER, Jwks
 
-from serve_app.admission.scripts import Refusal
+from serve_app.admission.seam import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.http.services import build_quota_services
 from serve_app.identity.jwt_auth import JwtAuthenticator
@@ -217,7 +217,7 @@ async def test_a_token_user_is_admitted_exactly_as_a_key_of_its_limits(jwks, red
 
 async def test_a_token_of_a_team_admits_as_a_key_of_that_team_and_is_charged_to_it(jwks, redis_url):
     from serve_app.admin import operations as admin
-    from serve_app.admission.ticket import Ticket
+    from serve_app.admission.seam import Ticket
     from serve_app.redis_store import redis_names
 
     jwks.add("k1")

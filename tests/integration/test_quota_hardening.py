@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 from redis_server import every_node, running_redis
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Admission, LocalOrigin
+from serve_app.admission.scripts import AdmissionScripts
+from serve_app.admission.seam import LocalOrigin
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.credential_guard import WINDOW_S
@@ -32,7 +33,7 @@ def key(**limits) -> KeyRecord:
 
 
 def admission(redis, lease_s=600):
-    return Admission(redis, lease_s=lease_s, retention_s=3600)
+    return AdmissionScripts(redis, lease_s=lease_s, retention_s=3600)
 
 
 async def admit(adm, k, tokens=1):

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from redis_server import RedisSentinelSetup, running_redis_cluster, running_redis_sentinel
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Refusal
+from serve_app.admission.seam import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyStore

@@ -18,7 +18,7 @@ from redis_server import _cli, running_redis_cluster
 from test_redis_failover import CLIENTS, RPM, Tally, client_loop, redis_allowance, settled_everything
 
 from contract.replica_wire import Usage
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Ticket
 from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyStore
 from serve_app.limits import KeyLimits

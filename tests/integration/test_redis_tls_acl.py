@@ -16,8 +16,7 @@ from ports import free_port
 from redis_server import RedisServer
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Refusal
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Refusal, Ticket
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.keys import KeyStore

@@ -15,7 +15,7 @@ import pytest
 import redis as sync_redis
 from redis_server import RedisSentinelSetup
 
-from serve_app.admission.scripts import Admission
+from serve_app.admission.scripts import AdmissionScripts
 from serve_app.errors import OpenAIError
 from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyRecord
@@ -72,7 +72,9 @@ async def test_each_admission_is_on_a_replica_when_it_returns(replicated):
     client = redis_client.connect(replicated.url)
     if not isinstance(replicated, RedisSentinelSetup):
         await client.initialize()  # the slot map, to find each key's servers
-    adm = Admission(client, lease_s=600, retention_s=3600, replicas_to_acknowledge=1, acknowledge_timeout_ms=2000)
+    adm = AdmissionScripts(
+        client, lease_s=600, retention_s=3600, replicas_to_acknowledge=1, acknowledge_timeout_ms=2000
+    )
     keys = [tenant(n, max_concurrent=100) for n in range(12)]
     await until_replicas_acknowledge(lambda: adm.admit(tenant("warm"), f"warm-{time.monotonic_ns()}", "m", 1))
     ids = [f"r{n}-{time.monotonic_ns()}" for n in range(len(keys))]
@@ -147,7 +149,7 @@ async def test_a_replica_that_does_not_answer_makes_admissions_unreachable_and_l
 
 async def test_without_replicas_nothing_is_vouched_for(redis_server):
     client = redis_client.connect(redis_server.url)
-    adm = Admission(client, lease_s=600, retention_s=3600, replicas_to_acknowledge=1, acknowledge_timeout_ms=50)
+    adm = AdmissionScripts(client, lease_s=600, retention_s=3600, replicas_to_acknowledge=1, acknowledge_timeout_ms=50)
     with pytest.raises(NotReplicated):
         await adm.admit(tenant(7), "r-lonely", "m", 1)
     await client.aclose()

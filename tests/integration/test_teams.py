@@ -13,8 +13,7 @@ from contract.model_config import Pricing
 from contract.replica_wire import Usage
 from serve_app.accounting.costs import NANOS_PER_USD, Rates, reservation_nanos
 from serve_app.admin import operations as admin
-from serve_app.admission.scripts import Refusal
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Refusal, Ticket
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.redis_store import redis_names

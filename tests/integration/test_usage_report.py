@@ -16,7 +16,7 @@ from contract.model_config import Pricing
 from contract.replica_wire import Usage
 from serve_app.accounting.costs import Cost, Rates
 from serve_app.accounting.usage_report import COST_GROUPS, LAST_TIME, completions_usage, costs, parse_query
-from serve_app.admission.scripts import Admission
+from serve_app.admission.scripts import AdmissionScripts
 from serve_app.errors import OpenAIError
 from serve_app.http.services import build_quota_services
 from serve_app.identity.keys import KeyRecord
@@ -37,7 +37,7 @@ def key(key_id: str) -> KeyRecord:
     return KeyRecord(id=key_id, name=key_id, created_at=0)
 
 
-async def run(adm: Admission, k: KeyRecord, model: str, reserve: int, status: str, prompt: int, completion: int):
+async def run(adm: AdmissionScripts, k: KeyRecord, model: str, reserve: int, status: str, prompt: int, completion: int):
     rid = f"{k.id}-{next(_ids):016x}"
     assert (await adm.admit(k, rid, model, reserve)).admitted
     await adm.settle(k, rid, status, prompt, completion, "r1", model)
@@ -51,7 +51,7 @@ def query(**params) -> QueryParams:
 
 
 async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_was_charged(redis):
-    adm = Admission(redis, lease_s=0.3, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=0.3, retention_s=3600)
     a, b = key("kusagea"), key("kusageb")
     await run(adm, a, "chat", 50, "completed", 12, 30)
     await run(adm, a, "chat", 50, "completed", 8, 2)
@@ -109,7 +109,7 @@ async def test_each_charged_request_counts_once_per_model_and_the_sums_are_what_
 
 
 async def test_teams_are_projects_grouped_and_selected_by_project_id(redis):
-    adm = Admission(redis, lease_s=60, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=60, retention_s=3600)
     eng1, eng2, solo = (
         KeyRecord(id=i, name=i, created_at=0, team=t)
         for i, t in (("kteam1", "teng"), ("kteam2", "teng"), ("ksolo", None))
@@ -137,7 +137,7 @@ async def test_usage_stays_with_the_team_it_was_charged_to_when_its_key_moves(re
     """A key of team X spends, moves to team Y, spends again: X's usage and costs are
     what it paid for, Y's its own; the key's counters written before teams were kept
     in them count under its team of now."""
-    adm = Admission(redis, lease_s=60, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=60, retention_s=3600)
     in_x = KeyRecord(id="kmover", name="mover", created_at=0, team="tmoverx")
     in_y = in_x.model_copy(update={"team": "tmovery"})
     for k, team, prompt in ((in_x, "tmoverx", 198), (in_y, "tmovery", 7)):
@@ -156,7 +156,7 @@ async def test_usage_stays_with_the_team_it_was_charged_to_when_its_key_moves(re
 
 
 async def test_days_are_buckets_paged_by_limit_and_an_empty_day_is_an_empty_bucket(redis):
-    adm = Admission(redis, lease_s=60, retention_s=3600)
+    adm = AdmissionScripts(redis, lease_s=60, retention_s=3600)
     k = key("kusagepage")
     await run(adm, k, "chat", 10, "completed", 1, 1)
     start = today() - 9 * 86400

@@ -14,7 +14,7 @@ import openai_spec
 import pytest
 from small_disk import small_disk
 
-from serve_app.admission.scripts import Decision, Refusal
+from serve_app.admission.seam import Decision, Refusal
 from serve_app.errors import OpenAIError
 from serve_app.stored.batch_runner import BatchJob, _retry_after_s, result_file_id
 from serve_app.stored.batches import as_batch

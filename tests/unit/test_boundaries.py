@@ -100,6 +100,7 @@ def test_the_gateway_imports_no_engine_and_replicas_only_where_it_deploys_them(m
 # point (app); what operators run beside it (ops: the local stack builds the app's config)
 # and llmctl (cli).
 LAYERS = {
+    "ray_private": 0,
     "redis_store": 0,
     "limits": 0,
     "appends": 0,
@@ -140,10 +141,25 @@ def test_a_gateway_folder_imports_only_the_folders_below_it(module, path):
         assert LAYERS[target] < mine, f"{module} (layer {mine}) imports {name} (layer {LAYERS[target]})"
 
 
+# Admission's seam (serve_app/admission/seam.py) is all the rest of the product imports of
+# admission but the gatekeeper and its own loops: the Redis scripts are the gatekeeper's.
+ADMISSION_INSIDE = {"serve_app.admission.gatekeeper", "serve_app.admission.scripts"}
+SEAM_BELOW = {"serve_app.accounting", "serve_app.identity", "contract"}
+
+
+@pytest.mark.parametrize("module, path", [m for package in OURS for m in modules(package)])
+def test_admission_is_seen_through_its_seam(module, path):
+    names = imports(path)
+    if module not in ADMISSION_INSIDE:
+        assert "serve_app.admission.scripts" not in names, f"{module} imports admission's scripts: use its seam"
+    if module == "serve_app.admission.seam":  # values and a protocol: nothing of how admission runs
+        assert all(any(name.startswith(below) for below in SEAM_BELOW) for name in ours(names)), ours(names)
+
+
 # Ray's private modules, each reached through one adapter module of ours: a Ray upgrade
 # that moves one breaks there alone (Serve's routers; the local twin's node provider).
 PRIVATE_ADAPTERS = {
-    "serve_app.routing.serve_private": "ray.serve._private",
+    "serve_app.ray_private": "ray.serve._private",
     "cluster.ray_private": "ray.autoscaler._private",
 }
 
@@ -155,6 +171,92 @@ def test_only_the_adapters_import_ray_private_modules(module, path):
         assert all(name.startswith(PRIVATE_ADAPTERS[module]) for name in private), private
     else:
         assert not private, f"{module} imports {private}: reach it through {sorted(PRIVATE_ADAPTERS)}"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name != "_"
+
+
+def defined_private_names() -> set[str]:
+    """Every ``_``-name our code defines: functions, classes, parameters, attributes it
+    assigns, module names. A ``_``-name it uses that none of these is another's."""
+    names = set()
+    for package in OURS:
+        for _, path in modules(package):
+            names.add(path.stem)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.arg):
+                    names.add(node.arg)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, ast.alias):
+                    names.add(node.asname or node.name.split(".")[-1])
+    return {name for name in names if _is_private(name)}
+
+
+OUR_PRIVATE_NAMES = defined_private_names()
+
+
+def rays_private_names() -> set[str]:
+    """The ``_``-names Ray Serve, Ray's metrics and its fake node provider define (what
+    a duck-typed stand-in of ours may define too: the in-process replica's response)."""
+    import ray
+
+    root = Path(ray.__file__).parent
+    names = set()
+    for folder in ("serve", "util", "autoscaler/_private/fake_multi_node"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(node.name):
+                    names.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_private(node.attr):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _is_private(node.id):
+                    names.add(node.id)  # a dataclass field among them
+    return names
+
+
+# ``_``-names their libraries document as public: os._exit, redis-py's scan ``_type``.
+PUBLIC_UNDERSCORE_NAMES = {"_exit", "_type"}
+# Other libraries' private members, each where it is used and why no public API serves.
+OTHER_LIBRARIES_PRIVATE = {
+    # Starlette's MultiPartParser has no hook for a part's headers before it is read.
+    "serve_app.stored.upload_form": {"_current_part"},
+    # torch's AMX tile set-up, as vLLM's CPU worker does it (no public call).
+    "replicas.cpu_amx": {"_is_amx_tile_supported", "_init_amx"},
+}
+
+
+@pytest.fixture(scope="module")
+def rays_private() -> set[str]:
+    return rays_private_names()
+
+
+@pytest.mark.parametrize("module, path", [m for package in OURS for m in modules(package)])
+def test_only_the_adapters_touch_another_librarys_private_members(module, path, rays_private):
+    """Ray's private members (and any other library's) are reached in the adapters only:
+    an attribute or keyword argument named ``_x`` that our code does not define is
+    someone else's, which their next release may move without a word."""
+    if module in PRIVATE_ADAPTERS:
+        return
+    allowed = OTHER_LIBRARIES_PRIVATE.get(module, set()) | PUBLIC_UNDERSCORE_NAMES
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = node.attr if isinstance(node, ast.Attribute) else node.arg if isinstance(node, ast.keyword) else None
+        if not name or not _is_private(name) or name in allowed:
+            continue
+        # Ours, unless it is also Ray's and read off another object than self (a
+        # stand-in of ours may define a Ray object's private method: the call is Ray's).
+        on_another = isinstance(node, ast.Attribute) and not (
+            isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        )
+        if name not in OUR_PRIVATE_NAMES or (on_another and name in rays_private):
+            found.add(f"{path.name}:{node.lineno} {name}")
+    assert not found, f"reach these through {sorted(PRIVATE_ADAPTERS)}: {sorted(found)}"
 
 
 @pytest.mark.parametrize(
@@ -229,7 +331,7 @@ def test_every_import_path_a_config_names_resolves():
 
 
 # The quota services are built and wired in one place (serve_app/http/services.py): the
-# request path sees admission through admission.ticket.Gate, the routes the
+# request path sees admission through admission.seam.Admitter, the routes the
 # Authenticator they are handed, the admin operations their AdminStores.
 SERVICES = {"Gatekeeper", "Maintenance", "Authenticator", "IngressReplicas"}
 BUILDERS = {"serve_app.http.services"}

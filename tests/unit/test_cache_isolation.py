@@ -31,8 +31,8 @@ from serve_app.identity.cache_isolation import (
     SALT_CHARS,
     client_salt_of,
     isolation_level,
-    prompt_cache_key_of,
     salt_for,
+    take_prompt_cache_key,
     tenant_of,
 )
 from serve_app.identity.keys import KeyRecord
@@ -109,7 +109,7 @@ def test_a_client_salt_that_is_not_a_string_is_a_400_naming_it(bad):
 @pytest.mark.parametrize("bad", [7, ["a"], {"a": 1}, True, "x" * 1025])
 def test_a_prompt_cache_key_that_is_not_a_string_is_a_400_naming_it(bad):
     with pytest.raises(OpenAIError) as caught:
-        prompt_cache_key_of({"prompt_cache_key": bad})
+        take_prompt_cache_key({"prompt_cache_key": bad})
     assert caught.value.status == 400 and caught.value.param == "prompt_cache_key"
 
 

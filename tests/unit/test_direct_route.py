@@ -87,7 +87,7 @@ def test_a_call_withdrawn_before_it_ran_never_runs():
     replica = Replica()
 
     async def run():
-        gate = asyncio.Event()  # the fair-share gate never opens: the call is never sent
+        gate = asyncio.Event()  # the fair-share queue never opens: the call is never sent
         with pytest.raises(QueueTimeout):
             await reach_replica(lambda: InProcessReplica(replica).call_streamed.remote("chat", {}), 0.05, gate.wait)
         response = InProcessReplica(replica).call_streamed.remote("chat", {})

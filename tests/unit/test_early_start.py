@@ -16,8 +16,7 @@ from cache_secret import salts
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaError, StreamStart
-from serve_app.admission.scripts import Refusal
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Refusal, Ticket
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.gateway import Gateway

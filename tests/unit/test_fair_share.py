@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.pipeline.fair_share import FairGate, TokenWeights, VirtualTokenCounter
+from serve_app.pipeline.fair_share import FairShareQueue, TokenWeights, VirtualTokenCounter
 
 WEIGHTS = TokenWeights(prompt=1.0, completion=2.0)
 
@@ -81,8 +81,8 @@ def test_backlogged_keys_share_tokens_evenly_whatever_their_request_rate():
 # -- the gate ---------------------------------------------------------------------
 
 
-def gate_with(places: int | None) -> FairGate:
-    return FairGate(lambda: places, VirtualTokenCounter(WEIGHTS))
+def gate_with(places: int | None) -> FairShareQueue:
+    return FairShareQueue(lambda: places, VirtualTokenCounter(WEIGHTS))
 
 
 async def settle():
@@ -181,7 +181,7 @@ async def test_a_request_granted_as_it_is_cancelled_passes_its_place_on():
 
 async def test_a_place_added_lets_a_waiting_request_through_on_the_next_arrival():
     places = [1]
-    gate = FairGate(lambda: places[0], VirtualTokenCounter(WEIGHTS))
+    gate = FairShareQueue(lambda: places[0], VirtualTokenCounter(WEIGHTS))
     await gate.enter("a", 1)
     waiting = asyncio.create_task(gate.enter("b", 1))
     await settle()
@@ -192,7 +192,7 @@ async def test_a_place_added_lets_a_waiting_request_through_on_the_next_arrival(
 
 
 async def test_a_kept_place_lets_a_key_with_nothing_in_flight_start_at_once():
-    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=1)
+    gate = FairShareQueue(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=1)
     heavy = [await gate.enter("heavy", 1) for _ in range(3)]
     waiting = asyncio.ensure_future(gate.enter("heavy", 1))  # the fourth place is kept
     await settle()
@@ -217,17 +217,17 @@ async def test_a_kept_place_lets_a_key_with_nothing_in_flight_start_at_once():
 
 
 async def test_one_key_alone_leaves_only_the_kept_place_and_one_place_keeps_none():
-    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=1)
+    gate = FairShareQueue(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=1)
     places = [await gate.enter("only", 1) for _ in range(3)]
     assert gate.in_flight == 3 and not asyncio.ensure_future(gate.enter("only", 1)).done()
-    single = FairGate(lambda: 1, VirtualTokenCounter(WEIGHTS), light_key_places=1)
+    single = FairShareQueue(lambda: 1, VirtualTokenCounter(WEIGHTS), light_key_places=1)
     assert (await asyncio.wait_for(single.enter("only", 1), 1)) is not None  # a place of one is never kept
     for place in places:
         place.leave()
 
 
 async def test_two_kept_places_let_a_key_streaming_two_at_a_time_start_each_at_once():
-    gate = FairGate(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=2)
+    gate = FairShareQueue(lambda: 4, VirtualTokenCounter(WEIGHTS), light_key_places=2)
     heavy = [await gate.enter("heavy", 1) for _ in range(2)]
     backlog = [asyncio.ensure_future(gate.enter("heavy", 1)) for _ in range(3)]  # two places are kept
     await settle()
@@ -252,7 +252,7 @@ async def test_two_kept_places_let_a_key_streaming_two_at_a_time_start_each_at_o
 
 
 async def test_a_key_is_light_again_once_fewer_than_the_kept_places_are_in_flight():
-    gate = FairGate(lambda: 2, VirtualTokenCounter(WEIGHTS), light_key_places=2)
+    gate = FairShareQueue(lambda: 2, VirtualTokenCounter(WEIGHTS), light_key_places=2)
     places = [await gate.enter("only", 1) for _ in range(2)]  # its first two are light: any place
     assert gate.in_flight == 2
     places[0].leave()

@@ -14,7 +14,7 @@ from ray.serve.exceptions import BackPressureError
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Ticket
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.gateway import Gateway

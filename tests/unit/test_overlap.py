@@ -2,7 +2,7 @@
 by what Redis last reported (serve_app/admission/overlap.py)."""
 
 from serve_app.admission.overlap import OverlapGuard
-from serve_app.admission.scripts import Decision
+from serve_app.admission.seam import Decision
 from serve_app.identity.keys import KeyRecord
 
 

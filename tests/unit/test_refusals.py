@@ -1,6 +1,6 @@
 """Pure logic: what a 429 says and carries."""
 
-from serve_app.admission.scripts import Decision, Refusal, duration
+from serve_app.admission.seam import Decision, Refusal, duration
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.refusals import render
 

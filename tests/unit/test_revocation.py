@@ -5,7 +5,7 @@ the real stack, a stream and a unary call)."""
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from serve_app.admission.maintenance import IngressReplicas, Maintenance
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Ticket
 from serve_app.identity.keys import KeyNotFound, KeyRecord, KeyStore
 
 

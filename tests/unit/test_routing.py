@@ -197,7 +197,7 @@ async def test_an_adapter_prefers_its_holders_and_overflows_when_they_are_busy()
 
 @pytest.mark.parametrize("router_class", [PREFIX_AFFINITY_ROUTER, POWER_OF_TWO_ROUTER])
 async def test_either_router_publishes_the_deployments_places_where_the_gateway_reads_them(router_class):
-    """What the fair-share gate fills before it holds requests back: the sum of the
+    """What the fair-share queue fills before it holds requests back: the sum of the
     running replicas' max_ongoing_requests, kept as replicas come and go. The class
     is loaded as Serve loads it: pickled by value (a registry in the router's own
     module would be a copy the gateway never sees; an e2e run found the gate open)."""

@@ -1,5 +1,5 @@
 """The request headers Ray Serve reads as instructions to itself are refused before any
-route runs (serve_app/http/edge.py): the list is Ray's own constants, so a Ray upgrade
+route runs (serve_app/http/serve_headers.py): the list is Ray's own constants, so a Ray upgrade
 that renames one fails here rather than letting it through."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from ray.serve._private import constants
 
-from serve_app.http.edge import SERVE_CONTROL_HEADERS, RefuseServeControlHeaders, is_serve_control_header
+from serve_app.http.serve_headers import SERVE_CONTROL_HEADERS, RefuseServeControlHeaders, is_serve_control_header
 
 
 def as_serve_matches(name: str) -> str:

@@ -11,7 +11,7 @@ from cache_secret import salts
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import StreamStart, Usage
-from serve_app.admission.ticket import Ticket
+from serve_app.admission.seam import Ticket
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.gateway import Gateway, _Plan
 from serve_app.telemetry import RequestRecord, Telemetry

@@ -7,17 +7,16 @@
 --       6 daily token budget, 7 monthly token budget, 8 tokens to reserve,
 --       9 concurrency lease ms, 10 record retention s, 11 key id, 12 HTTP x-request-id
 --       (already checked: ours or a short plain id; '' otherwise),
---       13 (unused: was the prefix of this key's request records),
---       14 daily and 15 monthly money budget, 16 this request's reserved cost (all three
---       in nano-dollars, sent as integer strings), 17 '1' when the account's limits are its
+--       13 daily and 14 monthly money budget, 15 this request's reserved cost (all three
+--       in nano-dollars, sent as integer strings), 16 '1' when the account's limits are its
 --       stored record's (KEYS[7]: an API key, a team), '0' when ARGV's are the only ones
---       (an identity-token user's, from the gateway's configuration), 18 the key's team
+--       (an identity-token user's, from the gateway's configuration), 17 the key's team
 --       ('' for none, and at a team's own level), kept in the record for the usage counters,
---       19 '1' when the request's requests/min is already paid: admitted again at its prompt's
+--       18 '1' when the request's requests/min is already paid: admitted again at its prompt's
 --       real size after the replica rendered it (release.lua kept its first admission's
 --       cost), so it is neither checked nor charged again, and it is never given back
 -- A stored account is admitted under its record as it is in Redis now, not the limits
--- the calling replica cached (ARGV 3-7, 14-15 stand in for a record that has none):
+-- the calling replica cached (ARGV 3-7, 13-14 stand in for a record that has none):
 -- a limit lowered or raised applies to the next admission on every replica, and a key
 -- or team disabled or revoked is refused ('revoked', never retried). (Records are never
 -- deleted, only disabled; where none is found, the caller's limits are applied.)
@@ -54,10 +53,10 @@ local rid, model = ARGV[1], ARGV[2]
 local rpm, tpm, max_conc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local daily, monthly = tonumber(ARGV[6]), tonumber(ARGV[7])
 local estimate, lease_ms, retention = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local daily_cost, monthly_cost = tonumber(ARGV[14] or 0), tonumber(ARGV[15] or 0)
-local cost = tonumber(ARGV[16] or 0)
+local daily_cost, monthly_cost = tonumber(ARGV[13] or 0), tonumber(ARGV[14] or 0)
+local cost = tonumber(ARGV[15] or 0)
 local applied, revoked = '', false
-if ARGV[17] == '1' then
+if ARGV[16] == '1' then
   local raw = redis.call('GET', KEYS[7])
   local stored = raw and cjson.decode(raw)
   if stored and stored.enabled == false then
@@ -132,7 +131,7 @@ end
 if revoked then return {0, 'revoked', -1, -1, 0, -1, 0, ''} end
 
 -- A render is a request: one admitted again once rendered paid its requests/min then.
-local request_paid = ARGV[19] == '1'
+local request_paid = ARGV[18] == '1'
 local r = gcra(KEYS[1], rpm, request_paid and 0 or 1)
 local k = gcra(KEYS[2], tpm, estimate)
 local rr, rs, kr, ks = -1, 0, -1, 0
@@ -200,8 +199,8 @@ if redis.call('HINCRBY', KEYS[4], day_field .. ':requests', 1) == 1 then prune_u
 month_used = redis.call('HINCRBY', KEYS[4], month_field .. ':tokens', estimate)
 redis.call('HINCRBY', KEYS[4], month_field .. ':requests', 1)
 if cost > 0 then  -- settle.lua replaces it with the real cost
-  redis.call('HINCRBY', KEYS[4], day_field .. ':cost_nanos', ARGV[16])
-  redis.call('HINCRBY', KEYS[4], month_field .. ':cost_nanos', ARGV[16])
+  redis.call('HINCRBY', KEYS[4], day_field .. ':cost_nanos', ARGV[15])
+  redis.call('HINCRBY', KEYS[4], month_field .. ':cost_nanos', ARGV[15])
 end
 -- Each rate limit's mark goes in the record: what a give-back of this request may
 -- assume (gcra.lua).
@@ -210,9 +209,9 @@ if not r.unlimited and not request_paid then rpm_mark = gcra_charge(KEYS[1], r.s
 if not k.unlimited then tpm_mark = gcra_charge(KEYS[2], k.state, tpm, estimate, now) end
 redis.call('HSET', KEYS[5], 'key_id', ARGV[11], 'model', model, 'status', 'admitted',
   'received_ms', now, 'reserved_tokens', estimate, 'day', day_field, 'month', month_field,
-  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[16] or '0', 'rpm', rpm, 'tpm', tpm,
+  'http_request_id', ARGV[12], 'reserved_nanos', ARGV[15] or '0', 'rpm', rpm, 'tpm', tpm,
   'rpm_mark', rpm_mark, 'tpm_mark', tpm_mark)
-if ARGV[18] and ARGV[18] ~= '' then redis.call('HSET', KEYS[5], 'team', ARGV[18]) end
+if ARGV[17] and ARGV[17] ~= '' then redis.call('HSET', KEYS[5], 'team', ARGV[17]) end
 redis.call('EXPIRE', KEYS[5], retention)
 redis.call('ZADD', KEYS[3], now + lease_ms, rid)
 redis.call('PEXPIRE', KEYS[3], lease_ms + WINDOW)

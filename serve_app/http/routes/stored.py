@@ -13,7 +13,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from contract.replica_wire import Usage
-from serve_app.admission.scripts import Refusal
+from serve_app.admission.seam import Refusal
 from serve_app.errors import OpenAIError
 from serve_app.http.request_handling import serve_request_id
 from serve_app.http.routes.table import IngressRoutes, route

@@ -5,7 +5,7 @@ modules beside this one."""
 from __future__ import annotations
 
 from serve_app.admin.operations import AdminStores
-from serve_app.admission.ticket import Gate
+from serve_app.admission.seam import Admitter
 from serve_app.http.console import Console
 from serve_app.http.readiness import Readiness
 from serve_app.http.request_handling import HandlesRequests, openai_app
@@ -23,7 +23,7 @@ ROUTE_ACCESS: dict[tuple[str, str], RouteAccess] = route.access
 class IngressRoutes(HandlesRequests):
     """What the routes of every surface use of the ingress (serve_app/http/ingress.py sets it)."""
 
-    gate: Gate
+    gate: Admitter
     admin_stores: AdminStores
     console: Console
     readiness: Readiness
