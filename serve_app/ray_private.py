@@ -10,11 +10,26 @@ provider has its own: cluster/ray_private.py.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+if TYPE_CHECKING:  # typed as it is; at run time imported when first asked for (``__getattr__``)
+    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 RAY_VERSION_READ = "2.60.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``PowerOfTwoChoicesRequestRouter`` (Serve's power-of-two router, which its public
+    ``ray.serve.request_router`` does not export), imported when first asked for: this
+    module is imported by every process of the gateway (telemetry.py), and importing
+    Serve's router package costs seconds, and imports Ray, which ``llmctl status`` must
+    configure first (serve_app/ops/status.py)."""
+    if name == "PowerOfTwoChoicesRequestRouter":
+        from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter as router
+
+        return router
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "RAY_VERSION_READ",

@@ -16,7 +16,6 @@ import os
 from typing import Any
 
 from contract.model_config import deployment_name, direct_app_name
-from serve_app.ray_private import serve_controller_client
 
 APP_NAME = "llm"
 ENGINE_LOAD_TIMEOUT_S = 5.0
@@ -30,6 +29,8 @@ def serve_status(app_name: str = APP_NAME) -> dict[str, Any]:
     if running_stack_pid() is not None:  # `llmctl run`'s Ray is a one-node Ray on loopback: join it as one
         os.environ.update(LOOPBACK_RAY)  # (read when Ray is first imported, just below)
     import ray
+
+    from serve_app.ray_private import serve_controller_client
 
     try:
         ray.init(address="auto", log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)

@@ -31,13 +31,14 @@ from serve_app.accounting.usage import new_request_id
 from serve_app.admission.seam import Admitter, Refusal, Ticket
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded, unknown_model
 from serve_app.identity.authentication import authorize
-from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, put_salt, take_prompt_cache_key
+from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, take_prompt_cache_key
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.catalog import ModelCatalog
 from serve_app.pipeline.fair_share import FairShareQueue, TokenWeights, VirtualTokenCounter
 from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
+from serve_app.pipeline.replica_request import GatewayFields, replica_body
 from serve_app.routing.places import replica_places
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.tracing import RequestTrace, now_ns, replica_context
@@ -247,7 +248,6 @@ class Gateway:
         apply_parameter_policy(op.name, body)
         model, adapter = self.catalog.target(request.model)
         record.model = model
-        body["model"] = model  # the name vLLM serves it under; the replica names an adapter itself
         handle = self.models[model]
         if adapter is not None:  # Serve model multiplexing: prefer replicas that already hold the adapter
             handle = handle.options(multiplexed_model_id=adapter)
@@ -270,8 +270,13 @@ class Gateway:
             context_length=context_length,
         )
         rank = BACKGROUND_RANK if background else VLLM_PRIORITY[key.priority]
+        # The name vLLM serves it under (the replica names an adapter itself), and what
+        # else the gateway sets on its call (replica_request.py).
+        sets = GatewayFields(model, salted=op.cache_salted)
+        if reservation.named_for_client is not None:
+            sets.max_tokens_field, sets.max_tokens = reservation.named_for_client
         if config.priority_scheduling and op.name in PRIORITIZED:
-            body["priority"] = rank
+            sets.priority = rank
         tier = "low" if background else key.priority
         return _Plan(
             op,
@@ -283,6 +288,7 @@ class Gateway:
             reservation,
             rank,
             tier,
+            sets,
             streaming=bool(getattr(request, "stream", False)),
             client_salt=client_salt,
             cache_key=cache_key,
@@ -302,7 +308,7 @@ class Gateway:
         salt = None
         if plan.op.cache_salted:
             salt = await self.salts.salt(key, team, plan.config, plan.client_salt)
-            put_salt(plan.body, salt)
+            plan.sets.cache_salt = salt
         session = await self.salts.routing_session(key, team, plan.config, salt, plan.session, plan.cache_key)
         if session:  # the model's router keeps a session on one replica
             plan = dataclasses.replace(plan, handle=plan.handle.options(session_id=session))
@@ -317,11 +323,11 @@ class Gateway:
         is relayed before Redis admits it."""
         if self.access.overloaded():  # this replica's loop far behind: nothing more until it catches up
             raise gateway_overloaded()
-        model, body = plan.model, plan.body
+        model = plan.model
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
         early = (
-            self._start_early(plan.handle, plan.op, body, key, model, plan.reservation, record.trace)
+            self._start_early(plan, key, record.trace)
             if self.start_early and may_start_early and plan.streaming and not queue_full
             else None
         )
@@ -366,7 +372,7 @@ class Gateway:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)
         if plan.op.carries_request_id:
-            body["request_id"] = ticket.request_id
+            plan.sets.request_id = ticket.request_id
         if early is None:
             # Again: requests that arrived together all passed the first look while Redis
             # admitted them. Nothing yields from here until _hand_on counts this one as
@@ -454,7 +460,7 @@ class Gateway:
         """A unary call travels as a stream of one item: over Serve's gRPC transport a
         unary call is known to be with a replica only once it has ended, so the queue
         timeout would bound the whole call and a cancel would never reach the replica."""
-        op, body, handle = plan.op, plan.body, plan.handle
+        op, body, handle = plan.op, replica_body(plan.body, plan.sets), plan.handle
         context = replica_context(trace, plan.model)
         response = await self._hand_on(
             plan.model,
@@ -477,16 +483,16 @@ class Gateway:
         self, plan: _Plan, ticket: Ticket, record: RequestRecord, early: _EarlyStart | None
     ) -> Reply:
         """The call to a replica, relayed as it streams; the relay settles it."""
-        op, body, handle, request = plan.op, plan.body, plan.handle, plan.request
+        op, handle, request, model = plan.op, plan.handle, plan.request, plan.model
         queue_timeout_s, rank, reservation = plan.config.queue_timeout_s, plan.rank, plan.reservation
         options = getattr(request, "stream_options", None)
         client_wants_usage = bool(options and options.include_usage)
         trace = record.trace
         if early is None:
-            _ask_for_usage(op, body)
-            context = replica_context(trace, body["model"])
+            body = replica_body(plan.body, _asking_for_usage(op, plan.sets))
+            context = replica_context(trace, model)
             chunks = await self._hand_on(
-                body["model"],
+                model,
                 ticket,
                 lambda: handle.options(stream=True).stream.remote(
                     op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance
@@ -499,7 +505,7 @@ class Gateway:
         else:
             try:
                 chunks = await self._hand_on(
-                    body["model"], ticket, lambda: early.chunks, queue_timeout_s, rank, early.place, trace
+                    model, ticket, lambda: early.chunks, queue_timeout_s, rank, early.place, trace
                 )
             except BaseException:
                 early.withdraw()
@@ -516,7 +522,7 @@ class Gateway:
         record.stream = True
         if trace is not None:
             trace.first_token()
-        self.catalog.describe_while_up(body["model"])
+        self.catalog.describe_while_up(model)
         relay = relay_stream(
             first,
             chunks,
@@ -549,16 +555,7 @@ class Gateway:
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
 
-    def _start_early(
-        self,
-        handle,
-        op: Operation,
-        body: dict,
-        key: KeyRecord,
-        model: str,
-        reservation: Reservation,
-        trace: RequestTrace | None,
-    ) -> _EarlyStart | None:
+    def _start_early(self, plan: _Plan, key: KeyRecord, trace: RequestTrace | None) -> _EarlyStart | None:
         """Send a stream to ``model``'s replicas before its admission, if its key may
         (``Gatekeeper.may_start_before_admission``), the fair-share queue has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
@@ -575,6 +572,7 @@ class Gateway:
         under way count as busy for a burst on an idle model (a round of clients whose
         streams ended together): its first request is admitted first, the others
         start at once rather than each waiting for Redis."""
+        op, model, reservation = plan.op, plan.model, plan.reservation
         busy = self.telemetry.in_flight_count(model) or self._admitting[model]
         if not (busy or self.start_early_when_idle):
             return None
@@ -588,11 +586,13 @@ class Gateway:
                 return None
         request_id = new_request_id(key.id)
         if op.carries_request_id:
-            body["request_id"] = request_id
-        _ask_for_usage(op, body)
+            plan.sets.request_id = request_id
         context = replica_context(trace, model)
-        chunks = handle.options(stream=True).stream.remote(
-            op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance
+        chunks: Any = plan.handle.options(stream=True).stream.remote(  # a stream: a response generator
+            op.replica_operation,
+            replica_body(plan.body, _asking_for_usage(op, plan.sets)),
+            trace=context,
+            prompt_allowance=reservation.prompt_allowance,
         )
         # Pulling the first item is what starts an in-process replica's engine
         # request (a handle's call is already on its way to a replica).
@@ -656,11 +656,10 @@ class Gateway:
             pass
 
 
-def _ask_for_usage(op: Operation, body: dict) -> None:
-    """Usage is always asked for: it settles the token reservation. (Anthropic's
-    streams always carry it.)"""
-    if op.streams_as == "openai":
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+def _asking_for_usage(op: Operation, sets: GatewayFields) -> GatewayFields:
+    """A stream's fields: usage is always asked for, as it settles the token
+    reservation. (Anthropic's streams always carry it.)"""
+    return dataclasses.replace(sets, include_usage=op.streams_as == "openai")
 
 
 @dataclass
@@ -669,13 +668,14 @@ class _Plan:
 
     op: Operation
     request: Any  # the validated request (api_requests' model of it)
-    body: dict[str, Any]  # the canonical body, as the replica gets it
+    body: dict[str, Any]  # the client's canonical body (the replica gets it with ``sets``)
     model: str
     handle: DeploymentHandle  # the model's (with its adapter, if one is named)
     config: ModelConfig
     reservation: Reservation
     rank: int  # its place in the engine's priority and the fair-share queue's order
     tier: PriorityTier  # whose share of the model's queue it may take
+    sets: GatewayFields  # what the gateway sets on its call (replica_request.py)
     streaming: bool
     client_salt: str | None = None  # the client's own cache_salt (it divides its tenant's cache)
     cache_key: str | None = None  # OpenAI's prompt_cache_key: a routing hint within the tenant

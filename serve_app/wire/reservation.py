@@ -43,6 +43,9 @@ class Reservation:
     completion_per_choice: int  # the max tokens the engine may generate per choice
     choices: int  # n × number of prompts
     runs_prompt: bool = True  # False: the request puts no prompt into the engine (tokenize)
+    # The client named no max tokens: (the field, the value) the gateway names for it, so
+    # that the engine never picks its own (up to the context) past what was reserved.
+    named_for_client: tuple[str, int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -92,9 +95,9 @@ def reserve(
     context_length: int | None,
 ) -> Reservation:
     """The reservation of a request of ``operation`` ("chat", "completions",
-    "embeddings", "score", "rerank", "tokenize", "detokenize", "count_tokens"); for generating operations ``body`` is
-    changed in place so
-    that it names its max tokens explicitly."""
+    "embeddings", "score", "rerank", "tokenize", "detokenize", "count_tokens"). ``body`` is read,
+    never written: a generating request that names no max tokens gets the reserved
+    ones named for it (``named_for_client``), which the gateway sets on its call."""
     if operation in ("tokenize", "detokenize", "count_tokens"):
         return Reservation(0, 0, 0, runs_prompt=False)  # the tokenizer only: a request, no tokens of the budget
     prompt = math.ceil(raw_size / BYTES_PER_PROMPT_TOKEN)
@@ -113,19 +116,20 @@ def reserve(
         )
         if value is not None
     ]
+    named_for_client: tuple[str, int] | None = None
     if named:
         completion = max(named)  # vLLM uses one of them; reserve for whichever it is
     else:
         completion = COMPLETIONS_DEFAULT_MAX_TOKENS if operation == "completions" else default_max_tokens
         if context_length:
             completion = min(completion, context_length)
-        body["max_tokens"] = completion  # the engine must not pick its own (up to the context)
+        named_for_client = ("max_tokens", completion)
     if context_length:
         completion = min(completion, context_length)  # vLLM clamps to what the context leaves
     prompts = _prompt_count(body.get("prompt")) if operation == "completions" else 1
     if operation == "completions":
         prompt = max(prompt, _token_ids(body.get("prompt")))
-    return Reservation(prompt, completion, n * prompts)
+    return Reservation(prompt, completion, n * prompts, named_for_client=named_for_client)
 
 
 def _responses(body: dict[str, Any], prompt: int, default_max_tokens: int, context_length: int | None) -> Reservation:
@@ -133,13 +137,14 @@ def _responses(body: dict[str, Any], prompt: int, default_max_tokens: int, conte
     hold a stored conversation the client did not send (previous_response_id), so
     the prompt is estimated from the input as it goes to the engine."""
     completion = integer_parameter(body, "max_output_tokens", 1, MAX_TOKENS_LIMIT)
+    named_for_client = None
     if completion is None:
         completion = min(default_max_tokens, context_length) if context_length else default_max_tokens
-        body["max_output_tokens"] = completion
+        named_for_client = ("max_output_tokens", completion)
     if context_length:
         completion = min(completion, context_length)
     sent = math.ceil(len(json.dumps(body.get("input"))) / BYTES_PER_PROMPT_TOKEN)
-    return Reservation(max(prompt, sent), completion, 1)
+    return Reservation(max(prompt, sent), completion, 1, named_for_client=named_for_client)
 
 
 def _prompt_count(prompt: Any) -> int:

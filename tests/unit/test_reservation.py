@@ -54,15 +54,17 @@ def test_token_id_prompts_are_counted_exactly():
     assert tokens("completions", body, raw=8000).prompt == 4000  # 2 bytes per id: the estimate would say 2000
 
 
-def test_a_request_without_max_tokens_gets_one_set_explicitly():
+def test_a_request_without_max_tokens_gets_one_named_for_it():
+    """Named for the client, never written into its body: the gateway sets it on the
+    call (serve_app/pipeline/replica_request.py)."""
     body = chat()
     r = tokens("chat", body, default=1024, context=512)
-    assert body["max_tokens"] == 512 and r.completion_per_choice == 512  # never beyond the context
-    body = chat(n=3)
-    assert tokens("chat", body, default=1024).tokens == 100 + 3 * 1024 and body["max_tokens"] == 1024
-    completion = {"model": "m", "prompt": "x"}
-    tokens("completions", completion)
-    assert completion["max_tokens"] == 16  # OpenAI's completions default
+    assert r.named_for_client == ("max_tokens", 512) and r.completion_per_choice == 512  # never beyond the context
+    assert "max_tokens" not in body
+    many = tokens("chat", chat(n=3), default=1024)
+    assert many.tokens == 100 + 3 * 1024 and many.named_for_client == ("max_tokens", 1024)
+    assert tokens("completions", {"model": "m", "prompt": "x"}).named_for_client == ("max_tokens", 16)  # OpenAI's
+    assert tokens("chat", chat(max_tokens=10)).named_for_client is None  # the client's own stands
 
 
 def test_the_larger_of_both_max_fields_and_the_context_bound_the_reservation():
@@ -102,7 +104,8 @@ def test_responses_reserve_max_output_tokens_and_the_input_as_sent_to_the_engine
     r = tokens("responses", body, raw=100)
     assert r.completion_per_choice == 50 and r.prompt >= 1000  # not the 25 the client's body alone suggests
     unnamed = {"model": "m", "input": "hi"}
-    assert tokens("responses", unnamed, default=300).completion_per_choice == 300
-    assert unnamed["max_output_tokens"] == 300  # set explicitly: the engine must not pick its own
+    named = tokens("responses", unnamed, default=300)
+    assert named.completion_per_choice == 300
+    assert named.named_for_client == ("max_output_tokens", 300)  # the engine must not pick its own
     with pytest.raises(OpenAIError):
         tokens("responses", {"model": "m", "input": "hi", "max_output_tokens": 0})

@@ -56,3 +56,16 @@ def test_the_redis_password_never_reaches_the_terminal():
         "rediss+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2:7000",
     )
     assert "s3cret" not in table and "rediss+cluster://app:***@10.0.0.1:7000,10.0.0.2:7000" in table
+
+
+def test_importing_status_imports_no_ray():
+    """`llmctl status` sets the environment that joins `llmctl run`'s loopback Ray before
+    it imports Ray (read at import): a module it imports at the top that imports Ray made
+    every `llmctl status` against that stack hang (serve_app/ray_private.py is imported
+    lazily there for this)."""
+    import subprocess
+    import sys
+
+    code = "import sys, serve_app.ops.status; print('ray' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert found.stdout.strip() == "False"

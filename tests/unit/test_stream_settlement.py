@@ -14,6 +14,7 @@ from contract.replica_wire import StreamStart, Usage
 from serve_app.admission.seam import Ticket
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.gateway import Gateway, _Plan
+from serve_app.pipeline.replica_request import GatewayFields
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.wire.api_requests import OPERATIONS
 from serve_app.wire.reservation import Reservation
@@ -92,6 +93,7 @@ def stream_once(gateway, chunks, ticket):
         RESERVED,
         rank=1,
         tier="normal",
+        sets=GatewayFields("tiny-llama"),
         streaming=True,
     )
     return gateway._call_streamed(plan, ticket, RequestRecord("openai", "x"), early=None)
@@ -213,6 +215,7 @@ async def test_an_anthropic_stream_asks_nothing_of_openai_and_is_charged_its_mes
         RESERVED,
         rank=1,
         tier="normal",
+        sets=GatewayFields("tiny-llama"),
         streaming=True,
     )
     reply = await gateway._call_streamed(plan, ticket, RequestRecord("anthropic", "x"), early=None)
