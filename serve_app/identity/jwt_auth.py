@@ -156,20 +156,13 @@ class JwtAuthenticator:
         kid (a rotation, or made up), at most once every ``jwks_refresh_min_s``."""
         now = self.clock()
         fresh = self._fetched_at is not None and now - self._fetched_at < self.config.jwks_cache_s
-        if kid in self._keys and not fresh and (self._fetching is not None or self._provider_failing()):
-            if self._fetching is None and self._tried_at is not None:
-                if now - self._tried_at >= self.config.jwks_refresh_min_s:
-                    self._beside_requests()
+        waited = self._tried_at is None or now - self._tried_at >= self.config.jwks_refresh_min_s
+        failing = self._fetching is not None or self._provider_failing()
+        if kid in self._keys and (fresh or failing):
+            if not fresh and waited:
+                self._beside_requests()  # a fetch already under way is left to answer
             return self._keys[kid]
-        if kid in self._keys and fresh:
-            return self._keys[kid]
-        since_tried = None if self._tried_at is None else now - self._tried_at
-        may_fetch = (
-            since_tried is None
-            or since_tried >= self.config.jwks_refresh_min_s
-            or not (fresh or self._provider_failing())  # a copy the timer did not renew
-        )
-        if may_fetch:
+        if waited or not (fresh or self._provider_failing()):  # unknown kid, or a copy the timer missed
             await self._refresh()
         return self._keys.get(kid)
 

@@ -33,6 +33,7 @@ from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gate
 from serve_app.identity.authentication import authorize
 from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, take_prompt_cache_key
 from serve_app.identity.keys import KeyRecord
+from serve_app.identity.teams import TeamRecord
 from serve_app.pipeline.catalog import ModelCatalog
 from serve_app.pipeline.fair_share import FairShareQueue, TokenWeights, VirtualTokenCounter
 from serve_app.pipeline.refusals import render as render_refusal
@@ -88,7 +89,7 @@ PRIORITIZED = frozenset({"chat", "completions", "responses"})
 BACKGROUND_RANK = len(VLLM_PRIORITY)
 
 
-def _fair_gate(config: ModelConfig) -> FairShareQueue:
+def _fair_share_queue(config: ModelConfig) -> FairShareQueue:
     share = config.fair_share
     weights = TokenWeights(prompt=share.prompt_weight, completion=share.completion_weight)
     deployment = deployment_name(config.name)
@@ -128,7 +129,7 @@ class Gateway:
         # Requests of each model whose admission is in Redis now (busy, for ``_start_early``).
         self._admitting = {config.name: 0 for config in configs}
         # Fair share between keys while a model's replicas are all busy (fair_share.py).
-        self._gates = {config.name: _fair_gate(config) for config in configs if config.fair_share.enabled}
+        self._gates = {config.name: _fair_share_queue(config) for config in configs if config.fair_share.enabled}
 
     # -- requests --------------------------------------------------------------
 
@@ -164,12 +165,12 @@ class Gateway:
         one session's requests on one replica while its load allows."""
         plan = self._plan(key, operation, body, raw_size, record, background, session)
         try:  # the team's right to the model (cached for admission), answered as the key's is
-            await self.access.team_of(key, plan.model)
+            team = await self.access.team_of(key, plan.model)
         except OpenAIError as exc:
             if exc.code == "model_not_allowed":
                 raise unknown_model(plan.request.model) from None
             raise
-        plan = await self._isolate(key, plan)
+        plan = await self._isolate(key, team, plan)
         for resizes in range(PROMPT_RESIZES + 1):
             # A resized prompt is known to be denser than its estimate: it waits for its
             # admission, so the engine never prefills it for a request Redis may refuse
@@ -295,7 +296,7 @@ class Gateway:
             session=session[:MAX_SESSION_ID_CHARS] if session else None,
         )
 
-    async def _isolate(self, key: KeyRecord, plan: _Plan) -> _Plan:
+    async def _isolate(self, key: KeyRecord, team: TeamRecord | None, plan: _Plan) -> _Plan:
         """The request's engine ``cache_salt`` set from its tenant (its key's, its team's,
         or none: identity/cache_isolation.py), so that no tenant's prompt is served from
         another's cache, on every way work gets in (each takes ``run``); and its routing
@@ -304,7 +305,6 @@ class Gateway:
         both (the salt is part of its prompt text)."""
         if not (plan.op.cache_salted or plan.session):
             return plan
-        team = await self.access.team_of(key, plan.model)
         salt = None
         if plan.op.cache_salted:
             salt = await self.salts.salt(key, team, plan.config, plan.client_salt)
