@@ -190,6 +190,43 @@ class RoutingSettings(BaseModel):
         }
 
 
+class FailoverSettings(BaseModel):
+    """What the gateway does when a replica fails a request before its first byte
+    (serve_app/pipeline/gateway.py ``_call``): sends it again to another replica under
+    its one admission, and takes a replica that keeps failing out of the router's
+    choices for a while (serve_app/routing/outliers.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    retries: int = Field(
+        2,
+        ge=0,
+        le=5,
+        description="Times a request is sent again to another replica when its replica died, "
+        "was draining, answered a 5xx or stalled before its first byte (never after it, "
+        "never for a 4xx). Each try waits at most queue_timeout_s for a replica.",
+    )
+    first_token_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="A stream whose replica has sent nothing this long after taking it is "
+        "aborted at its engine and retried elsewhere (its replica counted as failing). Unset: "
+        "off, since a long prompt's prefill, or an engine's queue, can legitimately take "
+        "longer on a CPU than any bound that catches a stall quickly; set it above the "
+        "model's worst time to first token under load.",
+    )
+    eject_after_failures: int = Field(
+        3,
+        ge=1,
+        description="A replica that fails this many requests in a row (or stalls them) is "
+        "left out of the router's choices for ejection_s, then let back in on probation "
+        "(its next failure ejects it again, for twice as long). The last replica is never ejected.",
+    )
+    ejection_s: float = Field(
+        10.0, gt=0, description="The first cool-down of an ejected replica (doubles, at most 16x)."
+    )
+
+
 class MediaPolicy(BaseModel):
     """Where a multimodal model may load images/audio/video from. Inline
     ``data:`` URLs always work; anything the replica would fetch is opt-in, so
@@ -325,6 +362,15 @@ class ModelConfig(BaseModel):
         gt=0,
         description="Longest a request waits to reach a replica (all busy, or one still "
         "starting after scale-from-zero) before a 503 with retry-after.",
+    )
+    failover: FailoverSettings = Field(default_factory=FailoverSettings)
+    fallbacks: list[str] = Field(
+        default_factory=list,
+        description="Models (names or aliases), tried in order, that answer this model's "
+        "requests when none of its replicas can: none up, its queue full, or none "
+        "reached within queue_timeout_s (scaled to zero, starting). The request runs "
+        "as the fallback's, at its prices and limits, named in the answer's `model` and "
+        "`x-llm-fallback-from`; a key not allowed the fallback gets the original error.",
     )
     stream_batch_interval_ms: float = Field(
         50.0,

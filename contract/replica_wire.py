@@ -118,6 +118,11 @@ class ReplicaError:
 # A call's ``prompt_allowance`` (the prompt tokens the gateway reserved for it) is
 # enforced where the prompt is rendered (replicas/prompt_allowance.py): a request
 # whose prompts come to more is answered this ReplicaError, nothing having run.
+# The keyword of a replica call that names the replicas which failed it before (the
+# gateway sends a retry with it): the gateway's request router leaves them out of its
+# choice (serve_app/routing/serve_routers.py); the replica accepts it and ignores it.
+AVOID = "avoid"
+
 PROMPT_OVER_ALLOWANCE = "prompt_over_allowance"
 PROMPT_OVER_ALLOWANCE_STATUS = 409
 

@@ -264,13 +264,16 @@ class VLLMReplica:
         adapter: str | None = None,
         trace: dict[str, str] | None = None,
         prompt_allowance: int | None = None,
+        avoid: tuple[str, ...] = (),
     ) -> AsyncIterator[ReplicaAnswer | ReplicaError]:
         """``call``'s answer as a stream of one item, which is how the gateway sends a
         unary call: Serve's gRPC transport hands a stream to its caller when a replica
         takes it (a unary call only when it has ended), so the queue timeout bounds the
         wait for a replica only, and a cancel (a key revoked, a client gone) reaches the
         replica and the engine aborts the request. ``trace``: the gateway's span
-        context (replicas/tracing.py)."""
+        context (replicas/tracing.py). ``avoid``: the replicas that failed this request
+        before, for the gateway's request router (contract/replica_wire.py ``AVOID``);
+        nothing here."""
         span = call_span(trace, operation, self.config.name, self.replica)
         try:
             answer = await self.call(operation, body, adapter, span, prompt_allowance)
@@ -292,6 +295,7 @@ class VLLMReplica:
         adapter: str | None = None,
         trace: dict[str, str] | None = None,
         prompt_allowance: int | None = None,
+        avoid: tuple[str, ...] = (),  # as call_streamed's: the router's
     ) -> AsyncIterator[StreamStart | str | ReplicaError]:
         # Counted from its start: a round of requests arriving together sees itself.
         self._streams += 1

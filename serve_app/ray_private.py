@@ -41,6 +41,7 @@ __all__ = [
     "record_counter",
     "serve_controller_client",
     "unary_assigned",
+    "assigned_call",
     "with_ingress_request_router",
 ]
 
@@ -58,6 +59,15 @@ async def unary_assigned(response: Any) -> None:
     its public ``await`` also waits for the answer, and the gateway bounds the queue wait
     alone (pipeline/replica_calls.py)."""
     await response._fetch_future_result_async()
+
+
+def assigned_call(response: Any) -> Any:
+    """The replica call a ``DeploymentResponse`` (or response generator) was assigned
+    (``response._replica_result``, None before ``unary_assigned``): the object Serve
+    hands its request router's ``on_request_routed``, by which the router says which
+    replica took it (serve_app/routing/outliers.py ``taken_by``). No public API names
+    the replica of a call that failed without an answer."""
+    return getattr(response, "_replica_result", None)
 
 
 def choose_replica_unreserved(handle: Any, *args: Any) -> Any:

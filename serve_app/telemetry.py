@@ -104,6 +104,8 @@ REDIS_OPERATIONS = ("authenticate", "admit", "accounting", "renew")
 FALLBACK_KINDS = ("cached_key", "local_limits")
 REFUSAL_LEVELS = ("key", "team")
 EARLY_OUTCOMES = ("admitted", "withdrawn")
+# Why a request was sent again to another replica (pipeline/gateway.py _FailedBeforeFirstByte).
+RETRY_REASONS = ("died", "answered_5xx", "stalled")
 
 
 def zero(counter: Counter | BatchedCounter, tags: dict[str, str]) -> None:
@@ -266,6 +268,35 @@ class Telemetry:
             "than the gateway's estimate reserved (the replica refused it before the engine ran it).",
             ("model",),
         )
+        # Failover (pipeline/gateway.py _call): zero in normal operation, alive under faults.
+        self.failover_counts: dict[str, int] = {
+            "retried": 0,
+            "stalled": 0,
+            "ejected": 0,
+            "fell_back": 0,
+        }  # this process
+        self.retries = Counter(
+            "llm_gateway_retries",
+            "Requests sent again to another replica of their model after one failed them before "
+            "their first byte, by why: died (or was draining), answered_5xx, stalled (first_token_timeout_s).",
+            ("model", "reason"),
+        )
+        self.stalled_streams = Counter(
+            "llm_gateway_stalled_streams",
+            "Streams whose replica sent nothing within the model's first_token_timeout_s (aborted there).",
+            ("model",),
+        )
+        self.ejections = Counter(
+            "llm_gateway_replica_ejections",
+            "Replicas taken out of their model's routing choices for failing requests in a row "
+            "(failover.eject_after_failures), as this gateway process judged them.",
+            ("model",),
+        )
+        self.model_fallbacks = Counter(
+            "llm_gateway_model_fallbacks",
+            "Requests answered by a fallback model because no replica of the model asked for could take them.",
+            ("model", "fallback"),
+        )
         self.refused_before_body = Counter(
             "llm_gateway_refused_before_body",
             "Requests refused by their key's requests/min or concurrency before their body was read "
@@ -369,8 +400,17 @@ class Telemetry:
         self._deployments = dict(deployments)
         for model, deployment in deployments.items():
             self.model_info.set(1, tags={"model": model, "deployment": deployment})
-            for counter in (self.prompt_tokens, self.completion_tokens, self.disconnects, self.prompt_resizes):
+            for counter in (
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.disconnects,
+                self.prompt_resizes,
+                self.stalled_streams,
+                self.ejections,
+            ):
                 zero(counter, {"model": model})
+            for reason in RETRY_REASONS:
+                zero(self.retries, {"model": model, "reason": reason})
             for outcome in EARLY_OUTCOMES:
                 zero(self.early_starts, {"model": model, "outcome": outcome})
             for limit in sorted(set(LIMIT_KINDS.values())):
@@ -476,6 +516,23 @@ class Telemetry:
         """A request of ``model`` is admitted again at its prompt's real size."""
         self.prompt_resizes.inc(tags={"model": model})
         self.resize_count += 1
+
+    def retried(self, model: str, reason: str) -> None:
+        """A request of ``model`` is sent again to another replica (``reason``: RETRY_REASONS)."""
+        self.retries.inc(tags={"model": model, "reason": reason})
+        self.failover_counts["retried"] += 1
+
+    def stream_stalled(self, model: str) -> None:
+        self.stalled_streams.inc(tags={"model": model})
+        self.failover_counts["stalled"] += 1
+
+    def replica_ejected(self, model: str) -> None:
+        self.ejections.inc(tags={"model": model})
+        self.failover_counts["ejected"] += 1
+
+    def answered_by_fallback(self, model: str, fallback: str) -> None:
+        self.model_fallbacks.inc(tags={"model": model, "fallback": fallback})
+        self.failover_counts["fell_back"] += 1
 
     def in_flight_count(self, model: str) -> int:
         """Requests of ``model`` admitted here and not finished."""

@@ -36,7 +36,7 @@ from serve_app.accounting.usage import is_own_key, new_request_id
 from serve_app.admission.local_limits import LocalLimiter
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.overlap import OverlapGuard
-from serve_app.admission.scripts import AdmissionScripts
+from serve_app.admission.scripts import AdmissionScripts, Settlement
 from serve_app.admission.seam import Decision, LocalOrigin, Refusal, Ticket
 from serve_app.errors import (
     OpenAIError,
@@ -106,7 +106,7 @@ class Gatekeeper:
         # Requests admitted through Redis and not settled yet: their leases are renewed.
         self._leased: dict[str, Ticket] = {}
         # request id -> Admission.settle arguments, for settlements Redis has not taken yet.
-        self._unsettled: dict[str, tuple] = {}
+        self._unsettled: dict[str, Settlement] = {}
         # account id -> when this ingress last put it in the due index (monotonic s): see _register_due.
         self._registered: dict[str, float] = {}
         # Accounts whose registration Redis did not take: registered again at the next tick.
@@ -259,7 +259,7 @@ class Gatekeeper:
         call ran in Redis: settled later as ``status`` with no usage (a withdrawn one is
         a tombstone, never shipped: settle.lua)."""
         for level in levels:
-            self._settle_later(level, request_id, model, status, 0, 0, taken_back=taken_back)
+            self._settle_later(Settlement(level, request_id, status, model=model, taken_back=taken_back))
 
     async def withdraw(self, ticket: Ticket, keep_request: bool = False) -> None:
         """Take a ticket's admission back as if it never happened, at every level: its
@@ -293,7 +293,7 @@ class Gatekeeper:
             await self.admission.release(level, request_id, refused_by, keep_request)
         except REDIS_FAILED:
             self.telemetry.redis_failed("admit")
-            self._settle_later(level, request_id, model, "withdrawn", 0, 0)
+            self._settle_later(Settlement(level, request_id, "withdrawn", model=model))
 
     def _no_overlap(self, key: KeyRecord) -> None:
         if self.overlap is not None:
@@ -376,25 +376,33 @@ class Gatekeeper:
             self.telemetry.team_charged(
                 ticket.team.name, max(prompt, 0), max(completion, 0), reserved, cost.nanos, cached_prompt=cached
             )
+        settlements = [
+            Settlement(
+                level,
+                ticket.request_id,
+                status,
+                prompt,
+                completion,
+                replica,
+                ticket.model,
+                cost,
+                ticket.origin,  # None unless admitted without Redis
+                failover=",".join(ticket.failover),
+            )
+            for level in ticket.levels()
+        ]
         if ticket.local:
             self.local.release(ticket.key.id, ticket.request_id)
             # Its admit call may have run in Redis after all; either way Redis learns the real usage.
-            for level in ticket.levels():
-                self._settle_later(
-                    level, ticket.request_id, ticket.model, status, prompt, completion, replica, cost, ticket.origin
-                )
+            for settlement in settlements:
+                self._settle_later(settlement)
             return
         if self._leased.pop(ticket.request_id, None) is not None and self.overlap is not None:
             self.overlap.ended(ticket.key.id)
-        for level in ticket.levels():
-            self._spawn(
-                self._settle_now(
-                    (level, ticket.request_id, status, prompt, completion, replica, ticket.model, cost),
-                    ticket.trace if level is ticket.key else None,
-                )
-            )
+        for settlement in settlements:
+            self._spawn(self._settle_now(settlement, ticket.trace if settlement.key is ticket.key else None))
 
-    async def _settle_now(self, settlement: tuple, trace=None) -> None:
+    async def _settle_now(self, settlement: Settlement, trace=None) -> None:
         """``trace``: the request's, which gets a ``settle`` span (after its answer)."""
         started = now_ns()
         try:
@@ -402,45 +410,23 @@ class Gatekeeper:
         except REDIS_FAILED as exc:
             self.telemetry.redis_failed("accounting")
             logger.warning("Redis did not take a settlement (%s): retrying it", what_failed(exc))
-            key, request_id, status, prompt, completion, replica, model, *rest = settlement
-            self._settle_later(key, request_id, model, status, prompt, completion, replica, *rest)
+            self._settle_later(settlement)
             if trace is not None:
-                trace.stage("settle", started, **{"llm.settle.status": settlement[2], "error.type": type(exc).__name__})
+                trace.stage(
+                    "settle", started, **{"llm.settle.status": settlement.status, "error.type": type(exc).__name__}
+                )
             return
         if trace is not None:
-            trace.stage("settle", started, **{"llm.settle.status": settlement[2]})
+            trace.stage("settle", started, **{"llm.settle.status": settlement.status})
         if settled is not None and settled.record is not None and self.records is not None:
             await self.records.ship(settled.record)
 
-    def _settle_later(
-        self,
-        key,
-        request_id,
-        model,
-        status,
-        prompt,
-        completion,
-        replica="",
-        cost=Cost(),
-        origin=None,
-        taken_back=False,
-    ) -> None:
+    def _settle_later(self, settlement: Settlement) -> None:
         if len(self._unsettled) >= MAX_UNSETTLED:
             dropped = next(iter(self._unsettled))
             del self._unsettled[dropped]
             logger.warning("settlement backlog full: dropped %s (its lease expires instead)", dropped)
-        self._unsettled[f"{key.id}/{request_id}"] = (
-            key,
-            request_id,
-            status,
-            prompt,
-            completion,
-            replica,
-            model,
-            cost,
-            origin,
-            taken_back,
-        )
+        self._unsettled[f"{settlement.key.id}/{settlement.request_id}"] = settlement
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(self._logged(coroutine))
@@ -469,9 +455,9 @@ class Gatekeeper:
         final, indexed = [], []
         for settlement, (done, settled) in zip(batch, answered):
             if done:
-                self._unsettled.pop(f"{settlement[0].id}/{settlement[1]}", None)
-                level, request_id, *_, origin, _taken_back = settlement  # as _settle_later queued it
-                if origin is not None and origin.http_request_id and is_own_key(level.id, request_id):
+                self._unsettled.pop(f"{settlement.key.id}/{settlement.request_id}", None)
+                origin, request_id = settlement.origin, settlement.request_id
+                if origin is not None and origin.http_request_id and is_own_key(settlement.key.id, request_id):
                     # Admitted without Redis: its x-request-id is indexed now that its record
                     # exists, as an admission's is (`requests show <x-request-id>` finds it).
                     indexed.append(self._logged(self.admission.index_http_id(origin.http_request_id, request_id)))
@@ -545,8 +531,8 @@ class Gatekeeper:
         # later (its reservation charged) and the settlement, when it lands, finds it
         # final (the soak: 5 requests charged their reservation, not what they used).
         # renew.lua renews only a lease whose record is still open.
-        for level, request_id, *_ in self._unsettled.values():
-            running.setdefault(level.id, []).append(request_id)
+        for settlement in self._unsettled.values():
+            running.setdefault(settlement.key.id, []).append(settlement.request_id)
         self._register_due(list(running))
         try:
             await self.admission.renew(running)

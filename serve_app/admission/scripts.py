@@ -26,7 +26,7 @@ import asyncio
 import datetime
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from serve_app.accounting.costs import NANOS_PER_USD, Cost
 from serve_app.accounting.usage import as_state, is_own_key, key_id_of
@@ -51,6 +51,24 @@ _INDEXABLE_HTTP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 def indexable_http_id(http_request_id: str) -> str:
     """``http_request_id`` if it may be indexed, else ''."""
     return http_request_id if _INDEXABLE_HTTP_ID.fullmatch(http_request_id or "") else ""
+
+
+class Settlement(NamedTuple):
+    """One request's final accounting at one level (key or team): ``settle``'s
+    arguments, named, so that a settlement queued while Redis is away
+    (Gatekeeper._unsettled) is read back by field, never by position."""
+
+    key: KeyRecord
+    request_id: str
+    status: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    replica: str = ""
+    model: str = ""
+    cost: Cost = Cost()
+    origin: LocalOrigin | None = None
+    taken_back: bool = False
+    failover: str = ""
 
 
 class AdmissionScripts:
@@ -190,16 +208,28 @@ class AdmissionScripts:
         cost: Cost = Cost(),
         origin: LocalOrigin | None = None,
         taken_back: bool = False,
+        failover: str = "",
     ) -> Settled | None:
         """Final accounting. Idempotent: safe to retry; None when the request was
         settled already. ``origin``: of a request admitted without Redis, for its record.
         ``taken_back``: it takes back an admission still on the wire (its client left),
-        so a record it finds missing was never admitted here, not admitted locally."""
+        so a record it finds missing was never admitted here, not admitted locally.
+        ``failover``: what failed over on its way (``Ticket.failover``), for its record."""
         reply = await self.pipeline.call(
             self._settle,
             redis_names.admission_keys(key.id, request_id),
             self._settle_args(
-                key, request_id, status, prompt_tokens, completion_tokens, replica, model, cost, origin, taken_back
+                key,
+                request_id,
+                status,
+                prompt_tokens,
+                completion_tokens,
+                replica,
+                model,
+                cost,
+                origin,
+                taken_back,
+                failover,
             ),
         )
         return _settled(request_id, reply)
@@ -216,6 +246,7 @@ class AdmissionScripts:
         cost: Cost = Cost(),
         origin: LocalOrigin | None = None,
         taken_back: bool = False,
+        failover: str = "",
     ) -> list:
         now = datetime.datetime.now(datetime.UTC)
         ship = self.settled_s is not None and is_own_key(key.id, request_id)
@@ -239,25 +270,26 @@ class AdmissionScripts:
             origin.http_request_id if origin else "",
             str(origin.admitted_ms) if origin else "",
             "1" if taken_back else "",
+            failover,
         ]
 
-    async def settle_many(self, settlements: list[tuple]) -> list[tuple[bool, Settled | None]]:
+    async def settle_many(self, settlements: list[Settlement]) -> list[tuple[bool, Settled | None]]:
         """Settle several requests in one pipeline (retries after Redis was
-        unreachable); each item is ``settle``'s arguments. Returns, per item,
-        whether Redis answered for it (an answered settle is done, whatever it did)
-        and what ``settle`` returns."""
+        unreachable). Returns, per item, whether Redis answered for it (an answered
+        settle is done, whatever it did) and what ``settle`` returns."""
+        items = [Settlement(*item) for item in settlements]
         calls = [
             (
                 self._settle,
-                redis_names.admission_keys(key.id, request_id),
-                self._settle_args(key, request_id, status, prompt, completion, replica, model, *cost),
+                redis_names.admission_keys(item.key.id, item.request_id),
+                self._settle_args(*item),
             )
-            for key, request_id, status, prompt, completion, replica, model, *cost in settlements
+            for item in items
         ]
         replies = await self._script_batch(calls)
         return [
-            (False, None) if isinstance(reply, BaseException) else (True, _settled(item[1], reply))
-            for item, reply in zip(settlements, replies)
+            (False, None) if isinstance(reply, BaseException) else (True, _settled(item.request_id, reply))
+            for item, reply in zip(items, replies)
         ]
 
     async def renew(self, running: dict[str, list[str]]) -> int:

@@ -164,6 +164,9 @@ class Ticket:
     team: TeamRecord | None = None
     # Its request's trace (serve_app/tracing.py; set by the gateway): settling it is a stage.
     trace: Any = None
+    # What failed over on its way, as its record keeps it ('failover'): each replica that
+    # failed it before its first byte ('<replica>:<why>'), the model it fell back from.
+    failover: list[str] = field(default_factory=list)
 
     def levels(self) -> list[KeyRecord]:
         """The records it was admitted against: its key, and its team."""

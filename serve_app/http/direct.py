@@ -25,11 +25,12 @@ from typing import Any
 from fastapi import Request
 from ray import serve
 from ray.serve.exceptions import RequestCancelledError
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from contract.edge import EDGE_NAMES_PATH, EDGE_TIME_HEADER
-from contract.model_config import ModelConfig, deployment_name
+from contract.model_config import ModelConfig, deployment_name, direct_app_name
 from replicas.vllm_replica import VLLMReplica
 from serve_app.http.body_bounds import body_bounds_of
 from serve_app.http.request_handling import HandlesRequests, openai_app
@@ -157,7 +158,7 @@ class InProcessReplica:
     @property
     def call_streamed(self) -> _Method:
         return _Method(
-            lambda operation, body, trace=None, prompt_allowance=None: _UnaryStream(
+            lambda operation, body, trace=None, prompt_allowance=None, avoid=(): _UnaryStream(
                 self._replica.call_streamed(
                     operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance
                 )
@@ -167,7 +168,7 @@ class InProcessReplica:
     @property
     def stream(self) -> _Method:
         return _Method(
-            lambda operation, body, trace=None, prompt_allowance=None: _Stream(
+            lambda operation, body, trace=None, prompt_allowance=None, avoid=(): _Stream(
                 self._replica.stream(operation, body, self._adapter, trace=trace, prompt_allowance=prompt_allowance)
             )
         )
@@ -215,6 +216,10 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[n
             config.serve_options(),
             start_early=True,
             start_early_when_idle=settings.quota.overlap_admission_when_idle,
+            # A request this replica fails before its first byte (its engine dead, draining
+            # or stalled) is handed on to another replica of the model through Serve.
+            elsewhere={config.name: DeploymentHandle(deployment_name(config.name), direct_app_name(config.name))},
+            own_replica=self.replica,
         )
         self.authenticator = services.authenticator
 

@@ -11,6 +11,7 @@ its dialect's shape.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import time
@@ -25,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from contract.edge import MAX_SESSION_ID_CHARS
 from contract.model_config import VLLM_PRIORITY, ModelConfig, PriorityTier, deployment_name
-from contract.replica_wire import ReplicaAnswer, ReplicaError, Usage
+from contract.replica_wire import AVOID, ReplicaAnswer, ReplicaError, Usage
 from serve_app.accounting.costs import Rates, reservation_nanos
 from serve_app.accounting.usage import new_request_id
 from serve_app.admission.seam import Admitter, Refusal, Ticket
@@ -40,6 +41,9 @@ from serve_app.pipeline.refusals import render as render_refusal
 from serve_app.pipeline.relay import relay as relay_stream
 from serve_app.pipeline.replica_calls import QueueTimeout, only_item, reach_replica
 from serve_app.pipeline.replica_request import GatewayFields, replica_body
+from serve_app.ray_private import assigned_call
+from serve_app.routing import outliers
+from serve_app.routing.outliers import OutlierEjector
 from serve_app.routing.places import replica_places
 from serve_app.telemetry import RequestRecord, Telemetry
 from serve_app.tracing import RequestTrace, now_ns, replica_context
@@ -71,6 +75,29 @@ class _PromptOverReservation(Exception):
     def __init__(self, prompt_tokens: int):
         super().__init__(prompt_tokens)
         self.prompt_tokens = prompt_tokens
+
+
+class _FailedBeforeFirstByte(Exception):
+    """A replica failed the request before it sent anything on (``reason``: 'died',
+    'answered_5xx', 'stalled'); nothing is settled yet: it may be sent again."""
+
+    def __init__(self, reason: str, replica: str, refused: ReplicaError | None = None):
+        super().__init__(reason)
+        self.reason, self.replica, self.refused = reason, replica, refused
+
+
+class _NoReplicaCanServe(Exception):
+    """No replica of the model could take the request (full, none reached in time, or
+    every try failed): its admission is withdrawn, and ``error`` is the client's answer
+    unless a fallback model serves it."""
+
+    def __init__(self, error: OpenAIError, plan: _Plan):
+        super().__init__(error.message)
+        self.error, self.plan = error, plan
+
+
+# The header an answer from a fallback model names the model the client asked for in.
+FALLBACK_FROM_HEADER = "x-llm-fallback-from"
 
 
 # How many times a request is admitted again with its prompt as the replica counted
@@ -107,8 +134,22 @@ class Gateway:
         describers: dict[str, DeploymentHandle] | None = None,
         start_early: bool = False,
         start_early_when_idle: bool = False,
+        elsewhere: dict[str, DeploymentHandle] | None = None,
+        own_replica: str = "",
     ):
         self.access = access
+        # A direct route's: the handle a request its in-process replica failed goes on by
+        # (to another replica of the model), and that replica's id.
+        self.elsewhere = elsewhere or {}
+        self.own_replica = own_replica
+        # Each model's failing replicas, as its router in this process reads them (outliers.py).
+        self._ejectors = {
+            config.name: outliers.watch(
+                deployment_name(config.name),
+                OutlierEjector(config.failover.eject_after_failures, config.failover.ejection_s),
+            )
+            for config in configs
+        }
         # Each request's engine cache_salt, from its tenant (identity/cache_isolation.py).
         self.salts = salts
         # Whether a stream may start before its admission (``_start_early``): a model's
@@ -128,6 +169,14 @@ class Gateway:
         self._waiting = {config.name: 0 for config in configs}
         # Requests of each model whose admission is in Redis now (busy, for ``_start_early``).
         self._admitting = {config.name: 0 for config in configs}
+        for config in configs:  # a fallback is another model served here
+            for fallback in config.fallbacks:
+                try:
+                    target: str | None = self.catalog.resolve(fallback)
+                except OpenAIError:
+                    target = None
+                if target in (None, config.name):
+                    raise ValueError(f"model {config.name!r}: fallback {fallback!r} is not another model served here")
         # Fair share between keys while a model's replicas are all busy (fair_share.py).
         self._gates = {config.name: _fair_share_queue(config) for config in configs if config.fair_share.enabled}
 
@@ -162,8 +211,59 @@ class Gateway:
         request never costs. Such a request never starts before its admission, nor
         does one admitted again at its prompt's real size.
         ``session`` (the client's session header): the model's request router keeps
-        one session's requests on one replica while its load allows."""
+        one session's requests on one replica while its load allows.
+
+        When no replica of the model can take it (``_NoReplicaCanServe``), its
+        ``fallbacks`` are tried in order, each as a request of its own for that model
+        (its prices, its limits, the key's right to it: one it may not use is passed
+        over), its admission the only one left standing; none: the original error."""
+        try:
+            return await self._run(key, operation, body, raw_size, record, background, once_admitted, session)
+        except _NoReplicaCanServe as cannot:
+            asked = cannot.plan.request.model
+            fallbacks = cannot.plan.config.fallbacks
+            for i, fallback in enumerate(fallbacks):
+                try:
+                    reply = await self._run(
+                        key,
+                        operation,
+                        cannot.plan.body_for(fallback),
+                        raw_size,
+                        record,
+                        background,
+                        session=session,
+                        fallback_from=asked,
+                        may_fall_back=i + 1 < len(fallbacks),
+                    )
+                except _NoReplicaCanServe:
+                    continue
+                except OpenAIError as exc:
+                    if exc.status in (403, 404):  # the key may not use it (or it is unknown): the next
+                        continue
+                    raise
+                self.telemetry.answered_by_fallback(cannot.plan.model, record.model)
+                return reply
+            raise cannot.error from None
+
+    async def _run(
+        self,
+        key: KeyRecord,
+        operation: str | Operation,
+        body: dict[str, Any],
+        raw_size: int,
+        record: RequestRecord,
+        background: bool = False,
+        once_admitted: Callable[[], Awaitable[None]] | None = None,
+        session: str | None = None,
+        fallback_from: str | None = None,
+        may_fall_back: bool = True,
+    ) -> Reply:
+        """``run`` for one model: the one the body names (``fallback_from``: the model
+        the client named, when this is its fallback; ``may_fall_back``: whether a
+        ``_NoReplicaCanServe`` may come out, when the model has fallbacks)."""
         plan = self._plan(key, operation, body, raw_size, record, background, session)
+        plan.fallback_from = fallback_from
+        plan.may_fall_back = may_fall_back and (fallback_from is not None or bool(plan.config.fallbacks))
         try:  # the team's right to the model (cached for admission), answered as the key's is
             team = await self.access.team_of(key, plan.model)
         except OpenAIError as exc:
@@ -294,6 +394,7 @@ class Gateway:
             client_salt=client_salt,
             cache_key=cache_key,
             session=session[:MAX_SESSION_ID_CHARS] if session else None,
+            adapter=adapter,
         )
 
     async def _isolate(self, key: KeyRecord, team: TeamRecord | None, plan: _Plan) -> _Plan:
@@ -311,7 +412,7 @@ class Gateway:
             plan.sets.cache_salt = salt
         session = await self.salts.routing_session(key, team, plan.config, salt, plan.session, plan.cache_key)
         if session:  # the model's router keeps a session on one replica
-            plan = dataclasses.replace(plan, handle=plan.handle.options(session_id=session))
+            plan = dataclasses.replace(plan, handle=plan.handle.options(session_id=session), routing_session=session)
         return plan
 
     async def _admit(
@@ -368,6 +469,8 @@ class Gateway:
             raise render_refusal(admitted)
         ticket = admitted
         ticket.rates, ticket.reserved, ticket.trace = rates, reserved, record.trace
+        if plan.fallback_from is not None:
+            ticket.failover.append(f"fallback_from:{plan.fallback_from}")
         if early is not None:
             self.telemetry.started_early(model, "admitted")
         self.telemetry.admitted(record)
@@ -389,38 +492,93 @@ class Gateway:
         return ticket, early
 
     async def _call(self, plan: _Plan, ticket: Ticket, record: RequestRecord, early: _EarlyStart | None) -> Reply:
-        """The call to one of the model's replicas, streamed or whole. What the
-        cluster or the transport raises on the way is answered here, and settled:
-        nothing is charged for what never ran."""
+        """The call to one of the model's replicas, streamed or whole, under the
+        request's one admission. A replica that fails it before its first byte (died,
+        draining, a 5xx of its engine, a stream stalled past ``first_token_timeout_s``)
+        is counted against it (routing/outliers.py) and the request is sent again to
+        another replica, up to ``failover.retries`` times: nothing was relayed, and a
+        replica call has no side effect but its engine's work, which is not charged.
+        What the cluster or the transport raises otherwise is answered here, and
+        settled: nothing is charged for what never ran."""
+        model = plan.model
+        for attempt in range(plan.config.failover.retries + 1):
+            try:
+                return await self._try_replica(plan, ticket, record, early)
+            except _FailedBeforeFirstByte as failed:
+                if not failed.replica and attempt == 0:  # a direct route's in-process replica: this one
+                    failed.replica = self.own_replica
+                early = None  # a try again takes the ordinary path
+                ticket.failover.append(f"{failed.replica or 'unknown'}:{failed.reason}")
+                if self._ejector(plan).failed(failed.replica):
+                    self.telemetry.replica_ejected(model)
+                if failed.reason == "stalled":
+                    self.telemetry.stream_stalled(model)
+                if attempt == plan.config.failover.retries:
+                    error = self._failed_error(ticket, failed)
+                    if failed.refused is None or failed.refused.status == 503:  # no replica could: a fallback may
+                        await self._cannot_serve(plan, ticket, error)
+                    self.access.settle(ticket, "failed", Usage(), failed.replica)
+                    raise error from None
+                self.telemetry.retried(model, failed.reason)
+                if ticket.on_settle is not None:  # its fair-share place: the try again takes one anew
+                    ticket.on_settle()
+                    ticket.on_settle = None
+                avoid = plan.avoid if not failed.replica else (*plan.avoid, failed.replica)
+                plan = dataclasses.replace(plan, avoid=avoid, handle=self._elsewhere(plan))
+        raise AssertionError("unreachable")
+
+    def _failed_error(self, ticket: Ticket, failed: _FailedBeforeFirstByte) -> OpenAIError:
+        """The client's answer when the last try failed as ``failed``."""
+        if failed.refused is not None:
+            return _engine_error(ticket, failed.refused)
+        if failed.reason == "stalled":
+            return _unavailable(
+                ticket, f"A replica of model '{ticket.model}' sent nothing in time. Please retry.", "replica_stalled"
+            )
+        return _unavailable(
+            ticket, f"A replica of model '{ticket.model}' went away. Please retry.", "replica_unavailable"
+        )
+
+    async def _cannot_serve(self, plan: _Plan, ticket: Ticket, error: OpenAIError) -> None:
+        """No replica of the model can take it: with fallbacks, its admission is withdrawn
+        (as if never made) and ``run`` tries them; without, nothing happens here."""
+        if plan.may_fall_back:
+            await self.access.withdraw(ticket)
+            raise _NoReplicaCanServe(error, plan)
+
+    async def _try_replica(
+        self, plan: _Plan, ticket: Ticket, record: RequestRecord, early: _EarlyStart | None
+    ) -> Reply:
+        """One try of ``_call``: raises ``_FailedBeforeFirstByte`` unsettled, settles the rest."""
         model, queue_timeout_s = plan.model, plan.config.queue_timeout_s
         try:
             if plan.streaming:
                 return await self._call_streamed(plan, ticket, record, early)
             answer = await self._call_unary(plan, ticket, record.trace)
-        except OpenAIError as exc:
-            exc.headers = {**ticket.headers, **exc.headers}
+        except (OpenAIError, _FailedBeforeFirstByte) as exc:
+            if isinstance(exc, OpenAIError):
+                exc.headers = {**ticket.headers, **exc.headers}
             raise
         except _PromptOverReservation:
             raise  # settled where it was answered; run() admits it again at its real size
         except BackPressureError:
             # The cluster is full, not the key's quota: nothing ran, nothing is charged.
+            error = _unavailable(ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded")
+            await self._cannot_serve(plan, ticket, error)
             self.access.settle(ticket, "overloaded", Usage())
-            raise _unavailable(
-                ticket, f"Model '{model}' is at capacity. Please retry shortly.", "model_overloaded"
-            ) from None
+            raise error from None
         except QueueTimeout:
             # Still queued after the model's bound: replicas busy or starting (scale from zero).
-            self.access.settle(ticket, "overloaded", Usage())
             message = (
                 f"No replica of model '{model}' became available within {queue_timeout_s:g}s (it may be starting). "
                 "Please retry."
             )
-            raise _unavailable(ticket, message, "model_unavailable") from None
+            error = _unavailable(ticket, message, "model_unavailable")
+            await self._cannot_serve(plan, ticket, error)
+            self.access.settle(ticket, "overloaded", Usage())
+            raise error from None
         except (RayActorError, ActorUnavailableError):
-            self.access.settle(ticket, "failed", Usage())
-            raise _unavailable(
-                ticket, f"A replica of model '{model}' went away. Please retry.", "replica_unavailable"
-            ) from None
+            raise _FailedBeforeFirstByte("died", "") from None  # Serve itself drops a dead replica
         except RequestCancelledError if ticket.revoked else ():  # noqa: B030 (only a revoked ticket's cancellation)
             # A cancelled call returns nothing, so what the engine generated before the
             # cut is not known here: the key is charged its prompt, never its reservation.
@@ -449,10 +607,32 @@ class Gateway:
         self.catalog.describe_while_up(model)
         if isinstance(answer, ReplicaError):
             raise await self._replica_refused(ticket, answer)
+        self._ejector(plan).succeeded(answer.replica)
         self._served(model, ticket.key.id, answer.usage)  # before its place goes to the next one
         self.access.settle(ticket, "completed", answer.usage or Usage(), answer.replica)
         record.used(answer.usage)
-        return Reply(ticket.headers, body=answer.body)
+        return Reply(self._answer_headers(plan, ticket), body=answer.body)
+
+    def _answer_headers(self, plan: _Plan, ticket: Ticket) -> dict[str, str]:
+        if plan.fallback_from is None:
+            return ticket.headers
+        return {**ticket.headers, FALLBACK_FROM_HEADER: plan.fallback_from}
+
+    def _ejector(self, plan: _Plan) -> OutlierEjector:
+        return self._ejectors[plan.model]
+
+    def _elsewhere(self, plan: _Plan):
+        """The handle a try again goes by: the model's own (its router leaves out the
+        replicas in ``avoid``), or from a direct route's in-process replica, a real handle
+        to its deployment (the replica hands the request on to another of its model)."""
+        handle = self.elsewhere.get(plan.model)
+        if handle is None:
+            return plan.handle
+        if plan.adapter is not None:
+            handle = handle.options(multiplexed_model_id=plan.adapter)
+        if plan.routing_session:
+            handle = handle.options(session_id=plan.routing_session)
+        return handle
 
     async def _call_unary(
         self, plan: _Plan, ticket: Ticket, trace: RequestTrace | None
@@ -466,18 +646,26 @@ class Gateway:
             plan.model,
             ticket,
             lambda: handle.options(stream=True).call_streamed.remote(
-                op.replica_operation, body, trace=context, prompt_allowance=plan.reservation.prompt_allowance
+                op.replica_operation,
+                body,
+                trace=context,
+                prompt_allowance=plan.reservation.prompt_allowance,
+                **plan.avoiding(),
             ),
             plan.config.queue_timeout_s,
             plan.rank,
             trace=trace,
         )
+        replica = outliers.replica_of(assigned_call(response))
         # Its key revoked or disabled while it runs (Maintenance.stop_revoked): the call is
         # cancelled, and the engine aborts it, as a stream's relay ends at its next item.
         ticket.on_revoke = response.cancel
         if ticket.revoked:
             response.cancel()
-        return await only_item(response)
+        try:
+            return await only_item(response)
+        except (RayActorError, ActorUnavailableError):
+            raise _FailedBeforeFirstByte("died", replica) from None
 
     async def _call_streamed(
         self, plan: _Plan, ticket: Ticket, record: RequestRecord, early: _EarlyStart | None
@@ -495,7 +683,11 @@ class Gateway:
                 model,
                 ticket,
                 lambda: handle.options(stream=True).stream.remote(
-                    op.replica_operation, body, trace=context, prompt_allowance=reservation.prompt_allowance
+                    op.replica_operation,
+                    body,
+                    trace=context,
+                    prompt_allowance=reservation.prompt_allowance,
+                    **plan.avoiding(),
                 ),
                 queue_timeout_s,
                 rank,
@@ -511,13 +703,23 @@ class Gateway:
                 early.withdraw()
                 raise
             next_item = early.first
+        replica = outliers.replica_of(assigned_call(chunks))
         try:
-            first = await next_item
+            async with asyncio.timeout(plan.config.failover.first_token_timeout_s):
+                first = await next_item
         except StopAsyncIteration:
             self.access.settle(ticket, "failed")
             raise OpenAIError(500, "The model returned an empty stream.") from None
+        except TimeoutError:
+            # Nothing from its replica in time: the call is ended (its engine aborts the
+            # request) and it goes to another replica.
+            chunks.cancel()
+            raise _FailedBeforeFirstByte("stalled", replica) from None
+        except (RayActorError, ActorUnavailableError):
+            raise _FailedBeforeFirstByte("died", replica) from None
         if isinstance(first, ReplicaError):
             raise await self._replica_refused(ticket, first)
+        self._ejector(plan).succeeded(first.replica)
         record.first_token_at = time.monotonic()
         record.stream = True
         if trace is not None:
@@ -540,7 +742,7 @@ class Gateway:
         # relay, so its `finally` never runs: settle when the unstarted relay is dropped
         # (otherwise its lease would be renewed for as long as the ingress lives).
         weakref.finalize(relay, self._dropped_unstarted, ticket, chunks, record)
-        return Reply(ticket.headers, stream=relay)
+        return Reply(self._answer_headers(plan, ticket), stream=relay)
 
     async def _replica_refused(self, ticket: Ticket, refused: ReplicaError) -> Exception:
         """Settle a request the replica refused before running it; the exception to raise.
@@ -552,6 +754,8 @@ class Gateway:
         if prompt_tokens is not None:
             await self.access.withdraw(ticket, keep_request=True)  # a render is a request
             return _PromptOverReservation(prompt_tokens)
+        if refused.status >= 500:  # the replica's fault, not the request's: another may serve it
+            return _FailedBeforeFirstByte("answered_5xx", refused.replica, refused)
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
 
@@ -681,6 +885,27 @@ class _Plan:
     cache_key: str | None = None  # OpenAI's prompt_cache_key: a routing hint within the tenant
     session: str | None = None  # the client's session header
     rendered: bool = False  # the replica rendered it once: its request of requests/min is paid
+    adapter: str | None = None  # the LoRA adapter it names (Serve multiplexing)
+    routing_session: str | None = None  # the session its router places it by (within its tenant)
+    avoid: tuple[str, ...] = ()  # replicas that failed it already: its router leaves them out
+    fallback_from: str | None = None  # the model the client named, when this is its fallback
+    may_fall_back: bool = False  # a model to try after this one (``run``)
+
+    def body_for(self, model: str) -> dict[str, Any]:
+        """The client's body (as planned, its stored conversation included) naming
+        ``model``, with what planning took out of it put back."""
+        taken = {"prompt_cache_key": self.cache_key, "cache_salt": self.client_salt}
+        # A new client body, as the client would have sent it (the gateway's fields are
+        # written on the way to the replica, replica_request.py, as for any request).
+        return {
+            **copy.deepcopy(self.body),
+            "model": model,
+            **{name: value for name, value in taken.items() if value is not None},
+        }
+
+    def avoiding(self) -> dict[str, tuple[str, ...]]:
+        """The replica call's keyword naming the replicas its router leaves out (none: no keyword)."""
+        return {AVOID: self.avoid} if self.avoid else {}
 
     def resized(self, prompt_tokens: int) -> _Plan:
         """The same request, its prompt reserved as the replica counted it; its

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from contract.prompt_blocks import CACHED_BLOCKS, MAX_HASHED_CHARS, block_hashes, prompt_text
+from contract.replica_wire import AVOID
 from serve_app.ray_private import (
     PowerOfTwoChoicesRequestRouter,
     cached_queue_len,
@@ -54,7 +55,7 @@ from serve_app.ray_private import (
 )
 
 # By reference (Serve pickles this module by value, not the modules it imports).
-from serve_app.routing import places
+from serve_app.routing import outliers, places
 from serve_app.routing.block_index import BlockIndex
 from serve_app.routing.policies import SESSION_KEY, ChosenNotSent, affine_choice, cached_choice, rendezvous_order
 
@@ -74,11 +75,41 @@ class PublishesPlaces(_Router):
         places.publish_places(router_deployment_name(self), sum(r.max_ongoing_requests for r in replicas))
 
 
-class PowerOfTwoRouter(PublishesPlaces, PowerOfTwoChoicesRequestRouter):
+class SkipsFailing(_Router):
+    """Router mixin: the candidates less the replicas this process' gateway ejected
+    (outliers.py) and those the call names in its ``avoid`` keyword (replicas that
+    failed it already), unless that leaves none; and each accepted call's replica
+    told to the gateway (``outliers.taken_by``), which judges the outcome."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        kept = candidate_replicas
+        avoid = pending_request.kwargs.get(AVOID, ()) if pending_request is not None else ()
+        if avoid:
+            kept = [replica for replica in kept if replica.replica_id.unique_id not in avoid] or kept
+        ejector = outliers.ejector_of(router_deployment_name(self))
+        if ejector is not None and kept:
+            allowed = set(ejector.choices([replica.replica_id.unique_id for replica in kept]))
+            kept = [replica for replica in kept if replica.replica_id.unique_id in allowed]
+        return await super().choose_replicas(kept, pending_request)  # type: ignore[safe-super]  # a mixin
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        ejector = outliers.ejector_of(router_deployment_name(self))
+        if ejector is not None:
+            ejector.forget_others([replica.replica_id.unique_id for replica in replicas])
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        outliers.taken_by(result, replica_id.unique_id)
+
+
+class PowerOfTwoRouter(SkipsFailing, PublishesPlaces, PowerOfTwoChoicesRequestRouter):
     """Serve's default router (``routing.policy: power_of_two``), publishing places."""
 
 
-class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAffinityChoice(PublishesPlaces, LocalityMixin, MultiplexMixin, RequestRouter):
     """Serve's power-of-two choice with prefix (and adapter) affinity in front.
 
     Not a subclass of PowerOfTwoChoicesRequestRouter: its FIFOMixin hands the
@@ -196,6 +227,11 @@ class PrefixAffinityRouter(PublishesPlaces, LocalityMixin, MultiplexMixin, Reque
                 if queue_len is not None:
                     self._probed_at[replica.replica_id.unique_id] = asked
         return lens, {rid: self._chosen_not_sent.count(rid, self._probed_at.get(rid)) for rid in lens}
+
+
+class PrefixAffinityRouter(SkipsFailing, PrefixAffinityChoice):
+    """The prefix-affinity choice (``routing.policy: prefix_affinity``, the default)
+    among the replicas that are not failing."""
 
 
 class CacheAffinityRouter(PrefixAffinityRouter):

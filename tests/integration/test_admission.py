@@ -280,6 +280,24 @@ async def test_request_record_lifecycle_and_usage_counters(redis):
     assert usage[f"m:{today[:6]}:completion_tokens".encode()] == b"30"
 
 
+async def test_a_failed_over_request_has_one_record_that_says_where_it_went(redis):
+    """A request retried on another replica is settled once, its record naming what
+    failed on its way (Gatekeeper.settle joins Ticket.failover); a retried settle
+    changes nothing."""
+    adm, k = admission(redis), key(tokens_per_minute=10_000)
+    rid, _ = await admit(adm, k, tokens=500, model="tiny-llama")
+    failover = "replica-1:died,replica-2:stalled"
+    assert (await adm.settle(k, rid, "completed", 20, 30, "replica-3", "tiny-llama", failover=failover)).delta == -450
+    assert await adm.settle(k, rid, "completed", 20, 30, "replica-3", "tiny-llama", failover=failover) is None
+    fields = await redis.hgetall(redis_names.request_record(k.id, rid))
+    assert fields[b"failover"] == failover.encode() and fields[b"replica"] == b"replica-3"
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:requests") == b"1"
+    plain, _ = await admit(adm, k, tokens=10, model="tiny-llama")
+    await adm.settle(k, plain, "completed", 1, 1, "replica-3", "tiny-llama")
+    assert not await redis.hexists(redis_names.request_record(k.id, plain), "failover")
+
+
 async def test_refusals_are_counted_per_minute_not_stored(redis):
     adm, k = admission(redis), key(requests_per_minute=1)
     await admit(adm, k)

@@ -114,7 +114,7 @@ async def test_a_client_gone_during_its_admission_leaves_no_lease(redis_url, red
         await asyncio.sleep(0.01)
     assert await redis.zcard(leases) == 1
     [settlement] = access.gate._unsettled.values()
-    request_id, taken_back = settlement[1], settlement[-1]
+    request_id, taken_back = settlement.request_id, settlement.taken_back
     assert taken_back  # a record it finds missing was never admitted there (below)
     await access.gate.flush_unsettled()  # ...and its settlement frees it
     assert await redis.zcard(leases) == 0

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from serve_app.admission.gatekeeper import Gatekeeper
 from serve_app.admission.maintenance import IngressReplicas, Maintenance
+from serve_app.admission.scripts import Settlement
 
 
 class StuckUpkeep:
@@ -63,10 +64,7 @@ class CountingSink:
 
 async def test_a_backlog_of_settlements_ships_its_records_at_once():
     gate = Gatekeeper.__new__(Gatekeeper)
-    # As _settle_later queues them: key, request id, status, usage, replica, model, cost, origin, taken back.
-    backlog = {
-        f"k/r{n}": (SimpleNamespace(id="k"), f"r{n}", "completed", 1, 1, "", "m", None, None, False) for n in range(500)
-    }
+    backlog = {f"k/r{n}": Settlement(SimpleNamespace(id="k"), f"r{n}", "completed", 1, 1, "", "m") for n in range(500)}
 
     async def settle_many(batch):
         return [(True, SimpleNamespace(record={"id": request_id})) for _, request_id, *_ in batch]

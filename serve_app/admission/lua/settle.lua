@@ -13,7 +13,8 @@
 --       17 its HTTP x-request-id and 18 when the ingress admitted it (ms; both used only for a
 --       request admitted without Redis, whose record this writes: '' when unknown),
 --       19 '1': it takes back an admission still on its way (the client left meanwhile):
---       a record it finds missing was never admitted here, so it is written admission 'none'
+--       a record it finds missing was never admitted here, so it is written admission 'none',
+--       20 what failed over on its way ('<replica>:<why>,...', 'fallback_from:<model>'; '' none)
 --       Prompt tokens -1 = usage unknown (a cancelled stream): the reservation stays charged.
 -- Returns the token delta charged (actual - reserved), or false if nothing was done;
 -- with ARGV[16] '1', {delta, the final record's fields} (one read, in the same script).
@@ -136,6 +137,7 @@ else
   redis.call('HSET', KEYS[5], 'total_tokens', reserved, 'usage', 'reserved')
 end
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], 'replica', ARGV[7]) end
+if ARGV[20] and ARGV[20] ~= '' then redis.call('HSET', KEYS[5], 'failover', ARGV[20]) end
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[6]))
 if SHIP then return {delta, redis.call('HGETALL', KEYS[5])} end
 return delta
