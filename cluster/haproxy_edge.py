@@ -84,6 +84,7 @@ from contract.edge import (
     CREDENTIAL_HEADERS,
     DIRECT_ROUTE_ROOT,
     EDGE_NAMES_PATH,
+    EDGE_REQUEST_HEADER,
     EDGE_TIME_HEADER,
     ONE_HOP_ROUTES,
     session_header,
@@ -241,6 +242,7 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
         lines.append(f"    errorfile {status} {path}")
     own = "\n".join(lines) + "\n"
     stamp = f"    http-request set-header {EDGE_TIME_HEADER} %[date(0,us)]\n"  # first: before any rule answers
+    stamp += f"    http-request set-header {EDGE_REQUEST_HEADER} %[uuid()]\n"  # the same for each try of it
     # Ray's HAProxy lists every application's route (each direct-route model's name) on
     # ``/-/routes`` to anyone: not through the edge, where no credential is asked.
     stamp += f"    http-request deny deny_status 404 if {{ path -i {RAY_ROUTES_PATH} }}\n"
@@ -259,6 +261,11 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
         for backend, _ in _DIRECT_ACL.findall(config)
         if backend in replicas and backend + ROUTED_BACKEND_SUFFIX not in replicas
     }
+    # Each backend a direct application's requests go by (its own, its router's and
+    # its session copies): a try whose replica died before answering is sent again.
+    retried = {backend for backend, _ in _DIRECT_ACL.findall(config)}
+    retried |= {backend + ROUTED_BACKEND_SUFFIX for backend in retried}
+    sections = [_with_retries(section) if _backend_name(section) in retried else section for section in sections]
     sections = [_private(section) for section in sections]
     return "".join(
         _DEFAULTS.sub(lambda head: head.group(0) + own, _OWN_SETTINGS.sub("", section))
@@ -277,6 +284,23 @@ def edge_config(config: str, error_dir: Path, names: RouteNames | None = None) -
         else section
         for section in sections
     )
+
+
+# A direct route's request is sent to another replica (Ray's ``option redispatch 1``)
+# when its replica refused the connection (Ray's own ``retry-on``) or closed it without
+# a byte of an answer (it died, or its process was killed): nothing reached the client,
+# and the try again is admitted under the first's id (contract.edge.EDGE_REQUEST_HEADER),
+# so it is charged once. HAProxy tries again only a request whose body it holds whole,
+# which a one-hop request is (``ONE_HOP_BODY_BYTES``). Never on a timeout or a 5xx: the
+# replica may still run it, and the gateway in it sends it elsewhere itself
+# (serve_app/pipeline/gateway.py ``_call``).
+DIRECT_RETRY_ON = "conn-failure empty-response"
+
+
+def _with_retries(section: str) -> str:
+    """A direct application's backend section that tries again as ``DIRECT_RETRY_ON`` says."""
+    head, _, rest = section.partition("\n")
+    return f"{head}\n    retry-on {DIRECT_RETRY_ON}\n{rest}"
 
 
 def _backend_name(section: str) -> str | None:

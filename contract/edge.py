@@ -7,6 +7,12 @@ import os
 # trace's "edge" span (serve_app/tracing.py) runs from it to the ingress taking the
 # request. HAProxy sets it on every request, replacing what a client sent under it.
 EDGE_TIME_HEADER = "x-llm-edge-us"
+# The edge's own id of the request (a UUID), set the same way, and sent unchanged with
+# each try HAProxy makes of it (a one-hop request whose replica died before answering
+# is sent to another: cluster/haproxy_edge.py). The gateway admits a request under an
+# id made of it (serve_app/accounting/usage.py ``edge_request_tag``), so a try again
+# takes over the first try's admission and the request is charged once.
+EDGE_REQUEST_HEADER = "x-llm-edge-request"
 
 # Where a model with ``direct_route`` answers (``model_config.direct_route_prefix``:
 # this root, then the model's name with "/" written "--"), and the routes of ``/v1``

@@ -25,6 +25,7 @@ is the Responses API's typed events, its usage in ``response.completed``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -135,12 +136,37 @@ class StreamStart:
     text: str
 
 
-async def as_replica_stream(replica: str, texts: AsyncIterator[str]) -> AsyncIterator[StreamStart | str]:
-    """The replica side of a stream: its first text as a ``StreamStart``, the rest as is."""
+async def as_replica_stream(replica: str, texts: AsyncIterator[str]) -> AsyncIterator[StreamStart | ReplicaError | str]:
+    """The replica side of a stream: its first text as a ``StreamStart``, the rest as
+    is; a first text that is the server's error event (``failed_before_output``) as a
+    ``ReplicaError``, and nothing after it."""
     first = True
     async for text in texts:
         if first:
             first = False
+            failed = failed_before_output(replica, text)
+            if failed is not None:
+                yield failed
+                return
             yield StreamStart(replica, text)
         else:
             yield text
+
+
+_ERROR_EVENT = 'data: {"error"'
+
+
+def failed_before_output(replica: str, text: str) -> ReplicaError | None:
+    """The ``ReplicaError`` of a stream whose first event is an error of the server's
+    (a 5xx: vLLM's event when its engine died before the request's first token), else
+    None. Nothing of it was generated, so it is a failure before the first byte (the
+    gateway sends it to another replica), not a stream to relay; a 4xx stays the
+    stream's own event."""
+    if not text.startswith(_ERROR_EVENT):
+        return None
+    try:
+        error = json.loads(text[len("data: ") :].split("\n\n", 1)[0])["error"]
+        status = int(error["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return ReplicaError(status, error, replica) if status >= 500 else None

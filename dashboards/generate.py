@@ -417,6 +417,36 @@ def per_model() -> Dashboard:
                 width=8,
             )
         )
+        .with_row(Row("Failover"))
+        .with_panel(
+            timeseries(
+                "Requests sent to another replica",
+                "Requests a replica failed before their first byte (died or draining, a 5xx of its engine, "
+                "a stream silent past failover.first_token_timeout_s), sent again to another replica under their "
+                "one admission; and the streams cut for that silence. Zero in normal operation "
+                '(docs/operating.md "Faults and recovery").',
+                "reqps",
+                target(rate("ray_llm_gateway_retries_total", MODEL, by="model, reason"), "{{model}} {{reason}}"),
+                target(rate("ray_llm_gateway_stalled_streams_total", MODEL, by="model"), "{{model}} stalled"),
+            )
+        )
+        .with_panel(
+            timeseries(
+                "Replicas ejected, requests on a fallback",
+                "Replicas taken out of their model's routing for failing requests in a row "
+                "(failover.eject_after_failures, as each gateway process judged them), and requests answered by a "
+                "fallback model because no replica of theirs could take them. Zero in normal operation.",
+                "short",
+                target(
+                    f"sum by (model) (increase(ray_llm_gateway_replica_ejections_total{{{MODEL}}}[{RATE}]))",
+                    "{{model}} ejections",
+                ),
+                target(
+                    top_keys(rate("ray_llm_gateway_model_fallbacks_total", MODEL, by="model, fallback")),
+                    "{{model}} to {{fallback}}",
+                ),
+            )
+        )
         .with_row(Row("Autoscaling"))
         .with_panel(
             timeseries(

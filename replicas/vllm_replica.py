@@ -323,7 +323,8 @@ class VLLMReplica:
                     first = False
                 yield item
             if held_key is not None and item is not None and self._held is not None:  # the last event: its usage
-                self._held.ended(held_key, prompt_tokens_in(item.text if isinstance(item, StreamStart) else item))
+                last = item.text if isinstance(item, StreamStart) else item if isinstance(item, str) else ""
+                self._held.ended(held_key, prompt_tokens_in(last) if last else None)  # "": failed before output
         finally:
             self._streams -= 1
             end_span(span)

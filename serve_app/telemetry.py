@@ -59,6 +59,9 @@ class RequestRecord:
 
     route: str  # openai | azure | sagemaker | databricks
     request_id: str = ""  # Serve's x-request-id
+    # What the edge named it by (accounting/usage.py ``edge_request_tag``), until its
+    # first admission takes it (Gateway: a request admitted again takes a new id).
+    edge_tag: str = ""
     started: float = field(default_factory=time.monotonic)
     key_id: str = ""
     key_name: str = ""

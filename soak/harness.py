@@ -145,6 +145,7 @@ def as_record(fields: dict[str, Any], account: str | None = None) -> Record:
         completion_tokens=_int(completion) if completion is not None and fields.get("usage") != "reserved" else None,
         local=fields.get("admission") == "local",
         unadmitted=fields.get("admission") == "none",
+        failover=str(fields.get("failover") or ""),
     )
 
 

@@ -88,6 +88,7 @@ class Record:
     # Never admitted at this level: its settlement took back an admission still on the
     # wire (its client left) and found no record (settle.lua writes admission 'none').
     unadmitted: bool = False
+    failover: str = ""  # what failed it on its way before the replica that served it (issue 78)
 
     @property
     def admission(self) -> bool:
@@ -372,6 +373,8 @@ def check_records(
                     )
                 else:
                     verdict.counts["charges matched to the token"] += 1
+                    if record.failover:  # sent to another replica: still one record, one charge
+                        verdict.counts["retried elsewhere, one record and one charge"] += 1
         elif seen.status == 429 and seen.code in QUOTA_REFUSALS and found:
             verdict.fail(
                 "refused", seen.key, f"{seen.http_request_id}: refused (429) yet recorded as {found[0].status}"

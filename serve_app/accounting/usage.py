@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import re
 import secrets
 import time
@@ -36,6 +37,22 @@ def new_request_id(key_id: str) -> str:
     """A request id: its key's id (its record's hash tag), the second it was made
     (where the record sink files it: record_sink.py) and 64 random bits."""
     return f"{key_id}-{int(time.time()):08x}{secrets.token_hex(8)}"
+
+
+# The edge's id of a request (contract.edge.EDGE_REQUEST_HEADER): a UUID.
+_EDGE_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def edge_request_tag(edge_id: str | None, edge_us: str | None) -> str:
+    """What follows the key's id in the request id of a request the edge named
+    (``edge_id``, stamped at ``edge_us``, both headers HAProxy sets on every request and
+    sends unchanged with each try of it): the same for every try, so that a try the
+    edge sends again after its replica died takes over the first's admission (admit.lua)
+    instead of being charged again. '' for a request without a well-formed one."""
+    if not edge_id or not _EDGE_UUID.fullmatch(edge_id):
+        return ""
+    seconds = int(edge_us) // 1_000_000 if edge_us and edge_us.isdigit() and len(edge_us) <= 20 else int(time.time())
+    return f"{seconds:08x}{hashlib.blake2b(edge_id.lower().encode(), digest_size=8).hexdigest()}"
 
 
 def id_time(request_id: str) -> int | None:

@@ -137,6 +137,7 @@ class Gatekeeper:
         request_id: str | None = None,
         reserve_nanos: int = 0,
         request_paid: bool = False,
+        given_id: str | None = None,
     ) -> Ticket | Refusal:
         """A ``Ticket`` to run, or the ``Refusal`` of a limit of the key or of its team
         (rendered by the caller). A quota store that cannot decide raises its 503.
@@ -144,12 +145,15 @@ class Gatekeeper:
         overlapped admission); a new one otherwise. ``reserve_nanos``: the cost of
         the reservation, held against the money budgets. ``request_paid``: admitted
         again at its prompt's real size, its requests/min charged by its first
-        admission at every level (``withdraw(keep_request=True)``)."""
+        admission at every level (``withdraw(keep_request=True)``). ``given_id``: the
+        id the edge gave the request (``edge_request_id``), the same for each try the
+        edge makes of it: a try after the first takes over the first's admission
+        (admit.lua's 'again'), so the request is charged once; nothing ran under it here."""
         if self.records is not None and self.records.backlogged:
             raise records_backlog()  # back-pressure: the sink is down, Redis holds its bound of records
         # Sent to the engine already (an overlapped admission): it may have run.
         may_have_run = request_id is not None
-        request_id = request_id or new_request_id(key.id)
+        request_id = request_id or given_id or new_request_id(key.id)
         team = await self._team_of(key, model)
         levels = [key] if team is None else [key, team]
         started = time.perf_counter()
@@ -230,6 +234,8 @@ class Gatekeeper:
         if self.overlap is not None:
             self.overlap.admitted(key, decision)
         ticket = Ticket(key, request_id, model, decision.headers(key), team=team)
+        if decision.kind == "again" and given_id is not None:  # the edge's try again: the record says so
+            ticket.failover.append("edge:retried")
         self._leased[request_id] = ticket
         if http_request_id:
             self._spawn(self.admission.index_http_id(http_request_id, request_id))

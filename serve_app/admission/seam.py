@@ -37,7 +37,7 @@ REFUSALS = {
 @dataclass(frozen=True)
 class Decision:
     admitted: bool
-    kind: str  # refusal kind; '' when admitted
+    kind: str  # refusal kind; '' when admitted ('again': under an admission its id already held)
     retry_ms: int  # -1: retrying cannot help (request larger than the limit)
     requests_remaining: int  # -1: unlimited
     requests_reset_ms: int
@@ -193,6 +193,7 @@ class Admitter(Protocol):
         request_id: str | None = None,
         reserve_nanos: int = 0,
         request_paid: bool = False,
+        given_id: str | None = None,
     ) -> Ticket | Refusal: ...
 
     async def withdraw(self, ticket: Ticket, keep_request: bool = False) -> None: ...

@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
-from contract.edge import session_header
+from contract.edge import EDGE_REQUEST_HEADER, EDGE_TIME_HEADER, session_header
+from serve_app.accounting.usage import edge_request_tag
 from serve_app.errors import OpenAIError, envelope, error_response, error_type_for
 from serve_app.http.serve_headers import RefuseServeControlHeaders
 from serve_app.identity.authentication import Authenticator
@@ -151,7 +152,10 @@ class HandlesRequests:
         outcome is recorded once (access log + metrics, ``serve_app/telemetry.py``).
         ``on_error`` renders errors in the dialect's shape."""
         record = RequestRecord(
-            route, serve_request_id(request), trace=RequestTrace.start(_span_name(request), request.headers)
+            route,
+            serve_request_id(request),
+            edge_tag=edge_request_tag(request.headers.get(EDGE_REQUEST_HEADER), request.headers.get(EDGE_TIME_HEADER)),
+            trace=RequestTrace.start(_span_name(request), request.headers),
         )
         try:
             key, body, size = await self._read(request, record)

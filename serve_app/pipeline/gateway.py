@@ -77,6 +77,14 @@ class _PromptOverReservation(Exception):
         self.prompt_tokens = prompt_tokens
 
 
+def _edge_id(key: KeyRecord, record: RequestRecord) -> str | None:
+    """The id the edge named this request by (the same for each of its tries), for
+    its first admission only: one admitted again (its prompt's real size, a fallback)
+    follows a settled first admission and takes a new id."""
+    tag, record.edge_tag = record.edge_tag, ""
+    return f"{key.id}-{tag}" if tag else None
+
+
 class _FailedBeforeFirstByte(Exception):
     """A replica failed the request before it sent anything on (``reason``: 'died',
     'answered_5xx', 'stalled'); nothing is settled yet: it may be sent again."""
@@ -428,7 +436,7 @@ class Gateway:
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
         early = (
-            self._start_early(plan, key, record.trace)
+            self._start_early(plan, key, record)
             if self.start_early and may_start_early and plan.streaming and not queue_full
             else None
         )
@@ -448,6 +456,7 @@ class Gateway:
                 request_id=early.request_id if early else None,
                 reserve_nanos=reservation_nanos(rates, *reserved),
                 request_paid=plan.rendered,
+                given_id=None if early else _edge_id(key, record),
             )
         except BaseException:
             if early is not None:
@@ -759,7 +768,7 @@ class Gateway:
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
 
-    def _start_early(self, plan: _Plan, key: KeyRecord, trace: RequestTrace | None) -> _EarlyStart | None:
+    def _start_early(self, plan: _Plan, key: KeyRecord, record: RequestRecord) -> _EarlyStart | None:
         """Send a stream to ``model``'s replicas before its admission, if its key may
         (``Gatekeeper.may_start_before_admission``), the fair-share queue has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
@@ -788,10 +797,10 @@ class Gateway:
             place = gate.enter_now(key.id)
             if place is None:
                 return None
-        request_id = new_request_id(key.id)
+        request_id = _edge_id(key, record) or new_request_id(key.id)
         if op.carries_request_id:
             plan.sets.request_id = request_id
-        context = replica_context(trace, model)
+        context = replica_context(record.trace, model)
         chunks: Any = plan.handle.options(stream=True).stream.remote(  # a stream: a response generator
             op.replica_operation,
             replica_body(plan.body, _asking_for_usage(op, plan.sets)),

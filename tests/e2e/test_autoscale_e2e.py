@@ -12,7 +12,10 @@
   up, straight to that replica. A scale-to-zero model whose queue timeout is shorter than a start
   answers 503 `model_unavailable` with retry-after, costing the key nothing;
   the start that request set off runs while the other tests do (nobody waits
-  for it), and that model is back at zero replicas by the module's end.
+  for it), and that model is back at zero replicas by the module's end. That model
+  has the chat model as its fallback (issue 78): a key that may use it is answered
+  by the chat model meanwhile, at the chat model's prices, named in ``model`` and
+  ``x-llm-fallback-from``; a key that may not gets the 503.
 
 Delays are seconds here (minutes in production) so the module runs in a few
 minutes; every replica takes a fraction of a CPU so two chat replicas and the
@@ -33,9 +36,13 @@ from settled import wait_until_settled
 from stack import APP_NAME, create_key, edge_server_stats, local_app_args, serve_stack
 from streaming_load import StreamingLoad
 
+from serve_app.pipeline.gateway import FALLBACK_FROM_HEADER
+from serve_app.redis_store import redis_names
+
 pytestmark = pytest.mark.e2e
 
 CHAT, LAZY, IMPATIENT = "tiny-llama", "lazy-llama", "impatient-llama"
+IMPATIENT_PRICING = {"prompt_per_million": 50.0, "completion_per_million": 200.0}
 FAST_SCALING = {"target_ongoing_requests": 2, "upscale_delay_s": 2, "downscale_delay_s": 8, "look_back_period_s": 2}
 STREAM = {
     "messages": [{"role": "user", "content": "hi"}],
@@ -67,7 +74,11 @@ def base_url(redis_server):
     chat["cpus_per_replica"] = 0.5
     args["models"] = [
         {**_scale_to_zero_model(LAZY, queue_timeout_s=240, base=chat), "direct_route": True},
-        _scale_to_zero_model(IMPATIENT, queue_timeout_s=2, base=chat),
+        {
+            **_scale_to_zero_model(IMPATIENT, queue_timeout_s=2, base=chat),
+            "fallbacks": [CHAT],
+            "pricing": IMPATIENT_PRICING,  # dearer than its fallback: which one charged shows
+        },
     ]
     # Two sequences per engine step: more concurrent streams wait in the engine's
     # queue. 6 ongoing requests are under the target of 8 per replica.
@@ -125,8 +136,11 @@ def one_hop_requests(model: str) -> tuple[int, list[str]]:
 
 # First: its cold start (which nobody waits for) overlaps the tests after it;
 # the last test checks it went back to zero.
-def test_cold_start_longer_than_the_queue_timeout_is_503_with_retry_after(base_url, key, redis_server):
-    key_id, secret = key
+def test_cold_start_longer_than_the_queue_timeout_is_503_with_retry_after(base_url, redis_server):
+    # A key that may not use the model's fallback: the model's own answer.
+    key_id, secret = create_key(
+        redis_server.url, "autoscale-no-fallback", requests_per_minute=1000, models=[IMPATIENT, LAZY]
+    )
     assert running_replicas(IMPATIENT) == 0
     start = time.monotonic()
     response = httpx.post(
@@ -142,10 +156,37 @@ def test_cold_start_longer_than_the_queue_timeout_is_503_with_retry_after(base_u
     assert 2 <= elapsed < 15, elapsed  # waited its 2 s bound, not the whole start
     redis = redis_sync.Redis.from_url(redis_server.url)
     records = wait_until_settled(redis, key_id)  # its slot is given back, off the response path
-    [record] = [r for r in records if r["http_request_id"] == response.headers["x-request-id"]]
-    assert record["status"] == "overloaded", record
+    # Nothing ran, nothing is charged: its admission was taken back (a tombstone, no
+    # record) when the model's fallbacks were tried and the key may use none.
+    found = [r for r in records if r.get("http_request_id") == response.headers["x-request-id"]]
+    assert all(r["status"] in ("overloaded", "withdrawn") for r in found), found
+    assert int(redis.hget(redis_names.usage(key_id), time.strftime("d:%Y%m%d:tokens", time.gmtime())) or 0) == 0
     # The request still woke the model: a replica is starting (or already up).
     assert sum(replica_states(IMPATIENT).values()) >= 1, replica_states(IMPATIENT)
+
+
+def test_meanwhile_a_key_allowed_its_fallback_is_answered_by_it_at_its_prices(base_url, key, redis_server):
+    key_id, secret = key
+    assert running_replicas(IMPATIENT) == 0  # still starting (a start takes far longer than this module's first test)
+    response = httpx.post(
+        base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {secret}"},
+        json={"model": IMPATIENT, "messages": STREAM["messages"], "max_tokens": 4},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == CHAT and response.headers[FALLBACK_FROM_HEADER] == IMPATIENT
+    redis = redis_sync.Redis.from_url(redis_server.url)
+    records = wait_until_settled(redis, key_id)
+    [record] = [r for r in records if r["http_request_id"] == response.headers["x-request-id"] and r.get("model")]
+    assert record["status"] == "completed" and record["model"] == CHAT, record
+    assert record["failover"] == f"fallback_from:{IMPATIENT}", record
+    # Charged once, at the chat model's prices (configs/local.yaml: 0.10 and 0.40 per million).
+    prompt, completion = int(record["prompt_tokens"]), int(record["completion_tokens"])
+    today = time.strftime("d:%Y%m%d", time.gmtime())
+    spent = int(redis.hget(redis_names.usage(key_id), f"{today}:cost_nanos"))
+    assert spent == prompt * 100 + completion * 400, (spent, prompt, completion)
+    assert int(redis.hget(redis_names.usage(key_id), f"{today}:requests")) == 1
 
 
 def test_scale_to_zero_model_has_no_replica_until_a_request_waits_for_one(base_url, key):

@@ -7,6 +7,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis_server import every_node
 
 from serve_app.accounting.costs import Cost
+from serve_app.accounting.usage import edge_request_tag
 from serve_app.admission.scripts import AdmissionScripts
 from serve_app.identity.keys import KeyRecord
 from serve_app.redis_store import redis_names
@@ -296,6 +297,26 @@ async def test_a_failed_over_request_has_one_record_that_says_where_it_went(redi
     plain, _ = await admit(adm, k, tokens=10, model="tiny-llama")
     await adm.settle(k, plain, "completed", 1, 1, "replica-3", "tiny-llama")
     assert not await redis.hexists(redis_names.request_record(k.id, plain), "failover")
+
+
+async def test_a_try_the_edge_sent_again_takes_over_its_first_admission_and_is_charged_once(redis):
+    """HAProxy sends a one-hop request again when its replica died before answering
+    (cluster/haproxy_edge.py), with the id it gave it: the second try is admitted under
+    the first's admission ('again': no second lease, reservation or request charged), is
+    settled once, and a try after that is refused as a duplicate, never run free."""
+    adm, k = admission(redis), key(tokens_per_minute=1000, requests_per_minute=10, max_concurrent=1)
+    rid = "ktest-" + edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
+    first = await adm.admit(k, rid, "tiny-llama", 400)
+    again = await adm.admit(k, rid, "tiny-llama", 400)
+    assert (first.admitted, first.kind) == (True, "") and (again.admitted, again.kind) == (True, "again")
+    assert (again.requests_remaining, again.tokens_remaining) == (first.requests_remaining, first.tokens_remaining)
+    assert not (await admit(adm, k))[1].admitted  # its one concurrent place is the first's, held once
+    assert (await adm.settle(k, rid, "completed", 20, 30, "replica-2", "tiny-llama", failover="edge:retried")).delta
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:requests") == b"1"
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"50"
+    assert (await adm.admit(k, rid, "tiny-llama", 400)).kind == "duplicate"
+    assert (await admit(adm, k))[1].admitted  # the place is free again
 
 
 async def test_refusals_are_counted_per_minute_not_stored(redis):

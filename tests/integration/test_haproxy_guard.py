@@ -262,9 +262,10 @@ class _Recorder:
         import json
         import threading
 
-        from contract.edge import EDGE_NAMES_PATH
+        from contract.edge import EDGE_NAMES_PATH, EDGE_REQUEST_HEADER
 
         self.seen: list[tuple[str, bytes]] = []
+        self.edge_ids: list[str | None] = []  # each request's EDGE_REQUEST_HEADER
         seen = self.seen
         self.asked = 0
         recorder = self
@@ -287,6 +288,7 @@ class _Recorder:
                     answer, status = (json.dumps(names).encode(), 200) if names is not None else (b"", 404)
                 else:
                     seen.append((self.path, body))
+                    recorder.edge_ids.append(self.headers.get(EDGE_REQUEST_HEADER))
                 self.send_response(status)
                 self.send_header("content-length", str(len(answer)))
                 self.end_headers()
@@ -327,6 +329,8 @@ def ray_shaped_config(tmp_path: Path, port: int, ingress: int, direct: dict[str,
                 "  timeout connect 1s",
                 "  timeout client 10s",
                 "  timeout server 5s",
+                "  option redispatch 1",  # Ray's defaults: a try again goes to another replica
+                "  retry-on conn-failure",
                 "frontend http_frontend",
                 f"  bind 127.0.0.1:{port}",
                 *acls,
@@ -497,6 +501,84 @@ def test_a_route_with_no_replica_up_is_reached_through_the_ingress(tmp_path):
         starter.kill()
         starter.wait()
         ingress.server.shutdown()
+
+
+class _Dying:
+    """A replica that reads each request whole, then closes its connection without a
+    byte of an answer, as one killed while it ran the request does; it keeps the
+    edge's id of each request it read."""
+
+    def __init__(self):
+        import threading
+
+        from contract.edge import EDGE_REQUEST_HEADER
+
+        self.edge_ids: list[str] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        header = EDGE_REQUEST_HEADER.encode() + b": "
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.settimeout(5)
+                    got = b""
+                    try:
+                        while b"\r\n\r\n" not in got and (chunk := conn.recv(65536)):
+                            got += chunk
+                    except OSError:
+                        continue
+                    for line in got.split(b"\r\n"):
+                        if line.lower().startswith(header):
+                            self.edge_ids.append(line[len(header) :].decode())
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self):
+        self.listener.close()
+
+
+def test_a_one_hop_request_whose_replica_dies_before_answering_is_sent_to_another_under_its_id(tmp_path):
+    """The replica a one-hop request went to closes without answering (killed while it
+    ran it): the edge sends it again to the route's other replica, with the id it gave
+    it (the gateway admits it under that id: charged once, tests/integration/
+    test_admission.py), replacing the one a client sent; the client gets the answer."""
+    import json
+
+    ingress, lives, dies = _Recorder(), _Recorder(), _Dying()
+    port = free_port()
+    config = ray_shaped_config(tmp_path, port, ingress.port, {"tiny-llama": [dies.port, lives.port]})
+    starter = start_actor_like(str(WRAPPER), config, {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER)})
+    body = json.dumps({"model": "tiny-llama", "prompt": "hi"}).encode()
+    try:
+        wait_for(lambda: accepts(port), 10, "haproxy did not start listening")
+        for i in range(6):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"x-llm-edge-request: 00000000-0000-0000-0000-%012d\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (i, len(body), body)
+                )
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert len(lives.seen) == 6 and ingress.seen == []
+        assert dies.edge_ids, "no request went to the dying replica: the test proves nothing"
+        # Each request that went to the dying replica first reached the other under the same id,
+        # the edge's own (a UUID it made), never the client's.
+        assert set(dies.edge_ids) <= set(lives.edge_ids) and len(set(lives.edge_ids)) == 6
+        assert not any(edge_id.startswith("00000000-0000-0000-0000-") for edge_id in lives.edge_ids)
+    finally:
+        starter.kill()
+        starter.wait()
+        dies.close()
+        for recorder in (ingress, lives):
+            recorder.server.shutdown()
 
 
 def test_on_a_direct_route_a_session_stays_on_one_replica_and_sessions_spread(tmp_path):

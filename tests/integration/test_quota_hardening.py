@@ -141,7 +141,7 @@ async def test_an_admission_run_twice_stands_once(redis):
     rid = "khard-00000000000000ab"
     first = await adm.admit(k, rid, "m", 100)
     again = await adm.admit(k, rid, "m", 100)
-    assert first.admitted and again.admitted and again.kind == ""
+    assert first.admitted and again.admitted and again.kind == "again"  # admit.lua: the same admission, answered again
     assert again.headers(k)["x-ratelimit-remaining-requests"] == "4"  # the state now: it, once
     today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     usage = await redis.hgetall(redis_names.usage(k.id))

@@ -50,7 +50,9 @@ class Access:
     def may_start_before_admission(self, key, tokens):
         return self.may_start_early
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
+    async def admit(
+        self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False, given_id=None
+    ):
         self.events.append("admission asked")
         refused = await self.decision  # a limit's kind, or None
         if refused is not None:

@@ -4,11 +4,13 @@ did); a 4xx, a stream that started and a request that used its tries are not; a
 stalled stream is cut at ``first_token_timeout_s``; a model that cannot serve hands
 the request to its fallback, at the fallback's price, unless the key may not use it.
 The outlier policy (serve_app/routing/outliers.py) and the routers' filter over it.
-(The real path: tests/e2e/test_failover_e2e.py.)"""
+(On the real stack: tests/e2e/test_autoscale_e2e.py, the fallback; the edge's try
+again: tests/integration/test_haproxy_guard.py and test_admission.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,8 @@ from test_gateway_run import CHAT, KEY, USAGE, Access, Response
 from test_routing import FakeReplica, ids, pending, queue, router_with
 
 from contract.model_config import ModelConfig
-from contract.replica_wire import AVOID, ReplicaAnswer, ReplicaError, StreamStart, Usage
+from contract.replica_wire import AVOID, ReplicaAnswer, ReplicaError, StreamStart, Usage, as_replica_stream
+from serve_app.accounting.usage import edge_request_tag, id_time
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
 from serve_app.pipeline.gateway import FALLBACK_FROM_HEADER, Gateway
@@ -205,6 +208,59 @@ async def test_a_model_that_cannot_serve_falls_back_at_the_fallbacks_price():
     assert [status for status, _ in access.settled] == ["withdrawn", "completed"]
     assert second.failover == ["fallback_from:big"] and second.rates.prompt == 1000
     assert telemetry.failover_counts["fell_back"] == 1
+
+
+async def test_a_stream_whose_first_event_is_the_engines_5xx_is_a_failure_before_its_first_byte():
+    """vLLM ends a stream whose engine died before the first token with an error event
+    as its only one: the replica hands that on as a ReplicaError (the gateway sends the
+    request to another replica), not a stream started; a 4xx event stays the stream's."""
+    dead = json.dumps(
+        {
+            "error": {
+                "message": "EngineCore encountered an issue.",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
+    )
+
+    async def texts(*items):
+        for item in items:
+            yield item
+
+    async def collected(*items):
+        return [item async for item in as_replica_stream("r1", texts(*items))]
+
+    [failed] = await collected(f"data: {dead}\n\ndata: [DONE]\n\n", "data: [DONE]\n\n")
+    assert failed == ReplicaError(500, json.loads(dead)["error"], "r1")
+    invalid = 'data: {"error": {"message": "bad", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
+    chunk = 'data: {"choices": []}\n\n'
+    for first in (invalid, chunk, 'data: {"error": "not an object"}\n\n', 'data: {"error": {"code": "x"}}\n\n'):
+        started, rest = await collected(first, "data: [DONE]\n\n")
+        assert started == StreamStart("r1", first) and rest == "data: [DONE]\n\n"
+
+
+async def test_the_edges_id_names_the_first_admission_only():
+    """A request the edge named is admitted under an id made of the edge's (each try the
+    edge makes of it the same, admit.lua: charged once); admitted again (here on its
+    fallback, after its first admission was withdrawn) it takes a new one."""
+    access, _, gw, key = with_fallback()
+    tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
+    await gw.run(key, "chat", {**CHAT, "model": "big"}, 100, RequestRecord("openai", "x", edge_tag=tag))
+    first, second = access.admitted
+    assert first.request_id == f"k1-{tag}" and second.request_id == "req-1"
+
+
+def test_the_edges_id_is_the_same_for_each_try_and_nothing_else_makes_one():
+    edge_id = "0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69"
+    tag = edge_request_tag(edge_id, "1764000000123456")
+    assert tag == edge_request_tag(edge_id.upper(), "1764000000123456") and len(tag) == 24
+    assert id_time(f"k1-{tag}") == 1764000000_000  # filed under the second the edge had it
+    assert tag != edge_request_tag("1b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000123456")
+    for junk in (None, "", "x" * 36, edge_id + " ", edge_id[:-1], "k1-00000000" + "0" * 16):
+        assert edge_request_tag(junk, "1764000000123456") == ""
+    assert len(edge_request_tag(edge_id, "9" * 400)) == 24  # a stamp that is not the edge's: now
 
 
 async def test_a_key_not_allowed_the_fallback_gets_the_original_503():

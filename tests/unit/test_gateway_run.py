@@ -43,8 +43,10 @@ class Access:
     def overloaded(self):
         return False
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
-        ticket = Ticket(key, request_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
+    async def admit(
+        self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False, given_id=None
+    ):
+        ticket = Ticket(key, request_id or given_id or "req-1", model, headers={"x-ratelimit-limit-requests": "10"})
         self.admitted.append(ticket)
         return ticket
 
@@ -500,7 +502,9 @@ class SizingAccess(Access):
         super().__init__()
         self.reserved, self.paid, self.kept = [], [], []
 
-    async def admit(self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False):
+    async def admit(
+        self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False, given_id=None
+    ):
         self.reserved.append(tokens)
         self.paid.append(request_paid)
         return await super().admit(key, model, tokens, http_request_id, request_id, reserve_nanos, request_paid)

@@ -45,6 +45,7 @@ def test_each_defaults_section_gets_the_timeouts_and_json_errors_in_place_of_ray
     assert config.startswith("global\n    maxconn 4096\n")
     assert (
         "frontend http_frontend\n    http-request set-header x-llm-edge-us %[date(0,us)]\n"
+        "    http-request set-header x-llm-edge-request %[uuid()]\n"
         "    http-request deny deny_status 404 if { path -i /-/routes }\n"
         "    bind 127.0.0.1:8000\n    errorfile 503 /tmp/keep-mine.http\n"
     ) in config
@@ -125,8 +126,9 @@ def test_a_frontend_routing_direct_applications_sends_their_models_v1_requests_t
     frontend = config.split("frontend http_frontend\n")[1].split("\nbackend")[0]
     rules = [line.strip() for line in frontend.splitlines() if line.strip().startswith("http-request")]
     assert rules[0].startswith("http-request set-header x-llm-edge-us")  # still first
-    assert rules[1] == "http-request deny deny_status 404 if { path -i /-/routes }"  # Ray's listing: not to anyone
-    assert rules[2].startswith("http-request wait-for-body time 10s if METH_POST { path /v1/chat/completions ")
+    assert rules[1] == "http-request set-header x-llm-edge-request %[uuid()]"  # replacing any a client sent
+    assert rules[2] == "http-request deny deny_status 404 if { path -i /-/routes }"  # Ray's listing: not to anyone
+    assert rules[3].startswith("http-request wait-for-body time 10s if METH_POST { path /v1/chat/completions ")
     # Each route's rule holds only while one of its replicas is up: else the ingress wakes and waits for one.
     assert rules[-2:] == [
         "http-request set-path /direct/org--big%[path] if { var(txn.llm_one_hop) -m str org--big } "
@@ -180,8 +182,9 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
         "use_backend direct-tiny-session if is_direct-tiny { req.hdr(x-session-id) -m found }",
         "use_backend direct-tiny if is_direct-tiny",
     ]
+    retried = RAY_DIRECT_BACKEND.replace("direct-tiny\n", "direct-tiny\n    retry-on conn-failure empty-response\n", 1)
     assert config.endswith(
-        RAY_DIRECT_BACKEND
+        retried
         + """backend direct-tiny-session
     http-request set-var(txn.llm_session_0) req.hdr(authorization)
     http-request set-var(txn.llm_session_1) req.hdr(api-key)
@@ -192,6 +195,7 @@ def test_a_direct_application_gets_a_session_backend_tracking_its_replicas(monke
         + """
     hash-type consistent
     hash-balance-factor 150
+    retry-on conn-failure empty-response
     log global
     timeout server 60s
     server r1 10.0.0.1:8001 track direct-tiny/r1
@@ -220,6 +224,9 @@ def test_a_direct_application_with_an_edge_router_keeps_the_one_hop_but_gets_no_
     sessions included: a session rule before Ray's would bypass it."""
     config = edge_config(RAY_CONFIG_WITH_DIRECT_ROUTES + RAY_ROUTED_DIRECT_BACKEND, Path("/tmp/unused-errors"))
     assert "-session" not in config and "balance hash" not in config
+    # Its router's copy tries again elsewhere as the backend itself does.
+    for backend in ("direct-tiny", "direct-tiny-via-ingress-request-router"):
+        assert f"backend {backend}\n    retry-on conn-failure empty-response\n" in config
     assert "set-path /direct/tiny%[path] if { var(txn.llm_one_hop) -m str tiny } llm_replica_up_tiny" in config
 
 

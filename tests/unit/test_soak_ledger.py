@@ -6,6 +6,7 @@ outside a fault."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import given, settings
@@ -218,6 +219,20 @@ def test_a_lost_record_a_doubled_admission_a_wrong_charge_and_a_recorded_refusal
     checks = {v.check for v in verdict.violations}
     assert {"one record", "charge", "refused"} <= checks
     assert lost.http_request_id in details and doubled.http_request_id in details
+
+
+def test_a_request_sent_to_another_replica_passes_with_one_record_and_is_caught_with_two():
+    """Issue 78: a request retried elsewhere has one final record (its failover field
+    says where it went), charged what its client saw; a second record of it (admitted
+    again, charged twice) is a failure."""
+    accounts, records, observations = simulate(5)
+    first = records[0]
+    retried = dataclasses.replace(first, failover="replica-1:died")
+    verdict = verdict_of(accounts, [retried, *records[1:]], observations)
+    assert verdict.passed and verdict.counts["retried elsewhere, one record and one charge"] == 1
+    again = dataclasses.replace(retried, id="another-id")
+    verdict = verdict_of(accounts, [retried, again, *records[1:]], observations)
+    assert any(v.check == "one record" and first.http_request_id in v.detail for v in verdict.violations)
 
 
 def test_a_charge_past_its_reservation_an_open_record_and_a_leaked_slot_are_caught():

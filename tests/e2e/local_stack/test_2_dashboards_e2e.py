@@ -35,6 +35,8 @@ import pytest
 from prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusError, has_values, running_prometheus
 from stack import BIN, REPO, create_key
 
+from serve_app.telemetry import RETRY_REASONS
+
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
@@ -355,7 +357,22 @@ ZERO_SERIES = [
         for limit in ("requests", "tokens", "concurrency", "budget")
         for level in ("key", "team")
     ),
+    # Failover (issue 78): none in normal operation.
+    *(
+        ("ray_llm_gateway_retries_total", {"model": model, "reason": reason})
+        for model in MODELS
+        for reason in RETRY_REASONS
+    ),
+    *(("ray_llm_gateway_stalled_streams_total", {"model": model}) for model in MODELS),
+    *(("ray_llm_gateway_replica_ejections_total", {"model": model}) for model in MODELS),
 ]
+# Of those, what a healthy stack under this module's load never counts.
+NONE_IN_NORMAL_OPERATION = (
+    "ray_llm_gateway_retries_total",
+    "ray_llm_gateway_stalled_streams_total",
+    "ray_llm_gateway_replica_ejections_total",
+    "ray_llm_gateway_model_fallbacks_total",
+)
 
 
 def test_rare_event_counters_read_zero_before_any_event(prometheus):
@@ -376,6 +393,7 @@ def test_rare_event_counters_read_zero_before_any_event(prometheus):
         time.sleep(1)
     assert total(found, "ray_llm_gateway_redis_errors_total") == 0
     assert total(found, "ray_llm_gateway_redis_fallbacks_total") == 0
+    assert {name: total(found, name) for name in NONE_IN_NORMAL_OPERATION} == dict.fromkeys(NONE_IN_NORMAL_OPERATION, 0)
     for name in ("ray_llm_gateway_redis_errors_total", "ray_llm_gateway_redis_fallbacks_total"):
         [(_, _, expr)] = [q for q in dashboard_queries() if name in q[2]]
         promql = expr.replace("$__rate_interval", "1m")
@@ -498,6 +516,10 @@ def test_labels_stay_low_cardinality(load):
             assert extra <= {"team", "level"}, (name, labels)
         elif name.startswith("ray_llm_gateway_rate_limit_refusals"):
             assert extra <= {"level"} and labels.get("level") in ("key", "team"), (name, labels)
+        elif name.startswith("ray_llm_gateway_retries"):  # why a try failed: one of three
+            assert extra <= {"reason"} and labels.get("reason") in RETRY_REASONS, (name, labels)
+        elif name.startswith("ray_llm_gateway_model_fallbacks"):  # a configured model's name
+            assert extra <= {"fallback"}, (name, labels)
         else:
             assert not extra, (name, labels)
 
