@@ -215,51 +215,39 @@ class AdmissionScripts:
         ``taken_back``: it takes back an admission still on the wire (its client left),
         so a record it finds missing was never admitted here, not admitted locally.
         ``failover``: what failed over on its way (``Ticket.failover``), for its record."""
-        reply = await self.pipeline.call(
-            self._settle,
-            redis_names.admission_keys(key.id, request_id),
-            self._settle_args(
-                key,
-                request_id,
-                status,
-                prompt_tokens,
-                completion_tokens,
-                replica,
-                model,
-                cost,
-                origin,
-                taken_back,
-                failover,
-            ),
-        )
-        return _settled(request_id, reply)
-
-    def _settle_args(
-        self,
-        key,
-        request_id,
-        status,
-        prompt_tokens,
-        completion_tokens,
-        replica,
-        model,
-        cost: Cost = Cost(),
-        origin: LocalOrigin | None = None,
-        taken_back: bool = False,
-        failover: str = "",
-    ) -> list:
-        now = datetime.datetime.now(datetime.UTC)
-        ship = self.settled_s is not None and is_own_key(key.id, request_id)
-        return [
+        settlement = Settlement(
+            key,
             request_id,
             status,
             prompt_tokens,
             completion_tokens,
-            key.tokens_per_minute,
-            self.settled_s or self.retention_s,
             replica,
-            key.id,
             model,
+            cost,
+            origin,
+            taken_back,
+            failover,
+        )
+        reply = await self.pipeline.call(
+            self._settle, redis_names.admission_keys(key.id, request_id), self._settle_args(settlement)
+        )
+        return _settled(request_id, reply)
+
+    def _settle_args(self, item: Settlement) -> list:
+        """settle.lua's ARGV for ``item``."""
+        now = datetime.datetime.now(datetime.UTC)
+        ship = self.settled_s is not None and is_own_key(item.key.id, item.request_id)
+        cost, origin = item.cost, item.origin
+        return [
+            item.request_id,
+            item.status,
+            item.prompt_tokens,
+            item.completion_tokens,
+            item.key.tokens_per_minute,
+            self.settled_s or self.retention_s,
+            item.replica,
+            item.key.id,
+            item.model,
             now.strftime("d:%Y%m%d"),
             now.strftime("m:%Y%m"),
             cost.input_nanos,
@@ -269,8 +257,8 @@ class AdmissionScripts:
             "1" if ship else "0",
             origin.http_request_id if origin else "",
             str(origin.admitted_ms) if origin else "",
-            "1" if taken_back else "",
-            failover,
+            "1" if item.taken_back else "",
+            item.failover,
         ]
 
     async def settle_many(self, settlements: list[Settlement]) -> list[tuple[bool, Settled | None]]:
@@ -282,7 +270,7 @@ class AdmissionScripts:
             (
                 self._settle,
                 redis_names.admission_keys(item.key.id, item.request_id),
-                self._settle_args(*item),
+                self._settle_args(item),
             )
             for item in items
         ]
