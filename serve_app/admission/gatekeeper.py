@@ -215,8 +215,14 @@ class Gatekeeper:
         self.telemetry.admission_took(time.perf_counter() - started)
         decision, last = decisions[0], decisions[-1]
         self._record_budget_use(key, decision)
-        if last.kind == "duplicate":  # its id settled before this admission ran: never while we wait on it
-            raise quota_store_error()
+        if last.kind == "duplicate":
+            if given_id is not None and request_id == given_id:
+                if len(decisions) > 1:  # the key took the first over ('again'); only its team's was reaped
+                    await self._release(key, request_id, model, "")
+                return await self._admit_anew(
+                    key, model, reserve_tokens, http_request_id, reserve_nanos, request_paid, may_have_run
+                )
+            raise quota_store_error()  # its id settled before this admission ran: never while we wait on it
         if not last.admitted:  # the level that refused is the last one asked
             self._no_overlap(key)
             if len(decisions) > 1:  # the team: the key's admission is taken back
@@ -242,6 +248,37 @@ class Gatekeeper:
         if is_jwt_identity(key.id):  # listed where keys are (usage, costs, console)
             self._spawn(self.token_users.seen(key, team.id if team else None, self.admission.pipeline.command))
         return ticket
+
+    async def _admit_anew(
+        self,
+        key: KeyRecord,
+        model: str,
+        reserve_tokens: int,
+        http_request_id: str,
+        reserve_nanos: int,
+        request_paid: bool,
+        may_have_run: bool,
+    ) -> Ticket | Refusal:
+        """The edge's try again of a request whose first try is settled already: its
+        replica died, and no other was up to take the try at once, so it waited at Ray's
+        proxy for the replacement while the first's lease ran out and the reaper settled
+        it (``abandoned``, charged its reservation: the tokens it made are unknown). The
+        client has had nothing (the edge tries again only then), so this try is admitted
+        anew under an id of its own and charged as any request is, never run free nor
+        refused for a fault of ours."""
+        admitted = await self.admit(
+            key,
+            model,
+            reserve_tokens,
+            http_request_id,
+            # Sent to the engine already (an early start): a fresh id keeps what that means.
+            new_request_id(key.id) if may_have_run else None,
+            reserve_nanos,
+            request_paid,
+        )
+        if isinstance(admitted, Ticket):
+            admitted.failover.append("edge:admitted_anew")
+        return admitted
 
     async def refusal_before_body(self, key: KeyRecord) -> Refusal | None:
         """The refusal of a request of ``key`` by its requests/min or concurrency as they

@@ -435,8 +435,9 @@ class Gateway:
         model = plan.model
         queue_limit = plan.config.priority.queue_limit(plan.tier, plan.config.max_queued_requests)
         queue_full = self._queue_full(model, queue_limit)
+        edge_id = _edge_id(key, record)
         early = (
-            self._start_early(plan, key, record)
+            self._start_early(plan, key, record, edge_id)
             if self.start_early and may_start_early and plan.streaming and not queue_full
             else None
         )
@@ -456,7 +457,7 @@ class Gateway:
                 request_id=early.request_id if early else None,
                 reserve_nanos=reservation_nanos(rates, *reserved),
                 request_paid=plan.rendered,
-                given_id=None if early else _edge_id(key, record),
+                given_id=edge_id,
             )
         except BaseException:
             if early is not None:
@@ -768,11 +769,14 @@ class Gateway:
         self.access.settle(ticket, "failed", Usage(), refused.replica)
         return _engine_error(ticket, refused)
 
-    def _start_early(self, plan: _Plan, key: KeyRecord, record: RequestRecord) -> _EarlyStart | None:
+    def _start_early(
+        self, plan: _Plan, key: KeyRecord, record: RequestRecord, edge_id: str | None
+    ) -> _EarlyStart | None:
         """Send a stream to ``model``'s replicas before its admission, if its key may
         (``Gatekeeper.may_start_before_admission``), the fair-share queue has a place at
         once and the model is busy or ``start_early_when_idle``; else None, and the
-        request takes the ordinary path.
+        request takes the ordinary path. Sent under ``edge_id`` when the edge named the
+        request (a try again then takes over its first's admission), else a new id.
 
         On a busy model the admission's round trip waits behind the other requests'
         work (measured on the 2-core box: 300 ms at worst while a stream ran beside
@@ -797,7 +801,7 @@ class Gateway:
             place = gate.enter_now(key.id)
             if place is None:
                 return None
-        request_id = _edge_id(key, record) or new_request_id(key.id)
+        request_id = edge_id or new_request_id(key.id)
         if op.carries_request_id:
             plan.sets.request_id = request_id
         context = replica_context(record.trace, model)

@@ -14,8 +14,9 @@ import redis.asyncio as aioredis
 from redis_server import every_node, running_redis
 
 from contract.replica_wire import Usage
+from serve_app.accounting.usage import edge_request_tag
 from serve_app.admission.scripts import AdmissionScripts
-from serve_app.admission.seam import LocalOrigin
+from serve_app.admission.seam import LocalOrigin, Refusal
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.credential_guard import WINDOW_S
@@ -279,6 +280,40 @@ async def test_a_due_registration_redis_refused_is_made_again_at_the_next_tick(a
     assert await redis.zscore(redis_names.LEASES_DUE, k.id) is not None
     assert not access.gate._unregistered
     access.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
+
+
+async def test_the_edges_try_after_its_first_was_reaped_is_admitted_anew_not_refused(access, redis):
+    """The edge sent a request again (its replica died) but the try found no replica up
+    and waited at Ray's proxy for the replacement, while the first's lease ran out and
+    the reaper settled it (abandoned, its reservation charged). The try is admitted anew
+    under its own id and charged as a request (a CI run answered it a 503 'quota store
+    error' after 42 s); the abandoned first stays as the reaper left it."""
+    k = key("kedge", max_concurrent=1, requests_per_minute=10)
+    rid = f"{k.id}-" + edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
+    dead = admission(redis, lease_s=0.2)  # the dead replica's admission of the first try
+    assert (await dead.admit(k, rid, "m", 40)).admitted
+    await asyncio.sleep(0.3)
+    await dead.reap(k.id)
+    assert await redis.hget(redis_names.request_record(k.id, rid), "status") == b"abandoned"
+    ticket = await access.gate.admit(k, "m", 40, given_id=rid)
+    assert not isinstance(ticket, Refusal) and ticket.request_id != rid and ticket.request_id.startswith(k.id)
+    assert ticket.failover == ["edge:admitted_anew"]
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:requests") == b"2"  # the abandoned one and this
+    assert await redis.zrange(redis_names.concurrency(k.id), 0, -1) == [ticket.request_id.encode()]
+    access.gate.settle(ticket, "completed", Usage(prompt_tokens=5, completion_tokens=5))
+    await access.gate.flush_unsettled()
+    for _ in range(100):
+        if await redis.hget(redis_names.request_record(k.id, ticket.request_id), "status") == b"completed":
+            break
+        await asyncio.sleep(0.01)
+    assert await redis.hget(redis_names.request_record(k.id, ticket.request_id), "failover") == b"edge:admitted_anew"
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 0
+    assert await redis.hget(redis_names.request_record(k.id, rid), "status") == b"abandoned"
+    # Without the edge's id, a settled id stays what it was: a 503, never a second run.
+    with pytest.raises(OpenAIError) as caught:
+        await access.gate.admit(k, "m", 40, request_id=rid)
+    assert caught.value.code == "quota_backend_error"
 
 
 async def test_a_script_error_is_a_503_and_leaks_no_slot(access, redis):

@@ -16,6 +16,7 @@ from cache_secret import salts
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import ReplicaError, StreamStart
+from serve_app.accounting.usage import edge_request_tag
 from serve_app.admission.seam import Refusal, Ticket
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
@@ -36,7 +37,7 @@ class Access:
     def __init__(self, may_start_early=True, overloaded=False):
         self.may_start_early, self._overloaded = may_start_early, overloaded
         self.decision = asyncio.get_running_loop().create_future()
-        self.events, self.settled = [], []
+        self.events, self.settled, self.asked = [], [], []
 
     async def team_of(self, key, model):
         return None
@@ -54,6 +55,7 @@ class Access:
         self, key, model, tokens, http_request_id, request_id=None, reserve_nanos=0, request_paid=False, given_id=None
     ):
         self.events.append("admission asked")
+        self.asked.append((request_id, given_id))
         refused = await self.decision  # a limit's kind, or None
         if refused is not None:
             return Refusal(key, refused, tokens, retry_s=1.0)
@@ -153,6 +155,20 @@ async def test_a_stream_reaches_the_replica_before_redis_answers_and_under_the_i
     body = sent[0].body
     assert body["request_id"].startswith("k1-") and body["stream_options"] == {"include_usage": True}
     assert access.settled == ["completed"] and not sent[0].cancelled
+
+
+async def test_a_stream_the_edge_named_starts_under_the_edges_id_and_is_admitted_as_the_edges():
+    """So an early start of the edge's try again takes over its first's admission, and
+    one whose first was already settled is admitted anew (the gatekeeper tells them
+    apart by ``given_id``: tests/integration/test_quota_hardening.py)."""
+    access = Access()
+    gw, sent = gateway(access)
+    tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
+    run = asyncio.ensure_future(gw.run(KEY, "chat", dict(CHAT), 100, RequestRecord("openai", "x", edge_tag=tag)))
+    await asyncio.sleep(0.05)
+    access.decision.set_result(None)
+    await run
+    assert sent[0].body["request_id"] == f"k1-{tag}" and access.asked == [(f"k1-{tag}", f"k1-{tag}")]
 
 
 @pytest.mark.parametrize("ending", ["refused", "client gone"])
