@@ -59,9 +59,10 @@ class RequestRecord:
 
     route: str  # openai | azure | sagemaker | databricks
     request_id: str = ""  # Serve's x-request-id
-    # What the edge named it by (accounting/usage.py ``edge_request_tag``), until its
-    # first admission takes it (Gateway: a request admitted again takes a new id).
+    # What the edge named it by (accounting/usage.py ``edge_request_tag``), and how many
+    # admissions took an id from it (Gateway ``_edge_id``: one per admission).
     edge_tag: str = ""
+    edge_admissions: int = 0
     started: float = field(default_factory=time.monotonic)
     key_id: str = ""
     key_name: str = ""

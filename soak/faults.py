@@ -19,7 +19,7 @@ import httpx
 import psutil
 
 from soak.ledger import Fault
-from soak.topology import APP, PACED, ProxiedRedisCluster, Twin, processes
+from soak.topology import APP, PACED, PACED_FIRST_TOKEN_TIMEOUT_S, ProxiedRedisCluster, Twin, processes
 from soak.traffic import now_ms
 
 HOLD_S = 4.0  # how long a held fault (a pause, a slow or cutting network) lasts
@@ -69,6 +69,24 @@ async def ingress_kill(ctx: Context, rng: random.Random) -> bool:
 
 async def model_kill(ctx: Context, rng: random.Random) -> bool:
     return await _kill_replica(ctx, f"ServeReplica:{APP}:model-{PACED}", rng)
+
+
+async def model_stall(ctx: Context, rng: random.Random) -> bool:
+    """SIGSTOP one replica of the ingress path's paced model (of two) for twice its
+    ``first_token_timeout_s``, then SIGCONT: a stream sent there before Serve's health
+    check (30 s) notices is silent, aborted by the ingress and sent to the other replica,
+    under its one admission (the ledger: one final record and one charge each); one that
+    had sent bytes waits and goes on. Its process lives on, so there is nothing to restart."""
+    mark = f"ServeReplica:{APP}:model-{PACED}"
+    found = processes(mark)
+    victim = rng.choice(found)
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2 * PACED_FIRST_TOKEN_TIMEOUT_S)
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    await _until(lambda: _replicas_running(ctx, mark, len(found)), 120)
+    return False
 
 
 async def _kill_redis_node(ctx: Context, role: str, down_s: float) -> bool:
@@ -170,6 +188,7 @@ KINDS: dict[str, Callable[[Context, random.Random], Awaitable[bool]]] = {
     "redis-primary-kill": redis_primary_kill,
     "network-latency": network_latency,
     "model-kill": model_kill,
+    "model-stall": model_stall,
     "redis-pause": redis_pause,
     "redis-replica-kill": redis_replica_kill,
     "network-resets": network_resets,

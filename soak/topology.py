@@ -32,6 +32,10 @@ APP = "llm"
 PACED, PACED_DIRECT, VLLM_MODEL = "paced", "paced-direct", "tiny-llama"
 # Illustrative prices (USD per million tokens), so money budgets have something to count.
 PRICES = {"prompt_per_million": 1.0, "completion_per_million": 2.0}
+# The paced models' ``failover.first_token_timeout_s``: a stream silent this long on a
+# stalled replica is moved to another (the model-stall fault). Their first token comes
+# in one token interval, so any honest stream beats it by far.
+PACED_FIRST_TOKEN_TIMEOUT_S = 5.0
 
 
 class ProxiedRedisCluster(RedisClusterServers):
@@ -89,6 +93,7 @@ def serve_config(
         "queue_timeout_s": 60,
         "engine_kwargs": {"token_interval_s": token_interval_s},
         "pricing": PRICES,
+        "failover": {"first_token_timeout_s": PACED_FIRST_TOKEN_TIMEOUT_S},
         "deployment": {"num_replicas": paced_replicas, "max_ongoing_requests": 512},
     }
     models = [

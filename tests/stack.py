@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import os
 import re
 import signal
@@ -173,7 +174,10 @@ def edge_server_stats(backend: str) -> dict[str, dict[str, str]]:
     from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
 
     folder, name = os.path.split(RAY_SERVE_HAPROXY_SOCKET_PATH)
-    path = os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
+    # This node's (a test connected to Ray); else the newest: the one stack this box runs
+    # (`llmctl run`'s; earlier stacks' sockets stay behind).
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "*"
+    path = max(glob.glob(os.path.join(folder, node, name)), key=os.path.getmtime)
     with socket.socket(socket.AF_UNIX) as admin:
         admin.settimeout(5)
         admin.connect(path)

@@ -55,6 +55,15 @@ def edge_request_tag(edge_id: str | None, edge_us: str | None) -> str:
     return f"{seconds:08x}{hashlib.blake2b(edge_id.lower().encode(), digest_size=8).hexdigest()}"
 
 
+def edge_attempt_tag(tag: str, attempt: int) -> str:
+    """The tag of a request's ``attempt``-th admission (0: its first, ``tag`` itself; one
+    more for each prompt resize or fallback), made the same by every try the edge sends
+    of it: filed under the same second, told apart by a hash."""
+    if attempt == 0:
+        return tag
+    return tag[:8] + hashlib.blake2b(f"{tag}/{attempt}".encode(), digest_size=8).hexdigest()
+
+
 def id_time(request_id: str) -> int | None:
     """When ``request_id`` was made, in ms (None: an id without its time)."""
     _, _, tail = request_id.rpartition("-")

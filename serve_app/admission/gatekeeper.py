@@ -37,7 +37,7 @@ from serve_app.admission.local_limits import LocalLimiter
 from serve_app.admission.loop_lag import LoopLag
 from serve_app.admission.overlap import OverlapGuard
 from serve_app.admission.scripts import AdmissionScripts, Settlement
-from serve_app.admission.seam import Decision, LocalOrigin, Refusal, Ticket
+from serve_app.admission.seam import Decision, EdgeAdmissionSettled, LocalOrigin, Refusal, Ticket
 from serve_app.errors import (
     OpenAIError,
     gateway_overloaded,
@@ -146,9 +146,10 @@ class Gatekeeper:
         the reservation, held against the money budgets. ``request_paid``: admitted
         again at its prompt's real size, its requests/min charged by its first
         admission at every level (``withdraw(keep_request=True)``). ``given_id``: the
-        id the edge gave the request (``edge_request_id``), the same for each try the
-        edge makes of it: a try after the first takes over the first's admission
-        (admit.lua's 'again'), so the request is charged once; nothing ran under it here."""
+        id the edge gave this admission of the request (Gateway ``_edge_id``), the same for
+        each try the edge makes of it: a try after the first takes over the first's open
+        admission (admit.lua's 'again'), so the request is charged once; one whose id is
+        settled raises ``EdgeAdmissionSettled``, admitting nothing."""
         if self.records is not None and self.records.backlogged:
             raise records_backlog()  # back-pressure: the sink is down, Redis holds its bound of records
         # Sent to the engine already (an overlapped admission): it may have run.
@@ -219,9 +220,7 @@ class Gatekeeper:
             if given_id is not None and request_id == given_id:
                 if len(decisions) > 1:  # the key took the first over ('again'); only its team's was reaped
                     await self._release(key, request_id, model, "")
-                return await self._admit_anew(
-                    key, model, reserve_tokens, http_request_id, reserve_nanos, request_paid, may_have_run
-                )
+                raise EdgeAdmissionSettled(request_id)
             raise quota_store_error()  # its id settled before this admission ran: never while we wait on it
         if not last.admitted:  # the level that refused is the last one asked
             self._no_overlap(key)
@@ -248,37 +247,6 @@ class Gatekeeper:
         if is_jwt_identity(key.id):  # listed where keys are (usage, costs, console)
             self._spawn(self.token_users.seen(key, team.id if team else None, self.admission.pipeline.command))
         return ticket
-
-    async def _admit_anew(
-        self,
-        key: KeyRecord,
-        model: str,
-        reserve_tokens: int,
-        http_request_id: str,
-        reserve_nanos: int,
-        request_paid: bool,
-        may_have_run: bool,
-    ) -> Ticket | Refusal:
-        """The edge's try again of a request whose first try is settled already: its
-        replica died, and no other was up to take the try at once, so it waited at Ray's
-        proxy for the replacement while the first's lease ran out and the reaper settled
-        it (``abandoned``, charged its reservation: the tokens it made are unknown). The
-        client has had nothing (the edge tries again only then), so this try is admitted
-        anew under an id of its own and charged as any request is, never run free nor
-        refused for a fault of ours."""
-        admitted = await self.admit(
-            key,
-            model,
-            reserve_tokens,
-            http_request_id,
-            # Sent to the engine already (an early start): a fresh id keeps what that means.
-            new_request_id(key.id) if may_have_run else None,
-            reserve_nanos,
-            request_paid,
-        )
-        if isinstance(admitted, Ticket):
-            admitted.failover.append("edge:admitted_anew")
-        return admitted
 
     async def refusal_before_body(self, key: KeyRecord) -> Refusal | None:
         """The refusal of a request of ``key`` by its requests/min or concurrency as they

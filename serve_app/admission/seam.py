@@ -173,6 +173,13 @@ class Ticket:
         return [self.key] if self.team is None else [self.key, self.team]
 
 
+class EdgeAdmissionSettled(Exception):
+    """The id the edge gave an admission (``Admitter.admit``'s ``given_id``) is settled
+    already: the request's earlier try took it and then withdrew it (its prompt resized,
+    admitted again under the edge's next id) or died and was reaped. Nothing was admitted
+    or charged by this call; the caller tries the edge's next id (Gateway ``_edge_id``)."""
+
+
 class Admitter(Protocol):
     """Admission as the request path uses it (the Gatekeeper is the one implementation)."""
 

@@ -28,8 +28,8 @@ from contract.edge import MAX_SESSION_ID_CHARS
 from contract.model_config import VLLM_PRIORITY, ModelConfig, PriorityTier, deployment_name
 from contract.replica_wire import AVOID, ReplicaAnswer, ReplicaError, Usage
 from serve_app.accounting.costs import Rates, reservation_nanos
-from serve_app.accounting.usage import new_request_id
-from serve_app.admission.seam import Admitter, Refusal, Ticket
+from serve_app.accounting.usage import edge_attempt_tag, new_request_id
+from serve_app.admission.seam import Admitter, EdgeAdmissionSettled, Refusal, Ticket
 from serve_app.errors import RETRY_HEADERS, OpenAIError, from_engine_error, gateway_overloaded, unknown_model
 from serve_app.identity.authentication import authorize
 from serve_app.identity.cache_isolation import CacheSalts, client_salt_of, take_prompt_cache_key
@@ -78,11 +78,15 @@ class _PromptOverReservation(Exception):
 
 
 def _edge_id(key: KeyRecord, record: RequestRecord) -> str | None:
-    """The id the edge named this request by (the same for each of its tries), for
-    its first admission only: one admitted again (its prompt's real size, a fallback)
-    follows a settled first admission and takes a new id."""
-    tag, record.edge_tag = record.edge_tag, ""
-    return f"{key.id}-{tag}" if tag else None
+    """The id of the request's next admission, from the id the edge named it by: the
+    same sequence on every try the edge sends of it (its first admission, then one per
+    prompt resize or fallback), so a try again on another replica takes over the
+    first's open admission, whichever it is (admit.lua's 'again'), and is charged once.
+    None without the edge's id, or past ``EDGE_ADMISSIONS``: a new id then."""
+    attempt, record.edge_admissions = record.edge_admissions, record.edge_admissions + 1
+    if not record.edge_tag or attempt >= EDGE_ADMISSIONS:
+        return None
+    return f"{key.id}-{edge_attempt_tag(record.edge_tag, attempt)}"
 
 
 class _FailedBeforeFirstByte(Exception):
@@ -111,6 +115,9 @@ FALLBACK_FROM_HEADER = "x-llm-fallback-from"
 # How many times a request is admitted again with its prompt as the replica counted
 # it: the count is the same on every replica of a model, so once is enough.
 PROMPT_RESIZES = 1
+# How many of a request's admissions take their id from the edge's (``_edge_id``): its
+# first, a resize, a fallback's and its resize, with room; past them a new id.
+EDGE_ADMISSIONS = 8
 
 
 # Operations whose ``prompt_cache_key`` (OpenAI's, on chat and Responses; the edge
@@ -447,18 +454,31 @@ class Gateway:
         reserved = (plan.reservation.prompt, plan.reservation.tokens - plan.reservation.prompt)
         self._admitting[model] += 1
         admission_started = now_ns()
+        skipped = False
         try:
-            admitted = await self.access.admit(
-                key,
-                model,
-                plan.reservation.tokens,
-                # Ray Serve's id for this HTTP request: it answers it as x-request-id.
-                record.request_id,
-                request_id=early.request_id if early else None,
-                reserve_nanos=reservation_nanos(rates, *reserved),
-                request_paid=plan.rendered,
-                given_id=edge_id,
-            )
+            while True:
+                try:
+                    admitted = await self.access.admit(
+                        key,
+                        model,
+                        plan.reservation.tokens,
+                        # Ray Serve's id for this HTTP request: it answers it as x-request-id.
+                        record.request_id,
+                        request_id=early.request_id if early else None,
+                        reserve_nanos=reservation_nanos(rates, *reserved),
+                        request_paid=plan.rendered,
+                        given_id=edge_id,
+                    )
+                    break
+                except EdgeAdmissionSettled:
+                    # The edge's try again, and its earlier try settled this admission:
+                    # withdrawn for a resize (its next id may be open: taken over) or
+                    # reaped when its replica died (a later one is admitted as new).
+                    if early is not None:
+                        early.withdraw()
+                        self.telemetry.started_early(model, "withdrawn")
+                        early = None
+                    edge_id, skipped = _edge_id(key, record), True
         except BaseException:
             if early is not None:
                 early.withdraw()  # the quota store failed, or the client left: the engine aborts it
@@ -479,6 +499,8 @@ class Gateway:
             raise render_refusal(admitted)
         ticket = admitted
         ticket.rates, ticket.reserved, ticket.trace = rates, reserved, record.trace
+        if skipped and "edge:retried" not in ticket.failover:  # its earlier try's admissions all settled
+            ticket.failover.append("edge:admitted_anew")
         if plan.fallback_from is not None:
             ticket.failover.append(f"fallback_from:{plan.fallback_from}")
         if early is not None:

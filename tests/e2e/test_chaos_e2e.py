@@ -304,7 +304,7 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
                 assert took <= IN_FLIGHT_END_S, f"{took:.1f} s after the fault: {o}"
             else:  # still waiting for a replica (the dying one was its pick): the model's queue timeout, a 503.
                 # (Or completed: the edge's try again waited at Ray's proxy for the new replica,
-                # which admitted it anew once the first's lease was reaped: gatekeeper._admit_anew.)
+                # which admitted it under the edge's next id once the first's was reaped: Gateway._edge_id.)
                 assert took <= IN_FLIGHT_END_S or (took <= QUEUE_TIMEOUT_S + IN_FLIGHT_END_S and "503" in o.error), o
     hit = [o for o in outcomes if o.started < fault_at <= o.ended]
     failed_in_flight = [o for o in hit if o.kind == "error"]

@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from redis_server import every_node, running_redis
 
 from contract.replica_wire import Usage
-from serve_app.accounting.usage import edge_request_tag
+from serve_app.accounting.usage import edge_attempt_tag, edge_request_tag
 from serve_app.admission.scripts import AdmissionScripts
-from serve_app.admission.seam import LocalOrigin, Refusal
+from serve_app.admission.seam import EdgeAdmissionSettled, LocalOrigin, Refusal
 from serve_app.errors import OpenAIError
 from serve_app.http.services import QuotaServices, build_quota_services
 from serve_app.identity.credential_guard import WINDOW_S
@@ -282,37 +282,50 @@ async def test_a_due_registration_redis_refused_is_made_again_at_the_next_tick(a
     access.gate.settle(ticket, "completed", Usage(prompt_tokens=1, completion_tokens=1))
 
 
-async def test_the_edges_try_after_its_first_was_reaped_is_admitted_anew_not_refused(access, redis):
-    """The edge sent a request again (its replica died) but the try found no replica up
-    and waited at Ray's proxy for the replacement, while the first's lease ran out and
-    the reaper settled it (abandoned, its reservation charged). The try is admitted anew
-    under its own id and charged as a request (a CI run answered it a 503 'quota store
-    error' after 42 s); the abandoned first stays as the reaper left it."""
-    k = key("kedge", max_concurrent=1, requests_per_minute=10)
-    rid = f"{k.id}-" + edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
-    dead = admission(redis, lease_s=0.2)  # the dead replica's admission of the first try
-    assert (await dead.admit(k, rid, "m", 40)).admitted
-    await asyncio.sleep(0.3)
-    await dead.reap(k.id)
-    assert await redis.hget(redis_names.request_record(k.id, rid), "status") == b"abandoned"
-    ticket = await access.gate.admit(k, "m", 40, given_id=rid)
-    assert not isinstance(ticket, Refusal) and ticket.request_id != rid and ticket.request_id.startswith(k.id)
-    assert ticket.failover == ["edge:admitted_anew"]
+async def test_the_edges_try_takes_over_its_earlier_tries_admission_and_is_charged_once(access, redis):
+    """The edge sent a request again (its replica died). Its first try had been admitted
+    under the edge's first id, resized (that admission taken back, release.lua: its
+    record gone) and admitted under the edge's next id, which is open. The try again does
+    the same: its first id admitted and resized, and the next one taken over ('again'):
+    one record, counted once, one place held. Had that one been reaped (the dead
+    replica's lease ran out first) its id is settled: EdgeAdmissionSettled, nothing
+    admitted, and the gateway goes on to the edge's next id (a CI run answered the try a
+    503 'quota store error' after 42 s)."""
+    k = key("kedge", max_concurrent=2, requests_per_minute=10)
+    tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
+    first, second, third = (f"{k.id}-{edge_attempt_tag(tag, n)}" for n in range(3))
+    dead = admission(redis, lease_s=0.2)  # the dead replica's admissions of the first try
+    assert (await dead.admit(k, first, "m", 40)).admitted
+    await dead.release(k, first, "", keep_request=True)  # its prompt resized
+    assert (await dead.admit(k, second, "m", 90, request_paid=True)).admitted
     today = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:requests") == b"2"  # the abandoned one and this
-    assert await redis.zrange(redis_names.concurrency(k.id), 0, -1) == [ticket.request_id.encode()]
-    access.gate.settle(ticket, "completed", Usage(prompt_tokens=5, completion_tokens=5))
+
+    estimated = await access.gate.admit(k, "m", 40, given_id=first)
+    assert not isinstance(estimated, Refusal) and estimated.failover == []
+    await access.gate.withdraw(estimated, keep_request=True)  # resized here too
+    ticket = await access.gate.admit(k, "m", 90, request_paid=True, given_id=second)
+    assert not isinstance(ticket, Refusal) and ticket.request_id == second and ticket.failover == ["edge:retried"]
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:requests") == b"1"
+    assert await redis.zrange(redis_names.concurrency(k.id), 0, -1) == [second.encode()]
+    access.gate.settle(ticket, "completed", Usage(prompt_tokens=70, completion_tokens=5))
     await access.gate.flush_unsettled()
     for _ in range(100):
-        if await redis.hget(redis_names.request_record(k.id, ticket.request_id), "status") == b"completed":
+        if await redis.hget(redis_names.request_record(k.id, second), "status") == b"completed":
             break
         await asyncio.sleep(0.01)
-    assert await redis.hget(redis_names.request_record(k.id, ticket.request_id), "failover") == b"edge:admitted_anew"
-    assert await redis.zcard(redis_names.concurrency(k.id)) == 0
-    assert await redis.hget(redis_names.request_record(k.id, rid), "status") == b"abandoned"
+    assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"75"  # what it used, once
+    assert not await redis.exists(redis_names.request_record(k.id, first))
+
+    assert (await dead.admit(k, third, "m", 90, request_paid=True)).admitted
+    await asyncio.sleep(0.3)
+    await dead.reap(k.id)
+    assert await redis.hget(redis_names.request_record(k.id, third), "status") == b"abandoned"
+    with pytest.raises(EdgeAdmissionSettled):
+        await access.gate.admit(k, "m", 40, given_id=third)
+    assert await redis.zcard(redis_names.concurrency(k.id)) == 0  # nothing taken by that call
     # Without the edge's id, a settled id stays what it was: a 503, never a second run.
     with pytest.raises(OpenAIError) as caught:
-        await access.gate.admit(k, "m", 40, request_id=rid)
+        await access.gate.admit(k, "m", 40, request_id=third)
     assert caught.value.code == "quota_backend_error"
 
 

@@ -4,8 +4,9 @@ did); a 4xx, a stream that started and a request that used its tries are not; a
 stalled stream is cut at ``first_token_timeout_s``; a model that cannot serve hands
 the request to its fallback, at the fallback's price, unless the key may not use it.
 The outlier policy (serve_app/routing/outliers.py) and the routers' filter over it.
-(On the real stack: tests/e2e/test_autoscale_e2e.py, the fallback; the edge's try
-again: tests/integration/test_haproxy_guard.py and test_admission.py.)"""
+(On the real stack: tests/e2e/test_failover_e2e.py, a replica killed and an engine
+stalled; tests/e2e/test_autoscale_e2e.py, the fallback; the edge's try again:
+tests/integration/test_haproxy_guard.py, test_admission.py and test_quota_hardening.py.)"""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from test_routing import FakeReplica, ids, pending, queue, router_with
 
 from contract.model_config import ModelConfig
 from contract.replica_wire import AVOID, ReplicaAnswer, ReplicaError, StreamStart, Usage, as_replica_stream
-from serve_app.accounting.usage import edge_request_tag, id_time
+from serve_app.accounting.usage import edge_attempt_tag, edge_request_tag, id_time
+from serve_app.admission.seam import EdgeAdmissionSettled
 from serve_app.errors import OpenAIError
 from serve_app.identity.keys import KeyRecord
-from serve_app.pipeline.gateway import FALLBACK_FROM_HEADER, Gateway
+from serve_app.pipeline.gateway import EDGE_ADMISSIONS, FALLBACK_FROM_HEADER, Gateway
 from serve_app.routing import outliers
 from serve_app.routing.outliers import OutlierEjector
 from serve_app.telemetry import RequestRecord, Telemetry
@@ -241,15 +243,54 @@ async def test_a_stream_whose_first_event_is_the_engines_5xx_is_a_failure_before
         assert started == StreamStart("r1", first) and rest == "data: [DONE]\n\n"
 
 
-async def test_the_edges_id_names_the_first_admission_only():
-    """A request the edge named is admitted under an id made of the edge's (each try the
-    edge makes of it the same, admit.lua: charged once); admitted again (here on its
-    fallback, after its first admission was withdrawn) it takes a new one."""
+async def test_each_admission_of_a_request_the_edge_named_takes_the_edges_next_id():
+    """A request the edge named is admitted under ids made of the edge's, one per
+    admission (here its first, then its fallback's after the first was withdrawn): the
+    same sequence on each try the edge makes of it, so a try again takes over whichever
+    of the first's admissions is open (admit.lua's 'again') and is charged once."""
     access, _, gw, key = with_fallback()
     tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
     await gw.run(key, "chat", {**CHAT, "model": "big"}, 100, RequestRecord("openai", "x", edge_tag=tag))
     first, second = access.admitted
-    assert first.request_id == f"k1-{tag}" and second.request_id == "req-1"
+    assert first.request_id == f"k1-{tag}" and second.request_id == f"k1-{edge_attempt_tag(tag, 1)}"
+    assert id_time(second.request_id) == id_time(first.request_id) and first.request_id != second.request_id
+    access, _, gw = gateway({"tiny-llama": Replicas(ANSWER)}, [ModelConfig(name="tiny-llama")])
+    await chat_recorded(gw, key, RequestRecord("openai", "x", edge_tag=tag, edge_admissions=EDGE_ADMISSIONS))
+    assert access.admitted[0].request_id == "req-1"  # past the bound: a new id
+
+
+class Settled(Access):
+    """Redis' answer to the edge's try again: the ids in ``settled_ids`` were settled by
+    its earlier try (withdrawn for a resize, or reaped)."""
+
+    def __init__(self, settled_ids):
+        super().__init__()
+        self.settled_ids, self.asked = set(settled_ids), []
+
+    async def admit(self, key, model, tokens, http_request_id, request_id=None, given_id=None, **kwargs):
+        self.asked.append(given_id)
+        if given_id in self.settled_ids:
+            raise EdgeAdmissionSettled(given_id)
+        return await super().admit(key, model, tokens, http_request_id, request_id, given_id=given_id, **kwargs)
+
+
+@pytest.mark.parametrize("settled", [1, 2])
+async def test_a_try_again_whose_earlier_admissions_are_settled_takes_the_next_id(settled):
+    """The first try was resized (its first id withdrawn, its second open: taken over
+    there) or its open one reaped too (both settled): the try goes down the edge's ids
+    to the first that is not settled, admitted there and recorded as admitted anew."""
+    tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
+    ids = [f"k1-{edge_attempt_tag(tag, n)}" for n in range(3)]
+    access = Settled(ids[:settled])
+    _, _, gw = gateway({"tiny-llama": Replicas(ANSWER)}, [ModelConfig(name="tiny-llama")], access)
+    await chat_recorded(gw, KEY, RequestRecord("openai", "x", edge_tag=tag))
+    assert access.asked == ids[: settled + 1]
+    [ticket] = access.admitted
+    assert ticket.request_id == ids[settled] and ticket.failover == ["edge:admitted_anew"]
+
+
+async def chat_recorded(gw, key, record):
+    return await gw.run(key, "chat", dict(CHAT), 100, record)
 
 
 def test_the_edges_id_is_the_same_for_each_try_and_nothing_else_makes_one():
