@@ -217,7 +217,11 @@ class Gatekeeper:
         decision, last = decisions[0], decisions[-1]
         self._record_budget_use(key, decision)
         if last.kind == "duplicate":
-            if given_id is not None and request_id == given_id:
+            # The edge's try again of a request whose earlier try died and was reaped
+            # (abandoned: nothing was answered): the gateway goes on to the edge's next id.
+            # Settled any other way, it was answered (a unary answer settles before its
+            # bytes are written): never run a second time.
+            if given_id is not None and request_id == given_id and last.detail == "abandoned":
                 if len(decisions) > 1:  # the key took the first over ('again'); only its team's was reaped
                     await self._release(key, request_id, model, "")
                 raise EdgeAdmissionSettled(request_id)

@@ -175,9 +175,10 @@ class Ticket:
 
 class EdgeAdmissionSettled(Exception):
     """The id the edge gave an admission (``Admitter.admit``'s ``given_id``) is settled
-    already: the request's earlier try took it and then withdrew it (its prompt resized,
-    admitted again under the edge's next id) or died and was reaped. Nothing was admitted
-    or charged by this call; the caller tries the edge's next id (Gateway ``_edge_id``)."""
+    already: the request's earlier try held it, died, and the reaper finalised it
+    (``abandoned``, charged its reservation) before this try came. Nothing was admitted
+    or charged by this call; the caller tries the edge's next id (Gateway ``_edge_id``),
+    admitted as a new request."""
 
 
 class Admitter(Protocol):

@@ -80,8 +80,8 @@ class _PromptOverReservation(Exception):
 def _edge_id(key: KeyRecord, record: RequestRecord) -> str | None:
     """The id of the request's next admission, from the id the edge named it by: the
     same sequence on every try the edge sends of it (its first admission, then one per
-    prompt resize or fallback), so a try again on another replica takes over the
-    first's open admission, whichever it is (admit.lua's 'again'), and is charged once.
+    prompt resize or fallback), so a try again on another replica that comes to the same
+    admission takes over the first's, still open (admit.lua's 'again'): charged once.
     None without the edge's id, or past ``EDGE_ADMISSIONS``: a new id then."""
     attempt, record.edge_admissions = record.edge_admissions, record.edge_admissions + 1
     if not record.edge_tag or attempt >= EDGE_ADMISSIONS:
@@ -471,9 +471,9 @@ class Gateway:
                     )
                     break
                 except EdgeAdmissionSettled:
-                    # The edge's try again, and its earlier try settled this admission:
-                    # withdrawn for a resize (its next id may be open: taken over) or
-                    # reaped when its replica died (a later one is admitted as new).
+                    # The edge's try again, and the reaper settled its earlier try's
+                    # admission under this id (its replica died, no other was up to take
+                    # the try in time): the next id, admitted as a new request.
                     if early is not None:
                         early.withdraw()
                         self.telemetry.started_early(model, "withdrawn")

@@ -296,15 +296,13 @@ def run_fault(stack: CliStack, redis, name: str, fault, *, restart=None) -> list
     truncated = [o for o in outcomes if o.kind == "truncated"]
     assert not truncated, f"streams ended without a finish reason or an error: {truncated}"
     for o in outcomes:
-        if o.kind == "completed":
+        if o.kind == "completed":  # in flight at the fault too: the edge's try again (Gateway._edge_id)
             assert o.finish == "length" and o.completion_tokens == MAX_TOKENS and 0 < o.received <= MAX_TOKENS, o
         elif o.started < fault_at:  # in flight at the fault
             took = o.ended - fault_at
             if o.received:  # streaming when its replica went: an error event within seconds
                 assert took <= IN_FLIGHT_END_S, f"{took:.1f} s after the fault: {o}"
-            else:  # still waiting for a replica (the dying one was its pick): the model's queue timeout, a 503.
-                # (Or completed: the edge's try again waited at Ray's proxy for the new replica,
-                # which admitted it under the edge's next id once the first's was reaped: Gateway._edge_id.)
+            else:  # still waiting for a replica (the dying one was its pick): the model's queue timeout, a 503
                 assert took <= IN_FLIGHT_END_S or (took <= QUEUE_TIMEOUT_S + IN_FLIGHT_END_S and "503" in o.error), o
     hit = [o for o in outcomes if o.started < fault_at <= o.ended]
     failed_in_flight = [o for o in hit if o.kind == "error"]

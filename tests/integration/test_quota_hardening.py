@@ -287,10 +287,10 @@ async def test_the_edges_try_takes_over_its_earlier_tries_admission_and_is_charg
     under the edge's first id, resized (that admission taken back, release.lua: its
     record gone) and admitted under the edge's next id, which is open. The try again does
     the same: its first id admitted and resized, and the next one taken over ('again'):
-    one record, counted once, one place held. Had that one been reaped (the dead
-    replica's lease ran out first) its id is settled: EdgeAdmissionSettled, nothing
-    admitted, and the gateway goes on to the edge's next id (a CI run answered the try a
-    503 'quota store error' after 42 s)."""
+    one record, counted once, one place held, its lease running from then. Had that one
+    been reaped (the dead replica's lease ran out first) its id is settled abandoned:
+    EdgeAdmissionSettled, nothing admitted, and the gateway goes on to the edge's next id
+    (a CI run answered the try a 503 'quota store error' after 42 s)."""
     k = key("kedge", max_concurrent=2, requests_per_minute=10)
     tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
     first, second, third = (f"{k.id}-{edge_attempt_tag(tag, n)}" for n in range(3))
@@ -315,6 +315,22 @@ async def test_the_edges_try_takes_over_its_earlier_tries_admission_and_is_charg
         await asyncio.sleep(0.01)
     assert await redis.hget(redis_names.usage(k.id), f"d:{today}:tokens") == b"75"  # what it used, once
     assert not await redis.exists(redis_names.request_record(k.id, first))
+
+    # A completed one was answered (a unary answer settles before its bytes are
+    # written): the edge's try of it is never run a second time.
+    with pytest.raises(OpenAIError) as caught:
+        await access.gate.admit(k, "m", 40, given_id=second)
+    assert caught.value.code == "quota_backend_error"
+
+    # Taken over, a lease runs from then: the dead holder's expiry does not reap it.
+    assert (await dead.admit(k, third, "m", 90, request_paid=True)).admitted
+    await asyncio.sleep(0.1)
+    again = await access.gate.admit(k, "m", 90, request_paid=True, given_id=third)
+    assert not isinstance(again, Refusal) and again.failover == ["edge:retried"]
+    await asyncio.sleep(0.2)  # past the dead holder's 0.2 s lease
+    await dead.reap(k.id)
+    assert await redis.hget(redis_names.request_record(k.id, third), "status") == b"admitted"
+    await access.gate.withdraw(again)  # (the test's own: reaped in the next case)
 
     assert (await dead.admit(k, third, "m", 90, request_paid=True)).admitted
     await asyncio.sleep(0.3)

@@ -260,8 +260,8 @@ async def test_each_admission_of_a_request_the_edge_named_takes_the_edges_next_i
 
 
 class Settled(Access):
-    """Redis' answer to the edge's try again: the ids in ``settled_ids`` were settled by
-    its earlier try (withdrawn for a resize, or reaped)."""
+    """Redis' answer to the edge's try again: the ids in ``settled_ids`` were held by its
+    earlier try and reaped when it died (abandoned)."""
 
     def __init__(self, settled_ids):
         super().__init__()
@@ -275,10 +275,11 @@ class Settled(Access):
 
 
 @pytest.mark.parametrize("settled", [1, 2])
-async def test_a_try_again_whose_earlier_admissions_are_settled_takes_the_next_id(settled):
-    """The first try was resized (its first id withdrawn, its second open: taken over
-    there) or its open one reaped too (both settled): the try goes down the edge's ids
-    to the first that is not settled, admitted there and recorded as admitted anew."""
+async def test_a_try_again_whose_earlier_admission_was_reaped_takes_the_next_id(settled):
+    """The first try died holding its admission and the reaper settled it before the try
+    again came (no other replica was up to take it at once): the try goes down the edge's
+    ids to the first that is not settled, admitted there as a new request and recorded
+    so. (Two settled: the bound holds whatever Redis answers.)"""
     tag = edge_request_tag("0b9f4a52-5c1e-4f7e-9d6a-2f0e3c4b5a69", "1764000000000000")
     ids = [f"k1-{edge_attempt_tag(tag, n)}" for n in range(3)]
     access = Settled(ids[:settled])

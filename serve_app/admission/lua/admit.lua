@@ -118,17 +118,21 @@ end
 -- or a slot move, after the script ran), so the admission stands and is answered
 -- again, with the limits' state as it is now (it included). Settled, the call arrives
 -- after its ingress gave up waiting for it (a Redis timeout) and settled the id:
--- 'duplicate'. The same holds for a request the edge sent again (its replica died
--- before answering: cluster/haproxy_edge.py) under the id the edge gave it: its second
--- try takes over the first's admission, so it is charged once. Answered kind 'again'.
+-- 'duplicate', its detail the status it was settled as. The same holds for a request
+-- the edge sent again (its replica died before answering: cluster/haproxy_edge.py)
+-- under the id the edge gave it: its second try takes over the first's admission, so
+-- it is charged once, and its lease runs from now (the first's holder stopped renewing
+-- it: the reaper must not take it before the new holder's first renewal). Answered kind
+-- 'again'.
 local prior = redis.call('HGET', KEYS[5], 'status')
 if prior then
   if (prior == 'admitted' or prior == 'running') and redis.call('ZSCORE', KEYS[3], rid) then
+    redis.call('ZADD', KEYS[3], 'XX', now + lease_ms, rid)
     local r0, k0 = gcra(KEYS[1], rpm, 0), gcra(KEYS[2], tpm, 0)
     return {1, 'again', 0, r0.unlimited and -1 or r0.remaining, r0.reset or 0,
             k0.unlimited and -1 or k0.remaining, k0.reset or 0, ''}
   end
-  return {0, 'duplicate', -1, -1, 0, -1, 0, ''}
+  return {0, 'duplicate', -1, -1, 0, -1, 0, prior}
 end
 if revoked then return {0, 'revoked', -1, -1, 0, -1, 0, ''} end
 
