@@ -307,6 +307,21 @@ def assert_no_other_stack() -> None:
     assert not engine_processes(), "vLLM engine processes are already running"
 
 
+def llmctl_status(redis_url: str) -> dict[str, Any] | None:
+    """What `llmctl status --json` shows of the running stack (an operator's view); None
+    when it cannot say (the stack between two states)."""
+    import json
+
+    shown = subprocess.run(
+        [str(BIN / "llmctl"), "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "REDIS_URL": redis_url},
+    )
+    return json.loads(shown.stdout) if shown.returncode == 0 else None
+
+
 class CliStack:
     """The stack as `make run` starts it: `llmctl run` of a Serve config, in a
     session of its own (as a terminal's foreground job), with its own Ray."""

@@ -19,11 +19,8 @@ allowed it gets the original 503) run on the autoscale module's stack
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +43,7 @@ from stack import (
     assert_no_other_stack,
     create_key,
     edge_server_states,
+    llmctl_status,
     quick_engines,
     replica_engine_processes,
 )
@@ -205,16 +203,8 @@ class Load:
 
 
 def model_replicas(stack: CliStack) -> dict[str, int]:
-    shown = subprocess.run(
-        [str(BIN / "llmctl"), "status", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "REDIS_URL": stack.redis_url},
-    )
-    if shown.returncode != 0:
-        return {}
-    return json.loads(shown.stdout)["serve"]["deployments"][deployment_name(MODEL)]["replicas"]
+    status = llmctl_status(stack.redis_url)
+    return status["serve"]["deployments"][deployment_name(MODEL)]["replicas"] if status else {}
 
 
 def wait_for_two_replicas(stack: CliStack) -> None:
