@@ -21,13 +21,11 @@ from __future__ import annotations
 import datetime
 import random
 import signal
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import openai
 import psutil
@@ -53,7 +51,6 @@ from serve_app.redis_store import redis_names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-BIN = Path(sys.executable).parent
 MODEL = "tiny-llama"
 STREAMS, UNARY = 6, 3  # clients of each kind, back to back
 MAX_TOKENS = 64
