@@ -71,7 +71,7 @@ metrics: prometheus
 dashboards: setup
 	$(VENV)/bin/python dashboards/generate.py
 
-PYTEST_ARGS ?= -q -rfE --durations=15
+PYTEST_ARGS ?= -q -rfEs --durations=15
 
 # Everything, slowest tests listed at the end.
 test: setup redis prometheus browser demo-model

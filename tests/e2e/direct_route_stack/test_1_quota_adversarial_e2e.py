@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from ports import free_port
-from settled import records, wait_until_settled
+from settled import assert_within_reservations, records, wait_until_settled
 from stack import create_key
 
 from direct_route_stack.stack_args import LEASE_S, MODEL
@@ -156,6 +156,7 @@ def test_hostile_shapes_never_get_more_than_the_allowance(base_url, redis_server
             future.result()
     elapsed = time.monotonic() - start
     found = wait_until_settled(redis, key_id)
+    assert_within_reservations(found)  # each request, not only their sum
 
     total_charged = charged(redis, key_id)
     allowance = min(DAILY, TPM + TPM * elapsed / 60)

@@ -336,6 +336,11 @@ def early_starts() -> dict[str, int]:
     return call_replica(MODEL, "early_starts", app_name=direct_app_name(MODEL))
 
 
+def prompts_resized() -> int:
+    """Prompts the replica rendered past their estimate, each admitted again at its real size."""
+    return call_replica(MODEL, "prompts_resized", app_name=direct_app_name(MODEL))
+
+
 def engine_prompt_tokens() -> int:
     """Prompt tokens the engine has scheduled since it started (its prefix-cache lookups)."""
     return call_replica(MODEL, "engine_load", app_name=direct_app_name(MODEL))["prefix_cache_queries"]
@@ -509,10 +514,14 @@ def test_dense_prompts_on_v1_never_pass_a_budget_whether_they_start_early_or_not
     status, first = stream_chat(base_url, secret)
     assert status == 200 and first is not None
     prompts = [dense("emoji", 400, seed=1), dense("digits", 1200, seed=2)]
-    before = early_starts()
+    before, resized_before = early_starts(), prompts_resized()
     answered = burst(base_url, [secret], prompts, max_tokens=100, model=MODEL, stream=True)
     started_early = sum(early_starts().values()) - sum(before.values())
     assert 1 <= started_early < 16, f"{started_early} of the burst's 16 streams started early"
+    # Every prompt answered rendered past its estimate: refused by the replica at it and
+    # admitted again at its real size (the path this test is about, not only its outcome).
+    resized = prompts_resized() - resized_before
+    assert resized >= len(answered) > 0, (resized, len(answered))
     assert_within_reservations(wait_until_settled(redis, key_id))
     charged = counters(redis, key_id)
     assert answered and all(usage.prompt_tokens > estimate(prompts[0]) for usage in answered)

@@ -64,5 +64,9 @@ def test_each_direct_route_answers_each_credential_as_its_access_declares(base_u
             assert "embedding" in response.json()["error"]["message"].lower(), where
     else:
         error = response.json()["error"]
-        expected = {"disabled_team_key": "team_disabled", "not_a_key": "invalid_api_key"}.get(credential)
-        assert status == 401 and (expected is None or error["code"] == expected), where
+        code, message = {
+            "none": ("invalid_api_key", "You didn't provide an API key"),
+            "disabled_team_key": ("team_disabled", "is disabled or does not exist"),
+            "not_a_key": ("invalid_api_key", "Incorrect API key provided"),
+        }[credential]
+        assert status == 401 and error["code"] == code and message in error["message"], where

@@ -138,6 +138,29 @@ def test_each_route_answers_each_credential_as_its_access_declares(
         assert status != 401, f"{credential} refused: {response.text}"
     else:
         assert status == 401, f"{credential} answered {status}: {response.text}"
+        assert_refused_as(response, ADMIN_REFUSALS[credential], f"{method} {path} with {credential}")
+
+
+# What each credential that may not use a route is answered: the error's code (where the
+# route's envelope has codes) and its message, which every envelope carries.
+KEY_REFUSALS = {
+    "none": ("invalid_api_key", "You didn't provide an API key"),
+    "admin": ("invalid_api_key", "Incorrect API key provided"),  # the admin token is no key
+    "disabled_team_key": ("team_disabled", "is disabled or does not exist"),
+}
+ADMIN_REFUSALS = {
+    "none": ("invalid_api_key", "invalid or missing admin credential"),
+    "key": ("invalid_api_key", "not an admin credential"),
+    "disabled_team_key": ("invalid_api_key", "not an admin credential"),
+    "identity_token": ("invalid_api_key", "not an admin credential"),
+}
+
+
+def assert_refused_as(response: httpx.Response, refusal: tuple[str, str], where: str) -> None:
+    code, message = refusal
+    error = error_of(response)
+    assert message in error.get("message", ""), f"{where}: {response.text[:300]}"
+    assert error.get("code", code) == code, f"{where}: {response.text[:300]}"
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -159,10 +182,9 @@ def answers_as_a_key_route(base_url, redis_server, jwks, secrets, method, path, 
     )
     response = request.send(base_url, {"authorization": f"Bearer {secret}"} if secret else {})
     status, where = response.status_code, f"{method} {path} with {credential}: {response.text[:300]}"
-    if credential in ("none", "admin"):
+    if credential in KEY_REFUSALS:
         assert status == 401, where
-    elif credential == "disabled_team_key":
-        assert status == 401 and "team" in error_of(response)["message"] and "disabled" in response.text, where
+        assert_refused_as(response, KEY_REFUSALS[credential], where)
     elif credential == "identity_token" and any(part in path for part in OWNED):
         assert status == 404, where  # the key's, not the token's user's
     elif credential == "identity_token" and (method, path) == ("POST", "/v1/batches"):

@@ -14,6 +14,7 @@ import httpx
 import openai
 import openai_spec
 import pytest
+from settled import assert_within_reservations, wait_until_settled
 from stack import create_key
 
 from quota_stack.stack_args import ADMIN, CACHE_TTL_S, MODEL
@@ -270,6 +271,7 @@ def test_token_reservations_never_overshoot_and_charges_match_reported_usage(bas
     while int(redis.hget(redis_names.usage(key_id), f"d:{today}:tokens") or 0) != reported:
         assert time.monotonic() < deadline, (redis.hget(redis_names.usage(key_id), f"d:{today}:tokens"), reported)
         time.sleep(0.05)
+    assert_within_reservations(wait_until_settled(redis, key_id))  # each request, not only their sum
 
 
 def test_request_larger_than_the_token_limit(base_url, redis_server):
@@ -352,14 +354,17 @@ def test_sdk_retry_on_429_succeeds_by_honouring_retry_after(base_url, redis_serv
     assert 8 < waited < 20, waited
 
 
-def test_exhausted_daily_budget_is_insufficient_quota(base_url, redis_server):
-    _, secret = create_key(redis_server.url, "small-budget", daily_token_budget=300)
+def test_exhausted_daily_budget_is_insufficient_quota(base_url, redis_server, redis):
+    key_id, secret = create_key(redis_server.url, "small-budget", daily_token_budget=300)
     client = sdk(base_url, secret)
     client.chat.completions.create(**chat_body(max_tokens=4))
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(**chat_body(max_tokens=250))
     assert caught.value.code == "insufficient_quota"
     assert caught.value.body["type"] == "daily_token_budget"
+    found = wait_until_settled(redis, key_id)
+    assert len(found) == 1  # the refused request left no record
+    assert_within_reservations(found)
 
 
 # -- Redis outage (last: stops and restarts Redis) ----------------------------------
