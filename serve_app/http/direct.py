@@ -198,9 +198,7 @@ class DirectModel(HandlesRequests, VLLMReplica.func_or_class):  # type: ignore[n
 
     async def __init__(self, config: ModelConfig, settings: AppSettings):  # type: ignore[misc]  # Serve awaits it
         await VLLMReplica.func_or_class.__init__(self, config)  # type: ignore[attr-defined]
-        self.max_body_bytes = settings.ingress.max_body_bytes
         self.room_check_bytes = settings.ingress.room_check_bytes
-        self.body_timeout_s = settings.ingress.body_timeout_s
         direct_app.state.body_bounds = body_bounds_of(settings)  # every route's, by its declaration
         self.telemetry = Telemetry(
             settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys

@@ -48,9 +48,7 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
 
     def __init__(self, settings: AppSettings, models: dict[str, DeploymentHandle]):
         self.settings = settings
-        self.max_body_bytes = settings.ingress.max_body_bytes
         self.room_check_bytes = settings.ingress.room_check_bytes
-        self.body_timeout_s = settings.ingress.body_timeout_s
         app.state.body_bounds = body_bounds_of(settings)  # every route's, by its declaration
         self.telemetry = Telemetry(
             settings.telemetry.per_key_metrics, settings.telemetry.access_log, settings.telemetry.per_key_max_keys
@@ -85,7 +83,7 @@ class Ingress(OpenAIRoutes, StoredRoutes, DialectRoutes, AdminRoutes, ConsoleRou
             self.files,
             batch.max_requests,
             batch.max_active_per_key,
-            max_line_bytes=self.max_body_bytes,
+            max_line_bytes=settings.ingress.max_body_bytes,
             records=stored,
         )
         self.batch_runner = BatchRunner(

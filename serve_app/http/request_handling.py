@@ -85,40 +85,19 @@ def _span_name(request: Request) -> str:
 
 class HandlesRequests:
     """Reading and answering inference requests; the class using it sets
-    ``authenticator``, ``gateway``, ``telemetry``, ``max_body_bytes``,
-    ``room_check_bytes`` and ``body_timeout_s``."""
+    ``authenticator``, ``gateway``, ``telemetry`` and ``room_check_bytes``."""
 
     authenticator: Authenticator
     gateway: Gateway
     telemetry: Telemetry
-    max_body_bytes: int
     room_check_bytes: int
-    body_timeout_s: float
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, read as it arrives and refused (413) as soon as it passes the
-        limit: a chunked upload declares no length, so counting is the only check.
-        A body that has not arrived whole within ``body_timeout_s`` is a 408: a
-        client trickling bytes holds a connection, never without bound."""
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large()
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        raise self._too_large()
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise OpenAIError(
-                408, f"The request body did not arrive within {self.body_timeout_s:g}s.", code="request_timeout"
-            ) from None
-        return b"".join(chunks)
-
-    def _too_large(self) -> OpenAIError:
-        return OpenAIError(413, f"Request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
+        """The body, as its route's declaration bounds it (http/body_bounds.py): every
+        route is a ``BoundedRoute``, whose ``receive`` answers a body past its size with a
+        413 as soon as it passes it (a chunked upload declares no length) and one not
+        whole within its time with a 408, wherever it is read."""
+        return await request.body()
 
     async def _read(self, request: Request, record: RequestRecord) -> tuple[KeyRecord, dict[str, Any], int]:
         """The caller's key (checked first: no key, no parsing) and the JSON body. A body

@@ -14,11 +14,13 @@ import pytest
 from starlette.requests import Request
 
 from serve_app.errors import OpenAIError
+from serve_app.http.body_bounds import bounded_receive
 from serve_app.http.request_handling import HandlesRequests
 from serve_app.identity.keys import KeyRecord
 from serve_app.telemetry import RequestRecord
 
 KEY = KeyRecord(id="k1", name="n", created_at=0)
+MAX_BODY_BYTES = 1 << 20  # the route's bound
 
 
 class Authenticator:
@@ -41,7 +43,7 @@ class Gateway:
 class Front(HandlesRequests):
     def __init__(self, gateway: Gateway):
         self.authenticator, self.gateway = Authenticator(), gateway  # type: ignore[assignment]
-        self.max_body_bytes, self.room_check_bytes, self.body_timeout_s = 1 << 20, 1024, 5.0
+        self.room_check_bytes = 1024
 
 
 def request(body: bytes, declared: bool = True, credential: str = "Bearer sk") -> tuple[Request, list[int]]:
@@ -54,11 +56,19 @@ def request(body: bytes, declared: bool = True, credential: str = "Bearer sk") -
         read.append(len(chunk))
         return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
 
+    bounded = None
+
+    async def through_its_route():  # as a BoundedRoute hands it on (http/body_bounds.py)
+        nonlocal bounded
+        if bounded is None:  # made on the loop that reads it
+            bounded = bounded_receive(receive, MAX_BODY_BYTES, 5.0, len(body) if declared else None)
+        return await bounded()
+
     headers = [(b"authorization", credential.encode())]
     if declared:
         headers.append((b"content-length", str(len(body)).encode()))
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
-    return Request(scope, receive), read
+    return Request(scope, through_its_route), read
 
 
 def body_of(size: int) -> bytes:

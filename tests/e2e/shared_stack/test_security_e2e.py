@@ -360,6 +360,27 @@ def test_serve_control_headers_are_refused_before_any_generation(base_url, redis
     assert not list(redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"))
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", chat("Tell me a story.", max_tokens=1500, use_beam_search=True, n=4)),  # one hop
+        ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "use_beam_search": True}),
+        ("/v3/chat/completions", chat("Tell me a story.", max_tokens=1500, use_beam_search=True)),  # the ingress
+    ],
+)
+def test_beam_search_is_refused_before_any_generation(base_url, redis_server, redis, path, body):
+    """vLLM's beam search drops the tier's priority and runs width x n sequences the
+    reservation does not price (serve_app/wire/parameters.py): a 400 naming it, and
+    nothing generated or charged, on the one hop and through the ingress."""
+    key_id, secret = create_key(redis_server.url, f"beams-{uuid.uuid4().hex[:6]}")
+    response = httpx.post(base_url + path, json=body, headers={"authorization": f"Bearer {secret}"}, timeout=60)
+    error = assert_error_envelope(response, 400)
+    assert error["code"] == "unsupported_parameter" and error["param"] == "use_beam_search", error
+    load = call_replica(MODEL, "engine_load")
+    assert load["unfinished"] == 0 and load["running"] == 0, load
+    assert not list(redis.scan_iter(match=redis_names.request_record_prefix(key_id) + "*"))
+
+
 # -- authorization, route by route --------------------------------------------------------
 
 
