@@ -120,3 +120,45 @@ def test_a_signing_key_the_provider_removes_is_refused_on_every_route_within_the
             assert_error_envelope(response, 401)
             assert "unknown key" in response.json()["error"]["message"], (path, response.text)
     assert time.monotonic() - removed < JWKS_CACHE_S + 60  # the checks themselves took no minute
+
+
+def test_while_the_provider_is_down_the_keys_it_served_verify_on_every_route(base_url, jwks):
+    """The provider failing (503, each answer 2.5 s late) past every copy's jwks_cache_s:
+    the keys it served keep verifying on every route (its outage is no tenant's 401 nor
+    a 5xx), a kid it never served is a 401 naming it, and once it answers again a new
+    kid verifies everywhere within jwks_refresh_min_s (30 s: the next fetch each process
+    tries after a failed one)."""
+
+    def ask(method: str, path: str, body: dict | None, kid: str) -> httpx.Response:
+        token = jwks.token(kid, sub=f"outage-{time.monotonic_ns()}@example.com")
+        return httpx.request(
+            method, base_url + path, json=body, headers={"authorization": f"Bearer {token}"}, timeout=120
+        )
+
+    for method, path, body in ROUTES:  # every process holds a copy with k1 before the outage
+        for _ in range(4):
+            response = ask(method, path, body, "k1")
+            assert response.status_code != 401 and response.status_code < 500, (path, response.text)
+    jwks.down, jwks.hang_s = True, 2.5
+    before = jwks.fetches
+    try:
+        time.sleep(JWKS_CACHE_S + 1)  # every copy past its cache: its renewals fail
+        jwks.add("born-in-the-outage")
+        for method, path, body in ROUTES:
+            for _ in range(4):
+                response = ask(method, path, body, "k1")
+                # A 429 past the user's requests/min is a token that verified too.
+                assert response.status_code != 401 and response.status_code < 500, (path, response.text)
+            response = ask(method, path, body, "born-in-the-outage")
+            assert_error_envelope(response, 401)
+            assert "unknown key" in response.json()["error"]["message"], (path, response.text)
+        assert jwks.fetches > before  # the gateway asked the failing provider, and went on without it
+    finally:
+        jwks.down, jwks.hang_s = False, 0.0
+    deadline = time.monotonic() + 90
+    for method, path, body in ROUTES:  # each process fetches again by itself: a new kid verifies
+        for _ in range(4):
+            while (response := ask(method, path, body, "born-in-the-outage")).status_code == 401:
+                assert time.monotonic() < deadline, (path, response.text)
+                time.sleep(1)
+            assert response.status_code < 500, (path, response.text)
