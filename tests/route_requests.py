@@ -7,6 +7,7 @@ the credential's (tests/e2e/quota_stack/test_1_route_access_e2e.py)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,3 +139,99 @@ def key_route_requests(model: str, owned: Owned) -> dict[tuple[str, str], Callab
     requests[("GET", "/v1/batches/{batch_id}")] = lambda: R("GET", f"/v1/batches/{owned.batch_id()}")
     requests[("POST", "/v1/batches/{batch_id}/cancel")] = lambda: R("POST", f"/v1/batches/{owned.batch_id()}/cancel")
     return requests
+
+
+class AdminOwned:
+    """What the admin routes' paths name, made on first use with the admin credential:
+    a team, a key of it (whose batch and request the admin looks at), a named admin."""
+
+    def __init__(self, base_url: str, admin_secret: str, model: str, tag: str):
+        self.base_url, self.model, self.tag = base_url, model, tag
+        self.auth = {"authorization": f"Bearer {admin_secret}"}
+        self._made: dict[str, Any] = {}
+
+    def _admin(self, path: str, body: dict) -> dict:
+        response = httpx.post(self.base_url + path, headers=self.auth, json=body, timeout=60)
+        assert response.status_code == 201, (path, response.status_code, response.text)
+        return response.json()
+
+    def team(self) -> str:
+        if "team" not in self._made:
+            self._made["team"] = self._admin("/admin/teams", {"name": f"admin-team-{self.tag}"})["id"]
+        return self._made["team"]
+
+    def key(self) -> dict:
+        if "key" not in self._made:
+            self._made["key"] = self._admin("/admin/keys", {"name": f"admin-key-{self.tag}", "team": self.team()})
+        return self._made["key"]
+
+    def admin_name(self) -> str:
+        if "admin" not in self._made:
+            self._made["admin"] = self._admin("/admin/admins", {"name": f"admin-{self.tag}"})["name"]
+        return self._made["admin"]
+
+    def batch_id(self) -> str:
+        if "batch" not in self._made:
+            owned = Owned(self.base_url, self.key()["secret"], self.model)
+            self._made["batch"] = owned.batch_id()
+        return self._made["batch"]
+
+    def request_id(self) -> str:
+        """A request of the key's (its x-request-id), once its record is written."""
+        if "request" not in self._made:
+            request_id = f"admin-sees-{self.tag}"
+            key_auth = {"authorization": f"Bearer {self.key()['secret']}", "x-request-id": request_id}
+            chat = httpx.post(
+                self.base_url + "/v1/chat/completions", headers=key_auth, json=chat_body(self.model), timeout=120
+            )
+            assert chat.status_code == 200, chat.text
+            deadline = time.monotonic() + 30  # settled off the answer's path
+            path = f"/admin/requests/{request_id}?key={self.key()['id']}"
+            while httpx.get(self.base_url + path, headers=self.auth, timeout=60).status_code != 200:
+                assert time.monotonic() < deadline, f"no record of {request_id}"
+                time.sleep(0.2)
+            self._made["request"] = request_id
+        return self._made["request"]
+
+
+def admin_route_requests(owned: AdminOwned) -> dict[tuple[str, str], Callable[[], tuple[RouteRequest, int]]]:
+    """For each ``admin`` route, what builds its valid request and the status it answers."""
+    R, tag = RouteRequest, owned.tag
+    since = f"?start_time={int(time.time()) - 86_400}"
+    return {
+        ("GET", "/admin/admins"): lambda: (R("GET", "/admin/admins"), 200),
+        ("POST", "/admin/admins"): lambda: (R("POST", "/admin/admins", {"name": f"made-{tag}"}), 201),
+        ("DELETE", "/admin/admins/{name}"): lambda: (R("DELETE", f"/admin/admins/{owned.admin_name()}"), 200),
+        ("GET", "/admin/keys"): lambda: (R("GET", "/admin/keys"), 200),
+        ("POST", "/admin/keys"): lambda: (R("POST", "/admin/keys", {"name": f"made-{tag}"}), 201),
+        ("GET", "/admin/keys/{key}"): lambda: (R("GET", f"/admin/keys/{owned.key()['id']}"), 200),
+        ("PATCH", "/admin/keys/{key}"): lambda: (
+            R("PATCH", f"/admin/keys/{owned.key()['id']}", {"requests_per_minute": 100}),
+            200,
+        ),
+        ("DELETE", "/admin/keys/{key}"): lambda: (R("DELETE", f"/admin/keys/{owned.key()['id']}"), 200),
+        ("GET", "/admin/keys/{key}/usage"): lambda: (R("GET", f"/admin/keys/{owned.key()['id']}/usage"), 200),
+        ("GET", "/admin/teams"): lambda: (R("GET", "/admin/teams"), 200),
+        ("POST", "/admin/teams"): lambda: (R("POST", "/admin/teams", {"name": f"made-{tag}"}), 201),
+        ("GET", "/admin/teams/{team}"): lambda: (R("GET", f"/admin/teams/{owned.team()}"), 200),
+        ("PATCH", "/admin/teams/{team}"): lambda: (
+            R("PATCH", f"/admin/teams/{owned.team()}", {"requests_per_minute": 100}),
+            200,
+        ),
+        ("DELETE", "/admin/teams/{team}"): lambda: (R("DELETE", f"/admin/teams/{owned.team()}"), 200),
+        ("GET", "/admin/audit"): lambda: (R("GET", "/admin/audit"), 200),
+        ("GET", "/admin/batches"): lambda: (R("GET", f"/admin/batches?key={owned.key()['id']}"), 200),
+        ("POST", "/admin/batches/{batch_id}/cancel"): lambda: (
+            R("POST", f"/admin/batches/{owned.batch_id()}/cancel"),
+            200,
+        ),
+        ("GET", "/admin/requests/{request_id}"): lambda: (
+            R("GET", f"/admin/requests/{owned.request_id()}?key={owned.key()['id']}"),
+            200,
+        ),
+        ("GET", "/v1/organization/usage/completions"): lambda: (
+            R("GET", "/v1/organization/usage/completions" + since),
+            200,
+        ),
+        ("GET", "/v1/organization/costs"): lambda: (R("GET", "/v1/organization/costs" + since), 200),
+    }
