@@ -41,7 +41,7 @@ ADMISSION_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5]
 # A key's budget use stays on the dashboards this long after its last request.
 BUDGET_SERIES_KEEP_S = 3600
 
-# 429 `type` (serve_app.admission.scripts.REFUSALS) -> the limit kind label.
+# 429 `type` (serve_app.admission.seam.REFUSALS) -> the limit kind label.
 LIMIT_KINDS = {
     "requests": "requests",
     "tokens": "tokens",

@@ -173,6 +173,19 @@ def test_only_the_adapters_import_ray_private_modules(module, path):
         assert not private, f"{module} imports {private}: reach it through {sorted(PRIVATE_ADAPTERS)}"
 
 
+def test_the_adapters_were_read_against_the_ray_that_runs():
+    """A Ray upgrade makes every private member an adapter reaches a question: this fails
+    until its entries are read again against the new version and RAY_VERSION_READ says so."""
+    import importlib.metadata
+    import tomllib
+
+    from serve_app.ray_private import RAY_VERSION_READ
+
+    pinned = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"ray[serve]=={RAY_VERSION_READ}" in pinned
+    assert importlib.metadata.version("ray") == RAY_VERSION_READ
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name != "_"
 
