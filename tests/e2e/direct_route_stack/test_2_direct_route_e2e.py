@@ -517,7 +517,9 @@ def test_dense_prompts_on_v1_never_pass_a_budget_whether_they_start_early_or_not
     before, resized_before = early_starts(), prompts_resized()
     answered = burst(base_url, [secret], prompts, max_tokens=100, model=MODEL, stream=True)
     started_early = sum(early_starts().values()) - sum(before.values())
-    assert 1 <= started_early < 16, f"{started_early} of the burst's 16 streams started early"
+    # Some start early (how many depends on when each admission's answer tells the replica
+    # the key's room: all 16 may, one after another); the budget below holds either way.
+    assert started_early >= 1, f"{started_early} of the burst's 16 streams started early"
     # Every prompt answered rendered past its estimate: refused by the replica at it and
     # admitted again at its real size (the path this test is about, not only its outcome).
     resized = prompts_resized() - resized_before

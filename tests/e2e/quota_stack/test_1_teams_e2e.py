@@ -177,8 +177,11 @@ def test_a_teams_token_and_money_limits_hold_against_both_keys_flooding(base_url
     # Each answer a 200 or a 429 naming its level: a 5xx, a timeout or a broken stream fails.
     assert all(o == "200" or o.split(":")[0] in ("key", "team") for o in seen), Counter(seen)
     assert f"team:{refusal}" in seen, Counter(seen)  # the team's limit is what refused
-    for account in [team["id"], *(k["id"] for k in keys)]:
-        assert_within_reservations(inference(wait_until_settled(redis, account)))
+    # One key may have had none admitted (the other's spent the team's room): the
+    # accounts' records together, each within its reservation.
+    assert_within_reservations(
+        [r for account in [team["id"], *(k["id"] for k in keys)] for r in inference(wait_until_settled(redis, account))]
+    )
     charged = counters(redis, team["id"])
     if limit == "tokens_per_minute":  # what was reserved bounds what was charged; GCRA refills value/min
         assert charged["tokens"] <= value + value * took / 60, (charged, took)
